@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make report` (the lab report) and `make test` (the test suite).
+# Both create .venv and install attnscale with the CPU build of torch on first use.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test report demo bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# Pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+report: $(STAMP)
+	$(BIN)/attnscale demo
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_sdpa.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .hypothesis

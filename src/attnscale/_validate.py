@@ -1,0 +1,234 @@
+"""Input checks shared by every entry point: they run before any compute.
+
+Each failure names the argument, what was expected, what arrived, and how to fix it.
+Wrong types raise ``TypeError``; wrong values or shapes raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from numbers import Real
+from typing import NoReturn
+
+import torch
+from torch import Tensor
+
+from .masks import CausalAlignment, query_offset
+from .score import ScorePath
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class Backend(StrEnum):
+    """Which implementation computes attention (see ``scaled_dot_product_attention``)."""
+
+    AUTO = "auto"
+    TORCH = "torch"
+    MATH = "math"
+
+
+def fail(arg: str, expected: str, got: object, fix: str, *, exc: type[Exception] = ValueError) -> NoReturn:
+    raise exc(f"{arg}: expected {expected}, got {got}. Fix: {fix}")
+
+
+def _shape(t: Tensor) -> str:
+    return f"shape {tuple(t.shape)}"
+
+
+def check_choice(arg: str, value: object, enum: type[StrEnum]) -> StrEnum:
+    choices = ", ".join(repr(m.value) for m in enum)
+    if not isinstance(value, str):
+        fail(arg, f"one of {choices}", repr(value), f"pass one of {choices}", exc=TypeError)
+    try:
+        return enum(value)
+    except ValueError:
+        fail(arg, f"one of {choices}", repr(value), f"pass one of {choices}")
+
+
+def check_positive_finite(arg: str, value: object, *, allow_none: bool = True) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Real):
+        fail(arg, "a finite positive float", repr(value), f"pass a float, e.g. {arg}=0.125", exc=TypeError)
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        fail(arg, "a finite positive float", repr(value), f"pass a float > 0 (or None for the default)")
+    return value
+
+
+def check_bool(arg: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        fail(arg, "a bool", repr(value), f"pass {arg}=True or {arg}=False", exc=TypeError)
+    return value
+
+
+def check_window(window: object) -> tuple[int | None, int | None] | None:
+    """Normalise ``window`` to ``(left, right)`` with None for unlimited (-1 is accepted for None)."""
+    if window is None:
+        return None
+    expected = "None or a pair (left, right) of ints >= 0, or None / -1 for unlimited"
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        fail("window", expected, repr(window), "pass e.g. window=(128, 0) for a causal sliding window")
+    sides = []
+    for side in window:
+        if side is None or (isinstance(side, int) and not isinstance(side, bool) and side == -1):
+            sides.append(None)
+        elif isinstance(side, int) and not isinstance(side, bool) and side >= 0:
+            sides.append(side)
+        else:
+            fail("window", expected, repr(window), "pass e.g. window=(128, 0) for a causal sliding window")
+    return (sides[0], sides[1])
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A validated call: shapes, the score path and the options that choose a backend."""
+
+    batch: tuple[int, ...]
+    H: int
+    Hkv: int
+    L: int
+    S: int
+    D: int
+    Dv: int
+    path: ScorePath
+    alignment: CausalAlignment
+    backend: Backend
+    dropout_p: float
+    alibi: bool
+    return_stats: bool
+
+
+def check_tensors(query: object, key: object, value: object) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            fail(name, "a torch.Tensor", type(t).__name__, f"convert with torch.as_tensor({name})", exc=TypeError)
+        if t.dtype not in FLOAT_DTYPES:
+            fail(
+                name,
+                "a floating dtype (float16, bfloat16, float32 or float64)",
+                f"dtype {t.dtype}",
+                f"cast it, e.g. {name}.float()",
+                exc=TypeError,
+            )
+        if t.ndim < 3:
+            fail(name, "at least 3 dims (..., heads, length, head_dim)", _shape(t), f"add a heads dim: {name}.unsqueeze(-3)")
+    assert isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor)
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            fail(name, f"the query's dtype {query.dtype}", f"dtype {t.dtype}", f"cast it: {name}.to(query.dtype)", exc=TypeError)
+        if t.device != query.device:
+            fail(name, f"the query's device {query.device}", f"device {t.device}", f"move it: {name}.to(query.device)")
+        if t.ndim != query.ndim:
+            fail(name, f"{query.ndim} dims like the query", _shape(t), "give query, key and value the same number of dims (use unsqueeze for broadcast batch dims)")
+
+
+def check_attention_call(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    attn_mask: object,
+    dropout_p: object,
+    is_causal: object,
+    scale: object,
+    enable_gqa: object,
+    causal_alignment: object,
+    backend: object,
+    softcap: object,
+    alibi_slopes: object,
+    window: object,
+    return_stats: object,
+) -> AttentionCall:
+    check_tensors(query, key, value)
+    H, L, D = query.shape[-3:]
+    Hkv, S, Dk = key.shape[-3:]
+    Hv, Sv, Dv = value.shape[-3:]
+    if D == 0:
+        fail("query", "head_dim D >= 1 (the last dim)", _shape(query), "D = 0 has no dot product; check the head split")
+    if Dk != D:
+        fail("key", f"last dim D = {D} like the query's", _shape(key), "query and key must share the head dim D")
+    if Sv != S:
+        fail("value", f"length S = {S} (dim -2) like the key's", _shape(value), "key and value must have the same number of positions")
+    if Hv != Hkv:
+        fail("value", f"{Hkv} heads (dim -3) like the key's", _shape(value), "key and value must have the same number of heads")
+    enable_gqa = check_bool("enable_gqa", enable_gqa)
+    if H != Hkv:
+        if not enable_gqa:
+            fail(
+                "key",
+                f"{H} heads (dim -3) like the query's",
+                f"{Hkv} heads",
+                "pass enable_gqa=True for grouped-query / multi-query attention",
+            )
+        if Hkv == 0 or H % Hkv != 0:
+            fail("key", f"a number of heads that divides the query's {H}", f"{Hkv} heads", "use Hkv in the divisors of H")
+    try:
+        batch = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+    except RuntimeError:
+        fail(
+            "key",
+            f"batch dims broadcastable with the query's {tuple(query.shape[:-3])}",
+            f"key {tuple(key.shape[:-3])}, value {tuple(value.shape[:-3])}",
+            "make the leading dims equal or 1",
+        )
+    target = (*batch, H, L, S)
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            fail("attn_mask", "None or a torch.Tensor", type(attn_mask).__name__, "pass a bool (True = attend) or float tensor", exc=TypeError)
+        if attn_mask.dtype != torch.bool and attn_mask.dtype not in FLOAT_DTYPES:
+            fail("attn_mask", "dtype bool (True = attend) or a float dtype (added to the logits)", f"dtype {attn_mask.dtype}", "use mask.bool() for a 0/1 mask", exc=TypeError)
+        if attn_mask.device != query.device:
+            fail("attn_mask", f"the query's device {query.device}", f"device {attn_mask.device}", "move it: attn_mask.to(query.device)")
+        try:
+            ok = torch.broadcast_shapes(attn_mask.shape, target) == torch.Size(target)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            fail("attn_mask", f"a shape broadcastable to (..., H, L, S) = {target}", _shape(attn_mask), "use (L, S), (B, 1, L, S) or (B, 1, 1, S) for padding")
+        if attn_mask.dtype != torch.bool and (torch.isnan(attn_mask).any() or (attn_mask == float("inf")).any()):
+            fail("attn_mask", "float values that are finite or -inf", "NaN or +inf entries", "use -inf (or a bool mask) for hidden keys")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real) or not 0.0 <= float(dropout_p) < 1.0:
+        fail("dropout_p", "a float in [0, 1)", repr(dropout_p), "pass e.g. dropout_p=0.1, or 0.0 at inference")
+    is_causal = check_bool("is_causal", is_causal)
+    scale = check_positive_finite("scale", scale)
+    alignment = check_choice("causal_alignment", causal_alignment, CausalAlignment)
+    backend = check_choice("backend", backend, Backend)
+    softcap = check_positive_finite("softcap", softcap)
+    window = check_window(window)
+    return_stats = check_bool("return_stats", return_stats)
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, Tensor) or alibi_slopes.dtype not in FLOAT_DTYPES:
+            fail("alibi_slopes", "a float tensor of shape (H,) or (B, H)", repr(alibi_slopes)[:60], "use attnscale.alibi_slopes(H)", exc=TypeError)
+        try:
+            ok = torch.broadcast_shapes(alibi_slopes.shape, (*batch, H)) == torch.Size((*batch, H))
+        except RuntimeError:
+            ok = False
+        if not ok or alibi_slopes.ndim == 0:
+            fail("alibi_slopes", f"shape (H,) or (B, H) broadcastable to {(*batch, H)}", _shape(alibi_slopes), "use attnscale.alibi_slopes(H)")
+        if alibi_slopes.device != query.device:
+            fail("alibi_slopes", f"the query's device {query.device}", f"device {alibi_slopes.device}", "move it to the query's device")
+    path = ScorePath(
+        scale=scale if scale is not None else 1.0 / math.sqrt(D),
+        softcap=softcap,
+        causal=is_causal,
+        window=window,
+        q_offset=query_offset(L, S, alignment),
+    )
+    return AttentionCall(
+        batch=tuple(batch),
+        H=H,
+        Hkv=Hkv,
+        L=L,
+        S=S,
+        D=D,
+        Dv=Dv,
+        path=path,
+        alignment=alignment,
+        backend=backend,
+        dropout_p=float(dropout_p),
+        alibi=alibi_slopes is not None,
+        return_stats=return_stats,
+    )

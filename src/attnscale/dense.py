@@ -1,0 +1,96 @@
+"""The "math" backend: attention with the whole (L, S) score matrix in memory.
+
+Plain PyTorch, differentiable by autograd, every feature of the score path. It is the torch-side
+oracle for the tiled kernel and what ``backend="math"`` runs. Memory is O(L * S) per head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .score import ScorePath
+from .stats import AttentionStats
+
+__all__ = ["accumulation_dtype", "dense_attention", "masked_softmax"]
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax and accumulation dtype: float64 for float64 inputs, float32 for everything else.
+
+    Half-precision products are formed in float32 too: an fp16 q.k above 65504 would be inf.
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def masked_softmax(logits: Tensor, keep: Tensor | None, *, with_stats: bool) -> tuple[Tensor, AttentionStats | None]:
+    """Softmax over the last axis restricted to ``keep``; rows with no kept entry give p = 0.
+
+    Hidden entries are set to -inf (never a finite "large negative" constant, which fp16 cannot hold
+    and which turns a fully masked row into a uniform one). The row max is replaced by 0 on empty
+    rows so that ``exp(-inf - 0) = 0``, and their denominator by 1, so values and gradients stay
+    finite: an empty row has output 0 and gradient 0.
+    """
+    s = logits if keep is None else logits.masked_fill(~keep, float("-inf"))
+    max_logit = s.amax(dim=-1, keepdim=True)
+    has_key = torch.isfinite(max_logit)
+    m = torch.where(has_key, max_logit, torch.zeros_like(max_logit)).detach()
+    e = torch.exp(s - m)
+    denom = e.sum(dim=-1, keepdim=True)
+    safe_denom = torch.where(has_key, denom, torch.ones_like(denom))
+    p = e / safe_denom
+    if not with_stats:
+        return p, None
+    lse = torch.where(has_key, m + torch.log(safe_denom), max_logit)
+    weighted = torch.where(p > 0, p * s, torch.zeros_like(p)).sum(dim=-1, keepdim=True)
+    entropy = torch.where(has_key, lse - weighted, torch.zeros_like(lse)).clamp_min(0.0)
+    max_prob = torch.where(has_key, 1.0 / safe_denom, torch.zeros_like(denom))
+    stats = AttentionStats(
+        lse=lse.squeeze(-1),
+        max_logit=max_logit.squeeze(-1),
+        max_prob=max_prob.squeeze(-1),
+        entropy=entropy.squeeze(-1),
+    )
+    return p, stats
+
+
+def dense_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    path: ScorePath,
+    attn_mask: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_stats: bool = False,
+) -> tuple[Tensor, AttentionStats | None]:
+    """Attention with inputs already validated: query (..., H, L, D), key (..., Hkv, S, D),
+    value (..., Hkv, S, Dv), H a multiple of Hkv; returns (out (..., H, L, Dv), stats or None)."""
+    acc = accumulation_dtype(query.dtype)
+    H, L = query.shape[-3], query.shape[-2]
+    Hkv, S = key.shape[-3], key.shape[-2]
+    G = H // Hkv
+    q = query.to(acc).unflatten(-3, (Hkv, G))  # (..., Hkv, G, L, D)
+    k = key.to(acc).unsqueeze(-3)  # (..., Hkv, 1, S, D)
+    v = value.to(acc).unsqueeze(-3)  # (..., Hkv, 1, S, Dv)
+    qk = (q @ k.transpose(-1, -2)).flatten(-4, -3)  # (..., H, L, S)
+
+    q_pos, k_pos = path.positions(0, L, 0, S, query.device)
+    keep = path.visibility(q_pos, k_pos)  # (L, S) or None
+    additive = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            keep = attn_mask if keep is None else keep & attn_mask
+        else:
+            additive = attn_mask.to(acc)
+            finite = additive != float("-inf")
+            keep = finite if keep is None else keep & finite
+    logits = path.logits(qk, q_pos=q_pos, k_pos=k_pos, alibi_slopes=alibi_slopes, additive=additive)
+
+    p, stats = masked_softmax(logits, keep, with_stats=return_stats)
+    if dropout_p > 0.0:
+        p = F.dropout(p, p=dropout_p, training=True)
+    out = (p.unflatten(-3, (Hkv, G)) @ v).flatten(-4, -3)  # (..., H, L, Dv)
+    return out.to(query.dtype), stats

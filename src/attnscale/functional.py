@@ -1,0 +1,247 @@
+"""``scaled_dot_product_attention``: the torch entry point. Validates, then picks a backend."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._validate import AttentionCall, Backend, check_attention_call, fail
+from .dense import dense_attention
+from .masks import CausalAlignment, alibi_bias
+from .stats import AttentionStats
+
+__all__ = ["Backend", "last_backend", "scaled_dot_product_attention"]
+
+log = logging.getLogger("attnscale")
+_state = threading.local()
+
+
+def last_backend() -> str | None:
+    """Name of the backend that computed this thread's most recent attention call ("torch", "math").
+
+    Also logged at DEBUG level on the ``attnscale`` logger for every call.
+    """
+    return getattr(_state, "backend", None)
+
+
+def _record(backend: Backend, why: str) -> None:
+    _state.backend = backend.value
+    log.debug("attnscale attention ran backend=%s (%s)", backend.value, why)
+
+
+def _torch_cannot(call: AttentionCall) -> str | None:
+    """Why torch's SDPA cannot compute this call at all (None if it can, maybe via an explicit mask)."""
+    if call.path.softcap is not None:
+        return "softcap"
+    if call.return_stats:
+        return "return_stats"
+    return None
+
+
+def _fused_cannot(call: AttentionCall) -> str | None:
+    """Why torch's fused kernel would not compute exactly this call (None if it would)."""
+    reason = _torch_cannot(call)
+    if reason:
+        return reason
+    if call.alibi:
+        return "alibi_slopes"
+    if call.path.window is not None:
+        return "window"
+    if call.path.causal and call.path.q_offset != 0:
+        return "bottom_right causal alignment with L != S"
+    if call.D != call.Dv:
+        return "value head dim differs from query head dim"
+    if call.dropout_p > 0.0:
+        return "dropout (torch's fused CPU kernel has none)"
+    if call.L == 0 or call.S == 0:
+        return "empty length"
+    return None
+
+
+def _choose(call: AttentionCall) -> tuple[Backend, str]:
+    if call.backend is Backend.AUTO:
+        reason = _fused_cannot(call)
+        if reason is None:
+            return Backend.TORCH, "auto: torch's fused kernel computes these semantics"
+        return Backend.MATH, f"auto: {reason}"
+    if call.backend is Backend.TORCH:
+        reason = _torch_cannot(call)
+        if reason is not None:
+            fail(
+                "backend",
+                f"a backend that implements {reason}",
+                "'torch'",
+                "use backend='auto' or backend='math'; torch's SDPA has no such option",
+            )
+    return call.backend, "requested"
+
+
+def _torch_attention(
+    query: Tensor, key: Tensor, value: Tensor, call: AttentionCall, attn_mask: Tensor | None, alibi_slopes: Tensor | None
+) -> Tensor:
+    """torch's SDPA on (B, H, L, D) views; positional masks and ALiBi become an explicit mask."""
+    batch, H, L, S, path = call.batch, call.H, call.L, call.S, call.path
+    q = query.expand(*batch, H, L, call.D).reshape(-1, H, L, call.D)  # (B, H, L, D)
+    k = key.expand(*batch, call.Hkv, S, call.D).reshape(-1, call.Hkv, S, call.D)  # (B, Hkv, S, D)
+    v = value.expand(*batch, call.Hkv, S, call.Dv).reshape(-1, call.Hkv, S, call.Dv)  # (B, Hkv, S, Dv)
+
+    native_causal = path.causal and path.q_offset == 0 and path.window is None and attn_mask is None and alibi_slopes is None
+    mask = attn_mask
+    if not native_causal:
+        q_pos, k_pos = path.positions(0, L, 0, S, query.device)
+        keep = path.visibility(q_pos, k_pos)  # (L, S) or None
+        if alibi_slopes is not None:
+            bias = alibi_bias(alibi_slopes.float(), L, S, alignment=call.alignment)  # (..., H, L, S)
+            if mask is None:
+                mask = bias
+            elif mask.dtype == torch.bool:
+                mask = bias.masked_fill(~mask, float("-inf"))
+            else:
+                mask = bias + mask
+        if keep is not None:
+            if mask is None:
+                mask = keep
+            elif mask.dtype == torch.bool:
+                mask = mask & keep
+            else:
+                mask = mask.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            mask = mask.to(query.dtype)
+        mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + tuple(mask.shape))
+        mh = mask.shape[-3]
+        if all(n == 1 for n in mask.shape[:-3]):
+            mask = mask.reshape(1, mh, *mask.shape[-2:])  # (1, H or 1, L or 1, S or 1)
+        else:
+            mask = mask.expand(*batch, mh, L, S).reshape(-1, mh, L, S)  # (B, H or 1, L, S)
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=call.dropout_p,
+        is_causal=native_causal,
+        scale=path.scale,
+        enable_gqa=call.H != call.Hkv,
+    )
+    return out.reshape(*batch, H, L, call.Dv)
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_alignment: CausalAlignment | str = CausalAlignment.TOP_LEFT,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    return_stats: bool = False,
+    backend: Backend | str = Backend.AUTO,
+) -> Tensor | tuple[Tensor, AttentionStats]:
+    r"""Scaled dot-product attention, a drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Computes ``softmax(Q K^T * scale + bias) V`` per head, where ``scale`` defaults to ``1/sqrt(D)``
+    with ``D = query.size(-1)``, the **per-head** query/key dimension (the d_k of Vaswani et al.),
+    never the model width.
+
+    Shapes (one legend across attnscale)::
+
+        query (..., H,   L, D)     B.. batch dims (any number, broadcast between q, k, v)
+        key   (..., Hkv, S, D)     H query heads, Hkv key/value heads, G = H // Hkv
+        value (..., Hkv, S, Dv)    L query length, S key length
+        out   (..., H,   L, Dv)    D query/key head dim, Dv value head dim (may differ from D)
+
+    Order of the score path (the same in every backend)::
+
+        logits = softcap(scale * q.k) + alibi + float attn_mask ; hide masked / causal / windowed keys ; softmax
+
+    Args:
+        attn_mask: bool (**True = attend**) or float (added to the logits; ``-inf`` hides a key),
+            broadcastable to (..., H, L, S). May be combined with ``is_causal``: both apply
+            (PyTorch raises an error for that combination).
+        dropout_p: dropout on the attention weights, reproducible under ``torch.manual_seed``.
+        is_causal: hide keys after each query's aligned position; see ``causal_alignment``.
+        scale: finite positive multiplier of q.k; ``None`` means ``1/sqrt(D)``.
+        enable_gqa: allow H != Hkv; query head h reads key/value head ``h // G``.
+        causal_alignment: where the diagonal sits when L != S, drawn for L = 2, S = 5::
+
+            "top_left" (PyTorch)      "bottom_right" (FlashAttention)
+                x . . . .                 x x x x .
+                x x . . .                 x x x x x
+
+        softcap: if set, logits become ``softcap * tanh(logits / softcap)`` (Gemma 2), after the
+            scale and before bias and masks; hidden keys still get exactly zero weight.
+        alibi_slopes: (H,) or (B, H); adds ``-slope * |i' - j|`` after scale and softcap (never
+            scaled), ``i'`` the aligned query position. See ``attnscale.alibi_slopes``.
+        window: ``(left, right)``; key j is visible to aligned query i' iff
+            ``i' - left <= j <= i' + right``. ``None`` or ``-1`` on a side means unlimited.
+        return_stats: also return :class:`AttentionStats` (per-row lse, max logit, max
+            probability, entropy in nats) as ``(out, stats)``.
+        backend: ``"auto"`` runs torch's fused kernel whenever it computes exactly these semantics
+            and ``"math"`` otherwise; ``"torch"`` forces ``torch.nn.functional.scaled_dot_product_attention``
+            (ALiBi, windows and bottom-right alignment become an explicit mask; softcap and
+            return_stats raise); ``"math"`` forces attnscale's dense implementation.
+            :func:`last_backend` says which one ran.
+
+    Softmax and accumulation run in float32 (float64 for float64 inputs) whatever the input dtype,
+    so fp16 products above 65504 stay finite; the output has the input dtype. A row with no visible
+    key returns zeros, with zero gradients, never NaN.
+
+    Equivalent to (no dropout, no GQA, for brevity):
+
+    >>> import torch, attnscale
+    >>> q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 3)
+    >>> mask = torch.rand(5, 7) > 0.3
+    >>> logits = (q @ k.transpose(-1, -2)) / 8 ** 0.5
+    >>> logits = logits.masked_fill(~mask, float("-inf"))
+    >>> weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # empty rows -> 0
+    >>> out = attnscale.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    >>> torch.allclose(out, weights @ v, atol=1e-6)
+    True
+    """
+    call = check_attention_call(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        causal_alignment=causal_alignment,
+        backend=backend,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        window=window,
+        return_stats=return_stats,
+    )
+    chosen, why = _choose(call)
+    if chosen is Backend.TORCH:
+        out = _torch_attention(query, key, value, call, attn_mask, alibi_slopes)
+        stats = None
+    else:
+        out, stats = dense_attention(
+            query,
+            key,
+            value,
+            path=call.path,
+            attn_mask=attn_mask,
+            alibi_slopes=alibi_slopes,
+            dropout_p=call.dropout_p,
+            return_stats=call.return_stats,
+        )
+    _record(chosen, why)
+    if call.return_stats:
+        assert stats is not None
+        return out, stats
+    return out

@@ -1,0 +1,1 @@
+"""One module per claim; each exposes CLAIM, Config, run, judge and plot (see ``attnscale.lab.base``)."""

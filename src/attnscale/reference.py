@@ -1,0 +1,115 @@
+"""The formula, once, in plain NumPy float64: the readable spec of attnscale and its test oracle.
+
+::
+
+    Attention(Q, K, V) = softmax(Q K^T / sqrt(D)) V
+
+* ``D`` is the per-head query/key dimension (d_k): the last dim of ``q``. Not the model width,
+  not the number of heads. A dot product of D unit-variance terms has variance D; dividing by
+  sqrt(D) brings the logits back to unit variance, where softmax is soft and has gradients.
+* ``V`` is what the weights blend: softmax alone is not an output.
+
+The order of the score path (see ``attnscale.score``)::
+
+    logits = softcap(scale * q.k) + alibi + float mask ; hide masked / causal / windowed keys ; softmax
+
+Masks: bool True = attend; a float mask is added and its -inf entries hide keys. A row with no
+visible key returns zeros. Causal alignment: query row i sits at key position ``i + offset``, with
+offset 0 ("top_left", PyTorch) or S - L ("bottom_right", FlashAttention). GQA: query head h reads
+key/value head ``h // (H // Hkv)``. Log-sum-exp is in natural log.
+
+This module deliberately shares no code with the torch backends, so that it can judge them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["attention"]
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    attn_mask: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    causal_alignment: str = "top_left",
+    softcap: float | None = None,
+    alibi_slopes: np.ndarray | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    return_stats: bool = False,
+) -> np.ndarray | tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Attention in float64: q (..., H, L, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, L, Dv).
+
+    With ``return_stats`` also returns ``{"lse", "max_logit", "max_prob", "entropy"}``, each
+    (..., H, L); a row with no visible key has lse = max_logit = -inf, max_prob = entropy = 0.
+
+    >>> q = np.array([[[[1.0, 0.0]]]]); k = np.array([[[[1.0, 0.0], [0.0, 1.0]]]])
+    >>> v = np.array([[[[1.0], [0.0]]]])
+    >>> out = attention(q, k, v)  # weights softmax([1, 0] / sqrt(2))
+    >>> round(float(out[0, 0, 0, 0]), 4), round(1 / (1 + math.exp(-1 / math.sqrt(2))), 4)
+    (0.6698, 0.6698)
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    H, L, D = q.shape[-3:]
+    Hkv, S = k.shape[-3], k.shape[-2]
+    group = H // Hkv
+    k = np.repeat(k, group, axis=-3)  # (..., H, S, D): head h reads kv head h // group
+    v = np.repeat(v, group, axis=-3)  # (..., H, S, Dv)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+
+    logits = np.einsum("...hld,...hsd->...hls", q, k) * scale  # (..., H, L, S)
+    if softcap is not None:
+        logits = softcap * np.tanh(logits / softcap)
+
+    offset = S - L if causal_alignment == "bottom_right" else 0
+    i = np.arange(L)[:, None] + offset  # aligned query positions (L, 1)
+    j = np.arange(S)[None, :]  # key positions (1, S)
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, dtype=np.float64)
+        logits = logits - slopes[..., :, None, None] * np.abs(i - j)
+
+    visible = np.ones((L, S), dtype=bool)
+    if attn_mask is not None:
+        attn_mask = np.asarray(attn_mask)
+        if attn_mask.dtype == bool:
+            visible = visible & attn_mask
+        else:
+            logits = logits + attn_mask.astype(np.float64)
+            visible = visible & (attn_mask != -np.inf)
+    if is_causal:
+        visible = visible & (j <= i)
+    if window is not None:
+        left, right = (None if w is None or w == -1 else w for w in window)
+        if left is not None:
+            visible = visible & (j >= i - left)
+        if right is not None:
+            visible = visible & (j <= i + right)
+    visible = np.broadcast_to(visible, logits.shape)
+
+    logits = np.where(visible, logits, -np.inf)
+    any_visible = visible.any(axis=-1, keepdims=True)
+    row_max = np.where(any_visible, logits.max(axis=-1, keepdims=True, initial=-np.inf), 0.0)
+    weights = np.where(visible, np.exp(logits - row_max), 0.0)
+    total = weights.sum(axis=-1, keepdims=True)
+    probs = weights / np.where(any_visible, total, 1.0)
+    out = np.einsum("...hls,...hsv->...hlv", probs, v)
+    if not return_stats:
+        return out
+
+    has = any_visible[..., 0]
+    with np.errstate(divide="ignore"):
+        plogp = np.where(probs > 0, probs * np.log(np.where(probs > 0, probs, 1.0)), 0.0)
+    stats = {
+        "lse": np.where(has, row_max[..., 0] + np.log(np.where(has, total[..., 0], 1.0)), -np.inf),
+        "max_logit": np.where(has, row_max[..., 0], -np.inf),
+        "max_prob": probs.max(axis=-1, initial=0.0),
+        "entropy": -plogp.sum(axis=-1),
+    }
+    return out, stats

@@ -1,0 +1,88 @@
+"""The score path: how raw q.k products become softmax logits, in one fixed order.
+
+::
+
+    logits = softcap(scale * q.k) + alibi_bias + float attn_mask      (then)
+    hidden = not bool attn_mask, or a -inf in the float mask, or causal, or outside the window
+    p      = softmax(logits over visible keys); a row with no visible key gives p = 0
+
+Every backend (dense, tiled, and the shards of context-parallel attention) builds its logits
+through :class:`ScorePath`, so the order scale -> softcap -> bias/mask -> softmax lives here once.
+Hidden keys get exactly zero probability whatever softcap does: they are removed after capping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .masks import visible
+
+__all__ = ["ScorePath"]
+
+
+@dataclass(frozen=True)
+class ScorePath:
+    """Validated score-path options shared by every backend.
+
+    Attributes:
+        scale: multiplies q.k first (default 1/sqrt(D), D the per-head query/key dim).
+        softcap: if set, logits become ``softcap * tanh(logits / softcap)`` right after the scale.
+        causal: hide key j from aligned query i' when j > i'.
+        window: ``(left, right)``: keep keys with i' - left <= j <= i' + right (None = unlimited).
+        q_offset: aligned key-axis position of query row 0 (0 top-left, S - L bottom-right, or a
+            shard's global offset).
+    """
+
+    scale: float
+    softcap: float | None = None
+    causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+    q_offset: int = 0
+
+    def positions(
+        self, q_start: int, q_len: int, k_start: int, k_len: int, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """Aligned query positions (q_len, 1) and key positions (1, k_len) of a block."""
+        q_pos = torch.arange(q_start, q_start + q_len, device=device).unsqueeze(-1) + self.q_offset
+        k_pos = torch.arange(k_start, k_start + k_len, device=device).unsqueeze(0)
+        return q_pos, k_pos
+
+    def visibility(self, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """Bool (Lb, Sb) visibility from causal and window, or None if all visible."""
+        return visible(q_pos, k_pos, causal=self.causal, window=self.window)
+
+    def block_is_hidden(self, q_first: int, q_last: int, k_first: int, k_last: int) -> bool:
+        """True when causal/window hide every key of the block (rows/cols are aligned-inclusive)."""
+        lo, hi = q_first + self.q_offset, q_last + self.q_offset
+        if self.causal and k_first > hi:
+            return True
+        if self.window is not None:
+            left, right = self.window
+            if left is not None and k_last < lo - left:
+                return True
+            if right is not None and k_first > hi + right:
+                return True
+        return False
+
+    def logits(
+        self,
+        qk: Tensor,
+        *,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        alibi_slopes: Tensor | None = None,
+        additive: Tensor | None = None,
+    ) -> Tensor:
+        """Scale, cap and bias raw products ``qk`` (..., H, Lb, Sb); masking comes afterwards."""
+        s = qk * self.scale
+        if self.softcap is not None:
+            s = torch.tanh(s / self.softcap) * self.softcap
+        if alibi_slopes is not None:
+            distance = (q_pos - k_pos).abs().to(s.dtype)  # (Lb, Sb)
+            s = s - alibi_slopes.to(s.dtype)[..., None, None] * distance
+        if additive is not None:
+            s = s + additive
+        return s
