@@ -17,7 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 Profile = Literal["tiny", "quick", "default", "full"]
 """``tiny`` is for unit tests (seconds), ``quick`` for CI (the whole report in < 2 min),
@@ -53,3 +57,15 @@ class Claim:
 class Judgement:
     verdict: Verdict
     reason: str
+
+
+def save_figure(fig: Figure, outdir: Path, name: str) -> str:
+    """Write ``fig`` as ``outdir/name.svg`` and ``outdir/name.png``; return ``name``.
+
+    Build figures with ``matplotlib.figure.Figure()`` (not pyplot): no global state, safe in
+    worker processes and without a display.
+    """
+    outdir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(outdir / f"{name}.svg", bbox_inches="tight")
+    fig.savefig(outdir / f"{name}.png", dpi=110, bbox_inches="tight")
+    return name
