@@ -11,6 +11,7 @@ from .masks import (
     padding_mask,
     sliding_window_mask,
 )
+from .modules import AttentionOutput, KVCache, MultiHeadAttention
 from .score import ScorePath
 from .stats import AttentionStats
 
@@ -20,9 +21,12 @@ except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0+unknown"
 
 __all__ = [
+    "AttentionOutput",
     "AttentionStats",
     "Backend",
     "CausalAlignment",
+    "KVCache",
+    "MultiHeadAttention",
     "ScorePath",
     "__version__",
     "alibi_bias",

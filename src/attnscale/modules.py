@@ -1,0 +1,452 @@
+"""``MultiHeadAttention``: projections around :func:`attnscale.scaled_dot_product_attention`,
+with grouped-query attention, a KV cache for incremental decoding, and ``from_torch``.
+
+Shape legend (the one used across attnscale)::
+
+    B batch, L query length, S key length (cached + new keys when a cache is used),
+    E = d_model, H query heads, Hkv key/value heads, G = H // Hkv, D = head_dim
+
+Masks use the attnscale polarity, **True = attend**, everywhere. This is the OPPOSITE of
+``torch.nn.MultiheadAttention``, whose bool ``key_padding_mask`` and ``attn_mask`` mark the
+positions to *ignore*: when porting code (``from_torch``), pass ``key_mask=~key_padding_mask``
+and ``attn_mask=~attn_mask`` for bool masks (float masks are added in both and need no change).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral
+
+import torch
+from torch import Tensor, nn
+
+from ._validate import FLOAT_DTYPES, check_attention_call, check_bool, check_choice, check_positive_finite, fail
+from .dense import accumulation_dtype, masked_softmax
+from .functional import scaled_dot_product_attention
+from .masks import CausalAlignment
+from .score import ScorePath
+from .stats import AttentionStats
+
+__all__ = ["AttentionOutput", "KVCache", "MultiHeadAttention"]
+
+
+@dataclass(frozen=True)
+class AttentionOutput:
+    """What ``MultiHeadAttention.forward`` returns when ``need_weights`` or ``return_stats`` is set.
+
+    Attributes:
+        output: (B, L, E), or (L, B, E) when ``batch_first=False``.
+        weights: softmax weights (B, H, L, S), or (B, L, S) with ``average_attn_weights=True``;
+            None unless ``need_weights``.
+        stats: :class:`AttentionStats`, each field (B, H, L); None unless ``return_stats``.
+    """
+
+    output: Tensor
+    weights: Tensor | None = None
+    stats: AttentionStats | None = None
+
+
+class KVCache:
+    """Projected keys and values of earlier decoding steps, each (B, Hkv, S_cached, D).
+
+    Start with an empty ``KVCache()`` and pass the same object as ``cache=`` to every step:
+    ``forward`` appends the step's projected keys and values, then attends over all of them.
+    With ``is_causal=True`` the step's L queries are the last L positions (bottom-right causal
+    alignment), so feeding a sequence token by token, or in chunks, gives the full-sequence
+    causal output. Tensors are kept as given, with their autograd history: decode under
+    ``torch.no_grad()`` unless gradients through the cache are wanted.
+    """
+
+    def __init__(self) -> None:
+        self.keys: Tensor | None = None  # (B, Hkv, S_cached, D)
+        self.values: Tensor | None = None  # (B, Hkv, S_cached, D)
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def reset(self) -> None:
+        """Forget every cached position."""
+        self.keys = None
+        self.values = None
+
+    def check_compatible(self, keys: Tensor) -> None:
+        """Raise unless ``keys`` (B, Hkv, S_new, D) can be appended to this cache."""
+        if self.keys is None:
+            return
+        cached = self.keys
+        if (cached.shape[0], cached.shape[1], cached.shape[3]) != (keys.shape[0], keys.shape[1], keys.shape[3]):
+            fail(
+                "cache",
+                f"cached keys with (B, Hkv, D) = {(keys.shape[0], keys.shape[1], keys.shape[3])} like this step's",
+                f"cached shape {tuple(cached.shape)}",
+                "use one KVCache per sequence batch and module, or call cache.reset()",
+            )
+        if cached.dtype != keys.dtype or cached.device != keys.device:
+            fail(
+                "cache",
+                f"cached keys of dtype {keys.dtype} on {keys.device} like this step's",
+                f"dtype {cached.dtype} on {cached.device}",
+                "call cache.reset() after moving or casting the module",
+            )
+
+    def append(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Append (B, Hkv, S_new, D) keys and values; return all of them, (B, Hkv, S_cached + S_new, D)."""
+        self.check_compatible(keys)
+        if self.keys is None or self.values is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=-2)  # (B, Hkv, S, D)
+            self.values = torch.cat([self.values, values], dim=-2)  # (B, Hkv, S, D)
+        return self.keys, self.values
+
+
+def _check_dim(arg: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        fail(arg, "a positive int", repr(value), f"pass e.g. {arg}=64")
+    return int(value)
+
+
+def _check_optional_dim(arg: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        fail(arg, "a positive int or None", repr(value), f"pass e.g. {arg}=64, or None for the default")
+    return int(value)
+
+
+def _check_input(arg: str, t: object, width: int, width_name: str, batch_first: bool, dtype: torch.dtype) -> Tensor:
+    layout = "(B, L, E)" if batch_first else "(L, B, E)"
+    if not isinstance(t, Tensor):
+        fail(arg, "a torch.Tensor", type(t).__name__, f"convert with torch.as_tensor({arg})", exc=TypeError)
+    if t.ndim != 3 or t.shape[-1] != width:
+        fail(arg, f"shape {layout} with E = {width_name} = {width}", f"shape {tuple(t.shape)}", f"pass a 3-dim {layout} tensor")
+    if t.dtype != dtype:
+        fail(arg, f"the module's dtype {dtype}", f"dtype {t.dtype}", f"cast it ({arg}.to({dtype})) or the module", exc=TypeError)
+    return t
+
+
+def _resolve_alignment(causal_alignment: object, *, with_cache: bool) -> CausalAlignment:
+    if causal_alignment is None:
+        return CausalAlignment.BOTTOM_RIGHT if with_cache else CausalAlignment.TOP_LEFT
+    alignment = check_choice("causal_alignment", causal_alignment, CausalAlignment)
+    if with_cache and alignment is not CausalAlignment.BOTTOM_RIGHT:
+        fail("causal_alignment", "'bottom_right' (or None) with a cache", repr(causal_alignment), "new queries follow the cached ones; drop the argument")
+    return CausalAlignment(alignment)
+
+
+def _check_key_mask(key_mask: object, B: int, S: int, device: torch.device, *, with_cache: bool) -> None:
+    if key_mask is None:
+        return
+    if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
+        got = f"dtype {key_mask.dtype}" if isinstance(key_mask, Tensor) else type(key_mask).__name__
+        fail("key_mask", "a bool tensor (B, S), True = real token", got, "for a torch key_padding_mask pass ~key_padding_mask", exc=TypeError)
+    if tuple(key_mask.shape) != (B, S):
+        counted = " (S counts the cached keys)" if with_cache else ""
+        fail("key_mask", f"shape (B, S) = {(B, S)}{counted}", f"shape {tuple(key_mask.shape)}", "one entry per key, True = real token")
+    if key_mask.device != device:
+        fail("key_mask", f"the query's device {device}", f"device {key_mask.device}", "move it: key_mask.to(query.device)")
+
+
+def _merge_masks(attn_mask: Tensor | None, key_mask: Tensor | None) -> Tensor | None:
+    """One mask for SDPA: bool (True = attend) or float (added), broadcastable to (B, H, L, S)."""
+    if key_mask is None:
+        return attn_mask
+    keep = key_mask[:, None, None, :]  # (B, 1, 1, S)
+    if attn_mask is None:
+        return keep
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & keep
+    return torch.where(keep, attn_mask, float("-inf"))
+
+
+def _attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, path: ScorePath) -> Tensor:
+    """Softmax weights (B, H, L, S) of the math backend for validated q (B, H, L, D), k (B, Hkv, S, D).
+
+    The same steps, order and precision as ``attnscale.dense.dense_attention`` (grouped q.k in the
+    accumulation dtype, ``path.logits``, ``masked_softmax``), so ``weights @ v`` is the output
+    that ``scaled_dot_product_attention(..., backend="math")`` returns.
+    """
+    acc = accumulation_dtype(q.dtype)
+    H, L, Hkv, S = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+    qg = q.to(acc).unflatten(1, (Hkv, H // Hkv))  # (B, Hkv, G, L, D)
+    kg = k.to(acc).unsqueeze(2)  # (B, Hkv, 1, S, D)
+    qk = (qg @ kg.transpose(-1, -2)).flatten(1, 2)  # (B, H, L, S)
+    q_pos, k_pos = path.positions(0, L, 0, S, q.device)
+    keep = path.visibility(q_pos, k_pos)  # (L, S) or None
+    additive = None
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            keep = mask if keep is None else keep & mask
+        else:
+            additive = mask.to(acc)
+            finite = additive != float("-inf")
+            keep = finite if keep is None else keep & finite
+    logits = path.logits(qk, q_pos=q_pos, k_pos=k_pos, additive=additive)
+    weights, _ = masked_softmax(logits, keep, with_stats=False)
+    return weights  # (B, H, L, S)
+
+
+class MultiHeadAttention(nn.Module):
+    r"""Multi-head attention with the per-head scale ``1/sqrt(head_dim)``, GQA/MQA and a KV cache.
+
+    ::
+
+        q = q_proj(query)  -> (B, H, L, D)      D = head_dim = d_model // num_heads by default
+        k = k_proj(key)    -> (B, Hkv, S, D)    key defaults to query (self-attention)
+        v = v_proj(value)  -> (B, Hkv, S, D)
+        out = out_proj(concat_h scaled_dot_product_attention(q, k, v, scale=scale))
+
+    The default ``scale`` is ``1/sqrt(head_dim)`` = ``1/sqrt(d_model / num_heads)``: the d_k of the
+    formula is the **per-head** dimension, never ``d_model``. Pass ``scale=`` to override it (e.g.
+    ``scale=1.0`` for no scaling, or ``scale=d_model ** -0.5``).
+
+    Args:
+        d_model: model width E of the query and of the output.
+        num_heads: H, the number of query heads.
+        num_kv_heads: Hkv, key/value heads; must divide H. ``None`` means H (multi-head);
+            1 is multi-query attention, anything in between grouped-query attention
+            (query head h reads key/value head ``h // (H // Hkv)``).
+        head_dim: D; ``None`` means ``d_model // num_heads``, which must then divide exactly.
+        bias: whether the four projections have biases.
+        dropout: dropout probability on the attention weights, active in training mode only.
+        batch_first: inputs and outputs are (B, L, E) if True, (L, B, E) if False (like torch).
+        scale: finite positive multiplier of q.k; ``None`` means ``1/sqrt(head_dim)``.
+        kdim, vdim: widths of ``key`` and ``value`` for cross-attention (default ``d_model``).
+
+    Projections are ``nn.Linear`` with its default initialisation.
+
+    >>> import torch, attnscale
+    >>> mha = attnscale.MultiHeadAttention(64, num_heads=8, num_kv_heads=2)
+    >>> mha.scale == 1 / 8 ** 0.5  # head_dim = 64 / 8
+    True
+    >>> mha(torch.randn(2, 5, 64), is_causal=True).shape
+    torch.Size([2, 5, 64])
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        batch_first: bool = True,
+        *,
+        scale: float | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        d_model = _check_dim("d_model", d_model)
+        num_heads = _check_dim("num_heads", num_heads)
+        num_kv_heads = _check_optional_dim("num_kv_heads", num_kv_heads) or num_heads
+        if num_heads % num_kv_heads != 0:
+            fail("num_kv_heads", f"a divisor of num_heads = {num_heads}", num_kv_heads, "use 1 (MQA), num_heads (MHA) or a divisor in between (GQA)")
+        head_dim = _check_optional_dim("head_dim", head_dim)
+        if head_dim is None:
+            if d_model % num_heads != 0:
+                fail("num_heads", f"a divisor of d_model = {d_model}", num_heads, "choose num_heads dividing d_model, or pass head_dim explicitly")
+            head_dim = d_model // num_heads
+        check_bool("bias", bias)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            fail("dropout", "a float in [0, 1)", repr(dropout), "pass e.g. dropout=0.1, or 0.0")
+        check_bool("batch_first", batch_first)
+        resolved_scale = check_positive_finite("scale", scale)
+        kdim = _check_optional_dim("kdim", kdim) or d_model
+        vdim = _check_optional_dim("vdim", vdim) or d_model
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            fail("dtype", "None or a floating dtype", dtype, "pass e.g. dtype=torch.float32", exc=TypeError)
+
+        self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
+        self.kdim, self.vdim = kdim, vdim
+        self.dropout = float(dropout)
+        self.batch_first = batch_first
+        self.scale: float = resolved_scale if resolved_scale is not None else 1.0 / math.sqrt(head_dim)
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(d_model, num_heads * head_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(kdim, num_kv_heads * head_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(vdim, num_kv_heads * head_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(num_heads * head_dim, d_model, bias=bias, **factory)
+
+    @classmethod
+    def from_torch(cls, mha: nn.MultiheadAttention) -> MultiHeadAttention:
+        """A copy of ``torch.nn.MultiheadAttention``'s weights, layout, dropout and train/eval mode.
+
+        The result computes what ``mha`` computes, with attnscale's mask polarity: call it with
+        ``key_mask=~key_padding_mask`` and ``attn_mask=~attn_mask`` (bool masks), and
+        ``average_attn_weights=True`` to get torch's default head-averaged weights. Torch's
+        ``add_bias_kv`` and ``add_zero_attn`` have no counterpart and are rejected.
+
+        >>> import torch, attnscale
+        >>> mha = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+        >>> ours = attnscale.MultiHeadAttention.from_torch(mha)
+        >>> x = torch.randn(2, 3, 16)
+        >>> torch.allclose(ours(x), mha(x, x, x, need_weights=False)[0], atol=1e-6)
+        True
+        """
+        if not isinstance(mha, nn.MultiheadAttention):
+            fail("mha", "a torch.nn.MultiheadAttention", type(mha).__name__, "pass the torch module itself", exc=TypeError)
+        if mha.bias_k is not None or mha.bias_v is not None:
+            fail("mha", "a module built with add_bias_kv=False", "add_bias_kv=True", "attnscale has no learned extra key/value; retrain without it")
+        if mha.add_zero_attn:
+            fail("mha", "a module built with add_zero_attn=False", "add_zero_attn=True", "attnscale has no zero-attention slot; use key_mask for padding")
+        weight = mha.out_proj.weight
+        bias = mha.in_proj_bias is not None
+        ours = cls(
+            mha.embed_dim,
+            mha.num_heads,
+            bias=bias,
+            dropout=float(mha.dropout),
+            batch_first=mha.batch_first,
+            kdim=mha.kdim,
+            vdim=mha.vdim,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        if mha.in_proj_weight is not None:
+            wq, wk, wv = mha.in_proj_weight.chunk(3)  # each (E, E)
+        else:
+            wq, wk, wv = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+        with torch.no_grad():
+            for proj, w in ((ours.q_proj, wq), (ours.k_proj, wk), (ours.v_proj, wv), (ours.out_proj, weight)):
+                proj.weight.copy_(w)
+            if bias:
+                bq, bk, bv = mha.in_proj_bias.chunk(3)  # each (E,)
+                for proj, b in ((ours.q_proj, bq), (ours.k_proj, bk), (ours.v_proj, bv), (ours.out_proj, mha.out_proj.bias)):
+                    proj.bias.copy_(b)
+        return ours.train(mha.training)
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, scale={self.scale:.6g}, dropout={self.dropout}, batch_first={self.batch_first}"
+        )
+
+    def _batch_first_inputs(self, query: object, key: object, value: object) -> tuple[Tensor, Tensor, Tensor]:
+        """Validated (B, L, E) query and (B, S, kdim) / (B, S, vdim) key and value views."""
+        dtype = self.q_proj.weight.dtype
+        query = _check_input("query", query, self.d_model, "d_model", self.batch_first, dtype)
+        if (key is None) != (value is None):
+            missing = "value" if value is None else "key"
+            fail(missing, "a tensor when the other of key/value is given", "None", "pass both key and value, or neither for self-attention")
+        if key is None or value is None:
+            key, value = query, query
+        else:
+            key = _check_input("key", key, self.kdim, "kdim", self.batch_first, dtype)
+            value = _check_input("value", value, self.vdim, "vdim", self.batch_first, dtype)
+            if key.shape[:2] != value.shape[:2]:
+                fail("value", f"the key's leading dims {tuple(key.shape[:2])}", f"shape {tuple(value.shape)}", "key and value must describe the same positions")
+        if not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # (B, L, E)
+        if key.shape[0] != query.shape[0] or key.device != query.device:
+            fail("key", f"batch size {query.shape[0]} on {query.device} like the query", f"batch size {key.shape[0]} on {key.device}", "give query, key and value the same batch and device")
+        return query, key, value
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        key_mask: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        causal_alignment: CausalAlignment | str | None = None,
+        need_weights: bool = False,
+        average_attn_weights: bool = False,
+        cache: KVCache | None = None,
+        return_stats: bool = False,
+    ) -> Tensor | AttentionOutput:
+        r"""Attend from ``query`` to ``key``/``value`` (both None: self-attention on ``query``).
+
+        Args:
+            query: (B, L, E), or (L, B, E) when ``batch_first=False``; E = d_model.
+            key, value: (B, S, kdim) and (B, S, vdim) (seq-first likewise), or both None.
+            key_mask: bool (B, S), **True = real token** (attend). The opposite of torch's
+                ``key_padding_mask``: convert with ``key_mask=~key_padding_mask``.
+            attn_mask: bool (**True = attend**; torch's MHA uses True = ignore) or float (added to
+                the logits, ``-inf`` hides a key), broadcastable to (B, H, L, S): e.g. (L, S),
+                (B, 1, L, S) or (B, H, L, S). Combined with ``key_mask`` and ``is_causal``.
+            is_causal: hide keys after each query's aligned position.
+            causal_alignment: ``"top_left"`` or ``"bottom_right"`` when L != S (see
+                :class:`attnscale.CausalAlignment`). ``None`` means ``"top_left"`` without a
+                cache and ``"bottom_right"`` with one; a cache requires ``"bottom_right"``.
+            need_weights: also return the softmax weights that produced the output.
+            average_attn_weights: return weights averaged over heads, (B, L, S), like torch's
+                default (attnscale's default keeps the heads: (B, H, L, S)).
+            cache: a :class:`KVCache`. This step's projected keys/values are appended to it and
+                attention runs over all cached positions, so with a cache S = S_cached + S_new
+                and ``key_mask`` / ``attn_mask`` cover all S keys. Causal alignment is bottom-right:
+                the L new queries sit at positions S - L .. S - 1, drawn for S_cached = 3, L = 2::
+
+                        keys 0 1 2 3 4
+                    q3       x x x x .
+                    q4       x x x x x
+
+            return_stats: also return :class:`attnscale.AttentionStats` per (B, H, L) row.
+
+        Returns:
+            The output tensor (B, L, E) (or (L, B, E)) when neither ``need_weights`` nor
+            ``return_stats`` is set; otherwise an :class:`AttentionOutput` with ``output``,
+            ``weights`` and ``stats`` (unrequested fields are None).
+
+        A query row with no visible key outputs ``out_proj``'s bias (zero attention), never NaN;
+        its weights are all 0. With ``need_weights`` the math backend runs and the weights are
+        built by the same steps (``ScorePath`` logits, ``masked_softmax``), so without dropout
+        ``weights @ v`` is the attention output to rounding; with dropout the weights are those
+        before dropout (torch returns them after). Otherwise ``backend="auto"`` picks the
+        fastest exact backend.
+        """
+        query, key, value = self._batch_first_inputs(query, key, value)  # (B, L, E), (B, S_new, kdim), (B, S_new, vdim)
+        B, L, S_new = query.shape[0], query.shape[1], key.shape[1]
+        is_causal = check_bool("is_causal", is_causal)
+        need_weights = check_bool("need_weights", need_weights)
+        average_attn_weights = check_bool("average_attn_weights", average_attn_weights)
+        return_stats = check_bool("return_stats", return_stats)
+        if cache is not None and not isinstance(cache, KVCache):
+            fail("cache", "None or an attnscale.KVCache", type(cache).__name__, "pass cache=attnscale.KVCache()", exc=TypeError)
+        alignment = _resolve_alignment(causal_alignment, with_cache=cache is not None)
+        S = S_new + (len(cache) if cache is not None else 0)
+        _check_key_mask(key_mask, B, S, query.device, with_cache=cache is not None)
+        if isinstance(attn_mask, Tensor) and attn_mask.ndim == 3 and attn_mask.shape[0] == B * self.num_heads and B > 1:
+            fail("attn_mask", f"a shape broadcastable to (B, H, L, S) = {(B, self.num_heads, L, S)}", f"shape {tuple(attn_mask.shape)}", "reshape torch's (B*H, L, S) mask to (B, H, L, S)")
+
+        q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)  # (B, H, L, D)
+        k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)  # (B, Hkv, S_new, D)
+        v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)  # (B, Hkv, S_new, D)
+        options = {
+            "dropout_p": self.dropout if self.training else 0.0,
+            "is_causal": is_causal,
+            "scale": self.scale,
+            "enable_gqa": self.num_kv_heads != self.num_heads,
+            "causal_alignment": alignment,
+            "return_stats": return_stats,
+        }
+        # Validate against all S keys before the cache changes; only shapes are read, so a
+        # zero-copy expanded view stands in for the keys and values.
+        if cache is not None:
+            cache.check_compatible(k)
+        all_keys = k.new_empty(()).expand(B, self.num_kv_heads, S, self.head_dim)  # (B, Hkv, S, D)
+        call = check_attention_call(
+            q, all_keys, all_keys, attn_mask=attn_mask, window=None, softcap=None, alibi_slopes=None, backend="auto", **options
+        )
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, Hkv, S, D)
+        mask = _merge_masks(attn_mask, key_mask)
+        result = scaled_dot_product_attention(q, k, v, mask, backend="math" if need_weights else "auto", **options)
+        out, stats = result if isinstance(result, tuple) else (result, None)
+        out = self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, H, L, D) -> (B, L, H * D) -> (B, L, E)
+        if not self.batch_first:
+            out = out.transpose(0, 1)  # (L, B, E)
+        if not need_weights and not return_stats:
+            return out
+        weights = None
+        if need_weights:
+            weights = _attention_weights(q, k, mask, call.path).to(q.dtype)  # (B, H, L, S)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)  # (B, L, S)
+        return AttentionOutput(output=out, weights=weights, stats=stats)
