@@ -35,6 +35,62 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_target(spec: str) -> object:
+    """Import ``package.module:attribute`` (attribute may be dotted)."""
+    import importlib
+
+    import os
+
+    if os.getcwd() not in sys.path:  # like `python -m`: modules in the current folder are importable
+        sys.path.insert(0, os.getcwd())
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise SystemExit(f"attnscale check: TARGET: expected 'package.module:callable', got {spec!r}")
+    try:
+        obj: object = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SystemExit(f"attnscale check: cannot import {module_name!r}: {exc}") from exc
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise SystemExit(f"attnscale check: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check(args: argparse.Namespace) -> int:
+    """Probe the scale of an attention callable or module and run the conformance checks."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .diagnostics import check_attention, probe_module
+
+    console = Console()
+    target = _load_target(args.target)
+    if isinstance(target, type) and issubclass(target, torch.nn.Module):
+        raise SystemExit("attnscale check: TARGET is a module class; point it at an instance or a factory call result")
+    if isinstance(target, torch.nn.Module):
+        found = probe_module(target, num_heads=args.num_heads)
+        ok = found.diagnosis == "1/sqrt(head_dim)"
+        console.print(
+            f"scale per head: {', '.join(f'{s:.6g}' for s in found.fit.scale)}\n"
+            f"expected 1/sqrt(d_model / num_heads) = 1/sqrt({found.head_dim}) = {found.expected:.6g}\n"
+            f"diagnosis: {found.diagnosis}"
+        )
+        return 0 if ok else 1
+    if not callable(target):
+        raise SystemExit(f"attnscale check: {args.target!r} is not callable")
+    report = check_attention(target, head_dim=args.head_dim, num_heads=args.num_heads or 4)
+    table = Table(title=f"attnscale check {args.target}")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail")
+    marks = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "[yellow]n/a[/]"}
+    for c in report.checks:
+        table.add_row(c.name, marks[c.passed], c.detail)
+    console.print(table)
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attnscale",
@@ -48,6 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--draws", type=int, default=2000, help="random query draws per D (default 2000)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.set_defaults(func=_demo)
+
+    check = sub.add_parser(
+        "check",
+        help="find the logit scale an attention implementation uses, and check its semantics",
+        description=(
+            "TARGET is 'package.module:name'. A callable with the SDPA layout fn(q, k, v, attn_mask=None, "
+            "is_causal=False, enable_gqa=False) gets the scale probe and conformance checks (softmax axis, V, "
+            "mask polarity, causal alignment, fully masked rows, large logits, fp16 overflow, GQA mapping). "
+            "An nn.Module instance gets the per-head scale probe. Exit code 1 when a check fails."
+        ),
+    )
+    check.add_argument("target", metavar="TARGET", help="e.g. mypkg.attention:attend or mypkg.model:layer0")
+    check.add_argument("--head-dim", type=int, default=64, help="D used for the callable probe (default 64)")
+    check.add_argument("--num-heads", type=int, default=None, help="query heads (modules: if not an attribute)")
+    check.set_defaults(func=_check)
     return parser
 
 

@@ -1,0 +1,239 @@
+"""scale-in-the-wild: which logit scale do the architectures in ``transformers`` really use?
+
+Each architecture is built small from its config (random weights, nothing downloaded) with an
+attention function registered in transformers' attention interface. That function receives the
+query and key exactly as the model hands them to attention (after RoPE and QK-norm), runs the
+model's own eager attention to get its softmax weights, and fits the effective scale from them
+with :func:`attnscale.diagnostics.fit_logit_scale` - a black-box measurement that does not read
+the ``scaling`` argument (which is recorded beside it as a cross-check).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ...diagnostics import diagnose_scale, fit_logit_scale
+from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+
+CLAIM = Claim(
+    id="scale-in-the-wild",
+    statement=(
+        "Modern transformers divide attention logits by sqrt(head_dim); the seeds cite Llama 3 70B "
+        "with head_dim 128 and divisor ~11.3."
+    ),
+    sources=("seeds", "Vaswani et al. 2017, sec. 3.2.1", "model configs in the installed transformers"),
+    method=(
+        "Build each architecture small from its transformers config (1 layer, random weights), "
+        "route its attention through a probe that calls the model's own eager attention and fits "
+        "s in log p = s * q.k + c per head from the weights it returns; compare s with 1/sqrt(head_dim), "
+        "head_dim being the query's last dim as the model passes it to attention. Released "
+        "scale-relevant config values are kept where they depart from the default "
+        "(Gemma 2 27B, Granite 3, DeepSeek-V3 with YaRN)."
+    ),
+    rule=(
+        "An architecture conforms when s * sqrt(head_dim) is within 3% of 1 and the fit's R^2 > 0.99. "
+        "inconclusive if transformers is missing or fewer than 5 architectures could be probed; "
+        "holds if every probed architecture conforms; holds-approximately if at least two thirds "
+        "do; does-not-hold otherwise."
+    ),
+)
+
+_SMALL = dict(vocab_size=128, hidden_size=256, num_hidden_layers=1, num_attention_heads=4, intermediate_size=256, num_key_value_heads=2)
+
+# (label, model_type, config overrides, why the scale departs where it does: documented facts)
+ARCHITECTURES: tuple[tuple[str, str, dict, str], ...] = (
+    ("Llama", "llama", {}, ""),
+    ("Mistral", "mistral", {}, ""),
+    ("Mixtral", "mixtral", {}, ""),
+    ("Qwen2", "qwen2", {}, ""),
+    ("Qwen3", "qwen3", {}, "QK-norm (RMSNorm on q and k) before the 1/sqrt(head_dim) scale"),
+    ("Qwen3-MoE", "qwen3_moe", {}, ""),
+    ("Gemma", "gemma", {}, ""),
+    ("Gemma 2", "gemma2", {}, "query_pre_attn_scalar = head_dim by default; logits soft-capped at 50"),
+    (
+        "Gemma 2 27B scalar",
+        "gemma2",
+        {"head_dim": 128, "query_pre_attn_scalar": 144},
+        "Gemma 2 27B divides by sqrt(query_pre_attn_scalar) = sqrt(144) = sqrt(d_model / num_heads), not sqrt(head_dim = 128)",
+    ),
+    ("Gemma 3", "gemma3_text", {}, "QK-norm; scale from query_pre_attn_scalar (= head_dim here)"),
+    ("Phi-3", "phi3", {"pad_token_id": 0}, ""),
+    ("Phi", "phi", {}, ""),
+    ("GPT-2", "gpt2", {}, ""),
+    ("GPT-NeoX", "gpt_neox", {}, ""),
+    ("BERT", "bert", {}, ""),
+    ("T5", "t5", {}, "T5 uses no scale: 1/sqrt(d_k) is folded into the initialisation of the query weights"),
+    ("OLMo", "olmo", {}, ""),
+    ("OLMo 2", "olmo2", {}, "QK-norm over the full projection, then 1/sqrt(head_dim)"),
+    ("StarCoder2", "starcoder2", {}, ""),
+    ("Cohere", "cohere", {}, ""),
+    ("StableLM", "stablelm", {}, ""),
+    ("GLM", "glm", {"pad_token_id": 0}, ""),
+    (
+        "Granite 3",
+        "granite",
+        {"head_dim": 128, "attention_multiplier": 0.0078125},
+        "Granite 3.x ships attention_multiplier = 0.0078125 = 1/head_dim: muP's 1/d scaling",
+    ),
+    ("DeepSeek-V3", "deepseek_v3", {"num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 64}, "multi-head latent attention: head_dim = 128 (no RoPE) + 64 (RoPE)"),
+    (
+        "DeepSeek-V3 YaRN",
+        "deepseek_v3",
+        {
+            "num_key_value_heads": 4,
+            "q_lora_rank": 64,
+            "kv_lora_rank": 64,
+            "rope_scaling": {
+                "type": "yarn",
+                "rope_type": "yarn",
+                "factor": 40.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "rope_theta": 10000.0,
+            },
+        },
+        "YaRN context extension multiplies the scale by mscale^2, mscale = 0.1 ln(40) + 1 = 1.369",
+    ),
+    ("Falcon", "falcon", {}, ""),
+    ("BLOOM", "bloom", {}, "ALiBi"),
+    ("MPT", "mpt", {}, "ALiBi"),
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    architectures: tuple[str, ...]
+    batch: int = 2
+    length: int = 16
+
+    @classmethod
+    def for_profile(cls, profile: Profile) -> Config:
+        if profile == "tiny":
+            return cls(architectures=("Llama", "T5", "Granite 3"), length=8)
+        return cls(architectures=tuple(label for label, *_ in ARCHITECTURES))
+
+
+def _probe_architecture(transformers, model_type: str, overrides: dict, batch: int, length: int) -> dict:
+    calls: list[dict] = []
+
+    def probe(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        out, weights = eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        fit = fit_logit_scale(query, key, weights)
+        calls.append(
+            {
+                "head_dim": query.shape[-1],
+                "num_heads": query.shape[-3],
+                "scale": fit.mean_scale,
+                "r2": fit.min_r2,
+                "scaling_argument": None if scaling is None else float(scaling),
+                "softcap": kwargs.get("softcap"),
+            }
+        )
+        return out, weights
+
+    transformers.AttentionInterface.register("attnscale_probe", probe)
+    config = transformers.AutoConfig.for_model(model_type)
+    for name, value in {**_SMALL, **overrides}.items():
+        setattr(config, name, value)
+    model = transformers.AutoModel.from_config(config, attn_implementation="attnscale_probe").eval()
+    for name, param in model.named_parameters():
+        if "relative_attention_bias" in name:  # T5: keep logits = q.k so the slope is the scale
+            torch.nn.init.zeros_(param)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, _SMALL["vocab_size"] - 1, (batch, length), generator=gen)
+    with torch.no_grad():
+        if model.config.is_encoder_decoder:
+            model(input_ids=ids, decoder_input_ids=ids)
+        else:
+            model(input_ids=ids)
+    if not calls:
+        raise RuntimeError("attention does not go through transformers' attention interface")
+    first = calls[0]
+    return {
+        "head_dim": first["head_dim"],
+        "scale": sum(c["scale"] for c in calls) / len(calls),
+        "r2": min(c["r2"] for c in calls),
+        "scaling_argument": first["scaling_argument"],
+        "softcap": first["softcap"],
+        "attention_calls": len(calls),
+    }
+
+
+def run(config: Config, seed: int, progress: Progress) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        return {"transformers": None, "rows": [], "not_probed": []}
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    rows, not_probed = [], []
+    table = {label: (model_type, overrides, note) for label, model_type, overrides, note in ARCHITECTURES}
+    for i, label in enumerate(config.architectures):
+        model_type, overrides, note = table[label]
+        try:
+            found = _probe_architecture(transformers, model_type, overrides, config.batch, config.length)
+        except Exception as exc:  # an architecture that cannot be built or routed is reported, not fatal
+            not_probed.append({"architecture": label, "model_type": model_type, "reason": f"{type(exc).__name__}: {exc}"[:160]})
+        else:
+            ratio = found["scale"] * math.sqrt(found["head_dim"])
+            rows.append(
+                {
+                    "architecture": label,
+                    "model_type": model_type,
+                    **found,
+                    "divisor": 1.0 / found["scale"],
+                    "scale_times_sqrt_head_dim": ratio,
+                    "diagnosis": diagnose_scale(found["scale"], found["head_dim"]),
+                    "conforms": abs(ratio - 1.0) <= 0.03 and found["r2"] > 0.99,
+                    "note": note,
+                }
+            )
+        progress(i + 1, len(config.architectures))
+    return {"transformers": transformers.__version__, "rows": rows, "not_probed": not_probed}
+
+
+def judge(measured: dict) -> Judgement:
+    rows = measured.get("rows", [])
+    if measured.get("transformers") is None:
+        return Judgement(Verdict.INCONCLUSIVE, "transformers is not installed (pip install 'attnscale[hf]')")
+    if len(rows) < 5:
+        return Judgement(Verdict.INCONCLUSIVE, f"only {len(rows)} architectures could be probed (need 5)")
+    departing = [r["architecture"] for r in rows if not r["conforms"]]
+    share = 1 - len(departing) / len(rows)
+    if not departing:
+        return Judgement(Verdict.HOLDS, f"all {len(rows)} probed architectures use 1/sqrt(head_dim)")
+    summary = f"{len(rows) - len(departing)} of {len(rows)} use 1/sqrt(head_dim); departing: {', '.join(departing)}"
+    if share >= 2 / 3:
+        return Judgement(Verdict.HOLDS_APPROXIMATELY, summary)
+    return Judgement(Verdict.DOES_NOT_HOLD, summary)
+
+
+def plot(measured: dict, outdir: Path) -> list[str]:
+    from matplotlib.figure import Figure
+
+    rows = measured.get("rows", [])
+    if not rows:
+        return []
+    fig = Figure(figsize=(7.5, 0.28 * len(rows) + 1.4))
+    ax = fig.subplots()
+    labels = [r["architecture"] for r in rows]
+    ratios = [r["scale_times_sqrt_head_dim"] for r in rows]
+    colors = ["tab:green" if r["conforms"] else "tab:red" for r in rows]
+    ax.barh(labels, ratios, color=colors)
+    ax.axvline(1.0, color="black", lw=1, ls="--")
+    ax.set_xscale("log")
+    ax.invert_yaxis()
+    ax.set_xlabel("measured scale x sqrt(head_dim)   (1 = divides by sqrt(head_dim))")
+    ax.set_title("Effective attention scale of transformers architectures (probed)")
+    return [save_figure(fig, outdir, "scale_in_the_wild")]
