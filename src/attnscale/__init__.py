@@ -11,29 +11,50 @@ from .masks import (
     padding_mask,
     sliding_window_mask,
 )
+from .config import AttentionConfig
 from .modules import AttentionOutput, KVCache, MultiHeadAttention
 from .score import ScorePath
-from .stats import AttentionStats
+from .stats import AttentionStats, HeadSummary, normalized_entropy, share_above, summarize
+from .tiled import attention_partial, merge_partials
+from . import variants
 
 try:
     __version__ = version("attnscale")
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0+unknown"
 
+
+def __getattr__(name: str) -> object:
+    # Lazy, so that importing attnscale does not import the diagnostics package.
+    if name == "monitor":
+        from .diagnostics.monitor import monitor
+
+        return monitor
+    raise AttributeError(f"module 'attnscale' has no attribute {name!r}")
+
 __all__ = [
+    "AttentionConfig",
     "AttentionOutput",
     "AttentionStats",
     "Backend",
     "CausalAlignment",
+    "HeadSummary",
     "KVCache",
     "MultiHeadAttention",
     "ScorePath",
     "__version__",
     "alibi_bias",
     "alibi_slopes",
+    "attention_partial",
     "causal_mask",
     "last_backend",
+    "merge_partials",
+    "monitor",
+    "normalized_entropy",
     "padding_mask",
     "scaled_dot_product_attention",
+    "share_above",
     "sliding_window_mask",
+    "summarize",
+    "variants",
 ]

@@ -10,11 +10,14 @@ Masks use the attnscale polarity, **True = attend**, everywhere. This is the OPP
 ``torch.nn.MultiheadAttention``, whose bool ``key_padding_mask`` and ``attn_mask`` mark the
 positions to *ignore*: when porting code (``from_torch``), pass ``key_mask=~key_padding_mask``
 and ``attn_mask=~attn_mask`` for bool masks (float masks are added in both and need no change).
+
+Variants (RoPE, ALiBi, QK-Norm, learned or length-dependent scales, softcap, windows, linear /
+Performer / INT8 kernels) are chosen by an :class:`attnscale.AttentionConfig`; the order in which
+forward applies them is documented in ``attnscale._variant_stack``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from numbers import Integral
 
@@ -22,9 +25,11 @@ import torch
 from torch import Tensor, nn
 
 from ._validate import FLOAT_DTYPES, check_attention_call, check_bool, check_choice, check_positive_finite, fail
+from ._variant_stack import VariantStack, effective_scale
+from .config import AttentionConfig, AttentionKernel, ScaleMode
 from .dense import accumulation_dtype, masked_softmax
 from .functional import scaled_dot_product_attention
-from .masks import CausalAlignment
+from .masks import CausalAlignment, query_offset
 from .score import ScorePath
 from .stats import AttentionStats
 
@@ -49,6 +54,9 @@ class AttentionOutput:
 
 class KVCache:
     """Projected keys and values of earlier decoding steps, each (B, Hkv, S_cached, D).
+
+    Keys are stored as attention uses them: after QK-Norm and RoPE (rotated at their absolute
+    positions) when the module's config has them.
 
     Start with an empty ``KVCache()`` and pass the same object as ``cache=`` to every step:
     ``forward`` appends the step's projected keys and values, then attends over all of them.
@@ -160,7 +168,7 @@ def _merge_masks(attn_mask: Tensor | None, key_mask: Tensor | None) -> Tensor | 
     return torch.where(keep, attn_mask, float("-inf"))
 
 
-def _attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, path: ScorePath) -> Tensor:
+def _attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, path: ScorePath, alibi_slopes: Tensor | None) -> Tensor:
     """Softmax weights (B, H, L, S) of the math backend for validated q (B, H, L, D), k (B, Hkv, S, D).
 
     The same steps, order and precision as ``attnscale.dense.dense_attention`` (grouped q.k in the
@@ -182,9 +190,21 @@ def _attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, path: ScorePat
             additive = mask.to(acc)
             finite = additive != float("-inf")
             keep = finite if keep is None else keep & finite
-    logits = path.logits(qk, q_pos=q_pos, k_pos=k_pos, additive=additive)
+    logits = path.logits(qk, q_pos=q_pos, k_pos=k_pos, alibi_slopes=alibi_slopes, additive=additive)
     weights, _ = masked_softmax(logits, keep, with_stats=False)
     return weights  # (B, H, L, S)
+
+
+def _resolve_config(config: object, scale: float | None) -> AttentionConfig:
+    if config is None:
+        config = AttentionConfig()
+    if not isinstance(config, AttentionConfig):
+        fail("config", "None or an attnscale.AttentionConfig", type(config).__name__, "pass config=attnscale.AttentionConfig(...)", exc=TypeError)
+    if scale is None:
+        return config
+    if config.scale is not ScaleMode.INVERSE_SQRT:
+        fail("scale", f"None when config.scale is {config.scale.value!r} (two scales would conflict)", repr(scale), "drop scale=, or set the scale in the config (scale='fixed', fixed_scale=...)")
+    return config.with_fixed_scale(scale)
 
 
 class MultiHeadAttention(nn.Module):
@@ -201,6 +221,18 @@ class MultiHeadAttention(nn.Module):
     formula is the **per-head** dimension, never ``d_model``. Pass ``scale=`` to override it (e.g.
     ``scale=1.0`` for no scaling, or ``scale=d_model ** -0.5``).
 
+    ``config`` (:class:`attnscale.AttentionConfig`) selects a variant; with the default (None)
+    the module is exactly the plain one above. Its ``forward`` then runs, in this order::
+
+        projections -> qk_norm -> rope -> (keys join the cache) -> temperature / length factor
+        folded into q -> kernel: scaled_dot_product_attention(scale, softcap, ALiBi, window)
+                                 or linear / Performer / INT8 attention
+
+    RoPE rotates the normalised q and k (Qwen3, OLMo 2), query row i at its aligned position
+    ``i' = i + q_offset`` (the one causal masks, windows and ALiBi use: ``S_cached`` when decoding)
+    and new key j at ``S_cached + j``; the cache keeps keys normalised and rotated. The scale acts
+    last, on the logits of the normalised, rotated vectors.
+
     Args:
         d_model: model width E of the query and of the output.
         num_heads: H, the number of query heads.
@@ -211,16 +243,26 @@ class MultiHeadAttention(nn.Module):
         bias: whether the four projections have biases.
         dropout: dropout probability on the attention weights, active in training mode only.
         batch_first: inputs and outputs are (B, L, E) if True, (L, B, E) if False (like torch).
-        scale: finite positive multiplier of q.k; ``None`` means ``1/sqrt(head_dim)``.
+        scale: finite positive multiplier of q.k; ``None`` means ``1/sqrt(head_dim)``. The same
+            as ``config.with_fixed_scale(scale)``; rejected when ``config.scale`` is not the
+            default ``"inverse_sqrt"``.
+        config: the attention variant; ``None`` means ``AttentionConfig()``, standard attention.
         kdim, vdim: widths of ``key`` and ``value`` for cross-attention (default ``d_model``).
 
-    Projections are ``nn.Linear`` with its default initialisation.
+    Projections are ``nn.Linear`` with its default initialisation. ``self.scale`` is the float
+    multiplier the kernel receives (learned and length-dependent factors are folded into q; see
+    :mod:`attnscale.config`); ``self.config`` is the resolved config and ``self.variant`` holds
+    its parts (QK-Norm gains, learned scales, the Performer projection).
 
     >>> import torch, attnscale
     >>> mha = attnscale.MultiHeadAttention(64, num_heads=8, num_kv_heads=2)
     >>> mha.scale == 1 / 8 ** 0.5  # head_dim = 64 / 8
     True
     >>> mha(torch.randn(2, 5, 64), is_causal=True).shape
+    torch.Size([2, 5, 64])
+    >>> cfg = attnscale.AttentionConfig(positional="rope", qk_norm="rms", window=(16, 0))
+    >>> qwen_like = attnscale.MultiHeadAttention(64, num_heads=8, num_kv_heads=2, config=cfg)
+    >>> qwen_like(torch.randn(2, 5, 64), is_causal=True).shape
     torch.Size([2, 5, 64])
     """
 
@@ -235,6 +277,7 @@ class MultiHeadAttention(nn.Module):
         batch_first: bool = True,
         *,
         scale: float | None = None,
+        config: AttentionConfig | None = None,
         kdim: int | None = None,
         vdim: int | None = None,
         device: torch.device | str | None = None,
@@ -260,17 +303,22 @@ class MultiHeadAttention(nn.Module):
         vdim = _check_optional_dim("vdim", vdim) or d_model
         if dtype is not None and dtype not in FLOAT_DTYPES:
             fail("dtype", "None or a floating dtype", dtype, "pass e.g. dtype=torch.float32", exc=TypeError)
+        config = _resolve_config(config, resolved_scale)
+        if config.kernel is not AttentionKernel.SOFTMAX and dropout > 0.0:
+            fail("dropout", f"0.0 with kernel={config.kernel.value!r} (dropout acts on softmax weights)", repr(dropout), "pass dropout=0.0, or use kernel='softmax'")
 
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = d_model, num_heads, num_kv_heads, head_dim
         self.kdim, self.vdim = kdim, vdim
         self.dropout = float(dropout)
         self.batch_first = batch_first
-        self.scale: float = resolved_scale if resolved_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.config = config
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(d_model, num_heads * head_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(kdim, num_kv_heads * head_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(vdim, num_kv_heads * head_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(num_heads * head_dim, d_model, bias=bias, **factory)
+        self.variant = VariantStack(config, num_heads=num_heads, head_dim=head_dim, factory=factory)
+        self.scale: float = effective_scale(config, head_dim)
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -400,6 +448,11 @@ class MultiHeadAttention(nn.Module):
         ``weights @ v`` is the attention output to rounding; with dropout the weights are those
         before dropout (torch returns them after). Otherwise ``backend="auto"`` picks the
         fastest exact backend.
+
+        With ``config.kernel`` other than ``"softmax"`` there are no softmax weights and no
+        masks beyond ``is_causal``: ``need_weights``, ``return_stats``, ``attn_mask`` and
+        ``key_mask`` raise. Linear and Performer attention also reject a ``cache`` (their running
+        sums are not cached) and ``is_causal`` with L != S; INT8 decodes with a cache like softmax.
         """
         query, key, value = self._batch_first_inputs(query, key, value)  # (B, L, E), (B, S_new, kdim), (B, S_new, vdim)
         B, L, S_new = query.shape[0], query.shape[1], key.shape[1]
@@ -414,6 +467,16 @@ class MultiHeadAttention(nn.Module):
         _check_key_mask(key_mask, B, S, query.device, with_cache=cache is not None)
         if isinstance(attn_mask, Tensor) and attn_mask.ndim == 3 and attn_mask.shape[0] == B * self.num_heads and B > 1:
             fail("attn_mask", f"a shape broadcastable to (B, H, L, S) = {(B, self.num_heads, L, S)}", f"shape {tuple(attn_mask.shape)}", "reshape torch's (B*H, L, S) mask to (B, H, L, S)")
+        variant, config = self.variant, self.config
+        variant.check_call(
+            L=L,
+            S=S,
+            is_causal=is_causal,
+            need_weights=need_weights,
+            return_stats=return_stats,
+            masked=attn_mask is not None or key_mask is not None,
+            cached=cache is not None,
+        )
 
         q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)  # (B, H, L, D)
         k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)  # (B, Hkv, S_new, D)
@@ -431,14 +494,21 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             cache.check_compatible(k)
         all_keys = k.new_empty(()).expand(B, self.num_kv_heads, S, self.head_dim)  # (B, Hkv, S, D)
-        call = check_attention_call(
-            q, all_keys, all_keys, attn_mask=attn_mask, window=None, softcap=None, alibi_slopes=None, backend="auto", **options
-        )
+        slopes = variant.slopes(q.device)  # (H,) or None
+        score_options = {"softcap": config.softcap, "alibi_slopes": slopes, "window": config.window}
+        call = check_attention_call(q, all_keys, all_keys, attn_mask=attn_mask, backend="auto", **score_options, **options)
+        cached = len(cache) if cache is not None else 0
+        q, k = variant.transform_qk(q, k, q_start=query_offset(L, S, alignment), k_start=cached)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, S, D)
         mask = _merge_masks(attn_mask, key_mask)
-        result = scaled_dot_product_attention(q, k, v, mask, backend="math" if need_weights else "auto", **options)
-        out, stats = result if isinstance(result, tuple) else (result, None)
+        q = variant.fold_scale(q, k, is_causal=is_causal, alignment=alignment, mask=mask)
+        if config.kernel is AttentionKernel.SOFTMAX:
+            backend = "math" if need_weights else "auto"
+            result = scaled_dot_product_attention(q, k, v, mask, backend=backend, **score_options, **options)
+            out, stats = result if isinstance(result, tuple) else (result, None)
+        else:
+            out, stats = variant.attend(q, k, v, scale=self.scale, is_causal=is_causal, alignment=alignment), None  # (B, H, L, D)
         out = self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, H, L, D) -> (B, L, H * D) -> (B, L, E)
         if not self.batch_first:
             out = out.transpose(0, 1)  # (L, B, E)
@@ -446,7 +516,7 @@ class MultiHeadAttention(nn.Module):
             return out
         weights = None
         if need_weights:
-            weights = _attention_weights(q, k, mask, call.path).to(q.dtype)  # (B, H, L, S)
+            weights = _attention_weights(q, k, mask, call.path, slopes).to(q.dtype)  # (B, H, L, S)
             if average_attn_weights:
                 weights = weights.mean(dim=1)  # (B, L, S)
         return AttentionOutput(output=out, weights=weights, stats=stats)
