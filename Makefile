@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 report: $(STAMP)
-	$(BIN)/attnscale demo
+	$(BIN)/attnscale report --out attnscale-report
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_sdpa.py

@@ -44,6 +44,8 @@ CLAIM = Claim(
     ),
 )
 
+HEADLINE = "conforming_share"
+
 _SMALL = dict(vocab_size=128, hidden_size=256, num_hidden_layers=1, num_attention_heads=4, intermediate_size=256, num_key_value_heads=2)
 
 # (label, model_type, config overrides, why the scale departs where it does: documented facts)
@@ -89,8 +91,7 @@ ARCHITECTURES: tuple[tuple[str, str, dict, str], ...] = (
             "num_key_value_heads": 4,
             "q_lora_rank": 64,
             "kv_lora_rank": 64,
-            "rope_scaling": {
-                "type": "yarn",
+            "rope_parameters": {
                 "rope_type": "yarn",
                 "factor": 40.0,
                 "mscale": 1.0,
@@ -174,7 +175,7 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
     try:
         import transformers
     except ImportError:
-        return {"transformers": None, "rows": [], "not_probed": []}
+        return {"transformers": None, "rows": [], "not_probed": [], "conforming_share": None, "llama_head_dim_128_divisor": None}
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
     rows, not_probed = [], []
@@ -200,7 +201,14 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
                 }
             )
         progress(i + 1, len(config.architectures))
-    return {"transformers": transformers.__version__, "rows": rows, "not_probed": not_probed}
+    llama = next((r for r in rows if r["architecture"] == "Llama"), None)
+    return {
+        "transformers": transformers.__version__,
+        "rows": rows,
+        "not_probed": not_probed,
+        "conforming_share": sum(r["conforms"] for r in rows) / len(rows) if rows else None,
+        "llama_head_dim_128_divisor": llama["divisor"] if llama and llama["head_dim"] == 128 else None,
+    }
 
 
 def judge(measured: dict) -> Judgement:
