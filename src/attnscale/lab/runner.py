@@ -1,0 +1,542 @@
+"""Run experiments (in parallel worker processes, cached, with progress) and assemble the results.
+
+:func:`run_report` is what ``attnscale report`` does: it finds the experiments, takes finished ones
+from ``OUT/cache``, runs the rest over ``jobs`` processes (each with one torch thread), records an
+experiment that raises as ``inconclusive`` with the error instead of stopping, and writes the report.
+:func:`execute` runs one experiment in the calling process; it never raises for the experiment's
+own errors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import platform
+import queue as queue_module
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .. import __version__
+from . import cache, executors, registry, report, schema
+from .base import PROFILES, Claim, Profile, Verdict
+from .base import Progress as ProgressFn
+from .registry import DEFAULT_PACKAGE, Experiment
+
+__all__ = [
+    "Task",
+    "claims_table",
+    "execute",
+    "headline",
+    "keep",
+    "record_renderables",
+    "run_report",
+    "run_single",
+    "select",
+    "summary_table",
+]
+
+_PROGRESS_INTERVAL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Task:
+    """One experiment to run; plain data, so it crosses into a worker process."""
+
+    module_name: str
+    claim_id: str
+    profile: Profile
+    seed: int
+    figdir: str | None
+    """Where ``plot`` writes; ``None`` skips the figures."""
+    fig_prefix: str
+    """The figures' folder as results.json names it, relative to the report (``figures/<id>``)."""
+    cache_file: str | None
+    """Where to store the record once it succeeds; ``None`` stores nothing."""
+
+
+def claim_fields(claim: Claim) -> dict[str, Any]:
+    return {
+        "id": claim.id,
+        "statement": claim.statement,
+        "sources": list(claim.sources),
+        "method": claim.method,
+        "rule": claim.rule,
+    }
+
+
+def headline(measured: dict[str, Any], key: str | None) -> dict[str, Any] | None:
+    """``{"key", "value"}`` for the summary, from the experiment's ``HEADLINE`` (a dotted path into measured).
+
+    ``None`` when the experiment names no headline or the path is not in ``measured``.
+
+    >>> headline({"a": {"b": 2.0}}, "a.b")
+    {'key': 'a.b', 'value': 2.0}
+    """
+    if key is None:
+        return None
+    value: Any = measured
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return {"key": key, "value": value}
+
+
+def _bare_fields(claim_id: str) -> dict[str, Any]:
+    """Claim fields for a claim whose module could not tell us more."""
+    return {"id": claim_id, "statement": registry.statement(claim_id), "sources": [], "method": "", "rule": ""}
+
+
+def _inconclusive(
+    fields: dict[str, Any], reason: str, error: str, seconds: float = 0.0, cpu: float = 0.0, config: Any = None
+) -> dict[str, Any]:
+    return {
+        **fields,
+        "verdict": Verdict.INCONCLUSIVE.value,
+        "reason": reason,
+        "headline": None,
+        "measured": {},
+        "figures": [],
+        "config": config if config is not None else {},
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "cached": False,
+        "error": error,
+    }
+
+
+def _failure(fields: dict[str, Any], stage: str, clock: tuple[float, float], config: Any) -> dict[str, Any]:
+    """The record of an experiment that raised; call it inside the ``except`` block."""
+    exc = sys.exc_info()[1]
+    reason = f"the experiment failed in {stage}: {type(exc).__name__}: {exc}"
+    wall, cpu = _elapsed(clock)
+    return _inconclusive(fields, reason, traceback.format_exc(), wall, cpu, config)
+
+
+def _elapsed(clock: tuple[float, float]) -> tuple[float, float]:
+    """Wall and CPU seconds since ``clock = (perf_counter(), process_time())``."""
+    return time.perf_counter() - clock[0], time.process_time() - clock[1]
+
+
+def execute(task: Task, progress: ProgressFn) -> dict[str, Any]:
+    """Run, judge and plot one experiment; the claim's results.json record, stored in the cache on success.
+
+    Any exception from the experiment becomes an ``inconclusive`` record with the error; a failure
+    in ``plot`` keeps the verdict and records the error. Failed records are not cached.
+    """
+    start = (time.perf_counter(), time.process_time())
+    fields = _bare_fields(task.claim_id)
+    config_json: Any = None
+    try:
+        module = importlib.import_module(task.module_name)
+        fields = claim_fields(module.CLAIM)
+        config = module.Config.for_profile(task.profile)
+        config_json = schema.to_jsonable(asdict(config))
+    except Exception:
+        return _failure(fields, "set-up", start, config_json)
+    try:
+        measured = module.run(config, task.seed, progress)
+    except Exception:
+        return _failure(fields, "run", start, config_json)
+    try:
+        judgement = module.judge(measured)
+        stored = schema.to_jsonable(measured)
+    except Exception:
+        return _failure(fields, "judge", start, config_json)
+    record = {
+        **fields,
+        "verdict": Verdict(judgement.verdict).value,
+        "reason": judgement.reason,
+        "headline": schema.to_jsonable(headline(stored, getattr(module, "HEADLINE", None))),
+        "measured": stored,
+        "figures": [],
+        "config": config_json,
+        "seconds": 0.0,
+        "cpu_seconds": 0.0,
+        "cached": False,
+        "error": None,
+    }
+    try:
+        if task.figdir is not None:
+            record["figures"] = _plot(module, measured, Path(task.figdir), task.fig_prefix)
+    except Exception as exc:
+        record["figures"] = []
+        record["reason"] += f" (figures failed: {type(exc).__name__}: {exc})"
+        record["error"] = traceback.format_exc()
+    record["seconds"], record["cpu_seconds"] = _elapsed(start)
+    keep(task, record)
+    return record
+
+
+def keep(task: Task, record: dict[str, Any]) -> None:
+    """Store ``record`` as the task's cache entry if the experiment succeeded; a failure is retried next run."""
+    if task.cache_file is not None and record["error"] is None:
+        cache.store(Path(task.cache_file), record)
+
+
+def _plot(module: Any, measured: dict[str, Any], figdir: Path, prefix: str) -> list[dict[str, str]]:
+    entries = []
+    for name in module.plot(measured, figdir):
+        missing = [f"{name}.{ext}" for ext in ("svg", "png") if not (figdir / f"{name}.{ext}").is_file()]
+        if missing:
+            wrote = " or ".join(missing)
+            raise FileNotFoundError(f"plot() returned {name!r} but wrote no {wrote}; write figures with base.save_figure")
+        entries.append({"name": name, "svg": f"{prefix}/{name}.svg", "png": f"{prefix}/{name}.png"})
+    return entries
+
+
+def _figures_exist(record: dict[str, Any], outdir: Path) -> bool:
+    return all((outdir / f[k]).is_file() for f in record["figures"] for k in ("svg", "png"))
+
+
+def _child(task: Task, messages: Any) -> None:
+    """Body of an experiment's own process: run it, sending progress and then the record to ``messages``."""
+    import torch
+
+    torch.set_num_threads(1)  # experiments run side by side, one per core
+    last = 0.0
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= _PROGRESS_INTERVAL_S or done >= total:
+            last = now
+            messages.put(("progress", task.claim_id, (done, total)))
+
+    try:
+        messages.put(("done", task.claim_id, execute(task, progress)))
+    except KeyboardInterrupt:  # the report was interrupted; the parent says so
+        pass
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    # Never fork a process that may already run torch threads; forkserver also starts workers fast.
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["attnscale.lab.runner", "matplotlib.figure", "matplotlib.backends.backend_agg"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def select(found: registry.Discovery, only: Sequence[str] | None) -> list[Experiment]:
+    """The experiments to run: all of them, or those named in ``only`` (each must have an experiment)."""
+    if not only:
+        return list(found.experiments)
+    by_id = found.by_id()
+    broken_ids = {registry.module_claim_id(name) for name, _ in found.broken}
+    unknown = [i for i in only if i not in by_id and i not in broken_ids]
+    if unknown:
+        without = [i for i in unknown if i in registry.CLAIM_IDS]
+        hint = f"; no experiment yet for {', '.join(without)}" if without else ""
+        raise ValueError(
+            f"--only expects claim ids that have an experiment ({', '.join(by_id)}), got {', '.join(unknown)}{hint}"
+        )
+    return [e for e in found.experiments if e.id in only]
+
+
+def _environment(jobs: int) -> dict[str, Any]:
+    import numpy
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count() or 1,
+        "jobs": jobs,
+        "threads": 1,
+    }
+
+
+def _crash_record(task: Task, exitcode: int | None) -> dict[str, Any]:
+    how = f"killed by signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
+    reason = f"the process running the experiment died ({how}) before it returned a result; rerun to retry"
+    return _inconclusive(_bare_fields(task.claim_id), reason, reason)
+
+
+def _broken_record(module_name: str, tb: str) -> dict[str, Any]:
+    last = tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
+    reason = f"the experiment module {module_name} failed to import: {last}"
+    return _inconclusive(_bare_fields(registry.module_claim_id(module_name)), reason, tb)
+
+
+def run_report(
+    outdir: Path | str = "attnscale-report",
+    *,
+    profile: Profile = "default",
+    seed: int = 0,
+    only: Sequence[str] | None = None,
+    jobs: int | None = None,
+    force: bool = False,
+    console: Console | None = None,
+    package: str = DEFAULT_PACKAGE,
+    executor: executors.Executor = "local",
+    address: str | None = None,
+) -> dict[str, Any]:
+    """Run the lab and write ``outdir``/{index.html, report.md, results.json, figures/}; return results.json's data.
+
+    Raises ``ValueError`` for a bad argument before running anything. An experiment that raises,
+    or whose process dies, is reported as ``inconclusive`` with the error. ``executor="ray"`` runs
+    the experiments as Ray tasks, on a local Ray instance or on the cluster at ``address``
+    (see :mod:`attnscale.lab.executors`); the cache and the results are the same.
+    """
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+    executors.validate(executor, address)
+    jobs = (os.cpu_count() or 1) if jobs is None else jobs
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}; use 1 to run one experiment at a time")
+    console = console or Console()
+    outdir = Path(outdir)
+    started = time.perf_counter()
+    found = registry.discover(package)
+    chosen = select(found, only)
+    library_hash = cache.library_source_hash()
+
+    records: dict[str, dict[str, Any]] = {}
+    for name, tb in found.broken:
+        if not only or registry.module_claim_id(name) in only:
+            records[registry.module_claim_id(name)] = _broken_record(name, tb)
+    pending: list[Task] = []
+    for exp in chosen:
+        key = cache.cache_key(
+            config=asdict(exp.config(profile)),
+            seed=seed,
+            version=__version__,
+            module_source=Path(exp.module.__file__).read_bytes(),
+            library_hash=library_hash,
+        )
+        path = cache.cache_path(outdir, exp.id, key)
+        hit = None if force else cache.load(path)
+        if hit is not None and _figures_exist(hit, outdir):
+            records[exp.id] = {**hit, "cached": True}
+        else:
+            figdir = outdir / "figures" / exp.id
+            if figdir.is_dir():  # an earlier run may have written figures under other names
+                shutil.rmtree(figdir)
+            pending.append(Task(exp.module_name, exp.id, profile, seed, str(figdir), f"figures/{exp.id}", str(path)))
+
+    # Longest first (by the last finished run, unknown ones first), so that a long one does not start last.
+    pending.sort(key=lambda t: -(cache.last_seconds(outdir, t.claim_id) or float("inf")))
+    if executor == "ray":
+        executors.run_ray(pending, records, jobs=jobs, address=address, console=console)
+    else:
+        _run_pending(pending, records, jobs, console)
+
+    measured_ids = {e.id for e in found.experiments} | {registry.module_claim_id(n) for n, _ in found.broken}
+    results = {
+        "schema_version": schema.SCHEMA_VERSION,
+        "attnscale_version": __version__,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "profile": profile,
+        "seed": seed,
+        "seconds": time.perf_counter() - started,
+        "environment": {**_environment(jobs), "executor": executor},
+        "not_measured": [{"id": cid, "statement": text} for cid, text in registry.CLAIMS if cid not in measured_ids],
+        "claims": [records[i] for i in sorted(records, key=registry.order_key)],
+    }
+    report.write_report(results, outdir)
+    return results
+
+
+def _columns() -> tuple[Any, ...]:
+    return (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+
+
+def _run_pending(pending: list[Task], records: dict[str, dict[str, Any]], jobs: int, console: Console) -> None:
+    """Run ``pending`` in up to ``jobs`` processes at once, one process per experiment, adding to ``records``.
+
+    One process each, not a pool: an experiment that crashes its process (a segfault, an
+    out-of-memory kill) loses only its own result.
+    """
+    with Progress(*_columns(), console=console) as bars:
+        overall = bars.add_task("[bold]claims", total=len(records) + len(pending), completed=len(records))
+        for rec in records.values():
+            if rec["cached"]:
+                bars.console.print(f"[dim]cached[/]  {rec['id']}: {rec['verdict']}")
+        ctx = _context()
+        messages = ctx.Queue()
+        waiting = list(pending)
+        running: dict[str, tuple[Any, Task, TaskID]] = {}
+
+        def finish(claim_id: str, record: dict[str, Any]) -> None:
+            proc, _, bar = running.pop(claim_id)
+            proc.join()
+            records[claim_id] = record
+            bars.remove_task(bar)
+            bars.advance(overall)
+            colour = _COLOURS[record["verdict"]]
+            bars.console.print(f"[{colour}]done[/]    {claim_id}: {record['verdict']} ({record['seconds']:.1f} s)")
+
+        def read(block: bool) -> bool:
+            try:
+                kind, claim_id, payload = messages.get(timeout=0.1) if block else messages.get_nowait()
+            except queue_module.Empty:
+                return False
+            if claim_id not in running:
+                return True
+            if kind == "progress":
+                done, total = payload
+                bars.update(running[claim_id][2], completed=done, total=total)
+            elif kind == "done":
+                finish(claim_id, payload)
+            return True
+
+        try:
+            while waiting or running:
+                while waiting and len(running) < jobs:
+                    task = waiting.pop(0)
+                    proc = ctx.Process(target=_child, args=(task, messages), name=f"attnscale-{task.claim_id}")
+                    proc.start()
+                    running[task.claim_id] = (proc, task, bars.add_task(task.claim_id, total=None))
+                read(block=True)
+                for claim_id, (proc, task, _) in list(running.items()):
+                    if claim_id in running and not proc.is_alive():
+                        while claim_id in running and read(block=False):  # its result may still be queued
+                            pass
+                        if claim_id in running:
+                            finish(claim_id, _crash_record(task, proc.exitcode))
+        finally:
+            for proc, _, _ in running.values():  # interrupted: stop what is still running
+                proc.terminate()
+            for proc, _, _ in running.values():
+                proc.join()
+            messages.close()
+
+
+_COLOURS = {
+    "holds": "green",
+    "holds-approximately": "yellow",
+    "does-not-hold": "red",
+    "inconclusive": "magenta",
+}
+
+
+def summary_table(results: dict[str, Any]) -> Table:
+    """The terminal summary: claim, verdict, key number, seconds."""
+    table = Table(title=f"attnscale lab, profile {results['profile']}, seed {results['seed']}")
+    table.add_column("claim")
+    table.add_column("verdict")
+    table.add_column("key number")
+    table.add_column("seconds", justify="right")
+    for rec in results["claims"]:
+        key = report.headline_text(rec)
+        seconds = f"{rec['seconds']:.1f}" + (" (cached)" if rec["cached"] else "")
+        colour = _COLOURS[rec["verdict"]]
+        table.add_row(rec["id"], f"[{colour}]{rec['verdict']}[/]", key, seconds)
+    return table
+
+
+def run_single(
+    claim_id: str,
+    *,
+    profile: Profile = "default",
+    seed: int = 0,
+    figures: Path | str | None = None,
+    console: Console | None = None,
+    package: str = DEFAULT_PACKAGE,
+) -> dict[str, Any]:
+    """Run one experiment in this process (no cache) and return its results.json record.
+
+    ``figures``: a folder for its figures; ``None`` skips them. Raises ``ValueError`` for an
+    unknown claim id or profile.
+    """
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+    found = registry.discover(package)
+    (exp,) = select(found, [claim_id])
+    figdir = None if figures is None else Path(figures)
+    figdir_text = None if figdir is None else str(figdir)
+    task = Task(exp.module_name, exp.id, profile, seed, figdir_text, figdir_text or "", None)
+    console = console or Console()
+    with Progress(*_columns(), console=console, transient=True) as bars:
+        bar = bars.add_task(claim_id, total=None)
+        return execute(task, lambda done, total: bars.update(bar, completed=done, total=total))
+
+
+def _value_renderable(value: Any) -> Any:
+    grid = report.grid_columns(value)
+    if grid is not None:
+        table = Table(show_edge=False, pad_edge=False)
+        table.add_column("")
+        for c in grid:
+            table.add_column(c, justify="right")
+        for k, row in value.items():
+            table.add_row(k, *(report.format_value(row.get(c, "")) for c in grid))
+        return table
+    columns = report.record_columns(value)
+    if columns is not None:
+        table = Table(show_edge=False, pad_edge=False)
+        for c in columns:
+            table.add_column(c)
+        for row in value:
+            table.add_row(*(report.format_value(row.get(c, "")) for c in columns))
+        return table
+    if isinstance(value, dict):
+        table = Table(show_header=False, show_edge=False, pad_edge=False)
+        table.add_column("quantity", style="bold")
+        table.add_column("value")
+        for k, v in value.items():
+            table.add_row(str(k), _value_renderable(v))
+        return table
+    return report.format_value(value)
+
+
+def record_renderables(record: dict[str, Any]) -> list[Any]:
+    """What ``attnscale run`` prints: the measured table, then the verdict and its reason."""
+    colour = _COLOURS[record["verdict"]]
+    parts: list[Any] = [Table(title=f"{record['id']}: measured", show_header=False)]
+    parts[0].add_column("quantity", style="bold")
+    parts[0].add_column("value")
+    for k, v in record["measured"].items():
+        parts[0].add_row(k, _value_renderable(v))
+    parts.append(f"[bold {colour}]{record['verdict']}[/]: {record['reason']}")
+    if record["rule"]:
+        parts.append(f"[dim]rule: {record['rule']}[/]")
+    if record["error"]:
+        parts.append(f"[red]{record['error']}[/]")
+    parts.append(f"[dim]{record['seconds']:.1f} s[/]")
+    return parts
+
+
+def claims_table(found: registry.Discovery) -> Table:
+    """Every claim of CLAIMS.md, with its experiment module or the lack of one."""
+    by_id = found.by_id()
+    broken = {registry.module_claim_id(name): name for name, _ in found.broken}
+    table = Table(title="claims the lab measures (attnscale report --only ID ...)")
+    table.add_column("claim")
+    table.add_column("experiment")
+    table.add_column("statement")
+    extra = [e.id for e in found.experiments if e.id not in registry.CLAIM_IDS]
+    for cid in [*registry.CLAIM_IDS, *extra]:
+        if cid in by_id:
+            status = "[green]" + by_id[cid].module_name.rsplit(".", 1)[-1] + "[/]"
+        elif cid in broken:
+            status = "[red]import fails[/]"
+        else:
+            status = "[dim]none yet[/]"
+        text = registry.statement(cid) or by_id[cid].claim.statement
+        table.add_row(cid, status, text)
+    return table

@@ -1,0 +1,340 @@
+"""A tiny transformer for the lab's synthetic tasks, and the training loop that watches its attention.
+
+The model (pre-LN, ``layers`` blocks of attention + MLP, attnscale's own
+:class:`~attnscale.MultiHeadAttention`) reads the :class:`~attnscale.lab.tasks.RecallBatch`
+layout: at each position the key and value embeddings are summed, every position attends to the
+context positions only, and a linear head names the value at the query positions.
+
+What the attention divides q.k by is the experiment's knob (:class:`ModelConfig`):
+
+* ``divisor`` - ``"sqrt"`` (``sqrt(D)``, the formula), ``"1"`` (no scale) or ``"dk"`` (``D``, muP);
+* ``qk_init_gain`` - multiplies the initial q and k projection weights (``nn.Linear``'s default
+  init gives q and k components of variance ``1/3`` of the input's; a gain of ``sqrt(3)`` gives
+  the unit-variance components of the textbook argument, 0.1 gives small logits);
+* ``learned_temperature`` - a per-head log-scale ``t`` (initialised at 0) multiplies q by ``exp(t)``.
+
+:func:`train` runs AdamW on fresh batches from a dedicated generator, evaluates every
+``log_every`` steps on one fixed held-out batch (accuracy, loss and, through ``return_stats``,
+the largest attention logit, mean entropy and share of saturated rows, ``max_prob > 0.99``) and
+stops early once held-out accuracy reaches ``stop_at``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field, fields
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..modules import AttentionOutput, MultiHeadAttention
+from ..stats import AttentionStats
+from .base import Progress, no_progress
+from .tasks import RecallBatch, Task
+
+__all__ = [
+    "SATURATED",
+    "Divisor",
+    "ModelConfig",
+    "RunLog",
+    "TemperedLinear",
+    "TinyTransformer",
+    "TrainConfig",
+    "divisor_value",
+    "evaluate",
+    "init_logit_std",
+    "median_steps",
+    "train",
+]
+
+Divisor = Literal["1", "sqrt", "dk"]
+SATURATED = 0.99
+"""A softmax row counts as saturated when its largest probability exceeds this."""
+
+
+def divisor_value(divisor: Divisor, head_dim: int) -> float:
+    """What q.k is divided by: ``1``, ``sqrt(D)`` or ``D``."""
+    values = {"1": 1.0, "sqrt": math.sqrt(head_dim), "dk": float(head_dim)}
+    if divisor not in values:
+        raise ValueError(f"divisor must be one of {sorted(values)}; got {divisor!r}.")
+    return values[divisor]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes and the scale knob of :class:`TinyTransformer` (``head_dim`` is the d_k)."""
+
+    d_model: int = 64
+    num_heads: int = 1
+    head_dim: int = 64
+    layers: int = 1
+    divisor: Divisor = "sqrt"
+    qk_init_gain: float = 1.0
+    learned_temperature: bool = False
+
+    def __post_init__(self) -> None:
+        divisor_value(self.divisor, self.head_dim)
+        for name in ("d_model", "num_heads", "head_dim", "layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int; got {value!r}.")
+        if not self.qk_init_gain > 0:
+            raise ValueError(f"qk_init_gain must be > 0; got {self.qk_init_gain!r}.")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """AdamW and loop settings; ``stop_at`` is the held-out accuracy that ends training early."""
+
+    steps: int = 500
+    batch: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup: int = 20
+    log_every: int = 10
+    eval_batch: int = 256
+    stop_at: float | None = 0.99
+
+
+class TemperedLinear(nn.Linear):
+    """The q projection with a learned per-head temperature: head ``h``'s output is multiplied by
+    ``exp(log_temperature[h])`` (initialised at 0, so the model starts as the fixed-scale one).
+
+    A log-parameter keeps the multiplier positive and makes its updates relative, like a learned
+    softmax temperature (Henry et al. 2020 learn the scale of normalised q.k this way).
+    """
+
+    def __init__(self, in_features: int, num_heads: int, head_dim: int) -> None:
+        super().__init__(in_features, num_heads * head_dim)
+        self.head_dim = head_dim
+        self.log_temperature = nn.Parameter(torch.zeros(num_heads))
+
+    def forward(self, x: Tensor) -> Tensor:
+        gain = self.log_temperature.exp().repeat_interleave(self.head_dim)  # (H * D,), head-major like the q layout
+        return super().forward(x) * gain
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = MultiHeadAttention(cfg.d_model, cfg.num_heads, head_dim=cfg.head_dim, scale=1.0 / divisor_value(cfg.divisor, cfg.head_dim))
+        if cfg.learned_temperature:
+            # the fixed-scale model's q weights, and no draw from the generator: both arms start equal
+            with torch.random.fork_rng(devices=[]):
+                tempered = TemperedLinear(cfg.d_model, cfg.num_heads, cfg.head_dim)
+            tempered.load_state_dict(self.attn.q_proj.state_dict(), strict=False)
+            self.attn.q_proj = tempered
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model))
+
+    def forward(self, x: Tensor, context: int, *, last: bool, watch: bool) -> tuple[Tensor, AttentionOutput | None]:
+        """Every row attends to the ``context`` first positions (keys and values); the last block
+        computes the query rows only, since nothing reads the context rows after it."""
+        h = self.ln1(x)  # (B, T, d_model)
+        if last:
+            x, rows = x[:, context:], h[:, context:]  # (B, Q, d_model)
+        else:
+            rows = h
+        memory = h[:, :context]  # (B, S, d_model)
+        result = self.attn(rows, memory, memory, return_stats=watch, need_weights=watch)
+        seen = result if isinstance(result, AttentionOutput) else None
+        x = x + (result.output if seen is not None else result)
+        return x + self.mlp(self.ln2(x)), seen
+
+
+class TinyTransformer(nn.Module):
+    """Embeddings, ``layers`` pre-LN blocks of attnscale's :class:`~attnscale.MultiHeadAttention`
+    and an MLP, a final LayerNorm and a value classifier read at the query positions."""
+
+    def __init__(self, task: Task, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.task, self.cfg = task, cfg
+        self.key_emb = nn.Embedding(task.key_vocab, cfg.d_model)
+        self.value_emb = nn.Embedding(task.value_vocab, cfg.d_model)
+        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, task.n_values)
+        with torch.no_grad():
+            for block in self.blocks:
+                block.attn.q_proj.weight.mul_(cfg.qk_init_gain)
+                block.attn.k_proj.weight.mul_(cfg.qk_init_gain)
+
+    def forward(
+        self, batch: RecallBatch, *, divisor: float | None = None, watch: bool = False
+    ) -> tuple[Tensor, list[AttentionOutput]]:
+        """Value logits at the query positions (B, Q, n_values) and, if ``watch``, each layer's
+        :class:`~attnscale.modules.AttentionOutput` of the query rows: stats (B, H, Q), weights
+        (B, H, Q, S) over the context positions (an empty list otherwise).
+
+        ``divisor`` overrides every layer's divisor for this call (evaluation with the scale changed).
+        """
+        x = self.key_emb(batch.keys) + self.value_emb(batch.values)  # (B, T, d_model)
+        S, seen = self.task.context, []
+        for i, block in enumerate(self.blocks):
+            last = i == len(self.blocks) - 1
+            trained = block.attn.scale
+            if divisor is not None:
+                block.attn.scale = 1.0 / divisor
+            try:
+                x, out = block(x, S, last=last, watch=watch)
+            finally:
+                block.attn.scale = trained
+            if out is not None:
+                seen.append(out if last else _query_rows(out, S))
+        return self.head(self.ln_f(x)), seen  # x is (B, Q, d_model) after the last block
+
+
+def _query_rows(out: AttentionOutput, context: int) -> AttentionOutput:
+    """Keep the query positions' rows of a block that computed every row."""
+    assert out.stats is not None and out.weights is not None
+    stats = AttentionStats(**{f.name: getattr(out.stats, f.name)[..., context:] for f in fields(AttentionStats)})
+    return AttentionOutput(output=out.output[:, context:], weights=out.weights[:, :, context:], stats=stats)
+
+
+@dataclass(frozen=True)
+class Eval:
+    """Held-out metrics of one model state. Attention statistics are over the query rows of all
+    layers: the largest logit, the mean entropy (nats), the share of saturated rows and the mean
+    largest probability; ``source_prob`` is the first layer's mean weight on the position each
+    query must read."""
+
+    accuracy: float
+    loss: float
+    max_logit: float
+    entropy: float
+    saturated: float
+    max_prob: float
+    source_prob: float
+
+
+def evaluate(model: TinyTransformer, batch: RecallBatch, *, divisor: float | None = None) -> Eval:
+    """Accuracy, loss and attention statistics on ``batch`` (no gradients, eval mode)."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logits, seen = model(batch, divisor=divisor, watch=True)
+    model.train(was_training)
+    stats = [out.stats for out in seen]
+    max_prob = torch.stack([s.max_prob for s in stats])  # (layers, B, H, Q)
+    weights = seen[0].weights  # (B, H, Q, S)
+    index = batch.sources[:, None, :, None].expand(-1, weights.shape[1], -1, 1)  # (B, H, Q, 1)
+    return Eval(
+        accuracy=(logits.argmax(-1) == batch.targets).float().mean().item(),
+        loss=F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten()).item(),
+        max_logit=max(s.max_logit.max().item() for s in stats),
+        entropy=torch.stack([s.entropy for s in stats]).mean().item(),
+        saturated=(max_prob > SATURATED).float().mean().item(),
+        max_prob=max_prob.mean().item(),
+        source_prob=weights.gather(-1, index).mean().item(),
+    )
+
+
+def init_logit_std(model: TinyTransformer, batch: RecallBatch) -> dict[str, float]:
+    """Std of the first layer's logits of the query rows at the model's current state, before and
+    after the divisor: ``raw`` = std of q.k, ``scaled`` = std of the logits softmax sees."""
+    attn = model.blocks[0].attn
+    H, D, S = attn.num_heads, attn.head_dim, model.task.context
+    with torch.no_grad():
+        x = model.blocks[0].ln1(model.key_emb(batch.keys) + model.value_emb(batch.values))  # (B, T, d_model)
+        q = attn.q_proj(x[:, S:]).unflatten(-1, (H, D)).transpose(1, 2)  # (B, H, Q, D)
+        k = attn.k_proj(x[:, :S]).unflatten(-1, (H, D)).transpose(1, 2)  # (B, H, S, D)
+        raw = q @ k.transpose(-1, -2)  # (B, H, Q, S)
+        q_var = q.var().item()
+    return {"raw": raw.std().item(), "scaled": (raw * attn.scale).std().item(), "q_component_var": q_var}
+
+
+@dataclass
+class RunLog:
+    """Held-out metrics every ``log_every`` steps (step 0 is the initial model)."""
+
+    steps: list[int] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    max_logit: list[float] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
+    saturated: list[float] = field(default_factory=list)
+    max_prob: list[float] = field(default_factory=list)
+    source_prob: list[float] = field(default_factory=list)
+    init_logit_std: dict[str, float] = field(default_factory=dict)
+
+    def append(self, step: int, ev: Eval) -> None:
+        self.steps.append(step)
+        for name in ("accuracy", "loss", "max_logit", "entropy", "saturated", "max_prob", "source_prob"):
+            getattr(self, name).append(getattr(ev, name))
+
+    def steps_to(self, threshold: float) -> int | None:
+        """First logged step whose held-out accuracy is at least ``threshold`` (None if never)."""
+        return next((s for s, a in zip(self.steps, self.accuracy) if a >= threshold), None)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: biases, LayerNorm gains and log-temperatures keep their
+    scale (decaying a log-temperature would pull the learned scale back to the fixed one)."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def _lr_factor(step: int, warmup: int) -> float:
+    return min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+
+
+def train(
+    task: Task,
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    seed: int,
+    *,
+    progress: Progress = no_progress,
+) -> tuple[TinyTransformer, RunLog]:
+    """Train a fresh :class:`TinyTransformer` on ``task``; deterministic for (configs, seed).
+
+    Model initialisation draws from ``torch.manual_seed(seed)``; training batches from a generator
+    seeded with ``seed``; the held-out batch from a generator seeded with ``seed + 10**6``.
+    """
+    torch.manual_seed(seed)
+    model = TinyTransformer(task, model_cfg)
+    data = torch.Generator().manual_seed(seed)
+    held_out = task.sample(train_cfg.eval_batch, torch.Generator().manual_seed(seed + 10**6))
+    opt = torch.optim.AdamW(_param_groups(model, train_cfg.weight_decay), lr=train_cfg.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, train_cfg.warmup))
+    log = RunLog(init_logit_std=init_logit_std(model, held_out))
+    log.append(0, evaluate(model, held_out))
+    for step in range(1, train_cfg.steps + 1):
+        batch = task.sample(train_cfg.batch, data)
+        logits, _ = model(batch)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % train_cfg.log_every == 0 or step == train_cfg.steps:
+            ev = evaluate(model, held_out)
+            log.append(step, ev)
+            progress(step, train_cfg.steps)
+            if train_cfg.stop_at is not None and ev.accuracy >= train_cfg.stop_at:
+                break
+    progress(train_cfg.steps, train_cfg.steps)
+    return model, log
+
+
+def median_steps(steps: list[int | None]) -> float | None:
+    """Median of steps-to-criterion over seeds, a run that never got there counting as infinitely
+    slow; None when the median itself is such a run (half the seeds or more did not get there).
+
+    >>> median_steps([100, 300, None]), median_steps([100, None]), median_steps([40, 60])
+    (300, None, 50.0)
+    """
+    if not steps:
+        return None
+    value = statistics.median(math.inf if s is None else s for s in steps)
+    return None if math.isinf(value) else value

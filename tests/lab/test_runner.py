@@ -1,0 +1,289 @@
+"""The runner: discovery, parallel runs, failures as inconclusive, the cache, and resuming after a crash.
+
+These tests run small fake experiment packages written into tmp_path, so they do not depend on how
+long the real experiments take.
+"""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+from rich.console import Console
+
+from attnscale.lab import cache, registry, runner, schema
+from attnscale.lab.base import Verdict, no_progress
+
+HEADER = '''
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from attnscale.lab.base import Claim, Judgement, Verdict, save_figure
+
+
+@dataclass(frozen=True)
+class Config:
+    size: int = 3
+
+    @classmethod
+    def for_profile(cls, profile):
+        return cls(size={{"tiny": 2}}.get(profile, 3))
+
+
+COUNTER = Path(r"{root}") / "counter.txt"
+SLOW_FLAG = Path(r"{root}") / "slow"
+HEADLINE = "n"
+
+CLAIM = Claim(id="{id}", statement="{id} holds", sources=("a test",), method="count", rule="holds if n > 0")
+
+
+def judge(measured):
+    return Judgement(Verdict.HOLDS if measured["n"] > 0 else Verdict.DOES_NOT_HOLD, f"n = {{measured['n']}}")
+
+
+def plot(measured, outdir):
+    fig = Figure(figsize=(2, 2))
+    fig.add_subplot().plot([0, measured["n"]])
+    return [save_figure(fig, outdir, "line")]
+'''
+
+RUN_OK = '''
+def run(config, seed, progress):
+    with open(COUNTER, "a") as f:
+        f.write("{id}\\n")
+    for i in range(config.size):
+        progress(i + 1, config.size)
+    return {{"n": config.size + seed, "nan": float("nan"), "table": {{"a": {{"x": 1.0}}, "b": {{"x": 2.0}}}}}}
+'''
+
+RUN_SLOW = '''
+def run(config, seed, progress):
+    with open(COUNTER, "a") as f:
+        f.write("{id}\\n")
+    if SLOW_FLAG.exists():
+        time.sleep(120)
+    return {{"n": 1}}
+'''
+
+RUN_RAISES = '''
+def run(config, seed, progress):
+    raise RuntimeError("measurement exploded")
+'''
+
+RUN_DIES = '''
+def run(config, seed, progress):
+    os._exit(3)
+'''
+
+PLOT_RAISES = '''
+def plot(measured, outdir):
+    raise ValueError("no figure today")
+'''
+
+
+def _module(root, claim_id, *bodies):
+    # Paths are written into the source: worker processes do not see environment changes made by a test.
+    return HEADER.format(id=claim_id, root=root) + "".join(b.format(id=claim_id) for b in bodies)
+
+
+@pytest.fixture
+def fake_lab(tmp_path, monkeypatch):
+    """Write a fake experiments package; return (package name, counter file, root)."""
+    name = f"fakelab_{uuid.uuid4().hex[:8]}"
+    pkg = tmp_path / "src" / name
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a_ok.py").write_text(_module(tmp_path, "fake-a-ok", RUN_OK))
+    (pkg / "b_slow.py").write_text(_module(tmp_path, "fake-b-slow", RUN_SLOW))
+    (pkg / "c_raises.py").write_text(_module(tmp_path, "fake-c-raises", RUN_RAISES))
+    (pkg / "d_bad_plot.py").write_text(_module(tmp_path, "fake-d-bad-plot", RUN_OK, PLOT_RAISES))
+    (pkg / "e_broken_import.py").write_text("import not_a_module_anywhere\n")
+    (pkg / "_helpers.py").write_text("VALUE = 1\n")
+    (pkg / "helper_without_claim.py").write_text("VALUE = 2\n")
+    counter = tmp_path / "counter.txt"
+    counter.touch()
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "src"), os.environ.get("PYTHONPATH", "")]))
+    # The library's sources may change while the tests run; the fake experiments do not depend on them.
+    monkeypatch.setattr(cache, "library_source_hash", lambda: "fixed")
+    return name, counter, tmp_path
+
+
+def _quiet():
+    return Console(file=io.StringIO(), width=120)
+
+
+def test_discover_orders_by_claims_and_skips_helpers(fake_lab):
+    name, _, root = fake_lab
+    (root / "src" / name / "f_duplicate.py").write_text(_module(root, "fake-a-ok", RUN_OK))
+    found = registry.discover(name)
+    assert [e.id for e in found.experiments] == ["fake-a-ok", "fake-b-slow", "fake-c-raises", "fake-d-bad-plot"]
+    assert found.experiments[0].module_name == f"{name}.a_ok"
+    assert [m for m, _ in found.broken] == [f"{name}.e_broken_import", f"{name}.f_duplicate"]
+    assert "ModuleNotFoundError" in found.broken[0][1]
+    assert f"already measured by {name}.a_ok" in found.broken[1][1]
+
+
+def test_real_experiments_follow_claims_order():
+    ids = [e.id for e in registry.discover().experiments]
+    known = [i for i in ids if i in registry.CLAIM_IDS]
+    assert known == sorted(known, key=registry.CLAIM_IDS.index)
+    assert {"variance-law", "saturation-example", "softmax-peak-example"} <= set(ids)
+
+
+def test_select_rejects_unknown_ids(fake_lab):
+    found = registry.discover(fake_lab[0])
+    with pytest.raises(ValueError, match="no-such-claim"):
+        runner.select(found, ["no-such-claim"])
+    with pytest.raises(ValueError, match="no experiment yet for training-stall"):
+        runner.select(found, ["training-stall"])
+    assert [e.id for e in runner.select(found, ["fake-c-raises"])] == ["fake-c-raises"]
+
+
+def test_execute_turns_errors_into_inconclusive(fake_lab, tmp_path):
+    name, _, _ = fake_lab
+    task = runner.Task(f"{name}.c_raises", "fake-c-raises", "tiny", 0, str(tmp_path / "f"), "f", None)
+    record = runner.execute(task, no_progress)
+    assert record["verdict"] == Verdict.INCONCLUSIVE
+    assert "run: RuntimeError: measurement exploded" in record["reason"]
+    assert "Traceback" in record["error"]
+    assert schema.validate(record, schema.SCHEMA["properties"]["claims"]["items"]) == []
+
+    task = runner.Task(f"{name}.d_bad_plot", "fake-d-bad-plot", "tiny", 0, str(tmp_path / "f"), "f", None)
+    record = runner.execute(task, no_progress)
+    assert record["verdict"] == Verdict.HOLDS  # the measurement stands; only its figures failed
+    assert "figures failed: ValueError: no figure today" in record["reason"]
+    assert record["figures"] == [] and record["error"]
+
+
+def test_report_survives_failures_and_caches_successes(fake_lab):
+    name, counter, root = fake_lab
+    out = root / "out"
+    results = runner.run_report(out, profile="tiny", seed=1, jobs=2, console=_quiet(), package=name)
+    assert schema.validate(results) == []
+    by_id = {c["id"]: c for c in results["claims"]}
+    assert list(by_id) == ["e-broken-import", "fake-a-ok", "fake-b-slow", "fake-c-raises", "fake-d-bad-plot"]
+    assert by_id["fake-a-ok"]["verdict"] == "holds"
+    assert by_id["fake-a-ok"]["measured"]["n"] == 3  # size 2 at tiny, plus seed 1
+    assert by_id["fake-a-ok"]["measured"]["nan"] == "NaN"
+    assert by_id["fake-a-ok"]["headline"] == {"key": "n", "value": 3}
+    assert by_id["fake-a-ok"]["figures"][0]["svg"] == "figures/fake-a-ok/line.svg"
+    assert by_id["fake-c-raises"]["verdict"] == "inconclusive"
+    assert "measurement exploded" in by_id["fake-c-raises"]["reason"]
+    assert by_id["e-broken-import"]["verdict"] == "inconclusive"
+    assert "failed to import" in by_id["e-broken-import"]["reason"]
+    assert {c["id"] for c in results["not_measured"]} == set(registry.CLAIM_IDS)
+    for fname in ("index.html", "report.md", "results.json"):
+        assert (out / fname).is_file()
+    assert json.loads((out / "results.json").read_text()) == results
+    cached = sorted(p.name.rsplit("-", 1)[0] for p in (out / "cache").glob("*.json"))
+    assert cached == ["fake-a-ok", "fake-b-slow"]  # failures are not cached: the next run retries them
+    assert sorted(counter.read_text().split()) == ["fake-a-ok", "fake-b-slow", "fake-d-bad-plot"]
+
+    again = runner.run_report(out, profile="tiny", seed=1, jobs=2, console=_quiet(), package=name)
+    assert {c["id"] for c in again["claims"] if c["cached"]} == {"fake-a-ok", "fake-b-slow"}
+    assert sorted(counter.read_text().split()) == ["fake-a-ok", "fake-b-slow", "fake-d-bad-plot", "fake-d-bad-plot"]
+
+    (out / "figures" / "fake-a-ok" / "line.svg").unlink()  # a cached entry whose figure is gone is recomputed
+    runner.run_report(out, profile="tiny", seed=1, jobs=1, only=["fake-a-ok"], console=_quiet(), package=name)
+    assert counter.read_text().split().count("fake-a-ok") == 2
+    assert (out / "figures" / "fake-a-ok" / "line.svg").is_file()
+
+
+def test_a_dying_process_loses_only_its_own_experiment(fake_lab):
+    name, counter, root = fake_lab
+    (root / "src" / name / "g_dies.py").write_text(_module(root, "fake-g-dies", RUN_DIES))
+    only = ["fake-g-dies", "fake-a-ok"]
+    results = runner.run_report(root / "out", profile="tiny", jobs=2, only=only, console=_quiet(), package=name)
+    by_id = {c["id"]: c for c in results["claims"]}
+    assert by_id["fake-a-ok"]["verdict"] == "holds"
+    assert by_id["fake-g-dies"]["verdict"] == "inconclusive"
+    assert "exit code 3" in by_id["fake-g-dies"]["reason"]
+
+
+def test_cache_key_tracks_what_decides_the_measurement():
+    base = dict(config={"n": 1}, seed=0, version="1", module_source=b"x", library_hash="h")
+    key = cache.cache_key(**base)
+    assert cache.cache_key(**base) == key
+    for change in ({"config": {"n": 2}}, {"seed": 1}, {"version": "2"}, {"module_source": b"y"}, {"library_hash": "g"}):
+        assert cache.cache_key(**{**base, **change}) != key, change
+
+
+def test_cache_ignores_unreadable_entries(tmp_path):
+    path = tmp_path / "cache" / "x-1.json"
+    path.parent.mkdir()
+    path.write_text("{ truncated")
+    assert cache.load(path) is None
+    path.write_text('{"id": "x"}')
+    assert cache.load(path) is None
+
+
+def test_resume_after_a_crash_recomputes_nothing_finished(fake_lab):
+    name, counter, root = fake_lab
+    out = root / "out"
+    script = textwrap.dedent(
+        f"""
+        from attnscale.lab import cache
+        from attnscale.lab.runner import run_report
+        cache.library_source_hash = lambda: "fixed"
+        run_report({str(out)!r}, profile="tiny", jobs=1, package={name!r}, only=["fake-a-ok", "fake-b-slow"])
+        """
+    )
+    (root / "slow").touch()
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not list((out / "cache").glob("fake-a-ok-*.json")):
+            assert proc.poll() is None, "the report ended before it could be interrupted"
+            assert time.monotonic() < deadline, "the first experiment was never cached"
+            time.sleep(0.1)
+        while "fake-b-slow" not in counter.read_text():  # the slow one has started: crash in the middle of it
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole report: main process, workers, forkserver
+        proc.wait()
+    assert not (out / "results.json").exists()
+    (root / "slow").unlink()
+    entry = next((out / "cache").glob("fake-a-ok-*.json"))
+    mtime = entry.stat().st_mtime_ns
+
+    results = runner.run_report(out, profile="tiny", jobs=1, only=["fake-a-ok", "fake-b-slow"], console=_quiet(), package=name)
+    by_id = {c["id"]: c for c in results["claims"]}
+    assert by_id["fake-a-ok"]["cached"] and not by_id["fake-b-slow"]["cached"]
+    assert by_id["fake-b-slow"]["verdict"] == "holds"
+    assert counter.read_text().split() == ["fake-a-ok", "fake-b-slow", "fake-b-slow"]
+    assert entry.stat().st_mtime_ns == mtime
+
+
+def test_summary_table_lists_every_claim(fake_lab):
+    results = runner.run_report(
+        fake_lab[2] / "out", profile="tiny", jobs=1, only=["fake-c-raises"], console=_quiet(), package=fake_lab[0]
+    )
+    console = _quiet()
+    console.print(runner.summary_table(results))
+    text = console.file.getvalue()
+    assert "fake-c-raises" in text and "inconclusive" in text
+
+
+def test_last_seconds_reads_the_newest_entry_of_that_claim_only(tmp_path):
+    record = {
+        "id": "x", "statement": "", "sources": [], "method": "", "rule": "", "verdict": "holds", "reason": "",
+        "headline": None, "measured": {}, "figures": [], "config": {}, "seconds": 7.5, "cpu_seconds": 7.0, "cached": False, "error": None,
+    }
+    cache.store(cache.cache_path(tmp_path, "x", "0" * 16), record)
+    cache.store(cache.cache_path(tmp_path, "x-longer", "1" * 16), {**record, "id": "x-longer", "seconds": 99.0})
+    assert cache.last_seconds(tmp_path, "x") == 7.5
+    assert cache.last_seconds(tmp_path, "y") is None
+    assert not list((tmp_path / "cache").glob("*.tmp"))
