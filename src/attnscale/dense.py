@@ -6,6 +6,8 @@ oracle for the tiled kernel and what ``backend="math"`` runs. Memory is O(L * S)
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -33,7 +35,10 @@ def masked_softmax(logits: Tensor, keep: Tensor | None, *, with_stats: bool) -> 
     finite: an empty row has output 0 and gradient 0.
     """
     s = logits if keep is None else logits.masked_fill(~keep, float("-inf"))
-    max_logit = s.amax(dim=-1, keepdim=True)
+    if s.shape[-1] == 0:  # S = 0: amax has nothing to reduce; every row is empty
+        max_logit = s.new_full((*s.shape[:-1], 1), float("-inf"))
+    else:
+        max_logit = s.amax(dim=-1, keepdim=True)
     has_key = torch.isfinite(max_logit)
     m = torch.where(has_key, max_logit, torch.zeros_like(max_logit)).detach()
     e = torch.exp(s - m)
@@ -43,14 +48,22 @@ def masked_softmax(logits: Tensor, keep: Tensor | None, *, with_stats: bool) -> 
     if not with_stats:
         return p, None
     lse = torch.where(has_key, m + torch.log(safe_denom), max_logit)
-    weighted = torch.where(p > 0, p * s, torch.zeros_like(p)).sum(dim=-1, keepdim=True)
+    # Hidden logits are -inf; zero them before the product so that its gradient is 0, not 0 * inf.
+    weighted = (p * torch.where(p > 0, s, torch.zeros_like(s))).sum(dim=-1, keepdim=True)
     entropy = torch.where(has_key, lse - weighted, torch.zeros_like(lse)).clamp_min(0.0)
-    max_prob = torch.where(has_key, 1.0 / safe_denom, torch.zeros_like(denom))
+    # exp(max_logit - lse), not 1 / denom: the row max is detached in denom, and its gradient counts.
+    max_prob = torch.where(has_key, torch.exp(torch.where(has_key, max_logit - lse, 0.0)), 0.0)
+    rows = s.shape[:-1]  # a mask may widen the batch beyond the logits'
+    if keep is None:
+        visible_keys = torch.full(rows, logits.shape[-1], dtype=torch.int64, device=logits.device)
+    else:
+        visible_keys = keep.sum(dim=-1).expand(rows)
     stats = AttentionStats(
         lse=lse.squeeze(-1),
         max_logit=max_logit.squeeze(-1),
         max_prob=max_prob.squeeze(-1),
         entropy=entropy.squeeze(-1),
+        visible_keys=visible_keys,
     )
     return p, stats
 
@@ -93,4 +106,7 @@ def dense_attention(
     if dropout_p > 0.0:
         p = F.dropout(p, p=dropout_p, training=True)
     out = (p.unflatten(-3, (Hkv, G)) @ v).flatten(-4, -3)  # (..., H, L, Dv)
+    if stats is not None and stats.lse.shape != out.shape[:-1]:
+        # The value's batch dims can widen the batch beyond the scores': statistics follow the output.
+        stats = AttentionStats(**{f.name: getattr(stats, f.name).expand(out.shape[:-1]) for f in fields(stats)})
     return out.to(query.dtype), stats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import torch
@@ -10,9 +11,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._validate import AttentionCall, Backend, check_attention_call, fail
-from .dense import dense_attention
+from .dense import accumulation_dtype, dense_attention
 from .masks import CausalAlignment, alibi_bias
 from .stats import AttentionStats
+from .tiled import tiled_attention
 
 __all__ = ["Backend", "last_backend", "scaled_dot_product_attention"]
 
@@ -21,7 +23,7 @@ _state = threading.local()
 
 
 def last_backend() -> str | None:
-    """Name of the backend that computed this thread's most recent attention call ("torch", "math").
+    """Name of the backend that computed this thread's most recent attention call ("torch", "math", "tiled").
 
     Also logged at DEBUG level on the ``attnscale`` logger for every call.
     """
@@ -62,12 +64,50 @@ def _fused_cannot(call: AttentionCall) -> str | None:
     return None
 
 
-def _choose(call: AttentionCall) -> tuple[Backend, str]:
+MATH_MAX_SCORES = 2**26
+"""``backend="auto"`` avoids the math backend above this many scores ``prod(batch) * H * L * S``:
+it holds several (..., H, L, S) tensors (256 MiB each in float32 at this size)."""
+
+
+def _tiled_feature(call: AttentionCall) -> str | None:
+    """A score-path feature that torch's fused kernel lacks and the tiled kernel has (None if none)."""
+    path = call.path
+    if path.softcap is not None:
+        return "softcap"
+    if call.return_stats:
+        return "return_stats"
+    if call.alibi:
+        return "alibi_slopes"
+    if path.window is not None:
+        return "window"
+    if path.causal and path.q_offset != 0:
+        return "bottom_right causal alignment with L != S"
+    return None
+
+
+def _choose(call: AttentionCall, *, slopes_need_grad: bool = False) -> tuple[Backend, str]:
     if call.backend is Backend.AUTO:
         reason = _fused_cannot(call)
         if reason is None:
             return Backend.TORCH, "auto: torch's fused kernel computes these semantics"
+        if call.dropout_p > 0.0:
+            return Backend.MATH, f"auto: {reason}; dropout (the tiled kernel has none)"
+        if slopes_need_grad:
+            return Backend.MATH, f"auto: {reason}; alibi_slopes require grad (tiled treats them as constants)"
+        feature = _tiled_feature(call)
+        if feature is not None:
+            return Backend.TILED, f"auto: {feature}"
+        scores = math.prod(call.batch) * call.H * call.L * call.S
+        if scores > MATH_MAX_SCORES:
+            return Backend.TILED, f"auto: {reason}; {scores} scores > MATH_MAX_SCORES"
         return Backend.MATH, f"auto: {reason}"
+    if call.backend is Backend.TILED and call.dropout_p > 0.0:
+        fail(
+            "dropout_p",
+            "0.0 with backend='tiled' (the tiled kernel has no dropout)",
+            repr(call.dropout_p),
+            "use backend='math' (or 'auto') for dropout",
+        )
     if call.backend is Backend.TORCH:
         reason = _torch_cannot(call)
         if reason is not None:
@@ -85,17 +125,18 @@ def _torch_attention(
 ) -> Tensor:
     """torch's SDPA on (B, H, L, D) views; positional masks and ALiBi become an explicit mask."""
     batch, H, L, S, path = call.batch, call.H, call.L, call.S, call.path
-    q = query.expand(*batch, H, L, call.D).reshape(-1, H, L, call.D)  # (B, H, L, D)
-    k = key.expand(*batch, call.Hkv, S, call.D).reshape(-1, call.Hkv, S, call.D)  # (B, Hkv, S, D)
-    v = value.expand(*batch, call.Hkv, S, call.Dv).reshape(-1, call.Hkv, S, call.Dv)  # (B, Hkv, S, Dv)
+    B = math.prod(batch)  # explicit, not -1: reshape cannot infer a dim of an empty tensor
+    q = query.expand(*batch, H, L, call.D).reshape(B, H, L, call.D)  # (B, H, L, D)
+    k = key.expand(*batch, call.Hkv, S, call.D).reshape(B, call.Hkv, S, call.D)  # (B, Hkv, S, D)
+    v = value.expand(*batch, call.Hkv, S, call.Dv).reshape(B, call.Hkv, S, call.Dv)  # (B, Hkv, S, Dv)
 
     native_causal = path.causal and path.q_offset == 0 and path.window is None and attn_mask is None and alibi_slopes is None
     mask = attn_mask
-    if not native_causal:
+    if not native_causal and (path.causal or path.window is not None or alibi_slopes is not None):
         q_pos, k_pos = path.positions(0, L, 0, S, query.device)
         keep = path.visibility(q_pos, k_pos)  # (L, S) or None
         if alibi_slopes is not None:
-            bias = alibi_bias(alibi_slopes.float(), L, S, alignment=call.alignment)  # (..., H, L, S)
+            bias = alibi_bias(alibi_slopes.to(accumulation_dtype(query.dtype)), L, S, alignment=call.alignment)  # (..., H, L, S)
             if mask is None:
                 mask = bias
             elif mask.dtype == torch.bool:
@@ -110,14 +151,19 @@ def _torch_attention(
             else:
                 mask = mask.masked_fill(~keep, float("-inf"))
     if mask is not None:
-        if mask.dtype != torch.bool:
+        if mask.dtype != torch.bool and mask.dtype != query.dtype:
+            # torch wants the query's dtype; when that is narrower, clamp first so that a finite
+            # value stays finite (-1e9 would become -inf in float16 and hide keys the other backends keep).
+            finfo = torch.finfo(query.dtype)
+            if finfo.max < torch.finfo(mask.dtype).max:
+                mask = mask.clamp(finfo.min, finfo.max).masked_fill(mask == float("-inf"), float("-inf"))
             mask = mask.to(query.dtype)
         mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + tuple(mask.shape))
-        mh = mask.shape[-3]
+        mh, ml, ms = mask.shape[-3:]
         if all(n == 1 for n in mask.shape[:-3]):
-            mask = mask.reshape(1, mh, *mask.shape[-2:])  # (1, H or 1, L or 1, S or 1)
+            mask = mask.reshape(1, mh, ml, ms)  # (1, H or 1, L or 1, S or 1)
         else:
-            mask = mask.expand(*batch, mh, L, S).reshape(-1, mh, L, S)  # (B, H or 1, L, S)
+            mask = mask.expand(*batch, mh, ml, ms).reshape(B, mh, ml, ms)  # (B, H or 1, L or 1, S or 1)
     out = F.scaled_dot_product_attention(
         q,
         k,
@@ -187,11 +233,16 @@ def scaled_dot_product_attention(
             ``i' - left <= j <= i' + right``. ``None`` or ``-1`` on a side means unlimited.
         return_stats: also return :class:`AttentionStats` (per-row lse, max logit, max
             probability, entropy in nats) as ``(out, stats)``.
-        backend: ``"auto"`` runs torch's fused kernel whenever it computes exactly these semantics
-            and ``"math"`` otherwise; ``"torch"`` forces ``torch.nn.functional.scaled_dot_product_attention``
-            (ALiBi, windows and bottom-right alignment become an explicit mask; softcap and
-            return_stats raise); ``"math"`` forces attnscale's dense implementation.
-            :func:`last_backend` says which one ran.
+        backend: ``"auto"`` picks, in this order: torch's fused kernel whenever it computes exactly
+            these semantics; ``"math"`` for dropout (or ALiBi slopes that require grad);
+            ``"tiled"`` when the call uses a feature torch lacks (softcap, return_stats, ALiBi,
+            window, bottom-right causal alignment with L != S) or has more than
+            ``MATH_MAX_SCORES = 2**26`` scores ``prod(batch) * H * L * S``; ``"math"`` otherwise.
+            ``"torch"`` forces ``torch.nn.functional.scaled_dot_product_attention`` (ALiBi, windows
+            and bottom-right alignment become an explicit mask; softcap and return_stats raise);
+            ``"math"`` forces attnscale's dense implementation, O(L * S) memory; ``"tiled"`` forces
+            the online-softmax kernel of :mod:`attnscale.tiled`, O(L + S) memory, no dropout,
+            statistics other than lse carry no gradient. :func:`last_backend` says which one ran.
 
     Softmax and accumulation run in float32 (float64 for float64 inputs) whatever the input dtype,
     so fp16 products above 65504 stay finite; the output has the input dtype. A row with no visible
@@ -225,10 +276,21 @@ def scaled_dot_product_attention(
         window=window,
         return_stats=return_stats,
     )
-    chosen, why = _choose(call)
+    slopes_need_grad = alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled()
+    chosen, why = _choose(call, slopes_need_grad=slopes_need_grad)
     if chosen is Backend.TORCH:
         out = _torch_attention(query, key, value, call, attn_mask, alibi_slopes)
         stats = None
+    elif chosen is Backend.TILED:
+        out, stats = tiled_attention(
+            query,
+            key,
+            value,
+            path=call.path,
+            attn_mask=attn_mask,
+            alibi_slopes=alibi_slopes,
+            return_stats=call.return_stats,
+        )
     else:
         out, stats = dense_attention(
             query,

@@ -116,13 +116,16 @@ def sliding_window_mask(
 ) -> Tensor:
     """Bool (L, S) mask of keys within ``(left, right)`` positions of each aligned query.
 
+    ``None`` or ``-1`` on a side means unlimited, as in ``scaled_dot_product_attention``.
+
     >>> sliding_window_mask(3, 3, (1, 0)).int()
     tensor([[1, 0, 0],
             [1, 1, 0],
             [0, 1, 1]], dtype=torch.int32)
     """
+    left, right = (None if side == -1 else side for side in window)
     q_pos, k_pos = _positions(L, S, query_offset(L, S, alignment), device)
-    mask = visible(q_pos, k_pos, window=window)
+    mask = visible(q_pos, k_pos, window=(left, right))
     return torch.ones(L, S, dtype=torch.bool, device=device) if mask is None else mask
 
 
@@ -141,10 +144,10 @@ def alibi_slopes(num_heads: int) -> Tensor:
     >>> alibi_slopes(4)
     tensor([0.2500, 0.0625, 0.0156, 0.0039])
     """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(
-            f"num_heads: expected a positive int, got {num_heads!r}. Fix: pass the number of query heads."
-        )
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
+        raise TypeError(f"num_heads: expected a positive int, got {num_heads!r}. Fix: pass the number of query heads.")
+    if num_heads < 1:
+        raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}. Fix: pass the number of query heads.")
 
     def power_of_two(n: int) -> list[float]:
         return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]

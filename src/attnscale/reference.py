@@ -46,8 +46,9 @@ def attention(
 ) -> np.ndarray | tuple[np.ndarray, dict[str, np.ndarray]]:
     """Attention in float64: q (..., H, L, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, L, Dv).
 
-    With ``return_stats`` also returns ``{"lse", "max_logit", "max_prob", "entropy"}``, each
-    (..., H, L); a row with no visible key has lse = max_logit = -inf, max_prob = entropy = 0.
+    With ``return_stats`` also returns ``{"lse", "max_logit", "max_prob", "entropy", "visible_keys"}``,
+    each (..., H, L); a row with no visible key has lse = max_logit = -inf, max_prob = entropy = 0
+    and visible_keys = 0.
 
     >>> q = np.array([[[[1.0, 0.0]]]]); k = np.array([[[[1.0, 0.0], [0.0, 1.0]]]])
     >>> v = np.array([[[[1.0], [0.0]]]])
@@ -91,7 +92,7 @@ def attention(
             visible = visible & (j >= i - left)
         if right is not None:
             visible = visible & (j <= i + right)
-    visible = np.broadcast_to(visible, logits.shape)
+    logits, visible = np.broadcast_arrays(logits, visible)  # a mask may widen the batch of q and k
 
     logits = np.where(visible, logits, -np.inf)
     any_visible = visible.any(axis=-1, keepdims=True)
@@ -111,5 +112,6 @@ def attention(
         "max_logit": np.where(has, row_max[..., 0], -np.inf),
         "max_prob": probs.max(axis=-1, initial=0.0),
         "entropy": -plogp.sum(axis=-1),
+        "visible_keys": visible.sum(axis=-1),
     }
     return out, stats

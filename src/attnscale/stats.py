@@ -7,28 +7,36 @@ All four statistics are exact functions of one row's logits ``s_j`` over its vis
 * ``max_prob``   ``max_j p_j = exp(max_logit - lse)``
 * ``entropy``    ``-sum_j p_j log p_j`` in nats, ``= lse - sum_j p_j s_j``
 
-A row with no visible key has ``lse = max_logit = -inf``, ``max_prob = 0`` and ``entropy = 0``.
-Statistics describe the softmax before dropout.
+``visible_keys`` counts the keys the row may attend to (not hidden by a mask, causality or the
+window). A row with no visible key has ``lse = max_logit = -inf``, ``max_prob = 0``,
+``entropy = 0`` and ``visible_keys = 0``. Statistics describe the softmax before dropout.
+
+Reductions for diagnostics (all ignore empty rows): :func:`normalized_entropy` (entropy over
+``log(visible_keys)``, 1 = uniform), :func:`summarize` (per-head mean, min, max and quantiles over
+rows and batch) and :func:`share_above` (per-head share of rows whose statistic exceeds a threshold).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionStats"]
+__all__ = ["AttentionStats", "HeadSummary", "normalized_entropy", "share_above", "summarize"]
 
 
 @dataclass(frozen=True)
 class AttentionStats:
-    """Per-row softmax statistics, each a float32 (float64 for float64 inputs) tensor (..., H, L)."""
+    """Per-row softmax statistics, each a tensor (..., H, L): float32 (float64 for float64 inputs),
+    except ``visible_keys`` (int64)."""
 
     lse: Tensor
     max_logit: Tensor
     max_prob: Tensor
     entropy: Tensor
+    visible_keys: Tensor
 
     def to_dict(self) -> dict[str, list]:
         """Nested lists, ready for ``json.dumps``; -inf becomes None (JSON has no infinity)."""
@@ -43,3 +51,122 @@ def _nan_to_none(x):
     if isinstance(x, list):
         return [_nan_to_none(v) for v in x]
     return None if x != x else x
+
+
+_STATISTICS = ("lse", "max_logit", "max_prob", "entropy", "normalized_entropy")
+
+
+def normalized_entropy(stats: AttentionStats) -> Tensor:
+    """Entropy over its maximum ``log(visible_keys)``, per row (..., H, L): 1 = uniform, 0 = one-hot.
+
+    A row with one visible key has entropy 0 and gets 0 (it is as peaked as it can be); a row with
+    none gets NaN, which the reductions below skip.
+
+    >>> s = AttentionStats(*(torch.tensor([0.0, 0.0, math.log(4)]) for _ in range(4)), visible_keys=torch.tensor([0, 1, 4]))
+    >>> normalized_entropy(s)
+    tensor([nan, 0., 1.])
+    """
+    n = stats.visible_keys.to(stats.entropy.dtype)
+    denom = torch.log(n.clamp_min(2.0))
+    ratio = torch.where(n > 1, stats.entropy.detach() / denom, torch.zeros_like(denom))
+    return ratio.masked_fill(n == 0, math.nan)
+
+
+def _per_head(stats: AttentionStats, statistic: str) -> tuple[Tensor, Tensor]:
+    """Values (H, N) over rows and batch, and the (H, N) mask of non-empty rows."""
+    if statistic not in _STATISTICS:
+        raise ValueError(f"statistic: expected one of {_STATISTICS}, got {statistic!r}. Fix: pick one of those names")
+    values = normalized_entropy(stats) if statistic == "normalized_entropy" else getattr(stats, statistic).detach()
+    H = values.shape[-2]
+    values = values.movedim(-2, 0).reshape(H, -1)  # (H, batch * L)
+    rows = stats.visible_keys.expand(stats.lse.shape).movedim(-2, 0).reshape(H, -1) > 0
+    return values.double(), rows
+
+
+def _none_if_nan(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+@dataclass(frozen=True)
+class HeadSummary:
+    """One statistic summarised per head over rows and batch, empty rows left out.
+
+    Each tuple has one entry per head; a head with no non-empty row has None everywhere.
+    """
+
+    statistic: str
+    rows: tuple[int, ...]
+    mean: tuple[float | None, ...]
+    min: tuple[float | None, ...]
+    max: tuple[float | None, ...]
+    quantiles: tuple[tuple[float, tuple[float | None, ...]], ...]
+
+    def to_dict(self) -> dict:
+        """JSON-ready: quantile levels become string keys (``"0.5"``)."""
+        return {
+            "statistic": self.statistic,
+            "rows": list(self.rows),
+            "mean": list(self.mean),
+            "min": list(self.min),
+            "max": list(self.max),
+            "quantiles": {str(q): list(v) for q, v in self.quantiles},
+        }
+
+
+def summarize(
+    stats: AttentionStats, statistic: str = "entropy", *, quantiles: tuple[float, ...] = (0.05, 0.5, 0.95)
+) -> HeadSummary:
+    """Per-head mean, min, max and quantiles of one statistic, over rows and batch dims.
+
+    ``statistic`` is a field of :class:`AttentionStats` or ``"normalized_entropy"``. Rows with no
+    visible key are left out.
+
+    >>> s = AttentionStats(*(torch.tensor([[1.0, 2.0, 3.0], [5.0, 5.0, 9.0]]) for _ in range(4)),
+    ...                    visible_keys=torch.tensor([[3, 3, 3], [3, 3, 0]]))
+    >>> summarize(s, "max_logit", quantiles=(0.5,)).to_dict()["quantiles"]
+    {'0.5': [2.0, 5.0]}
+    """
+    for q in quantiles:
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
+            raise ValueError(f"quantiles: expected levels in [0, 1], got {quantiles!r}. Fix: pass e.g. (0.05, 0.5, 0.95)")
+    values, rows = _per_head(stats, statistic)
+    n, mean, lo, hi, qs = [], [], [], [], {q: [] for q in quantiles}
+    for v, r in zip(values, rows):
+        kept = v[r & ~torch.isnan(v)]
+        n.append(int(r.sum()))
+        if kept.numel() == 0:
+            for out in (mean, lo, hi, *qs.values()):
+                out.append(None)
+            continue
+        mean.append(_none_if_nan(float(kept.mean())))
+        lo.append(float(kept.min()))
+        hi.append(float(kept.max()))
+        for q in quantiles:
+            qs[q].append(float(torch.quantile(kept, q)))
+    return HeadSummary(
+        statistic=statistic,
+        rows=tuple(n),
+        mean=tuple(mean),
+        min=tuple(lo),
+        max=tuple(hi),
+        quantiles=tuple((float(q), tuple(v)) for q, v in qs.items()),
+    )
+
+
+def share_above(stats: AttentionStats, threshold: float, statistic: str = "max_prob") -> tuple[float | None, ...]:
+    """Per head, the share of non-empty rows whose ``statistic`` exceeds ``threshold`` (None if none).
+
+    With ``max_prob`` and a threshold like 0.9 this is the share of saturated (near one-hot) rows.
+
+    >>> s = AttentionStats(*(torch.tensor([[0.95, 0.5, 0.99]]) for _ in range(4)), visible_keys=torch.tensor([[4, 4, 0]]))
+    >>> share_above(s, 0.9)
+    (0.5,)
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or math.isnan(threshold):
+        raise ValueError(f"threshold: expected a number, got {threshold!r}. Fix: pass e.g. threshold=0.9")
+    values, rows = _per_head(stats, statistic)
+    out = []
+    for v, r in zip(values, rows):
+        count = int(r.sum())
+        out.append(None if count == 0 else int((r & (v > threshold)).sum()) / count)
+    return tuple(out)

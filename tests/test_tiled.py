@@ -1,0 +1,384 @@
+"""The tiled (online-softmax) backend against the fp64 NumPy reference and the math backend."""
+
+import itertools
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import attnscale
+from attnscale import ScorePath, reference
+from attnscale._validate import check_attention_call
+from attnscale.dense import dense_attention
+from attnscale.tiled import attention_partial, merge_partials, tiled_attention
+
+BQ, BK = 8, 16  # small tiles so that small problems cross several block boundaries
+NEG_INF = float("-inf")
+
+
+def make_inputs(*, B=2, H=4, Hkv=2, L=BQ + 1, S=BK + 1, D=7, Dv=5, dtype=torch.float64, seed=0, mag=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, D, generator=gen, dtype=torch.float64) * mag  # (B, H, L, D)
+    k = torch.randn(B, Hkv, S, D, generator=gen, dtype=torch.float64) * mag  # (B, Hkv, S, D)
+    v = torch.randn(B, Hkv, S, Dv, generator=gen, dtype=torch.float64)  # (B, Hkv, S, Dv)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def make_mask(kind, *, B, H, L, S, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    if kind is None:
+        return None
+    keep = torch.rand(B, 1, L, S, generator=gen) > 0.3  # (B, 1, L, S)
+    keep[0, 0, 1] = False  # one fully masked row
+    if kind == "bool":
+        return keep
+    bias = torch.randn(1, H, L, S, generator=gen, dtype=torch.float64)  # (1, H, L, S)
+    return bias.masked_fill(~keep, NEG_INF)
+
+
+def options(*, softcap, alibi, window, causal, H):
+    opts = {"softcap": softcap, "window": window}
+    if alibi:
+        opts["alibi_slopes"] = attnscale.alibi_slopes(H).double()
+    if causal is not None:
+        opts.update(is_causal=True, causal_alignment=causal)
+    return opts
+
+
+def path_for(q, k, v, mask=None, **opts):
+    """The ScorePath that scaled_dot_product_attention builds for these options."""
+    call = check_attention_call(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=0.0,
+        is_causal=opts.get("is_causal", False),
+        scale=opts.get("scale"),
+        enable_gqa=True,
+        causal_alignment=opts.get("causal_alignment", "top_left"),
+        backend="tiled",
+        softcap=opts.get("softcap"),
+        alibi_slopes=opts.get("alibi_slopes"),
+        window=opts.get("window"),
+        return_stats=False,
+    )
+    return call.path
+
+
+def run_reference(q, k, v, mask, **opts):
+    np_opts = {key: (val.numpy() if isinstance(val, torch.Tensor) else val) for key, val in opts.items()}
+    np_mask = None if mask is None else mask.double().numpy() if mask.is_floating_point() else mask.numpy()
+    return reference.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), attn_mask=np_mask, **np_opts)
+
+
+def run_tiled(q, k, v, mask=None, **opts):
+    slopes = opts.get("alibi_slopes")
+    out, _ = tiled_attention(
+        q, k, v, path=path_for(q, k, v, mask, **opts), attn_mask=mask, alibi_slopes=slopes, block_q=BQ, block_k=BK
+    )
+    return out
+
+
+def run_math(q, k, v, mask=None, **opts):
+    return attnscale.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, backend="math", **opts)
+
+
+FEATURES = list(
+    itertools.product(
+        [None, 5.0],  # softcap
+        [False, True],  # alibi
+        [None, (5, 2)],  # window
+        [None, "top_left", "bottom_right"],  # causal alignment
+        [None, "bool", "float"],  # attn_mask
+    )
+)
+SHAPES = [  # (H, Hkv, L, S): MHA, GQA, MQA; lengths just past a block, and L != S both ways
+    (4, 4, BQ + 1, BK + 1),
+    (4, 2, 2 * BQ + 3, BK - 3),
+    (4, 1, 5, 3 * BK + 1),
+]
+
+
+@pytest.mark.parametrize("case", range(len(FEATURES)))
+def test_features_match_reference_and_math_fp64(case):
+    softcap, alibi, window, causal, mask_kind = FEATURES[case]
+    H, Hkv, L, S = SHAPES[case % len(SHAPES)]
+    q, k, v = make_inputs(H=H, Hkv=Hkv, L=L, S=S, seed=case)
+    for t in (q, k, v):
+        t.requires_grad_()
+    mask = make_mask(mask_kind, B=2, H=H, L=L, S=S, seed=case)
+    opts = options(softcap=softcap, alibi=alibi, window=window, causal=causal, H=H)
+
+    out = run_tiled(q, k, v, mask, **opts)
+    np.testing.assert_allclose(out.detach().numpy(), run_reference(q.detach(), k.detach(), v.detach(), mask, **opts), rtol=0, atol=1e-12)
+    expected = run_math(q, k, v, mask, **opts)
+    grad_out = torch.randn_like(out)
+    got = torch.autograd.grad((out * grad_out).sum(), (q, k, v))
+    want = torch.autograd.grad((expected * grad_out).sum(), (q, k, v))
+    for name, g, w in zip("qkv", got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12, msg=f"d{name}")
+        assert torch.isfinite(g).all()
+
+
+TOLERANCE_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [0, 23, 47, 58, 71])
+def test_low_precision_error_is_like_math(dtype, case):
+    """Error against fp64 at most twice the math backend's (same dtype), plus a small floor."""
+    softcap, alibi, window, causal, mask_kind = FEATURES[case]
+    H, Hkv, L, S = SHAPES[case % len(SHAPES)]
+    q, k, v = make_inputs(H=H, Hkv=Hkv, L=L, S=S, seed=case, dtype=dtype)
+    mask = make_mask(mask_kind, B=2, H=H, L=L, S=S, seed=case)
+    opts = options(softcap=softcap, alibi=alibi, window=window, causal=causal, H=H)
+    expected = run_reference(q, k, v, mask, **opts)
+    tiled = run_tiled(q, k, v, mask, **opts)
+    assert tiled.dtype == dtype
+    err_tiled = np.abs(tiled.double().numpy() - expected).max()
+    err_math = np.abs(run_math(q, k, v, mask, **opts).double().numpy() - expected).max()
+    assert err_tiled <= 2 * err_math + TOLERANCE_FLOOR[dtype]
+
+
+def test_public_entry_runs_tiled_and_matches_math():
+    q, k, v = make_inputs(L=300, S=700, D=16, Dv=16, seed=3)
+    opts = dict(is_causal=True, causal_alignment="bottom_right", softcap=20.0, window=(250, 0), enable_gqa=True)
+    out = attnscale.scaled_dot_product_attention(q, k, v, backend="tiled", **opts)
+    assert attnscale.last_backend() == "tiled"
+    torch.testing.assert_close(out, attnscale.scaled_dot_product_attention(q, k, v, backend="math", **opts), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {},
+        {"softcap": 2.0, "alibi": True, "window": (2, 1), "causal": "bottom_right"},
+        {"softcap": 1.5, "causal": "top_left"},
+    ],
+    ids=["plain", "softcap-alibi-window-bottom-right", "softcap-causal"],
+)
+def test_gradcheck_float64(opts):
+    q, k, v = make_inputs(B=1, H=2, Hkv=1, L=5, S=6, D=3, Dv=2, seed=11)
+    mask = make_mask("float", B=1, H=2, L=5, S=6, seed=4).requires_grad_()
+    path = path_for(q, k, v, mask, **options(softcap=opts.get("softcap"), alibi=False, window=opts.get("window"), causal=opts.get("causal"), H=2))
+    slopes = attnscale.alibi_slopes(2).double() if opts.get("alibi") else None
+
+    def f(q, k, v, mask):
+        out, stats = tiled_attention(q, k, v, path=path, attn_mask=mask, alibi_slopes=slopes, block_q=2, block_k=4, return_stats=True)
+        return out, stats.lse.masked_fill(stats.lse == NEG_INF, 0.0)
+
+    inputs = tuple(t.detach().requires_grad_() for t in (q, k, v, mask))
+    assert torch.autograd.gradcheck(f, inputs)
+
+
+def test_bool_mask_and_broadcast_batch_dims():
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 3, 10, 4, generator=gen, dtype=torch.float64, requires_grad=True)  # (B1, B2=1, H, L, D)
+    k = torch.randn(1, 3, 3, 19, 4, generator=gen, dtype=torch.float64, requires_grad=True)  # (B1=1, B2, Hkv, S, D)
+    v = torch.randn(2, 3, 3, 19, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(3, 1, 10, 19, generator=gen) > 0.4  # (B2, 1, L, S)
+    out = run_tiled(q, k, v, mask, softcap=3.0)
+    expected = run_math(q, k, v, mask, softcap=3.0)
+    np.testing.assert_allclose(out.detach().numpy(), run_reference(q.detach(), k.detach(), v.detach(), mask, softcap=3.0), atol=1e-12)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * g).sum(), (q, k, v)), torch.autograd.grad((expected * g).sum(), (q, k, v))):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_float_mask_gradient_matches_math():
+    q, k, v = make_inputs(L=BQ + 1, S=BK + 1, seed=6)
+    mask = make_mask("float", B=2, H=4, L=BQ + 1, S=BK + 1, seed=6)[..., :1, :].requires_grad_()  # (1, H, 1, S)
+    out = run_tiled(q, k, v, mask, softcap=4.0, alibi_slopes=attnscale.alibi_slopes(4).double())
+    expected = run_math(q, k, v, mask, softcap=4.0, alibi_slopes=attnscale.alibi_slopes(4).double())
+    g = torch.randn_like(out)
+    (got,) = torch.autograd.grad((out * g).sum(), mask)
+    (want,) = torch.autograd.grad((expected * g).sum(), mask)
+    assert got.shape == mask.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_empty_rows_give_zeros_minus_inf_lse_and_zero_grads(dtype):
+    q, k, v = make_inputs(B=1, H=2, Hkv=2, L=20, S=9, dtype=dtype, seed=7)
+    for t in (q, k, v):
+        t.requires_grad_()
+    mask = torch.ones(1, 1, 20, 9, dtype=torch.bool)
+    mask[..., 3, :] = False
+    # bottom-right alignment with L > S leaves the first L - S rows without keys
+    path = path_for(q, k, v, mask, is_causal=True, causal_alignment="bottom_right", softcap=5.0)
+    out, stats = tiled_attention(q, k, v, path=path, attn_mask=mask, block_q=4, block_k=4, return_stats=True)
+    empty = torch.zeros(20, dtype=torch.bool)
+    empty[:11] = True
+    empty[3] = True
+    assert (out[..., empty, :] == 0).all()
+    assert (stats.lse[..., empty] == NEG_INF).all() and torch.isfinite(stats.lse[..., ~empty]).all()
+    assert (stats.visible_keys[..., empty] == 0).all()
+    (out.float().sum() + stats.lse[..., ~empty].sum()).backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert (q.grad[..., empty, :] == 0).all()
+
+
+def test_float_mask_all_minus_inf_row():
+    q, k, v = make_inputs(B=1, H=1, Hkv=1, L=4, S=20, seed=8)
+    mask = torch.zeros(4, 20, dtype=torch.float64)
+    mask[2] = NEG_INF
+    q.requires_grad_()
+    out = run_tiled(q, k, v, mask)
+    assert (out[..., 2, :] == 0).all()
+    out.sum().backward()
+    assert (q.grad[..., 2, :] == 0).all() and torch.isfinite(q.grad).all()
+
+
+def test_softcap_does_not_leak_masked_positions():
+    """Hidden keys get exactly zero weight and zero gradient, however large their (capped) logits."""
+    q, k, v = make_inputs(B=1, H=2, Hkv=2, L=9, S=33, dtype=torch.float32, seed=9)
+    mask = torch.ones(9, 33, dtype=torch.bool)
+    mask[:, 5:20] = False
+    k2, v2 = k.clone(), v.clone()
+    k2[..., 5:20, :] = q[..., :1, :] * 1e3  # would dominate every row if it leaked
+    v2[..., 5:20, :] = 1e6
+    for kk, vv in ((k, v), (k2, v2)):
+        kk.requires_grad_()
+        vv.requires_grad_()
+    opts = dict(softcap=2.0, is_causal=True, causal_alignment="bottom_right")
+    a, b = run_tiled(q, k, v, mask, **opts), run_tiled(q, k2, v2, mask, **opts)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    b.sum().backward()
+    assert (k2.grad[..., 5:20, :] == 0).all() and (v2.grad[..., 5:20, :] == 0).all()
+
+
+def test_half_precision_large_products_stay_finite():
+    q, k, v = make_inputs(B=1, H=2, Hkv=2, L=17, S=33, D=64, dtype=torch.float16, seed=10, mag=80.0)
+    out = run_tiled(q, k, v, softcap=30.0)
+    assert torch.isfinite(out).all()
+    assert torch.isfinite(q.float() @ k.float().mT).all() and not torch.isfinite(q @ k.mT).all()
+
+
+def test_empty_lengths():
+    q, k, v = make_inputs(L=0, S=5)
+    assert run_tiled(q, k, v, softcap=1.0).shape == (2, 4, 0, 5)
+    q, k, v = make_inputs(L=3, S=0)
+    out, stats = tiled_attention(q, k, v, path=ScorePath(scale=1.0), return_stats=True)
+    assert (out == 0).all() and (stats.lse == NEG_INF).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_partials_merge_to_the_whole(causal):
+    q, k, v = make_inputs(B=1, H=4, Hkv=2, L=24, S=40, seed=12)
+    q.requires_grad_()
+    path = path_for(q, k, v, softcap=3.0, is_causal=causal, causal_alignment="bottom_right")
+    slopes = attnscale.alibi_slopes(4).double()
+    full, full_stats = tiled_attention(q, k, v, path=path, alibi_slopes=slopes, return_stats=True)
+    queries = slice(10, 24)  # a query shard at global rows 10..23
+    out, lse = None, None
+    for k0, k1 in ((0, 7), (7, 30), (30, 40)):
+        part = attention_partial(
+            q[..., queries, :], k[..., k0:k1, :], v[..., k0:k1, :], path=path, q_start=10, k_start=k0,
+            alibi_slopes=slopes, block_q=4, block_k=4,
+        )
+        out, lse = part if out is None else merge_partials(out, lse, *part)
+    torch.testing.assert_close(out, full[..., queries, :], rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, full_stats.lse[..., queries], rtol=0, atol=1e-12)
+    g = torch.randn_like(out)
+    (got,) = torch.autograd.grad((out * g).sum() + lse.sum(), q)
+    (want,) = torch.autograd.grad((full[..., queries, :] * g).sum() + full_stats.lse[..., queries].sum(), q)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_merge_of_two_empty_partials_is_empty_and_finite():
+    out_a = torch.zeros(2, 3, requires_grad=True)
+    lse_a = torch.full((2,), NEG_INF, requires_grad=True)
+    out_b = torch.ones(2, 3, requires_grad=True)
+    lse_b = torch.tensor([NEG_INF, 0.5], requires_grad=True)
+    out, lse = merge_partials(out_a, lse_a, out_b, lse_b)
+    assert (out[0] == 0).all() and lse[0] == NEG_INF
+    torch.testing.assert_close(out[1], out_b[1])
+    (out.sum() + lse[1]).backward()
+    for t in (out_a, lse_a, out_b, lse_b):
+        assert torch.isfinite(t.grad).all()
+
+
+def test_auto_dispatch_rule(monkeypatch):
+    q, k, v = make_inputs(B=1, H=2, Hkv=2, L=9, S=9, D=8, Dv=8, dtype=torch.float32)
+    sdpa = attnscale.scaled_dot_product_attention
+    sdpa(q, k, v)
+    assert attnscale.last_backend() == "torch"
+    for opts in ({"softcap": 5.0}, {"return_stats": True}, {"window": (3, 0)}, {"alibi_slopes": attnscale.alibi_slopes(2)},
+                 {"is_causal": True, "causal_alignment": "bottom_right", "value": v[..., :5, :]}):
+        vv = opts.pop("value", v)
+        kk = k[..., : vv.shape[-2], :]
+        sdpa(q, kk, vv, **opts)
+        assert attnscale.last_backend() == "tiled", opts
+    sdpa(q, k, v, softcap=5.0, dropout_p=0.1)
+    assert attnscale.last_backend() == "math"
+    sdpa(q, k, v, alibi_slopes=attnscale.alibi_slopes(2).requires_grad_())
+    assert attnscale.last_backend() == "math"
+    sdpa(q, k, v[..., :3], dropout_p=0.0)  # D != Dv: torch's fused kernel declines; small: math
+    assert attnscale.last_backend() == "math"
+    monkeypatch.setattr(attnscale.functional, "MATH_MAX_SCORES", 100)
+    sdpa(q, k, v[..., :3])
+    assert attnscale.last_backend() == "tiled"
+
+
+@pytest.mark.parametrize("bad", [0, -4, True, 2.5, "64"])
+def test_bad_block_sizes(bad):
+    q, k, v = make_inputs()
+    for name in ("block_q", "block_k"):
+        with pytest.raises(ValueError, match=name):
+            tiled_attention(q, k, v, path=ScorePath(scale=1.0), **{name: bad})
+
+
+def test_bad_tiled_options():
+    q, k, v = make_inputs(H=2, Hkv=2)
+    with pytest.raises(ValueError, match="dropout_p.*tiled"):
+        attnscale.scaled_dot_product_attention(q, k, v, dropout_p=0.1, backend="tiled")
+    with pytest.raises(ValueError, match="alibi_slopes.*requires grad"):
+        attnscale.scaled_dot_product_attention(q, k, v, alibi_slopes=attnscale.alibi_slopes(2).double().requires_grad_(), backend="tiled")
+    with pytest.raises(ValueError, match="q_start"):
+        attention_partial(q, k, v, path=ScorePath(scale=1.0), q_start=-1)
+    with pytest.raises(ValueError, match="k_start"):
+        attention_partial(q, k, v, path=ScorePath(scale=1.0), k_start=1.5)
+
+
+RSS_PROBE = textwrap.dedent(
+    """
+    import json, sys, torch
+    from attnscale import ScorePath
+    from attnscale.tiled import tiled_attention
+    def status_kib(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field))
+    torch.set_num_threads(1)
+    L = int(sys.argv[1])
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, L, 16, generator=gen).requires_grad_() for _ in range(3))
+    small = [t.detach()[..., :64, :].clone().requires_grad_() for t in (q, k, v)]
+    out, _ = tiled_attention(*small, path=ScorePath(scale=0.25, softcap=30.0))
+    out.sum().backward()  # warm-up: load kernels and allocator pools before the baseline
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM): ru_maxrss would include the parent's peak, inherited over exec
+    before = status_kib("VmRSS:")
+    out, _ = tiled_attention(q, k, v, path=ScorePath(scale=0.25, softcap=30.0))
+    out.sum().backward()
+    after = status_kib("VmHWM:")
+    print(json.dumps({"growth_kib": after - before, "finite": bool(torch.isfinite(q.grad).all())}))
+    """
+)
+
+
+def test_tiled_never_allocates_the_score_matrix():
+    """Forward + backward at L = S = 8192, one head: an (L, S) float32 tensor would be 256 MiB."""
+    L = 8192
+    done = subprocess.run([sys.executable, "-c", RSS_PROBE, str(L)], capture_output=True, text=True, timeout=300, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["finite"]
+    score_matrix_kib = L * L * 4 // 1024
+    grads_kib = 3 * L * 16 * 4 // 1024  # q, k and v gradients must show up: the probe measures
+    assert grads_kib <= result["growth_kib"] < score_matrix_kib // 4, result

@@ -1,0 +1,227 @@
+"""Bad input is refused before any compute, with an error that names the argument, says what was
+expected and what arrived, and gives a fix."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnscale
+
+
+def qkv(*, H=4, Hkv=4, L=5, S=6, D=8, Dv=8, batch=(2,), dtype=torch.float32):
+    return torch.randn(*batch, H, L, D, dtype=dtype), torch.randn(*batch, Hkv, S, D, dtype=dtype), torch.randn(*batch, Hkv, S, Dv, dtype=dtype)
+
+
+def refused(exc: type[Exception], arg: str, *args, **kwargs) -> str:
+    """Call attention with bad input; check the exception type and the message's parts."""
+    with pytest.raises(exc) as info:
+        attnscale.scaled_dot_product_attention(*args, **kwargs)
+    message = str(info.value)
+    assert message.startswith(f"{arg}: expected "), message
+    assert ", got " in message and "Fix: " in message, message
+    return message
+
+
+q, k, v = qkv()
+
+
+# Tensors: type, dtype, rank, shapes -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("arg", ["query", "key", "value"])
+def test_non_tensor_inputs(arg):
+    inputs = dict(query=q, key=k, value=v)
+    inputs[arg] = inputs[arg].tolist()
+    refused(TypeError, arg, **inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64, torch.uint8])
+@pytest.mark.parametrize("arg", ["query", "key", "value"])
+def test_integer_bool_and_complex_dtypes(arg, dtype):
+    inputs = dict(query=q, key=k, value=v)
+    inputs[arg] = torch.ones(inputs[arg].shape, dtype=dtype)
+    assert "float" in refused(TypeError, arg, **inputs)
+
+
+@pytest.mark.parametrize(("arg", "dtype"), [("key", torch.float64), ("value", torch.float16), ("key", torch.bfloat16)])
+def test_mixed_dtypes(arg, dtype):
+    inputs = dict(query=q, key=k, value=v)
+    inputs[arg] = inputs[arg].to(dtype)
+    message = refused(TypeError, arg, **inputs)
+    assert "torch.float32" in message and str(dtype) in message
+
+
+@pytest.mark.parametrize("arg", ["key", "value"])
+def test_mixed_devices(arg):
+    # The meta device carries shapes only, so a mismatch is observable without a GPU.
+    inputs = dict(query=q, key=k, value=v)
+    inputs[arg] = inputs[arg].to("meta")
+    assert "meta" in refused(ValueError, arg, **inputs)
+
+
+@pytest.mark.parametrize(("arg", "shape"), [("query", (5, 8)), ("key", (6,)), ("value", (6, 8))])
+def test_too_few_dims(arg, shape):
+    inputs = dict(query=q, key=k, value=v)
+    inputs[arg] = torch.randn(shape)
+    assert "at least 3 dims" in refused(ValueError, arg, **inputs)
+
+
+def test_key_rank_differs_from_query():
+    refused(ValueError, "key", q, k[0], v)
+
+
+def test_head_dim_mismatch_between_query_and_key():
+    _, k7, _ = qkv(D=7)
+    assert "D = 8" in refused(ValueError, "key", q, k7, v)
+
+
+def test_length_mismatch_between_key_and_value():
+    assert "S = 6" in refused(ValueError, "value", q, k, v[..., :5, :])
+
+
+def test_head_mismatch_between_key_and_value():
+    refused(ValueError, "value", q, k, v[:, :2])
+
+
+def test_zero_head_dim():
+    q0, k0, v0 = qkv(D=0)
+    assert "D >= 1" in refused(ValueError, "query", q0, k0, v0)
+
+
+def test_zero_kv_heads():
+    q0, k0, v0 = qkv(H=0, Hkv=0)
+    refused(ValueError, "key", q0, k0, v0)
+
+
+def test_heads_differ_without_enable_gqa():
+    qg, kg, vg = qkv(H=8, Hkv=2)
+    assert "enable_gqa=True" in refused(ValueError, "key", qg, kg, vg)
+
+
+@pytest.mark.parametrize(("H", "Hkv"), [(6, 4), (4, 3), (2, 4)])
+def test_query_heads_not_a_multiple_of_kv_heads(H, Hkv):
+    qg, kg, vg = qkv(H=H, Hkv=Hkv)
+    assert "divides" in refused(ValueError, "key", qg, kg, vg, enable_gqa=True)
+
+
+def test_non_broadcastable_batch_dims():
+    q3, _, _ = qkv(batch=(3,))
+    assert "broadcastable" in refused(ValueError, "key", q3, k, v)
+
+
+# attn_mask --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(5, 7), (6, 5), (3, 4, 5, 6), (2, 2, 5, 6), (1, 2, 4, 5, 6)],
+    ids=["S", "L", "heads", "more-heads-than-H", "widens-batch"],
+)
+def test_mask_not_broadcastable(shape):
+    assert "(2, 4, 5, 6)" in refused(ValueError, "attn_mask", q, k, v, attn_mask=torch.ones(shape, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.complex64])
+def test_mask_dtype(dtype):
+    assert "mask.bool()" in refused(TypeError, "attn_mask", q, k, v, attn_mask=torch.ones(5, 6, dtype=dtype))
+
+
+def test_mask_not_a_tensor():
+    refused(TypeError, "attn_mask", q, k, v, attn_mask=[[True] * 6] * 5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_mask_nan_or_plus_inf(bad):
+    mask = torch.zeros(5, 6)
+    mask[1, 2] = bad
+    refused(ValueError, "attn_mask", q, k, v, attn_mask=mask)
+
+
+def test_mask_on_another_device():
+    refused(ValueError, "attn_mask", q, k, v, attn_mask=torch.ones(5, 6, dtype=torch.bool, device="meta"))
+
+
+# Scalars and choices ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125, math.nan, math.inf, -math.inf])
+def test_scale_must_be_finite_and_positive(scale):
+    refused(ValueError, "scale", q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("scale", ["0.125", True, torch.tensor(0.125), [0.125]])
+def test_scale_must_be_a_number(scale):
+    refused(TypeError, "scale", q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("softcap", [0.0, -1.0, math.nan, math.inf])
+def test_softcap_must_be_finite_and_positive(softcap):
+    refused(ValueError, "softcap", q, k, v, softcap=softcap)
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, math.nan, math.inf])
+def test_dropout_outside_zero_one(p):
+    refused(ValueError, "dropout_p", q, k, v, dropout_p=p)
+
+
+@pytest.mark.parametrize("p", ["0.1", True, None])
+def test_dropout_must_be_a_number(p):
+    refused(TypeError, "dropout_p", q, k, v, dropout_p=p)
+
+
+@pytest.mark.parametrize("arg", ["is_causal", "enable_gqa", "return_stats"])
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_flags_must_be_bool(arg, value):
+    refused(TypeError, arg, q, k, v, **{arg: value})
+
+
+@pytest.mark.parametrize(("arg", "value"), [("causal_alignment", "bottom-right"), ("causal_alignment", "upper_left"), ("backend", "flash"), ("backend", "Torch")])
+def test_unknown_choice(arg, value):
+    message = refused(ValueError, arg, q, k, v, **{arg: value})
+    assert repr(value) in message
+
+
+@pytest.mark.parametrize(("arg", "value"), [("causal_alignment", 0), ("backend", None)])
+def test_choice_of_wrong_type(arg, value):
+    refused(TypeError, arg, q, k, v, **{arg: value})
+
+
+@pytest.mark.parametrize("window", [(1,), (1, 2, 3), (-2, 0), (1.5, 0), (True, 0), "left", 4])
+def test_bad_window(window):
+    refused(ValueError, "window", q, k, v, window=window)
+
+
+def test_alibi_slopes_shape():
+    assert "(H,) or (B, H)" in refused(ValueError, "alibi_slopes", q, k, v, alibi_slopes=torch.ones(5))
+    refused(ValueError, "alibi_slopes", q, k, v, alibi_slopes=torch.tensor(0.5))
+    refused(ValueError, "alibi_slopes", q, k, v, alibi_slopes=torch.ones(3, 4))
+
+
+@pytest.mark.parametrize("slopes", [[0.5] * 4, torch.ones(4, dtype=torch.int64)], ids=["list", "int"])
+def test_alibi_slopes_type(slopes):
+    refused(TypeError, "alibi_slopes", q, k, v, alibi_slopes=slopes)
+
+
+def test_alibi_slopes_device():
+    refused(ValueError, "alibi_slopes", q, k, v, alibi_slopes=torch.ones(4, device="meta"))
+
+
+@pytest.mark.parametrize("option", [dict(softcap=30.0), dict(return_stats=True)])
+def test_torch_backend_with_what_torch_lacks(option):
+    refused(ValueError, "backend", q, k, v, backend="torch", **option)
+
+
+# Validation runs first --------------------------------------------------------------------------
+
+
+def test_validation_runs_before_any_compute():
+    # Meta tensors have no data: any attempt to compute would fail differently or silently succeed.
+    qm, km, vm = (t.to("meta") for t in qkv())
+    refused(ValueError, "scale", qm, km, vm, scale=-1.0)
+    refused(ValueError, "key", qm, km[..., :7], vm)
+    before = attnscale.last_backend()
+    refused(ValueError, "dropout_p", q, k, v, dropout_p=2.0)
+    assert attnscale.last_backend() == before  # nothing ran
