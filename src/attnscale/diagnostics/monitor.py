@@ -1,0 +1,743 @@
+"""Watch attention in a live model: per layer and head, how peaked softmax is and how large its logits get.
+
+:func:`monitor` returns a :class:`Monitor`, a context manager (or ``start()`` / ``stop()`` for a
+training loop). While it is active:
+
+* ``torch.nn.functional.scaled_dot_product_attention`` is replaced by a wrapper with the same
+  semantics that computes the call with :func:`attnscale.scaled_dot_product_attention` (statistics
+  on) and returns only the output. It sees every model whose attention looks that function up at
+  call time: nanoGPT-style code (``F.scaled_dot_product_attention(...)``), HuggingFace models with
+  ``attn_implementation="sdpa"``, and ``torch.nn.MultiheadAttention`` called with
+  ``need_weights=False`` outside its inference fast path. ``nn.MultiheadAttention`` with
+  ``need_weights=True`` (its default) computes softmax itself, and its fast path (eval mode under
+  ``torch.no_grad()``) runs a fused C++ kernel; neither goes through the function, so neither is seen.
+* HuggingFace models set to ``attn_implementation="attnscale"`` (see :mod:`attnscale.diagnostics.hf`)
+  report to the active monitor directly.
+* forward pre/post hooks on every module of ``model`` keep a stack of the modules running; a call
+  is recorded under the innermost one's qualified name (``transformer.h.0.attn``). Calls made
+  outside the model's forward run through torch's own function, unrecorded.
+
+Everything is restored on exit, also when the body raises. One monitor may be active at a time in
+a process; starting a second one (or the same one twice) raises ``RuntimeError``.
+
+Thread safety: the replacement of the torch function is process-wide, and so is the active
+monitor. The module stack is per thread, and statistics are accumulated under a lock, so a model
+may run in several threads while a monitor watches it. Start and stop the monitor while no forward
+pass is running. It is meant for eager mode, not inside ``torch.compile``.
+
+Recorded per (layer, head), accumulated over calls, batch and query rows:
+
+* ``score_std`` and ``scaled_score_std``: standard deviation of ``q.k`` over all (query, key)
+  pairs, before and after the scale. It is computed from D x D Gram matrices, never from an
+  (L, S) score tensor: with ``Q`` (L, D) and ``K`` (S, D),
+  ``sum_ij q_i.k_j = (sum_i q_i).(sum_j k_j)`` and ``sum_ij (q_i.k_j)^2 = <Q^T Q, K^T K>_F``.
+  Masks are ignored for this statistic: every (query, key) pair counts.
+* ``max_logit``: the largest logit after scale (and any additive mask) over visible keys,
+  QK-Clip's S_max.
+* ``entropy`` (mean, nats), ``normalized_entropy`` (mean of entropy / log(visible keys):
+  1 = uniform, 0 = one-hot), ``max_prob`` (mean of each row's largest weight) and
+  ``saturated_share`` (share of rows whose largest weight exceeds ``saturation_prob``).
+  Rows with no visible key are left out; every other row the model computes counts, including
+  the rows of padding queries (a padding mask hides keys, not queries).
+
+The wrapper computes what torch 2.13's function computes (a row with no visible key gives zeros;
+``attn_mask`` with ``is_causal`` applies both; older torch versions give NaN, or raise, there);
+only dropout draws a different random pattern. Its output agrees with torch's to float32 rounding.
+
+>>> import torch, torch.nn.functional as F, attnscale
+>>> q = torch.randn(2, 4, 8, 16)  # (B, H, L, D)
+>>> with attnscale.monitor(torch.nn.Identity()) as mon:
+...     out = F.scaled_dot_product_attention(q, q, q)  # outside the model: not recorded
+>>> mon.report().heads, F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+((), True)
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._validate import check_attention_call, fail
+from ..dense import accumulation_dtype
+from ..functional import MATH_MAX_SCORES, scaled_dot_product_attention
+from ..stats import AttentionStats, normalized_entropy
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from rich.table import Table
+
+__all__ = [
+    "Flag",
+    "HeadReport",
+    "LayerSummary",
+    "Monitor",
+    "MonitorReport",
+    "MonitorThresholds",
+    "active_monitor",
+    "monitor",
+    "read_csv",
+    "score_moments",
+]
+
+SCHEMA = "attnscale.monitor/1"
+ROUTE_SDPA = "torch.nn.functional.scaled_dot_product_attention"
+ROUTE_HF = "transformers:attnscale"
+
+
+def _check_unit(name: str, value: object, *, open_low: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        fail(name, "a float", repr(value), f"pass e.g. {name}=0.5", exc=TypeError)
+    value = float(value)
+    ok = (0.0 < value < 1.0) if open_low else (0.0 <= value <= 1.0)
+    if not ok:
+        interval = "(0, 1)" if open_low else "[0, 1]"
+        fail(name, f"a float in {interval}", repr(value), f"pick a value in {interval}")
+    return value
+
+
+@dataclass(frozen=True)
+class MonitorThresholds:
+    """When a head is flagged. All checks are on statistics accumulated over every recorded row.
+
+    * saturated: more than ``saturated_share`` of rows have max probability > ``saturation_prob``,
+      or the mean normalised entropy is below ``low_entropy``;
+    * max logit: the largest logit exceeds ``max_logit`` (100 is QK-Clip's threshold tau);
+    * uniform: the mean normalised entropy exceeds ``uniform_entropy`` (attention collapsed to averaging).
+
+    >>> MonitorThresholds(max_logit=30.0).max_logit
+    30.0
+    >>> MonitorThresholds(saturation_prob=1.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: saturation_prob: expected a float in (0, 1), got 1.5. Fix: pick a value in (0, 1)
+    """
+
+    saturation_prob: float = 0.99
+    saturated_share: float = 0.5
+    low_entropy: float = 0.05
+    max_logit: float = 100.0
+    uniform_entropy: float = 0.98
+
+    def __post_init__(self) -> None:
+        _check_unit("saturation_prob", self.saturation_prob)
+        _check_unit("saturated_share", self.saturated_share, open_low=False)
+        _check_unit("low_entropy", self.low_entropy, open_low=False)
+        _check_unit("uniform_entropy", self.uniform_entropy, open_low=False)
+        if self.low_entropy >= self.uniform_entropy:
+            fail(
+                "low_entropy",
+                f"a value below uniform_entropy = {self.uniform_entropy}",
+                repr(self.low_entropy),
+                "lower low_entropy or raise uniform_entropy",
+            )
+        if isinstance(self.max_logit, bool) or not isinstance(self.max_logit, (int, float)):
+            fail("max_logit", "a float", repr(self.max_logit), "pass e.g. max_logit=100.0", exc=TypeError)
+        if not math.isfinite(self.max_logit) or self.max_logit <= 0:
+            fail("max_logit", "a finite float > 0", repr(self.max_logit), "pass e.g. max_logit=100.0")
+        for f in fields(self):
+            object.__setattr__(self, f.name, float(getattr(self, f.name)))
+
+
+@dataclass(frozen=True)
+class HeadReport:
+    """Statistics of one head at one call site, over all its recorded calls. None where no row was visible."""
+
+    layer: str
+    head: int
+    route: str
+    calls: int
+    rows: int
+    score_std: float | None
+    scaled_score_std: float | None
+    max_logit: float | None
+    entropy: float | None
+    normalized_entropy: float | None
+    max_prob: float | None
+    saturated_share: float | None
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A head worth a look: ``kind`` is "saturated", "max_logit" or "uniform"; ``reason`` says by how much."""
+
+    layer: str
+    head: int
+    kind: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class LayerSummary:
+    """One call site's heads in one line: means over heads, except ``max_logit`` (the max)."""
+
+    layer: str
+    heads: int
+    normalized_entropy: float | None
+    max_prob: float | None
+    max_logit: float | None
+    flagged_heads: tuple[int, ...]
+
+
+_CSV_FIELDS = tuple(f.name for f in fields(HeadReport)) + ("flags",)
+_INT_FIELDS = {"head", "calls", "rows"}
+_STR_FIELDS = {"layer", "route"}
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+def _flags_for(head: HeadReport, t: MonitorThresholds) -> list[Flag]:
+    out = []
+    share, ent = head.saturated_share, head.normalized_entropy
+    if share is not None and share > t.saturated_share:
+        out.append(Flag(head.layer, head.head, "saturated", f"max prob > {t.saturation_prob:g} on {share:.0%} of rows (> {t.saturated_share:.0%})"))
+    elif ent is not None and ent < t.low_entropy:
+        out.append(Flag(head.layer, head.head, "saturated", f"normalised entropy {ent:.3f} < {t.low_entropy:g}"))
+    if head.max_logit is not None and head.max_logit > t.max_logit:
+        out.append(Flag(head.layer, head.head, "max_logit", f"max logit {head.max_logit:.1f} > {t.max_logit:g} (QK-Clip threshold)"))
+    if ent is not None and ent > t.uniform_entropy:
+        out.append(Flag(head.layer, head.head, "uniform", f"normalised entropy {ent:.3f} > {t.uniform_entropy:g} (close to uniform)"))
+    return out
+
+
+@dataclass(frozen=True)
+class MonitorReport:
+    """What a :class:`Monitor` recorded: one :class:`HeadReport` per (layer, head) in call order, and flags.
+
+    ``skipped_calls`` counts calls inside the model that attnscale could not compute (for example
+    nested tensors); torch computed them, unrecorded.
+    """
+
+    heads: tuple[HeadReport, ...]
+    flags: tuple[Flag, ...]
+    thresholds: MonitorThresholds = field(default_factory=MonitorThresholds)
+    skipped_calls: int = 0
+
+    @classmethod
+    def from_heads(cls, heads: Iterable[HeadReport], thresholds: MonitorThresholds, skipped_calls: int = 0) -> MonitorReport:
+        heads = tuple(heads)
+        flags = tuple(f for h in heads for f in _flags_for(h, thresholds))
+        return cls(heads=heads, flags=flags, thresholds=thresholds, skipped_calls=skipped_calls)
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """Call sites in the order they were first called."""
+        return tuple(dict.fromkeys(h.layer for h in self.heads))
+
+    def layer_summaries(self) -> tuple[LayerSummary, ...]:
+        out = []
+        for layer in self.layers:
+            heads = [h for h in self.heads if h.layer == layer]
+            logits = [h.max_logit for h in heads if h.max_logit is not None]
+            out.append(
+                LayerSummary(
+                    layer=layer,
+                    heads=len(heads),
+                    normalized_entropy=_mean(h.normalized_entropy for h in heads),
+                    max_prob=_mean(h.max_prob for h in heads),
+                    max_logit=max(logits) if logits else None,
+                    flagged_heads=tuple(sorted({f.head for f in self.flags if f.layer == layer})),
+                )
+            )
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stable JSON form (``schema`` = "attnscale.monitor/1"); :meth:`from_dict` reads it back."""
+        return {
+            "schema": SCHEMA,
+            "thresholds": asdict(self.thresholds),
+            "skipped_calls": self.skipped_calls,
+            "heads": [asdict(h) for h in self.heads],
+            "flags": [asdict(f) for f in self.flags],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MonitorReport:
+        if data.get("schema") != SCHEMA:
+            fail("data", f"schema {SCHEMA!r}", repr(data.get("schema")), "pass the output of MonitorReport.to_dict()")
+        return cls(
+            heads=tuple(HeadReport(**h) for h in data["heads"]),
+            flags=tuple(Flag(**f) for f in data["flags"]),
+            thresholds=MonitorThresholds(**data["thresholds"]),
+            skipped_calls=int(data["skipped_calls"]),
+        )
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **{"indent": 2, **kwargs})
+
+    @classmethod
+    def from_json(cls, text: str) -> MonitorReport:
+        return cls.from_dict(json.loads(text))
+
+    def to_csv(self) -> str:
+        """One row per (layer, head); floats in Python's round-trip repr, None as an empty cell,
+        ``flags`` as kinds joined by ``;``. :func:`read_csv` reads the heads back."""
+        kinds: dict[tuple[str, int], list[str]] = {}
+        for f in self.flags:
+            kinds.setdefault((f.layer, f.head), []).append(f.kind)
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(_CSV_FIELDS)
+        for h in self.heads:
+            row = ["" if v is None else repr(v) if isinstance(v, float) else str(v) for v in (getattr(h, n) for n in _CSV_FIELDS[:-1])]
+            writer.writerow([*row, ";".join(kinds.get((h.layer, h.head), []))])
+        return buf.getvalue()
+
+    def table(self, *, title: str | None = None) -> Table:
+        """A rich table, one row per (layer, head), flagged heads marked; fits 80 columns."""
+        from rich import box
+        from rich.table import Table
+
+        kinds: dict[tuple[str, int], list[str]] = {}
+        for f in self.flags:
+            kinds.setdefault((f.layer, f.head), []).append(f.kind)
+        labels, shared = _short_labels(self.layers)
+        short = dict(zip(self.layers, labels))
+        legend = (
+            "std: of q.k over all pairs (masks ignored); std*s: after the scale; S_max: max logit; "
+            "H: mean entropy (nats); H/ln n: over log(visible keys); max p: mean max probability; "
+            f"sat: rows with max p > {self.thresholds.saturation_prob:g}"
+        )
+        caption = f"layer = {shared}\n{legend}" if shared else legend
+        table = Table(title=title or "attention per layer and head", caption=caption, box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False)
+        for name in ("layer", "head", "calls", "std", "std*s", "S_max", "H", "H/ln n", "max p", "sat", "flags"):
+            if name == "flags":
+                table.add_column(name, overflow="fold")
+            else:
+                table.add_column(name, justify="left" if name == "layer" else "right", no_wrap=True)
+
+        def num(x: float | None, spec: str) -> str:
+            return "-" if x is None else format(x, spec)
+
+        for h in self.heads:
+            flagged = kinds.get((h.layer, h.head), [])
+            table.add_row(
+                short[h.layer],
+                str(h.head),
+                str(h.calls),
+                num(h.score_std, ".2f"),
+                num(h.scaled_score_std, ".2f"),
+                num(h.max_logit, ".1f"),
+                num(h.entropy, ".2f"),
+                num(h.normalized_entropy, ".3f"),
+                num(h.max_prob, ".3f"),
+                num(h.saturated_share, ".0%"),
+                f"[red]{', '.join(flagged)}[/]" if flagged else "",
+            )
+        return table
+
+    def heatmap(self, *, title: str | None = None) -> Figure:
+        """Two heatmaps, layers x heads: mean normalised entropy and max logit (a ``Figure``, not pyplot).
+
+        Save with ``fig.savefig("heatmap.svg")`` or ``.png``. Rows are labelled by what differs
+        between layer names (``encoder.layer.3.attention.self`` -> ``3``); the shared part is the title.
+        """
+        import numpy as np
+        from matplotlib.figure import Figure
+
+        layers = self.layers
+        labels, shared = _short_labels(layers)
+        width = max((h.head for h in self.heads), default=-1) + 1
+        grids = {name: np.full((len(layers), width), np.nan) for name in ("normalized_entropy", "max_logit")}
+        row = {layer: i for i, layer in enumerate(layers)}
+        for h in self.heads:
+            for name, grid in grids.items():
+                value = getattr(h, name)
+                grid[row[h.layer], h.head] = np.nan if value is None else value
+        fig = Figure(figsize=(4.0 + 0.45 * width, 1.5 + 0.45 * len(layers)), layout="constrained")
+        fig.suptitle(title or (f"{shared}, per head" if shared else "attention per layer and head"))
+        axes = fig.subplots(1, 2)
+        panels = (
+            ("normalized_entropy", "entropy / log(visible keys)", "viridis", dict(vmin=0.0, vmax=1.0)),
+            ("max_logit", "max logit (after scale)", "magma", {}),
+        )
+        for ax, (name, title, cmap, limits) in zip(axes, panels):
+            image = ax.imshow(grids[name], aspect="auto", cmap=cmap, **limits)
+            ax.set_title(title)
+            ax.set_xlabel("head")
+            ax.set_xticks(range(width))
+            ax.set_yticks(range(len(layers)), labels=labels if ax is axes[0] else [""] * len(layers))
+            fig.colorbar(image, ax=ax)
+        axes[0].set_ylabel("layer")
+        return fig
+
+    def save(self, folder: str | Path, *, stem: str = "monitor") -> dict[str, Path]:
+        """Write ``stem.json``, ``stem.csv``, ``stem_heatmap.svg`` and ``stem_heatmap.png`` into ``folder``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = {
+            "json": folder / f"{stem}.json",
+            "csv": folder / f"{stem}.csv",
+            "svg": folder / f"{stem}_heatmap.svg",
+            "png": folder / f"{stem}_heatmap.png",
+        }
+        paths["json"].write_text(self.to_json() + "\n")
+        paths["csv"].write_text(self.to_csv())
+        fig = self.heatmap()
+        fig.savefig(paths["svg"])
+        fig.savefig(paths["png"], dpi=120)
+        return paths
+
+
+def _short_labels(layers: tuple[str, ...]) -> tuple[list[str], str]:
+    """Layer labels without the dotted prefix and suffix all names share, and the shared pattern.
+
+    >>> _short_labels(("enc.layer.0.attn", "enc.layer.1.attn"))
+    (['0', '1'], 'enc.layer.*.attn')
+    """
+    if len(layers) < 2:
+        return list(layers), ""
+    parts = [name.split(".") for name in layers]
+    head = 0
+    while all(len(p) > head + 1 for p in parts) and len({p[head] for p in parts}) == 1:
+        head += 1
+    tail = 0
+    while all(len(p) > head + tail + 1 for p in parts) and len({p[-1 - tail] for p in parts}) == 1:
+        tail += 1
+    labels = [".".join(p[head : len(p) - tail]) for p in parts]
+    shared = ".".join([*parts[0][:head], "*", *parts[0][len(parts[0]) - tail :]]) if head or tail else ""
+    return labels, shared
+
+
+def read_csv(text: str) -> tuple[HeadReport, ...]:
+    """The heads of :meth:`MonitorReport.to_csv` (the ``flags`` column is derived and dropped)."""
+    rows = csv.DictReader(io.StringIO(text))
+    if tuple(rows.fieldnames or ()) != _CSV_FIELDS:
+        fail("text", f"a CSV with header {','.join(_CSV_FIELDS)}", repr(rows.fieldnames), "pass the output of MonitorReport.to_csv()")
+    heads = []
+    for row in rows:
+        values: dict[str, Any] = {}
+        for name in _CSV_FIELDS[:-1]:
+            cell = row[name]
+            if name in _STR_FIELDS:
+                values[name] = cell
+            elif name in _INT_FIELDS:
+                values[name] = int(cell)
+            else:
+                values[name] = None if cell == "" else float(cell)
+        heads.append(HeadReport(**values))
+    return tuple(heads)
+
+
+class _Accumulator:
+    """Running per-head sums for one call site, as float64 tensors on the device of the first call
+    (no host synchronisation per call)."""
+
+    NAMES = ("rows", "sum_qk", "sum_qk2", "pairs", "sum_sqk", "sum_sqk2", "entropy", "norm_entropy", "max_prob", "saturated")
+
+    def __init__(self, route: str, H: int, device: torch.device) -> None:
+        self.route = route
+        self.H = H
+        self.calls = 0
+        self.sums = {name: torch.zeros(H, dtype=torch.float64, device=device) for name in self.NAMES}
+        self.max_logit = torch.full((H,), -math.inf, dtype=torch.float64, device=device)
+
+    def report(self, layer: str) -> list[HeadReport]:
+        s = {name: t.cpu().tolist() for name, t in self.sums.items()}
+        max_logit = self.max_logit.cpu().tolist()
+        heads = []
+        for h in range(self.H):
+            rows, pairs = int(s["rows"][h]), s["pairs"][h]
+
+            def std(total: float, total2: float) -> float | None:
+                if pairs == 0:
+                    return None
+                mean = total / pairs
+                return math.sqrt(max(total2 / pairs - mean * mean, 0.0))
+
+            def mean(name: str) -> float | None:
+                return s[name][h] / rows if rows else None
+
+            heads.append(
+                HeadReport(
+                    layer=layer,
+                    head=h,
+                    route=self.route,
+                    calls=self.calls,
+                    rows=rows,
+                    score_std=std(s["sum_qk"][h], s["sum_qk2"][h]),
+                    scaled_score_std=std(s["sum_sqk"][h], s["sum_sqk2"][h]),
+                    max_logit=max_logit[h] if rows and math.isfinite(max_logit[h]) else None,
+                    entropy=mean("entropy"),
+                    normalized_entropy=mean("norm_entropy"),
+                    max_prob=mean("max_prob"),
+                    saturated_share=mean("saturated"),
+                )
+            )
+        return heads
+
+
+def score_moments(query: Tensor, key: Tensor, batch: tuple[int, ...]) -> tuple[Tensor, Tensor, int]:
+    """Per query head, ``sum q.k`` and ``sum (q.k)^2`` over all (query, key) pairs and batch, and the
+    number of pairs per head; never forms an (L, S) tensor.
+
+    query (..., H, L, D), key (..., Hkv, S, D); ``batch`` is the broadcast batch shape of the call.
+    Sums and Gram matrices are formed in float32 (float64 for float64 inputs), as the attention
+    itself is; the totals per head are float64.
+
+    >>> q, k = torch.randn(2, 4, 5, 3), torch.randn(2, 2, 7, 3)
+    >>> total, total2, n = score_moments(q, k, (2,))
+    >>> qk = q.double() @ k.double().repeat_interleave(2, dim=-3).transpose(-1, -2)  # (B, H, L, S)
+    >>> torch.allclose(total, qk.sum((0, 2, 3))), torch.allclose(total2, (qk ** 2).sum((0, 2, 3))), n
+    (True, True, 70)
+    """
+    acc = accumulation_dtype(query.dtype)
+    H, Hkv = query.shape[-3], key.shape[-3]
+    q = query.detach().to(acc).unflatten(-3, (Hkv, H // Hkv))  # (..., Hkv, G, L, D)
+    k = key.detach().to(acc).unsqueeze(-3)  # (..., Hkv, 1, S, D)
+    total = (q.sum(-2) * k.sum(-2)).sum(-1)  # (..., Hkv, G)
+    gram_q = q.transpose(-1, -2) @ q  # (..., Hkv, G, D, D)
+    gram_k = k.transpose(-1, -2) @ k  # (..., Hkv, 1, D, D)
+    total2 = (gram_q * gram_k).sum((-1, -2))  # (..., Hkv, G)
+    total = total.flatten(-2).expand(*batch, H).reshape(-1, H).sum(0, dtype=torch.float64)  # (H,)
+    total2 = total2.flatten(-2).expand(*batch, H).reshape(-1, H).sum(0, dtype=torch.float64)  # (H,)
+    return total, total2, math.prod(batch) * query.shape[-2] * key.shape[-2]
+
+
+_lock = threading.Lock()
+_active: Monitor | None = None
+_local = threading.local()
+# HuggingFace attn_implementation names whose attention reports to the active monitor
+# (attnscale.diagnostics.hf.register adds the names it registers).
+HF_IMPLEMENTATIONS = {"attnscale"}
+
+
+def active_monitor() -> Monitor | None:
+    """The monitor currently started in this process, if any."""
+    return _active
+
+
+class Monitor:
+    """Records attention statistics of ``model``; see the module docstring. Use :func:`monitor` to make one."""
+
+    def __init__(self, model: nn.Module, *, thresholds: MonitorThresholds | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            fail("model", "a torch.nn.Module", type(model).__name__, "pass the model whose attention to watch", exc=TypeError)
+        if thresholds is None:
+            thresholds = MonitorThresholds()
+        if not isinstance(thresholds, MonitorThresholds):
+            fail("thresholds", "a MonitorThresholds", type(thresholds).__name__, "pass MonitorThresholds(...)", exc=TypeError)
+        self.model = model
+        self.thresholds = thresholds
+        self._names: dict[int, str] = {}
+        self._acc: dict[str, _Accumulator] = {}
+        self._skipped = 0
+        self._acc_lock = threading.Lock()
+        self._hooks: list[Any] = []
+        self._original: Callable[..., Tensor] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._original is not None
+
+    def start(self) -> Monitor:
+        """Replace the torch function and hook the model's modules. Returns self."""
+        global _active
+        with _lock:
+            if _active is not None:
+                which = "this monitor is" if _active is self else f"a monitor of {type(_active.model).__name__} is"
+                raise RuntimeError(f"attnscale.monitor: {which} already active; nesting is not supported. Fix: stop it first")
+            _check_attention_implementation(self.model)
+            self._names = {id(m): name or type(self.model).__name__ for name, m in self.model.named_modules()}
+            _local.stack = []
+            for module in self.model.modules():
+                self._hooks.append(module.register_forward_pre_hook(self._enter))
+                self._hooks.append(module.register_forward_hook(self._exit, always_call=True))
+            self._original = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = self._wrapper(self._original)
+            _active = self
+        return self
+
+    def stop(self) -> MonitorReport:
+        """Restore the torch function, remove the hooks, and return the report."""
+        global _active
+        with _lock:
+            if _active is not self or self._original is None:
+                raise RuntimeError("attnscale.monitor: this monitor is not active. Fix: call start() first")
+            F.scaled_dot_product_attention = self._original
+            self._original = None
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
+            _active = None
+        return self.report()
+
+    def __enter__(self) -> Monitor:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def reset(self) -> None:
+        """Forget what was recorded so far (e.g. between training steps)."""
+        with self._acc_lock:
+            self._acc.clear()
+            self._skipped = 0
+
+    def report(self) -> MonitorReport:
+        """What was recorded so far; callable while active or after stop."""
+        with self._acc_lock:
+            heads = [h for layer, acc in self._acc.items() for h in acc.report(layer)]
+            skipped = self._skipped
+        return MonitorReport.from_heads(heads, self.thresholds, skipped)
+
+    # Module stack: per thread, so that concurrent forwards attribute calls to their own modules.
+    def _enter(self, module: nn.Module, args: object) -> None:
+        stack = getattr(_local, "stack", None)
+        if stack is None:
+            stack = _local.stack = []
+        stack.append(module)
+
+    def _exit(self, module: nn.Module, args: object, output: object) -> None:
+        stack = getattr(_local, "stack", None)
+        if stack and stack[-1] is module:
+            stack.pop()
+
+    def current_layer(self) -> str | None:
+        """Qualified name of the innermost module of the model running in this thread (None if none)."""
+        stack = getattr(_local, "stack", None)
+        return self._names.get(id(stack[-1])) if stack else None
+
+    def name_of(self, module: nn.Module) -> str | None:
+        return self._names.get(id(module))
+
+    def _wrapper(self, original: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def scaled_dot_product_attention_monitored(
+            query: Tensor,
+            key: Tensor,
+            value: Tensor,
+            attn_mask: Tensor | None = None,
+            dropout_p: float = 0.0,
+            is_causal: bool = False,
+            *,
+            scale: float | None = None,
+            enable_gqa: bool = False,
+        ) -> Tensor:
+            layer = self.current_layer()
+            if layer is None or getattr(_local, "recording", False):
+                return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+            try:
+                out, _ = self.attend(
+                    layer,
+                    ROUTE_SDPA,
+                    query,
+                    key,
+                    value,
+                    attn_mask=attn_mask,
+                    dropout_p=dropout_p,
+                    is_causal=is_causal,
+                    scale=scale,
+                    enable_gqa=enable_gqa,
+                )
+            except (TypeError, ValueError):
+                # attnscale refused the inputs (nested tensors, fewer than 3 dims, ...): torch computes
+                # the call exactly as without the monitor, or raises its own error.
+                with self._acc_lock:
+                    self._skipped += 1
+                return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+            return out
+
+        scaled_dot_product_attention_monitored.__doc__ = original.__doc__
+        return scaled_dot_product_attention_monitored
+
+    def attend(self, layer: str, route: str, query: Tensor, key: Tensor, value: Tensor, **options: Any) -> tuple[Tensor, AttentionStats]:
+        """``attnscale.scaled_dot_product_attention(query, key, value, **options)`` with statistics,
+        recorded under ``layer``; returns (out, stats). Invalid inputs raise before any compute."""
+        call = check_attention_call(
+            query,
+            key,
+            value,
+            attn_mask=options.get("attn_mask"),
+            dropout_p=options.get("dropout_p", 0.0),
+            is_causal=options.get("is_causal", False),
+            scale=options.get("scale"),
+            enable_gqa=options.get("enable_gqa", False),
+            causal_alignment="top_left",
+            backend="auto",
+            softcap=options.get("softcap"),
+            alibi_slopes=None,
+            window=None,
+            return_stats=True,
+        )
+        scores = math.prod(call.batch) * call.H * call.L * call.S
+        # With statistics, "auto" picks the tiled kernel; below the memory limit the dense one is faster.
+        backend = "math" if scores <= MATH_MAX_SCORES else "auto"
+        _local.recording = True
+        try:
+            out, stats = scaled_dot_product_attention(query, key, value, return_stats=True, backend=backend, **options)
+        finally:
+            _local.recording = False
+        self._record(layer, route, query, key, call.batch, call.path.scale, stats)
+        return out, stats
+
+    def _record(self, layer: str, route: str, query: Tensor, key: Tensor, batch: tuple[int, ...], scale: float, stats: AttentionStats) -> None:
+        H = query.shape[-3]
+        with torch.no_grad():
+            total, total2, pairs = score_moments(query, key, batch)
+            rows_dims = [d for d in range(stats.lse.ndim) if d != stats.lse.ndim - 2]  # all but H
+            shown = (stats.visible_keys > 0).expand(stats.lse.shape)  # (..., H, L): rows with a visible key
+
+            def per_head(t: Tensor) -> Tensor:
+                return torch.where(shown, t.detach(), 0.0).sum(rows_dims, dtype=torch.float64)  # (H,)
+
+            update = {
+                "rows": shown.sum(rows_dims, dtype=torch.float64),
+                "sum_qk": total,
+                "sum_qk2": total2,
+                "pairs": torch.full_like(total, float(pairs)),
+                "sum_sqk": total * scale,
+                "sum_sqk2": total2 * scale**2,
+                "entropy": per_head(stats.entropy),
+                "norm_entropy": per_head(normalized_entropy(stats).nan_to_num(0.0)),
+                "max_prob": per_head(stats.max_prob),
+                "saturated": (shown & (stats.max_prob > self.thresholds.saturation_prob)).sum(rows_dims, dtype=torch.float64),
+            }
+            row_max = None
+            if shown.numel():
+                row_max = torch.where(shown, stats.max_logit.detach(), -math.inf).amax(rows_dims).double()  # (H,)
+        with self._acc_lock:
+            acc = self._acc.get(layer)
+            if acc is None:
+                acc = self._acc[layer] = _Accumulator(route, H, query.device)
+            elif acc.H != H:
+                raise RuntimeError(f"attnscale.monitor: layer {layer!r} was called with {acc.H} heads before and {H} now")
+            acc.calls += 1
+            for name, value in update.items():
+                acc.sums[name] += value
+            if row_max is not None:
+                torch.maximum(acc.max_logit, row_max, out=acc.max_logit)
+
+
+def _check_attention_implementation(model: nn.Module) -> None:
+    """A HuggingFace model in eager (or flash) attention never calls the function the monitor watches."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if isinstance(impl, str) and impl != "sdpa" and impl not in HF_IMPLEMENTATIONS:
+        fail(
+            "model",
+            "a HuggingFace model with attn_implementation 'sdpa' or 'attnscale'",
+            f"attn_implementation {impl!r}",
+            "call model.set_attn_implementation('sdpa') (or 'attnscale' after attnscale.diagnostics.hf.register())",
+        )
+
+
+def monitor(model: nn.Module, *, thresholds: MonitorThresholds | None = None) -> Monitor:
+    """Watch ``model``'s attention: ``with attnscale.monitor(model) as mon: model(x)``, then ``mon.report()``.
+
+    For a training loop: ``mon = attnscale.monitor(model).start()`` ... ``report = mon.stop()``
+    (``mon.report()`` and ``mon.reset()`` in between). See :mod:`attnscale.diagnostics.monitor`.
+    """
+    return Monitor(model, thresholds=thresholds)
