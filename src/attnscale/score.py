@@ -76,13 +76,24 @@ class ScorePath:
         alibi_slopes: Tensor | None = None,
         additive: Tensor | None = None,
     ) -> Tensor:
-        """Scale, cap and bias raw products ``qk`` (..., H, Lb, Sb); masking comes afterwards."""
-        s = qk * self.scale
-        if self.softcap is not None:
-            s = torch.tanh(s / self.softcap) * self.softcap
+        """Scale, cap and bias raw products ``qk`` (..., H, Lb, Sb); masking comes afterwards.
+
+        Without autograd (inference, and inside the tiled kernel's own forward and backward)
+        ``qk`` is overwritten in place: the score tile is the largest tensor of a step, and each
+        out-of-place op would allocate and sweep another one.
+        """
+        inplace = not torch.is_grad_enabled()
+        if self.softcap is not None:  # softcap * tanh(scale * qk / softcap): the scale rides in one pass
+            s = qk.mul_(self.scale / self.softcap) if inplace else qk * (self.scale / self.softcap)
+            s = s.tanh_().mul_(self.softcap) if inplace else torch.tanh(s) * self.softcap
+        elif self.scale != 1.0:
+            s = qk.mul_(self.scale) if inplace else qk * self.scale
+        else:
+            s = qk if inplace else qk * 1.0
         if alibi_slopes is not None:
             distance = (q_pos - k_pos).abs().to(s.dtype)  # (Lb, Sb)
-            s = s - alibi_slopes.to(s.dtype)[..., None, None] * distance
+            bias = alibi_slopes.to(s.dtype)[..., None, None] * distance
+            s = s.sub_(bias) if inplace and bias.shape == s.shape[-bias.ndim :] else s - bias
         if additive is not None:
-            s = s + additive
+            s = s.add_(additive) if inplace and torch.broadcast_shapes(s.shape, additive.shape) == s.shape else s + additive
         return s
