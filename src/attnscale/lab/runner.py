@@ -45,6 +45,7 @@ __all__ = [
     "run_single",
     "select",
     "summary_table",
+    "throttled",
 ]
 
 _PROGRESS_INTERVAL_S = 0.2
@@ -206,6 +207,15 @@ def _child(task: Task, messages: Any) -> None:
     import torch
 
     torch.set_num_threads(1)  # experiments run side by side, one per core
+    progress = throttled(lambda done, total: messages.put(("progress", task.claim_id, (done, total))))
+    try:
+        messages.put(("done", task.claim_id, execute(task, progress)))
+    except KeyboardInterrupt:  # the report was interrupted; the parent says so
+        pass
+
+
+def throttled(send: ProgressFn) -> ProgressFn:
+    """A ``Progress`` that passes ``(done, total)`` on to ``send`` at most every 0.2 s, and always the last one."""
     last = 0.0
 
     def progress(done: int, total: int) -> None:
@@ -213,12 +223,9 @@ def _child(task: Task, messages: Any) -> None:
         now = time.monotonic()
         if now - last >= _PROGRESS_INTERVAL_S or done >= total:
             last = now
-            messages.put(("progress", task.claim_id, (done, total)))
+            send(done, total)
 
-    try:
-        messages.put(("done", task.claim_id, execute(task, progress)))
-    except KeyboardInterrupt:  # the report was interrupted; the parent says so
-        pass
+    return progress
 
 
 def _context() -> multiprocessing.context.BaseContext:

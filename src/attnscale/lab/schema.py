@@ -13,7 +13,8 @@
         "python": "3.11.2", "torch": "2.13.0", "numpy": "2.1.0", "platform": "Linux-...",
         "cpu": "model name", "cpu_count": 2,
         "jobs": 2,                                 experiments run at once (one process each)
-        "threads": 1                               torch threads inside each experiment process
+        "threads": 1,                              torch threads inside each experiment process
+        "executor": "local" | "ray"                where the experiments ran (attnscale report --executor)
       },
       "not_measured": [{"id": "...", "statement": "..."}],   claims with no experiment yet
       "claims": [                                  in the order of CLAIMS.md
