@@ -13,7 +13,6 @@ import torch
 import attnscale
 from attnscale import ScorePath, reference
 from attnscale._validate import check_attention_call
-from attnscale.dense import dense_attention
 from attnscale.tiled import attention_partial, merge_partials, tiled_attention
 
 BQ, BK = 8, 16  # small tiles so that small problems cross several block boundaries

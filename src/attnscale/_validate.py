@@ -57,7 +57,7 @@ def check_positive_finite(arg: str, value: object, *, allow_none: bool = True) -
         fail(arg, "a finite positive float", repr(value), f"pass a float, e.g. {arg}=0.125", exc=TypeError)
     value = float(value)
     if not math.isfinite(value) or value <= 0.0:
-        fail(arg, "a finite positive float", repr(value), f"pass a float > 0 (or None for the default)")
+        fail(arg, "a finite positive float", repr(value), "pass a float > 0 (or None for the default)")
     return value
 
 

@@ -15,7 +15,7 @@ from torch import Tensor
 from .score import ScorePath
 from .stats import AttentionStats
 
-__all__ = ["accumulation_dtype", "dense_attention", "masked_softmax"]
+__all__ = ["accumulation_dtype", "dense_attention", "dense_weights", "masked_softmax"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -68,26 +68,22 @@ def masked_softmax(logits: Tensor, keep: Tensor | None, *, with_stats: bool) -> 
     return p, stats
 
 
-def dense_attention(
+def dense_weights(
     query: Tensor,
     key: Tensor,
-    value: Tensor,
     *,
     path: ScorePath,
     attn_mask: Tensor | None = None,
     alibi_slopes: Tensor | None = None,
-    dropout_p: float = 0.0,
     return_stats: bool = False,
 ) -> tuple[Tensor, AttentionStats | None]:
-    """Attention with inputs already validated: query (..., H, L, D), key (..., Hkv, S, D),
-    value (..., Hkv, S, Dv), H a multiple of Hkv; returns (out (..., H, L, Dv), stats or None)."""
+    """Softmax weights (..., H, L, S) in the accumulation dtype, for validated query (..., H, L, D)
+    and key (..., Hkv, S, D), H a multiple of Hkv; with ``return_stats`` also their statistics."""
     acc = accumulation_dtype(query.dtype)
     H, L = query.shape[-3], query.shape[-2]
     Hkv, S = key.shape[-3], key.shape[-2]
-    G = H // Hkv
-    q = query.to(acc).unflatten(-3, (Hkv, G))  # (..., Hkv, G, L, D)
+    q = query.to(acc).unflatten(-3, (Hkv, H // Hkv))  # (..., Hkv, G, L, D)
     k = key.to(acc).unsqueeze(-3)  # (..., Hkv, 1, S, D)
-    v = value.to(acc).unsqueeze(-3)  # (..., Hkv, 1, S, Dv)
     qk = (q @ k.transpose(-1, -2)).flatten(-4, -3)  # (..., H, L, S)
 
     q_pos, k_pos = path.positions(0, L, 0, S, query.device)
@@ -101,11 +97,28 @@ def dense_attention(
             finite = additive != float("-inf")
             keep = finite if keep is None else keep & finite
     logits = path.logits(qk, q_pos=q_pos, k_pos=k_pos, alibi_slopes=alibi_slopes, additive=additive)
+    return masked_softmax(logits, keep, with_stats=return_stats)
 
-    p, stats = masked_softmax(logits, keep, with_stats=return_stats)
+
+def dense_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    path: ScorePath,
+    attn_mask: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_stats: bool = False,
+) -> tuple[Tensor, AttentionStats | None]:
+    """Attention with inputs already validated: query (..., H, L, D), key (..., Hkv, S, D),
+    value (..., Hkv, S, Dv), H a multiple of Hkv; returns (out (..., H, L, Dv), stats or None)."""
+    p, stats = dense_weights(query, key, path=path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, return_stats=return_stats)
     if dropout_p > 0.0:
         p = F.dropout(p, p=dropout_p, training=True)
-    out = (p.unflatten(-3, (Hkv, G)) @ v).flatten(-4, -3)  # (..., H, L, Dv)
+    Hkv = key.shape[-3]
+    v = value.to(p.dtype).unsqueeze(-3)  # (..., Hkv, 1, S, Dv)
+    out = (p.unflatten(-3, (Hkv, p.shape[-3] // Hkv)) @ v).flatten(-4, -3)  # (..., H, L, Dv)
     if stats is not None and stats.lse.shape != out.shape[:-1]:
         # The value's batch dims can widen the batch beyond the scores': statistics follow the output.
         stats = AttentionStats(**{f.name: getattr(stats, f.name).expand(out.shape[:-1]) for f in fields(stats)})

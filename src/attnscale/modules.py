@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ._validate import FLOAT_DTYPES, check_attention_call, check_bool, check_choice, check_positive_finite, fail
 from ._variant_stack import VariantStack, effective_scale
 from .config import AttentionConfig, AttentionKernel, ScaleMode
-from .dense import accumulation_dtype, masked_softmax
+from .dense import dense_weights
 from .functional import scaled_dot_product_attention
 from .masks import CausalAlignment, query_offset
 from .score import ScorePath
@@ -169,29 +169,9 @@ def _merge_masks(attn_mask: Tensor | None, key_mask: Tensor | None) -> Tensor | 
 
 
 def _attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, path: ScorePath, alibi_slopes: Tensor | None) -> Tensor:
-    """Softmax weights (B, H, L, S) of the math backend for validated q (B, H, L, D), k (B, Hkv, S, D).
-
-    The same steps, order and precision as ``attnscale.dense.dense_attention`` (grouped q.k in the
-    accumulation dtype, ``path.logits``, ``masked_softmax``), so ``weights @ v`` is the output
-    that ``scaled_dot_product_attention(..., backend="math")`` returns.
-    """
-    acc = accumulation_dtype(q.dtype)
-    H, L, Hkv, S = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
-    qg = q.to(acc).unflatten(1, (Hkv, H // Hkv))  # (B, Hkv, G, L, D)
-    kg = k.to(acc).unsqueeze(2)  # (B, Hkv, 1, S, D)
-    qk = (qg @ kg.transpose(-1, -2)).flatten(1, 2)  # (B, H, L, S)
-    q_pos, k_pos = path.positions(0, L, 0, S, q.device)
-    keep = path.visibility(q_pos, k_pos)  # (L, S) or None
-    additive = None
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            keep = mask if keep is None else keep & mask
-        else:
-            additive = mask.to(acc)
-            finite = additive != float("-inf")
-            keep = finite if keep is None else keep & finite
-    logits = path.logits(qk, q_pos=q_pos, k_pos=k_pos, alibi_slopes=alibi_slopes, additive=additive)
-    weights, _ = masked_softmax(logits, keep, with_stats=False)
+    """Softmax weights (B, H, L, S) for validated q (B, H, L, D), k (B, Hkv, S, D): the math
+    backend's own weights, so ``weights @ v`` is the output of ``backend="math"``."""
+    weights, _ = dense_weights(q, k, path=path, attn_mask=mask, alibi_slopes=alibi_slopes)
     return weights  # (B, H, L, S)
 
 

@@ -216,7 +216,7 @@ def probe_module(
         Hkv = k_lin.out_features // hd
         E_in = q_lin.in_features
         out_features = q_lin.out_features if names[3] is None else getattr(m, names[3]).out_features
-    S = L = min(length, hd)
+    L = min(length, hd)  # keys = queries (self-attention); at most hd so each head's V is invertible
     Wq = torch.randn(H * hd, E_in, generator=gen, dtype=torch.float64) / math.sqrt(E_in)
     Wk = torch.randn(Hkv * hd, E_in, generator=gen, dtype=torch.float64) / math.sqrt(E_in)
     Wv = torch.randn(Hkv * hd, E_in, generator=gen, dtype=torch.float64) / math.sqrt(E_in)
