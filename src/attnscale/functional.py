@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ._validate import AttentionCall, Backend, check_attention_call, fail
 from .dense import accumulation_dtype, dense_attention
-from .masks import CausalAlignment, alibi_bias
+from .masks import CausalAlignment, add_bias, alibi_bias
 from .stats import AttentionStats
 from .tiled import tiled_attention
 
@@ -137,12 +137,7 @@ def _torch_attention(
         keep = path.visibility(q_pos, k_pos)  # (L, S) or None
         if alibi_slopes is not None:
             bias = alibi_bias(alibi_slopes.to(accumulation_dtype(query.dtype)), L, S, alignment=call.alignment)  # (..., H, L, S)
-            if mask is None:
-                mask = bias
-            elif mask.dtype == torch.bool:
-                mask = bias.masked_fill(~mask, float("-inf"))
-            else:
-                mask = bias + mask
+            mask = add_bias(mask, bias)
         if keep is not None:
             if mask is None:
                 mask = keep

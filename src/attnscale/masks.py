@@ -19,6 +19,7 @@ from torch import Tensor
 
 __all__ = [
     "CausalAlignment",
+    "add_bias",
     "alibi_bias",
     "alibi_slopes",
     "causal_mask",
@@ -175,3 +176,15 @@ def alibi_bias(
     q_pos, k_pos = _positions(L, S, query_offset(L, S, alignment), slopes.device)
     distance = (q_pos - k_pos).abs().to(slopes.dtype)  # (L, S)
     return -slopes[..., None, None] * distance
+
+
+def add_bias(mask: Tensor | None, bias: Tensor) -> Tensor:
+    """One float mask from an attention mask (None, bool True = attend, or float) and a bias.
+
+    Hidden keys of a bool mask become -inf; a float mask is added to the bias.
+    """
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return bias + mask

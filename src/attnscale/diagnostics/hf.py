@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from .._validate import fail
 from ..functional import scaled_dot_product_attention
+from ..masks import add_bias
 from .monitor import HF_IMPLEMENTATIONS, ROUTE_HF, MonitorReport, MonitorThresholds, active_monitor, monitor
 
 __all__ = ["NAME", "attnscale_attention_forward", "load", "monitor_texts", "register", "resolve_model_path"]
@@ -62,13 +63,7 @@ def attnscale_attention_forward(
         position_bias = position_bias[..., :L] if position_bias is not None else None
     mask = attention_mask
     if position_bias is not None:
-        bias = position_bias.to(torch.float32 if query.dtype != torch.float64 else query.dtype)
-        if mask is None:
-            mask = bias
-        elif mask.dtype == torch.bool:
-            mask = bias.masked_fill(~mask, float("-inf"))
-        else:
-            mask = bias + mask
+        mask = add_bias(mask, position_bias.to(torch.float32 if query.dtype != torch.float64 else query.dtype))
     options = dict(
         attn_mask=mask,
         dropout_p=float(dropout),
