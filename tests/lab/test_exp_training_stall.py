@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from attnscale.lab.base import Verdict, no_progress
 from attnscale.lab.experiments import training_stall as exp
@@ -49,15 +50,75 @@ def test_a_stall_is_reported_as_the_budget_bound():
     assert exp._slowdowns(medians, (64,), 800, {"unit/64": 4000}) == {"unit/64": 40.0}
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def measured():
-    return exp.run(exp.Config.for_profile("tiny"), seed=0, progress=no_progress)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module fixtures run before the autouse one
+    try:
+        return exp.run(exp.Config.for_profile("tiny"), seed=0, progress=no_progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def with_sgd(measured: dict, unscaled: dict[str, list], scaled: list | None = None, budget: int = 400) -> dict:
+    """``measured`` with an SGD arm built like ``synthetic`` builds the AdamW one."""
+    sgd = synthetic(unscaled, scaled, budget)
+    return {
+        **measured,
+        "sgd": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "budget": budget, "seeds": 3},
+        "steps_to_90_sgd_per_seed": sgd["steps_to_90_per_seed"],
+        "steps_to_90_sgd_by_init": sgd["steps_to_90_by_init"],
+        "slowdown_sgd": sgd["slowdown"],
+        "peak_max_logit_sgd": {i: {k: [1e4] * 3 for k in by} for i, by in sgd["steps_to_90_per_seed"].items()},
+        "accuracy_sgd": {i: {k: [{"best": 0.93, "final": 0.1}] * 3 for k in by} for i, by in sgd["steps_to_90_per_seed"].items()},
+    }
+
+
+ADAMW_NO = synthetic({"default/64": [100, 110, 120], "unit/64": [150, 160, 130]})
+ADAMW_YES = synthetic({"default/64": [300, 310, 320], "unit/64": [None, None, 500]})
+
+
+@pytest.mark.parametrize(
+    ("measured", "verdict"),
+    [
+        (with_sgd(ADAMW_NO, {"default/64": [None, None, 110], "unit/64": [None, None, None]}), Verdict.HOLDS_APPROXIMATELY),
+        (with_sgd(ADAMW_YES, {"default/64": [None, None, 110], "unit/64": [400, 390, 380]}), Verdict.HOLDS),
+        (with_sgd(ADAMW_NO, {"default/64": [100, 100, 100]}, scaled=[None, None, 90]), Verdict.DOES_NOT_HOLD),
+        (with_sgd(synthetic({"default/64": [300]}, scaled=[100]), {"default/64": [100]}, scaled=[90]), Verdict.INCONCLUSIVE),
+    ],
+)
+def test_the_rule_is_applied_per_optimizer_and_combined(measured, verdict):
+    judgement = exp.judge(measured)
+    assert judgement.verdict is verdict
+    assert "AdamW: " in judgement.reason and "SGD (lr 0.1, momentum 0.9, 400 steps): " in judgement.reason
+
+
+def test_sgd_arm_reports_the_peak_logit_and_disagreement():
+    m = with_sgd(ADAMW_NO, {"default/64": [None, None, 110], "unit/64": [None, None, None]})
+    reason = exp.judge(m).reason
+    assert reason.startswith("the optimizers disagree")
+    assert "AdamW: does-not-hold" in reason and "holds: without the scale learning is >= 2x slower" in reason
+    assert "peak max logit without the scale: default/64 1e+04" in reason
+    assert "accuracy without the scale, best -> final (medians): default/64 0.93 -> 0.10" in reason
 
 
 def test_run_tiny(measured, tmp_path):
     json.dumps(measured, allow_nan=False)
     cfg = exp.Config.for_profile("tiny")
     assert set(measured["steps_to_90"]) == {"1/64", "sqrt/64"}
+    assert measured["optimizers"] == ["adamw", "sgd"]
+    assert set(measured["steps_to_90_sgd"]) == {"1/64", "sqrt/64"} and measured["sgd"]["lr"] == cfg.sgd_lr
+    assert all(len(v) == cfg.sgd_seeds for v in measured["steps_to_90_sgd_per_seed"]["default"].values())
+    assert measured["curves_sgd"]["default"]["1/64"][0]["steps"][-1] <= cfg.sgd_steps
+    assert all(0 <= r["final"] <= r["best"] <= 1 for r in measured["accuracy_sgd"]["default"]["1/64"])
     assert all(len(v) == cfg.seeds for v in measured["steps_to_90_per_seed"]["default"].values())
     std = measured["init_logit_std"]["default"]
     assert std["1/64"]["scaled"] == pytest.approx(std["1/64"]["raw"])
@@ -81,6 +142,7 @@ def test_profiles_keep_realistic_head_dims():
         assert cfg.dks == (64, 128) and {"1", "sqrt"} <= set(cfg.divisors) and cfg.seeds >= 2
     assert exp.Config.for_profile("default").long_steps > exp.Config.for_profile("default").steps
     assert exp.Config.for_profile("quick").long_steps == 0
+    assert exp.Config.for_profile("quick").sgd_steps == 0 and exp.Config.for_profile("default").sgd_steps > 0
     with pytest.raises(ValueError, match="profile"):
         exp.Config.for_profile("huge")
 

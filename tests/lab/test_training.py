@@ -1,9 +1,11 @@
+import dataclasses
 import math
 
 import pytest
 import torch
 
 import attnscale
+from attnscale import AttentionConfig
 from attnscale.lab.tasks import MQAR, PointerCopy, oracle_predictions
 from attnscale.lab.training import (
     ModelConfig,
@@ -13,6 +15,7 @@ from attnscale.lab.training import (
     evaluate,
     init_logit_std,
     median_steps,
+    qk_clip,
     train,
 )
 
@@ -85,6 +88,13 @@ def test_a_query_alone_gives_no_information():
         (lambda: ModelConfig(divisor="2"), "divisor"),
         (lambda: ModelConfig(head_dim=0), "head_dim"),
         (lambda: MQAR(context=2, queries=2, n_keys=4, n_values=4).sample(0, gen(0)), "batch"),
+        (lambda: ModelConfig(attention=AttentionConfig(scale="none")), "divisor"),
+        (lambda: TrainConfig(optimizer="adam"), "optimizer"),
+        (lambda: TrainConfig(qk_clip=0.0), "qk_clip"),
+        (
+            lambda: train(TASKS[0], ModelConfig(attention=AttentionConfig(qk_norm="rms")), TrainConfig(qk_clip=5.0), seed=0),
+            "QK-norm",
+        ),
     ],
 )
 def test_bad_sizes_are_rejected_with_a_fix(build, match):
@@ -206,3 +216,66 @@ def test_median_steps_treats_never_as_slowest():
     assert median_steps([10, None, 30]) == 30
     assert median_steps([None, None, 30]) is None
     assert median_steps([]) is None
+
+
+def head_max_logits(model: TinyTransformer, batch) -> list[torch.Tensor]:
+    _, seen = model.forward_all_rows(batch, stats=True)
+    return [out.stats.max_logit.amax(dim=(0, 2)) for out in seen]
+
+
+def test_qk_clip_rescales_only_the_heads_above_tau_in_every_layer():
+    task = TASKS[1]
+    torch.manual_seed(0)
+    model = TinyTransformer(task, ModelConfig(head_dim=16, num_heads=4, layers=2, qk_init_gain=3.0))
+    b = task.sample(32, gen(0))
+    before = head_max_logits(model, b)
+    assert [m.shape for m in before] == [(4,), (4,)]
+    tau = torch.cat(before).median().item()
+    v_before = model.blocks[0].attn.v_proj.weight.clone()
+    first = [m.clone() for m in before]
+    clipped = qk_clip(model, before, tau)
+    assert clipped == int(sum((m > tau).sum() for m in first))
+    layer0 = head_max_logits(model, b)[0]  # the first layer's input does not depend on any q/k weight
+    torch.testing.assert_close(layer0, torch.minimum(first[0], torch.tensor(tau)), rtol=1e-5, atol=1e-5)
+    assert torch.equal(model.blocks[0].attn.v_proj.weight, v_before)
+
+
+def test_qk_clip_in_training_holds_the_logits_that_grow_without_it():
+    task = MQAR(context=8, queries=4, n_keys=16, n_values=16)
+    model_cfg = ModelConfig(d_model=32, num_heads=2, head_dim=32)
+    tc = TrainConfig(steps=60, batch=32, lr=5e-2, log_every=20, eval_batch=64, stop_at=None)
+    _, free = train(task, model_cfg, tc, seed=0)
+    _, clipped = train(task, model_cfg, dataclasses.replace(tc, qk_clip=20.0), seed=0)
+    assert free.clipped_heads == 0 and clipped.clipped_heads > 0
+    assert max(free.max_logit) > 10 * 20.0
+    # the clip uses the step's own batch and precedes the next update, so held-out logits overshoot a little
+    assert max(clipped.max_logit) < 1.5 * 20.0
+
+
+def test_sgd_optimizer_trains_without_adam_and_forward_all_rows_matches_forward():
+    task = MQAR(context=4, queries=4, n_keys=8, n_values=8)
+    cfg = ModelConfig(d_model=32, head_dim=16, layers=2)
+    tc = TrainConfig(steps=10, log_every=5, eval_batch=32, stop_at=None, optimizer="sgd", lr=0.1, weight_decay=0.0)
+    model, log = train(task, cfg, tc, seed=0)
+    _, adam = train(task, cfg, TrainConfig(steps=10, log_every=5, eval_batch=32, stop_at=None), seed=0)
+    assert log.loss != adam.loss and log.steps == [0, 5, 10]
+    b = task.sample(8, gen(1))
+    logits, seen = model(b, watch=True)
+    all_logits, all_rows = model.forward_all_rows(b, stats=True)
+    torch.testing.assert_close(logits, all_logits)
+    assert all_rows[0].stats.max_logit.shape == (8, 1, task.length) and all_rows[0].weights is None
+    torch.testing.assert_close(seen[0].stats.max_logit, all_rows[0].stats.max_logit[..., task.context :])
+
+
+@pytest.mark.parametrize("attention", [AttentionConfig(qk_norm="rms"), AttentionConfig(softcap=5.0)], ids=["qk-norm", "softcap"])
+def test_model_attention_variant_is_used(attention):
+    task = TASKS[1]
+    torch.manual_seed(0)
+    model = TinyTransformer(task, ModelConfig(head_dim=16, qk_init_gain=4.0, attention=attention))
+    assert model.blocks[0].attn.config.qk_norm == attention.qk_norm
+    assert model.blocks[0].attn.scale == pytest.approx(0.25)
+    ev = evaluate(model, task.sample(32, gen(0)))
+    if attention.softcap is not None:
+        assert ev.max_logit <= 5.0
+    else:
+        assert ev.max_logit <= 16**0.5 + 1e-4  # rms-normalised q.k / sqrt(D) is at most sqrt(D) at unit gains

@@ -11,12 +11,15 @@ What the attention divides q.k by is the experiment's knob (:class:`ModelConfig`
 * ``qk_init_gain`` - multiplies the initial q and k projection weights (``nn.Linear``'s default
   init gives q and k components of variance ``1/3`` of the input's; a gain of ``sqrt(3)`` gives
   the unit-variance components of the textbook argument, 0.1 gives small logits);
-* ``learned_temperature`` - a per-head log-scale ``t`` (initialised at 0) multiplies q by ``exp(t)``.
+* ``learned_temperature`` - a per-head log-scale ``t`` (initialised at 0) multiplies q by ``exp(t)``;
+* ``attention`` - an :class:`~attnscale.AttentionConfig` for the variant (QK-norm, softcap); the
+  divisor still sets the scale.
 
-:func:`train` runs AdamW on fresh batches from a dedicated generator, evaluates every
-``log_every`` steps on one fixed held-out batch (accuracy, loss and, through ``return_stats``,
-the largest attention logit, mean entropy and share of saturated rows, ``max_prob > 0.99``) and
-stops early once held-out accuracy reaches ``stop_at``.
+:func:`train` runs AdamW (or SGD with momentum, ``TrainConfig.optimizer``) on fresh batches from
+a dedicated generator, evaluates every ``log_every`` steps on one fixed held-out batch (accuracy,
+loss and, through ``return_stats``, the largest attention logit, mean entropy and share of
+saturated rows, ``max_prob > 0.99``) and stops early once held-out accuracy reaches ``stop_at``.
+With ``TrainConfig.qk_clip = tau`` it applies QK-Clip (:func:`qk_clip`) after every step.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..config import AttentionConfig, AttentionKernel, ScaleMode
 from ..modules import AttentionOutput, MultiHeadAttention
 from ..stats import AttentionStats
 from .base import Progress, no_progress
@@ -47,10 +51,12 @@ __all__ = [
     "evaluate",
     "init_logit_std",
     "median_steps",
+    "qk_clip",
     "train",
 ]
 
 Divisor = Literal["1", "sqrt", "dk"]
+Optimizer = Literal["adamw", "sgd"]
 SATURATED = 0.99
 """A softmax row counts as saturated when its largest probability exceeds this."""
 
@@ -74,6 +80,7 @@ class ModelConfig:
     divisor: Divisor = "sqrt"
     qk_init_gain: float = 1.0
     learned_temperature: bool = False
+    attention: AttentionConfig | None = None
 
     def __post_init__(self) -> None:
         divisor_value(self.divisor, self.head_dim)
@@ -83,11 +90,26 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a positive int; got {value!r}.")
         if not self.qk_init_gain > 0:
             raise ValueError(f"qk_init_gain must be > 0; got {self.qk_init_gain!r}.")
+        attention = self.attention
+        if attention is None:
+            return
+        if not isinstance(attention, AttentionConfig):
+            raise TypeError(f"attention must be None or an attnscale.AttentionConfig; got {type(attention).__name__}.")
+        if attention.scale is not ScaleMode.INVERSE_SQRT or attention.kernel is not AttentionKernel.SOFTMAX:
+            raise ValueError(
+                f"attention must keep scale='inverse_sqrt' and kernel='softmax' (the divisor sets the scale and the "
+                f"loop reads softmax statistics); got scale={attention.scale.value!r}, kernel={attention.kernel.value!r}. "
+                "Set the scale with divisor=..."
+            )
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """AdamW and loop settings; ``stop_at`` is the held-out accuracy that ends training early."""
+    """Optimizer and loop settings; ``stop_at`` is the held-out accuracy that ends training early.
+
+    ``optimizer`` is ``"adamw"`` (decoupled weight decay) or ``"sgd"`` (heavy-ball ``momentum``,
+    weight decay added to the gradient); ``qk_clip`` is QK-Clip's threshold tau (None: off).
+    """
 
     steps: int = 500
     batch: int = 64
@@ -97,6 +119,17 @@ class TrainConfig:
     log_every: int = 10
     eval_batch: int = 256
     stop_at: float | None = 0.99
+    optimizer: Optimizer = "adamw"
+    momentum: float = 0.9
+    qk_clip: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer must be 'adamw' or 'sgd'; got {self.optimizer!r}.")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1); got {self.momentum!r}.")
+        if self.qk_clip is not None and not self.qk_clip > 0:
+            raise ValueError(f"qk_clip must be None or a threshold > 0; got {self.qk_clip!r}. Pass e.g. qk_clip=30.0.")
 
 
 class TemperedLinear(nn.Linear):
@@ -121,7 +154,9 @@ class _Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = MultiHeadAttention(cfg.d_model, cfg.num_heads, head_dim=cfg.head_dim, scale=1.0 / divisor_value(cfg.divisor, cfg.head_dim))
+        self.attn = MultiHeadAttention(
+            cfg.d_model, cfg.num_heads, head_dim=cfg.head_dim, scale=1.0 / divisor_value(cfg.divisor, cfg.head_dim), config=cfg.attention
+        )
         if cfg.learned_temperature:
             # the fixed-scale model's q weights, and no draw from the generator: both arms start equal
             with torch.random.fork_rng(devices=[]):
@@ -131,7 +166,9 @@ class _Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model))
 
-    def forward(self, x: Tensor, context: int, *, last: bool, watch: bool) -> tuple[Tensor, AttentionOutput | None]:
+    def forward(
+        self, x: Tensor, context: int, *, last: bool, stats: bool, weights: bool
+    ) -> tuple[Tensor, AttentionOutput | None]:
         """Every row attends to the ``context`` first positions (keys and values); the last block
         computes the query rows only, since nothing reads the context rows after it."""
         h = self.ln1(x)  # (B, T, d_model)
@@ -140,7 +177,7 @@ class _Block(nn.Module):
         else:
             rows = h
         memory = h[:, :context]  # (B, S, d_model)
-        result = self.attn(rows, memory, memory, return_stats=watch, need_weights=watch)
+        result = self.attn(rows, memory, memory, return_stats=stats, need_weights=weights)
         seen = result if isinstance(result, AttentionOutput) else None
         x = x + (result.output if seen is not None else result)
         return x + self.mlp(self.ln2(x)), seen
@@ -172,27 +209,39 @@ class TinyTransformer(nn.Module):
 
         ``divisor`` overrides every layer's divisor for this call (evaluation with the scale changed).
         """
+        logits, seen = self.forward_all_rows(batch, divisor=divisor, stats=watch, weights=watch)
+        S, last = self.task.context, len(seen) - 1
+        return logits, [out if i == last else _query_rows(out, S) for i, out in enumerate(seen)]
+
+    def forward_all_rows(
+        self, batch: RecallBatch, *, divisor: float | None = None, stats: bool = False, weights: bool = False
+    ) -> tuple[Tensor, list[AttentionOutput]]:
+        """Value logits (B, Q, n_values) and, if ``stats`` or ``weights``, each layer's
+        :class:`~attnscale.modules.AttentionOutput` over every row the layer computes: all T rows,
+        stats (B, H, T), in the earlier layers, the Q query rows in the last one. QK-Clip reads
+        the largest logit of every row from it."""
         x = self.key_emb(batch.keys) + self.value_emb(batch.values)  # (B, T, d_model)
         S, seen = self.task.context, []
         for i, block in enumerate(self.blocks):
-            last = i == len(self.blocks) - 1
             trained = block.attn.scale
             if divisor is not None:
                 block.attn.scale = 1.0 / divisor
             try:
-                x, out = block(x, S, last=last, watch=watch)
+                x, out = block(x, S, last=i == len(self.blocks) - 1, stats=stats, weights=weights)
             finally:
                 block.attn.scale = trained
             if out is not None:
-                seen.append(out if last else _query_rows(out, S))
+                seen.append(out)
         return self.head(self.ln_f(x)), seen  # x is (B, Q, d_model) after the last block
 
 
 def _query_rows(out: AttentionOutput, context: int) -> AttentionOutput:
     """Keep the query positions' rows of a block that computed every row."""
-    assert out.stats is not None and out.weights is not None
-    stats = AttentionStats(**{f.name: getattr(out.stats, f.name)[..., context:] for f in fields(AttentionStats)})
-    return AttentionOutput(output=out.output[:, context:], weights=out.weights[:, :, context:], stats=stats)
+    stats = None
+    if out.stats is not None:
+        stats = AttentionStats(**{f.name: getattr(out.stats, f.name)[..., context:] for f in fields(AttentionStats)})
+    weights = out.weights[:, :, context:] if out.weights is not None else None
+    return AttentionOutput(output=out.output[:, context:], weights=weights, stats=stats)
 
 
 @dataclass(frozen=True)
@@ -260,6 +309,8 @@ class RunLog:
     max_prob: list[float] = field(default_factory=list)
     source_prob: list[float] = field(default_factory=list)
     init_logit_std: dict[str, float] = field(default_factory=dict)
+    clipped_heads: int = 0
+    """QK-Clip's count of (step, layer, head) rescalings."""
 
     def append(self, step: int, ev: Eval) -> None:
         self.steps.append(step)
@@ -288,6 +339,62 @@ def _lr_factor(step: int, warmup: int) -> float:
     return min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
 
 
+def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    groups = _param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    return torch.optim.AdamW(groups, lr=cfg.lr)
+
+
+def _head_max_logits(seen: list[AttentionOutput]) -> list[Tensor]:
+    """Per layer, each head's largest logit over the batch and all rows: (H,) tensors."""
+    out = []
+    for layer in seen:
+        assert layer.stats is not None, "computed with stats=True"
+        out.append(layer.stats.max_logit.amax(dim=(0, 2)))  # (B, H, rows) -> (H,)
+    return out
+
+
+def qk_clip(model: TinyTransformer, head_max_logits: list[Tensor], tau: float) -> int:
+    """QK-Clip (Kimi K2, 2025, the clip of MuonClip): for every head whose largest logit
+    ``S_max`` in the step exceeded ``tau``, multiply that head's rows of ``W_q`` and ``W_k`` (and
+    their biases) by ``sqrt(tau / S_max)``, so that the same inputs give logits ``tau / S_max``
+    times smaller and the largest one equals ``tau``. Other heads are left alone.
+
+    ``head_max_logits`` holds, per layer, the (H,) largest logits after the scale (what softmax
+    sees) of the step's forward pass; call this after the optimizer step, as Kimi K2 does.
+    Returns the number of clipped heads.
+
+    >>> import torch
+    >>> from attnscale.lab.tasks import MQAR
+    >>> task = MQAR(context=4, queries=2, n_keys=8, n_values=8)
+    >>> model = TinyTransformer(task, ModelConfig(d_model=16, num_heads=2, head_dim=8))
+    >>> batch = task.sample(4, torch.Generator().manual_seed(0))
+    >>> def head_max():
+    ...     return [out.stats.max_logit.amax(dim=(0, 2)) for out in model.forward_all_rows(batch, stats=True)[1]]
+    >>> before = head_max()[0]
+    >>> tau = (before[0] / 2).item()  # head 0 is clipped to tau, head 1 only if it is above tau
+    >>> qk_clip(model, head_max(), tau) >= 1
+    True
+    >>> torch.allclose(head_max()[0], torch.minimum(before, torch.tensor(tau)), rtol=1e-5)
+    True
+    """
+    clipped = 0
+    with torch.no_grad():
+        for block, s_max in zip(model.blocks, head_max_logits, strict=True):
+            attn = block.attn
+            assert attn.num_kv_heads == attn.num_heads, "QK-Clip here rescales k per query head"
+            over = s_max > tau  # (H,)
+            gamma = torch.where(over, tau / s_max.clamp_min(tau), torch.ones_like(s_max))  # (H,)
+            factor = gamma.sqrt().repeat_interleave(attn.head_dim)  # (H * D,), head-major like the q/k layout
+            for proj in (attn.q_proj, attn.k_proj):
+                proj.weight.mul_(factor[:, None].to(proj.weight.dtype))
+                if proj.bias is not None:
+                    proj.bias.mul_(factor.to(proj.bias.dtype))
+            clipped += int(over.sum())
+    return clipped
+
+
 def train(
     task: Task,
     model_cfg: ModelConfig,
@@ -301,22 +408,30 @@ def train(
     Model initialisation draws from ``torch.manual_seed(seed)``; training batches from a generator
     seeded with ``seed``; the held-out batch from a generator seeded with ``seed + 10**6``.
     """
+    clip = train_cfg.qk_clip
+    if clip is not None and model_cfg.attention is not None and model_cfg.attention.qk_norm != "none":
+        raise ValueError(
+            "qk_clip rescales W_q and W_k, which QK-norm undoes; got qk_clip with "
+            f"attention.qk_norm={model_cfg.attention.qk_norm.value!r}. Use one guard or the other."
+        )
     torch.manual_seed(seed)
     model = TinyTransformer(task, model_cfg)
     data = torch.Generator().manual_seed(seed)
     held_out = task.sample(train_cfg.eval_batch, torch.Generator().manual_seed(seed + 10**6))
-    opt = torch.optim.AdamW(_param_groups(model, train_cfg.weight_decay), lr=train_cfg.lr)
+    opt = _optimizer(model, train_cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, train_cfg.warmup))
     log = RunLog(init_logit_std=init_logit_std(model, held_out))
     log.append(0, evaluate(model, held_out))
     for step in range(1, train_cfg.steps + 1):
         batch = task.sample(train_cfg.batch, data)
-        logits, _ = model(batch)
+        logits, seen = model.forward_all_rows(batch, stats=clip is not None)
         loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
+        if clip is not None:
+            log.clipped_heads += qk_clip(model, _head_max_logits(seen), clip)
         if step % train_cfg.log_every == 0 or step == train_cfg.steps:
             ev = evaluate(model, held_out)
             log.append(step, ev)

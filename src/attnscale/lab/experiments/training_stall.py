@@ -17,14 +17,27 @@ which the claim's mechanism bites), and train the unscaled model at the largest 
 of every condition is reported. The verdict is taken on the ``default`` and ``unit`` conditions
 only: ``small`` and ``large`` are deliberate departures from them.
 
-Profiles: ``quick`` keeps d_k = 64 and 128 but drops the divisor d_k, the small and large inits
-and the long budget, with two seeds and early stop at 90% accuracy, so that it fits CI; ``full``
-uses a larger task (24 pairs of 64 keys), d_model 64, batch 64 and eight seeds.
+An optimizer arm trains the ``default`` and ``unit`` conditions (divisor 1 and sqrt(d_k)) again
+with plain SGD with momentum at one learning rate, ``sgd_lr``, at which the scaled model learns
+within a few hundred steps. Adam divides each update by a running gradient scale, which largely
+cancels a gradient that is small because softmax is saturated; SGD does not, so it is where the
+claim's vanishing-gradient mechanism has the most room. Without the scale, for the same weights
+and the same gradient on the logits, the gradient on W_q and W_k is sqrt(d_k) times larger and an
+SGD step moves the logits about d_k times further, so at one shared learning rate SGD also tests
+whether the unscaled model overshoots: the outcome depends on the learning rate, which is
+reported with the result, with each unscaled run's best and final accuracy and peak logit. SGD
+runs without weight decay: coupled L2 decay at SGD's learning rate would shrink the weights far
+more than AdamW's decoupled decay does.
+
+Profiles: ``quick`` keeps d_k = 64 and 128 but drops the divisor d_k, the small and large inits,
+the long budget and the SGD arm, with two seeds and early stop at 90% accuracy, so that it fits
+CI; ``full`` uses a larger task (24 pairs of 64 keys), d_model 64, batch 64 and eight seeds.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,14 +59,20 @@ CLAIM = Claim(
         "associative recall; divisor {1, sqrt(d_k), d_k} x d_k {64, 128} x q/k init {default nn.Linear, "
         "unit-variance components} x seeds; steps until held-out accuracy first reaches 90%, learning "
         "curves, max attention logit and share of saturated rows (max prob > 0.99); plus small q/k init "
-        "without the scale, a large q/k init (component variance 16) at d_k = 128, and a long unscaled run."
+        "without the scale, a large q/k init (component variance 16) at d_k = 128, and a long unscaled run; "
+        "and (default and full profiles) the default and unit conditions with divisor 1 and sqrt(d_k) trained "
+        "again by SGD with momentum 0.9 at one learning rate, without weight decay."
     ),
     rule=(
         "Per (init, d_k) condition, init in {default, unit}, slowdown r = median steps-to-90% without the scale / with sqrt(d_k) "
         "(a run that never reaches 90% counts as infinitely slow). inconclusive if fewer than 2 seeds or "
         "the scaled model's median does not reach 90% in some condition; holds if r >= 2 in every "
         "condition; does-not-hold if no condition has r >= 2 and some condition has r < 1.25; "
-        "holds-approximately otherwise (slower everywhere but not 2x everywhere, or 2x in some conditions only)."
+        "holds-approximately otherwise (slower everywhere but not 2x everywhere, or 2x in some conditions only). "
+        "The rule is applied to each optimizer's runs on their own (AdamW; SGD where it ran), and the verdicts "
+        "combine: inconclusive if every optimizer is inconclusive; otherwise the verdict shared by the conclusive "
+        "ones if they agree, holds-approximately if they differ (the claim holds for some optimizers only); the "
+        "reason gives each optimizer's verdict."
     ),
 )
 
@@ -85,6 +104,10 @@ class Config:
     log_every: int = 10
     eval_batch: int = 64
     long_steps: int = 4000
+    sgd_lr: float = 0.1
+    sgd_momentum: float = 0.9
+    sgd_steps: int = 400
+    sgd_seeds: int = 2
 
     @classmethod
     def for_profile(cls, profile: Profile) -> Config:
@@ -92,13 +115,19 @@ class Config:
             return cls(
                 dks=(64,), divisors=("1", "sqrt"), inits=("default",), small_init=False, large_init=False, seeds=2,
                 context=4, queries=4, n_keys=8, n_values=8, steps=40, log_every=10, eval_batch=32, long_steps=60,
+                sgd_steps=30,
             )
         if profile == "quick":
-            return cls(divisors=("1", "sqrt"), small_init=False, large_init=False, seeds=2, steps=400, stop_at=0.9, long_steps=0)
+            return cls(
+                divisors=("1", "sqrt"), small_init=False, large_init=False, seeds=2, steps=400, stop_at=0.9, long_steps=0, sgd_steps=0
+            )
         if profile == "default":
             return cls()
         if profile == "full":
-            return cls(seeds=8, context=24, n_keys=64, n_values=64, d_model=64, batch=64, steps=3000, long_steps=10000)
+            return cls(
+                seeds=8, context=24, n_keys=64, n_values=64, d_model=64, batch=64, steps=3000, long_steps=10000,
+                sgd_steps=1500, sgd_seeds=4,
+            )
         raise ValueError(f"profile must be one of tiny, quick, default, full; got {profile!r}.")
 
 
@@ -131,7 +160,7 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
     task = MQAR(context=config.context, queries=config.queries, n_keys=config.n_keys, n_values=config.n_values)
     grid = _conditions(config)
     long_condition = _long_condition(config)
-    total, done = len(grid) * config.seeds, 0
+    total, done = len(grid) * config.seeds + _sgd_runs(config), 0
     steps: dict[str, dict[str, list[int | None]]] = {}
     curves: dict[str, dict[str, list[dict]]] = {}
     init_std: dict[str, dict[str, dict[str, float]]] = {}
@@ -173,6 +202,7 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
         }
 
     medians = {init: {label: median_steps(v) for label, v in by_label.items()} for init, by_label in steps.items()}
+    sgd = _run_sgd(config, task, seed, progress, done, total) if config.sgd_steps else {}
     return {
         "config": asdict(config),
         "target_accuracy": TARGET,
@@ -192,6 +222,67 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
         "final_saturated_share": final_saturated,
         "curves": curves,
         "long_run": long_run,
+        "optimizers": ["adamw", "sgd"] if sgd else ["adamw"],
+        **sgd,
+    }
+
+
+def _sgd_conditions(config: Config) -> list[tuple[str, str, int]]:
+    """(init, divisor, d_k) of the SGD arm: the verdict's inits, with and without the scale."""
+    return [(init, div, dk) for init in config.inits for div in ("1", "sqrt") for dk in config.dks]
+
+
+def _sgd_runs(config: Config) -> int:
+    return len(_sgd_conditions(config)) * config.sgd_seeds if config.sgd_steps else 0
+
+
+def _run_sgd(config: Config, task: MQAR, seed: int, progress: Progress, done: int, total: int) -> dict:
+    """The SGD arm: measured keys with the suffix ``_sgd``, and its settings under ``sgd``."""
+    train_cfg = TrainConfig(
+        steps=config.sgd_steps,
+        batch=config.batch,
+        lr=config.sgd_lr,
+        weight_decay=0.0,
+        log_every=config.log_every,
+        eval_batch=config.eval_batch,
+        stop_at=config.stop_at,
+        optimizer="sgd",
+        momentum=config.sgd_momentum,
+    )
+    steps: dict[str, dict[str, list[int | None]]] = {}
+    curves: dict[str, dict[str, list[dict]]] = {}
+    final_saturated: dict[str, dict[str, list[float]]] = {}
+    peak_logit: dict[str, dict[str, list[float]]] = {}
+    accuracy: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for init, div, dk in _sgd_conditions(config):
+        label = _label(div, dk)
+        model_cfg = ModelConfig(d_model=config.d_model, head_dim=dk, divisor=div, qk_init_gain=INIT_GAINS[init])  # type: ignore[arg-type]
+        for i in range(config.sgd_seeds):
+            _, log = train(task, model_cfg, train_cfg, seed + i)
+            steps.setdefault(init, {}).setdefault(label, []).append(log.steps_to(TARGET))
+            curves.setdefault(init, {}).setdefault(label, []).append(_curve(log))
+            final_saturated.setdefault(init, {}).setdefault(label, []).append(log.saturated[-1])
+            peak_logit.setdefault(init, {}).setdefault(label, []).append(max(log.max_logit))
+            accuracy.setdefault(init, {}).setdefault(label, []).append({"best": max(log.accuracy), "final": log.accuracy[-1]})
+            done += 1
+            progress(done, total)
+    medians = {init: {label: median_steps(v) for label, v in by_label.items()} for init, by_label in steps.items()}
+    return {
+        "sgd": {
+            "lr": config.sgd_lr,
+            "momentum": config.sgd_momentum,
+            "weight_decay": 0.0,
+            "budget": config.sgd_steps,
+            "seeds": config.sgd_seeds,
+        },
+        "steps_to_90_sgd": medians.get("default", {}),
+        "steps_to_90_sgd_by_init": medians,
+        "steps_to_90_sgd_per_seed": steps,
+        "slowdown_sgd": _slowdowns(medians, config.dks, config.sgd_steps),
+        "final_saturated_share_sgd": final_saturated,
+        "peak_max_logit_sgd": peak_logit,
+        "accuracy_sgd": accuracy,
+        "curves_sgd": curves,
     }
 
 
@@ -232,14 +323,32 @@ def _small_init_ratio(medians: dict[str, dict[str, float | None]], dks: tuple[in
 
 
 def judge(measured: dict) -> Judgement:
-    per_seed = measured["steps_to_90_per_seed"]
-    medians = measured["steps_to_90_by_init"]
+    arms = {"AdamW": _judge_arm(measured, "")}
+    if "slowdown_sgd" in measured:
+        sgd = measured["sgd"]
+        arms[f"SGD (lr {sgd['lr']:g}, momentum {sgd['momentum']:g}, {sgd['budget']} steps)"] = _judge_arm(measured, "_sgd")
+    if len(arms) == 1:
+        return arms["AdamW"]
+    shown = " | ".join(f"{name}: {j.verdict.value}: {j.reason}" for name, j in arms.items())
+    conclusive = {j.verdict for j in arms.values() if j.verdict is not Verdict.INCONCLUSIVE}
+    if not conclusive:
+        return Judgement(Verdict.INCONCLUSIVE, shown)
+    if len(conclusive) == 1:
+        return Judgement(conclusive.pop(), shown)
+    return Judgement(Verdict.HOLDS_APPROXIMATELY, f"the optimizers disagree: {shown}")
+
+
+def _judge_arm(measured: dict, suffix: str) -> Judgement:
+    """The rule on one optimizer's runs: AdamW's keys (``suffix=""``) or SGD's (``"_sgd"``)."""
+    per_seed = measured[f"steps_to_90{suffix}_per_seed"]
+    medians = measured[f"steps_to_90{suffix}_by_init"]
+    slowdown = measured[f"slowdown{suffix}"]
     seeds = min((len(v) for by_label in per_seed.values() for v in by_label.values()), default=0)
     if seeds < 2:
         return Judgement(Verdict.INCONCLUSIVE, f"only {seeds} seed(s) per condition; the rule needs at least 2")
     ratios: dict[str, float] = {}
-    extra = {cond: r for cond, r in measured["slowdown"].items() if cond.split("/")[0] not in VERDICT_INITS}
-    for cond, r in measured["slowdown"].items():
+    extra = {cond: r for cond, r in slowdown.items() if cond.split("/")[0] not in VERDICT_INITS}
+    for cond, r in slowdown.items():
         init, dk = cond.split("/")
         if init not in VERDICT_INITS:
             continue
@@ -254,8 +363,10 @@ def judge(measured: dict) -> Judgement:
     if not ratios:
         return Judgement(Verdict.INCONCLUSIVE, "no condition has both divisor 1 and sqrt(d_k)")
     std = measured["init_logit_std"]
+    # under SGD a run can miss 90% by collapsing after a rise rather than by stalling: say only what was measured
+    missed = "stalls" if not suffix else "misses 90%"
     shown = "; ".join(
-        f"{cond}: {'stalls' if math.isinf(r) else f'x{r:.2f}'} (unscaled init logit std "
+        f"{cond}: {missed if math.isinf(r) else f'x{r:.2f}'} (unscaled init logit std "
         f"{std[cond.split('/')[0]][_label('1', int(cond.split('/')[1]))]['raw']:.1f})"
         for cond, r in ratios.items()
     )
@@ -269,12 +380,30 @@ def judge(measured: dict) -> Judgement:
         else:
             outcome = f"x{r:.2f}"
         shown += f"; outside the rule, {cond}: {outcome}"
-    long_run = measured.get("long_run")
+    long_run = measured.get("long_run") if not suffix else None
     if long_run:
         reached = sum(r["steps_to_90"] is not None for r in long_run["runs"])
         shown += (
             f"; long run ({long_run['label']}, {long_run['init']} init, {long_run['budget']} steps): "
             f"{reached}/{len(long_run['runs'])} seeds reached {TARGET:.0%}"
+        )
+    peaks = measured.get(f"peak_max_logit{suffix}")
+    if peaks:
+        shown += "; peak max logit without the scale: " + ", ".join(
+            f"{init}/{label.split('/')[1]} {statistics.median(v):.3g}"
+            for init, by_label in peaks.items()
+            for label, v in by_label.items()
+            if label.startswith("1/")
+        )
+    accuracy = measured.get(f"accuracy{suffix}")
+    if accuracy:
+        # a run can pass 90% and then diverge: the best and final accuracy tell a stall from a collapse
+        shown += "; accuracy without the scale, best -> final (medians): " + ", ".join(
+            f"{init}/{label.split('/')[1]} {statistics.median(r['best'] for r in runs):.2f} -> "
+            f"{statistics.median(r['final'] for r in runs):.2f}"
+            for init, by_label in accuracy.items()
+            for label, runs in by_label.items()
+            if label.startswith("1/")
         )
     much = [c for c, r in ratios.items() if r >= MUCH_SLOWER]
     if len(much) == len(ratios):
@@ -295,21 +424,21 @@ _NAMES = {"1": "divisor 1", "sqrt": "divisor sqrt(d_k)", "dk": "divisor d_k"}
 
 
 def plot(measured: dict, outdir: Path) -> list[str]:
-    curves = measured["curves"]
     dks = measured["config"]["dks"]
-    inits = list(curves)
+    rows = [(f"AdamW, {init}", by_label) for init, by_label in measured["curves"].items()]
+    rows += [(f"SGD, {init}", by_label) for init, by_label in measured.get("curves_sgd", {}).items()]
     names = []
     for metric, ylabel, name in (
         ("accuracy", "held-out accuracy", "training_stall_curves"),
         ("saturated", "share of rows with max prob > 0.99", "training_stall_saturation"),
         ("max_logit", "max attention logit", "training_stall_max_logit"),
     ):
-        fig = Figure(figsize=(4.2 * len(dks), 3.0 * len(inits)), layout="constrained")
-        axes = fig.subplots(len(inits), len(dks), squeeze=False)
-        for r, init in enumerate(inits):
+        fig = Figure(figsize=(4.2 * len(dks), 3.0 * len(rows)), layout="constrained")
+        axes = fig.subplots(len(rows), len(dks), squeeze=False)
+        for r, (title, by_label) in enumerate(rows):
             for c, dk in enumerate(dks):
                 ax = axes[r][c]
-                here = {label: runs for label, runs in curves[init].items() if int(label.split("/")[1]) == dk}
+                here = {label: runs for label, runs in by_label.items() if int(label.split("/")[1]) == dk}
                 if not here:
                     ax.set_visible(False)
                     continue
@@ -317,11 +446,13 @@ def plot(measured: dict, outdir: Path) -> list[str]:
                     div = label.split("/")[0]
                     for i, curve in enumerate(runs):
                         ax.plot(curve["steps"], curve[metric], color=_COLORS[div], alpha=0.8, lw=1.2, label=_NAMES[div] if i == 0 else None)
-                if metric != "max_logit":
+                if metric == "max_logit":
+                    ax.set_yscale("symlog", linthresh=1.0)  # SGD without the scale reaches logits of 1e5
+                else:
                     ax.set_ylim(-0.03, 1.03)
                 if metric == "accuracy":
                     ax.axhline(measured["target_accuracy"], color="grey", ls=":", lw=1)
-                ax.set_title(f"{init} q/k init, d_k = {dk}", fontsize=9)
+                ax.set_title(f"{title} q/k init, d_k = {dk}", fontsize=9)
                 ax.set_xlabel("step")
                 ax.set_ylabel(ylabel, fontsize=8)
                 ax.legend(fontsize=7)

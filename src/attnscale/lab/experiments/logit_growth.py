@@ -1,0 +1,293 @@
+"""logit-growth: do attention logits grow at high learning rates, and what do the guards do to it?
+
+A one-layer transformer (attnscale's MultiHeadAttention, two heads of d_k = 64, AdamW) learns
+multi-query associative recall and keeps training after it has solved it, at a sweep of learning
+rates, under four guards:
+
+* ``none`` - plain attention with ``1/sqrt(d_k)``;
+* ``qk-norm`` - RMS QK-norm (``AttentionConfig(qk_norm="rms")``: q and k normalised per head,
+  with learnable per-dim gains, then ``1/sqrt(d_k)``), as in Qwen3 and OLMo 2;
+* ``softcap`` - ``cap * tanh(logit / cap)`` after the scale (``AttentionConfig(softcap=cap)``,
+  Gemma 2 / Grok);
+* ``qk-clip`` - QK-Clip (Kimi K2's MuonClip, applied here after each AdamW step): a head whose
+  largest logit in the step exceeded ``tau`` has its ``W_q`` and ``W_k`` rows rescaled by
+  ``sqrt(tau / S_max)`` (:func:`attnscale.lab.training.qk_clip`).
+
+``cap`` and ``tau`` are both 30, about twice the largest logit that the unguarded model ends with at
+the normal learning rate, so neither guard stands in the way of what the task needs.
+
+Held-out batch every ``log_every`` steps: largest attention logit (after the scale and the
+softcap: what softmax sees), mean entropy, share of saturated rows (max prob > 0.99), loss and
+accuracy. Training is never stopped early: growth after the task is solved is what is looked for.
+
+Profiles: ``quick`` runs the guards at the highest learning rate only, with the lower learning
+rate 3e-3 (the model must learn within its 100 steps there); ``default`` runs every guard at
+every learning rate for 200 steps; ``full`` adds a learning rate and seeds and trains for 1000.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from ...config import AttentionConfig
+from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..tasks import MQAR
+from ..training import ModelConfig, RunLog, TrainConfig, train
+
+CLAIM = Claim(
+    id="logit-growth",
+    statement=(
+        "Without a guard, attention logits grow during training at high learning rates; QK-norm removes the growth, "
+        "soft-capping bounds the logits but not saturation, QK-Clip bounds the max logit."
+    ),
+    sources=(
+        "Dehghani et al. 2023 (ViT-22B, attention logit growth and QK-norm)",
+        "Gemma 2 (attention logit soft-capping)",
+        "Kimi K2 2025 (MuonClip / QK-Clip)",
+    ),
+    method=(
+        "One-layer transformer (attnscale.MultiHeadAttention, 2 heads, d_k = 64) trained by AdamW on multi-query "
+        "associative recall, never stopped early; learning rates from normal to high x guard {none, RMS QK-norm, "
+        "softcap 30, QK-Clip tau = 30 after every step} x seeds; held-out max attention logit (after scale and "
+        "softcap), entropy, share of saturated rows (max prob > 0.99), loss and accuracy over training."
+    ),
+    rule=(
+        "All numbers are medians over seeds at the end of training. Reference R = max logit of the unguarded model "
+        "at the lowest (normal) learning rate: what learning the task needs. inconclusive if fewer than 2 seeds, "
+        "fewer than 2 learning rates, a guard missing at the highest learning rate, or the reference model's "
+        "accuracy < 0.9. Growth G: the unguarded max logit at the highest learning rate is >= 10 R. Parts, at the "
+        "highest learning rate: QK-norm's max logit <= 2 R; softcap's max logit <= cap on every logged step of "
+        "every seed and its saturated share >= 0.5; QK-Clip's largest logged max logit (after step 0) <= 1.25 tau. "
+        "does-not-hold if G fails (no growth to guard against) or no part holds; holds if G and every part hold; "
+        "holds-approximately otherwise."
+    ),
+)
+
+HEADLINE = "over_reference.none"
+GUARDS = ("none", "qk-norm", "softcap", "qk-clip")
+MIN_ACCURACY = 0.9
+GROWTH = 10.0
+QKNORM_BOUND = 2.0
+SATURATED_SHARE = 0.5
+CLIP_SLACK = 1.25
+
+
+@dataclass(frozen=True)
+class Config:
+    lrs: tuple[float, ...] = (1e-3, 1e-2, 5e-2)
+    guards: tuple[str, ...] = GUARDS
+    guards_at_all_lrs: bool = True
+    cap: float = 30.0
+    tau: float = 30.0
+    seeds: int = 3
+    context: int = 16
+    queries: int = 8
+    n_keys: int = 32
+    n_values: int = 32
+    d_model: int = 32
+    num_heads: int = 2
+    head_dim: int = 64
+    batch: int = 32
+    steps: int = 200
+    log_every: int = 10
+    eval_batch: int = 64
+
+    @classmethod
+    def for_profile(cls, profile: Profile) -> Config:
+        if profile == "tiny":
+            return cls(
+                lrs=(3e-3, 3e-2), guards_at_all_lrs=False, seeds=2, context=4, queries=4, n_keys=8, n_values=8,
+                head_dim=16, steps=30, eval_batch=32,
+            )
+        if profile == "quick":
+            return cls(lrs=(3e-3, 5e-2), guards_at_all_lrs=False, seeds=2, steps=100, log_every=20)
+        if profile == "default":
+            return cls()
+        if profile == "full":
+            return cls(lrs=(1e-3, 3e-3, 1e-2, 5e-2), seeds=5, steps=1000, eval_batch=128)
+        raise ValueError(f"profile must be one of tiny, quick, default, full; got {profile!r}.")
+
+
+def _lr_key(lr: float) -> str:
+    return f"{lr:g}"
+
+
+def _model_config(config: Config, guard: str) -> ModelConfig:
+    attention = {
+        "none": None,
+        "qk-norm": AttentionConfig(qk_norm="rms"),
+        "softcap": AttentionConfig(softcap=config.cap),
+        "qk-clip": None,
+    }[guard]
+    return ModelConfig(d_model=config.d_model, num_heads=config.num_heads, head_dim=config.head_dim, attention=attention)
+
+
+def _conditions(config: Config) -> list[tuple[str, float]]:
+    """(guard, lr) of every trained condition; the unguarded model always runs at every lr."""
+    highest = max(config.lrs)
+    return [
+        (guard, lr)
+        for guard in config.guards
+        for lr in sorted(config.lrs)
+        if guard == "none" or config.guards_at_all_lrs or lr == highest
+    ]
+
+
+def _summary(log: RunLog) -> dict[str, float]:
+    return {
+        "init_max_logit": log.max_logit[0],
+        "end_max_logit": log.max_logit[-1],
+        "peak_max_logit": max(log.max_logit[1:], default=log.max_logit[0]),
+        "growth": log.max_logit[-1] / log.max_logit[0],
+        "final_loss": log.loss[-1],
+        "final_accuracy": log.accuracy[-1],
+        "saturated": log.saturated[-1],
+        "entropy": log.entropy[-1],
+        "clipped_heads": float(log.clipped_heads),
+    }
+
+
+def _curve(log: RunLog) -> dict[str, list[float]]:
+    return {k: getattr(log, k) for k in ("steps", "max_logit", "entropy", "saturated", "accuracy", "loss")}
+
+
+def run(config: Config, seed: int, progress: Progress) -> dict:
+    task = MQAR(context=config.context, queries=config.queries, n_keys=config.n_keys, n_values=config.n_values)
+    grid = _conditions(config)
+    total, done = len(grid) * config.seeds, 0
+    per_seed: dict[str, dict[str, list[dict[str, float]]]] = {}
+    curves: dict[str, dict[str, list[dict[str, list[float]]]]] = {}
+    for guard, lr in grid:
+        train_cfg = TrainConfig(
+            steps=config.steps,
+            batch=config.batch,
+            lr=lr,
+            log_every=config.log_every,
+            eval_batch=config.eval_batch,
+            stop_at=None,
+            qk_clip=config.tau if guard == "qk-clip" else None,
+        )
+        for i in range(config.seeds):
+            _, log = train(task, _model_config(config, guard), train_cfg, seed + i)
+            per_seed.setdefault(guard, {}).setdefault(_lr_key(lr), []).append(_summary(log))
+            curves.setdefault(guard, {}).setdefault(_lr_key(lr), []).append(_curve(log))
+            done += 1
+            progress(done, total)
+
+    table = {
+        guard: {lr: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for lr, runs in by_lr.items()}
+        for guard, by_lr in per_seed.items()
+    }
+    low, high = _lr_key(min(config.lrs)), _lr_key(max(config.lrs))
+    reference = table["none"][low]["end_max_logit"]
+    return {
+        "config": asdict(config),
+        "reference_lr": min(config.lrs),
+        "highest_lr": max(config.lrs),
+        "reference_max_logit": reference,
+        "over_reference": {guard: by_lr[high]["end_max_logit"] / reference for guard, by_lr in table.items() if high in by_lr},
+        "growth_at_highest_lr": {guard: by_lr[high]["growth"] for guard, by_lr in table.items() if high in by_lr},
+        "softcap_max_logit_over_run": max(
+            (max(c["max_logit"]) for c in curves.get("softcap", {}).get(high, [])), default=None
+        ),
+        "table": table,
+        "per_seed": per_seed,
+        "curves": curves,
+    }
+
+
+def judge(measured: dict) -> Judgement:
+    cfg = measured["config"]
+    table = measured["table"]
+    low, high = _lr_key(measured["reference_lr"]), _lr_key(measured["highest_lr"])
+    seeds = min((len(runs) for by_lr in measured["per_seed"].values() for runs in by_lr.values()), default=0)
+    if seeds < 2:
+        return Judgement(Verdict.INCONCLUSIVE, f"only {seeds} seed(s) per condition; the rule needs at least 2")
+    if low == high:
+        return Judgement(Verdict.INCONCLUSIVE, "a single learning rate: there is no high learning rate to compare")
+    missing = [g for g in GUARDS if high not in table.get(g, {})]
+    if missing:
+        return Judgement(Verdict.INCONCLUSIVE, f"no run at the highest learning rate for {', '.join(missing)}")
+    ref = table["none"][low]
+    if ref["final_accuracy"] < MIN_ACCURACY:
+        return Judgement(
+            Verdict.INCONCLUSIVE,
+            f"the unguarded model at lr {low} reached accuracy {ref['final_accuracy']:.2f} < {MIN_ACCURACY}: "
+            "no reference for the logit that learning needs",
+        )
+    R = ref["end_max_logit"]
+    at = {guard: table[guard][high] for guard in GUARDS}
+    over = {guard: row["end_max_logit"] / R for guard, row in at.items()}
+    cap, tau = cfg["cap"], cfg["tau"]
+    capped = measured["softcap_max_logit_over_run"]
+    parts = {
+        "qk-norm": over["qk-norm"] <= QKNORM_BOUND,
+        "softcap": capped <= cap * (1 + 1e-6) and at["softcap"]["saturated"] >= SATURATED_SHARE,
+        "qk-clip": at["qk-clip"]["peak_max_logit"] <= CLIP_SLACK * tau,
+    }
+    shown = (
+        f"reference R = {R:.1f} (no guard, lr {low}); at lr {high}: no guard {at['none']['end_max_logit']:.0f} "
+        f"({over['none']:.1f} R, x{at['none']['growth']:.0f} from init, saturated {at['none']['saturated']:.2f}); "
+        f"QK-norm {at['qk-norm']['end_max_logit']:.1f} ({over['qk-norm']:.2f} R, bound {QKNORM_BOUND:g} R); "
+        f"softcap max {capped:.2f} (cap {cap:g}), saturated {at['softcap']['saturated']:.2f} "
+        f"(needs >= {SATURATED_SHARE:g}); QK-Clip peak {at['qk-clip']['peak_max_logit']:.1f} "
+        f"(bound {CLIP_SLACK:g} tau = {CLIP_SLACK * tau:g})"
+    )
+    held = [g for g, ok in parts.items() if ok]
+    failed = [g for g, ok in parts.items() if not ok]
+    if over["none"] < GROWTH:
+        return Judgement(Verdict.DOES_NOT_HOLD, f"without a guard the max logit is < {GROWTH:g} R at the highest lr: {shown}")
+    if not held:
+        return Judgement(Verdict.DOES_NOT_HOLD, f"logits grow without a guard, but no guard does what is claimed: {shown}")
+    if not failed:
+        return Judgement(Verdict.HOLDS, f"logits grow without a guard and every guard does what is claimed: {shown}")
+    return Judgement(
+        Verdict.HOLDS_APPROXIMATELY,
+        f"logits grow without a guard; {', '.join(held)} as claimed, {', '.join(failed)} not: {shown}",
+    )
+
+
+_COLORS = {"none": "tab:red", "qk-norm": "tab:blue", "softcap": "tab:green", "qk-clip": "tab:purple"}
+
+
+def plot(measured: dict, outdir: Path) -> list[str]:
+    cfg = measured["config"]
+    high = _lr_key(measured["highest_lr"])
+    curves = measured["curves"]
+
+    fig = Figure(figsize=(9.0, 3.4), layout="constrained")
+    ax_logit, ax_sat = fig.subplots(1, 2)
+    for guard, by_lr in curves.items():
+        for i, curve in enumerate(by_lr.get(high, [])):
+            label = guard if i == 0 else None
+            ax_logit.plot(curve["steps"], curve["max_logit"], color=_COLORS[guard], alpha=0.8, lw=1.2, label=label)
+            ax_sat.plot(curve["steps"], curve["saturated"], color=_COLORS[guard], alpha=0.8, lw=1.2, label=label)
+    ax_logit.axhline(cfg["cap"], color="green", ls=":", lw=1, label=f"cap {cfg['cap']:g}")
+    ax_logit.axhline(cfg["tau"], color="purple", ls=":", lw=1, label=f"tau {cfg['tau']:g}")
+    ax_logit.axhline(measured["reference_max_logit"], color="black", ls="--", lw=0.8, label="R (no guard, lowest lr)")
+    ax_logit.set_yscale("log")
+    ax_logit.set_ylabel("held-out max attention logit")
+    ax_sat.set_ylabel("share of rows with max prob > 0.99")
+    ax_sat.set_ylim(-0.03, 1.03)
+    for ax in (ax_logit, ax_sat):
+        ax.set_xlabel("step")
+        ax.set_title(f"lr {high}", fontsize=9)
+        ax.legend(fontsize=7)
+    names = [save_figure(fig, outdir, "logit_growth_curves")]
+
+    fig = Figure(figsize=(4.6, 3.4), layout="constrained")
+    ax = fig.subplots()
+    for guard, by_lr in measured["table"].items():
+        lrs = sorted(by_lr, key=float)
+        ax.plot([float(lr) for lr in lrs], [by_lr[lr]["end_max_logit"] for lr in lrs], "o-", color=_COLORS[guard], label=guard)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("AdamW learning rate")
+    ax.set_ylabel("final max attention logit (median over seeds)")
+    ax.legend(fontsize=7)
+    names.append(save_figure(fig, outdir, "logit_growth_vs_lr"))
+    return names
