@@ -272,29 +272,21 @@ def _backward(
             Lb = i1 - i0
             rows = (*batch, Hkv, G * Lb, Sb)
             qk = (qs[b] @ k_blk.transpose(-1, -2)).view(*batch, H, Lb, Sb)
-            additive = None
-            if plan.path.softcap is not None or mask_grad:
-                with torch.enable_grad():
-                    qk = qk.detach().requires_grad_(plan.path.softcap is not None)
-                    if mask_grad:
-                        additive = _mask_block(mask, i0, i1, j0, j1).detach().to(q.dtype).requires_grad_()
-                    _, s, _ = _tile_logits(plan, qs[b], k_blk, i0, i1, j0, j1, mask, alibi, additive=additive, qk=qk)
-            else:
-                _, s, _ = _tile_logits(plan, qs[b], k_blk, i0, i1, j0, j1, mask, alibi, qk=qk)
+            cap = plan.path.softcap
+            # d/dqk of cap * tanh(scale * qk / cap) is scale * (1 - tanh^2): taken before the tile
+            # logits overwrite qk in place. Bias and float mask enter linearly (derivative 1).
+            slope = None if cap is None else torch.tanh(qk * (plan.path.scale / cap))
+            _, s, _ = _tile_logits(plan, qs[b], k_blk, i0, i1, j0, j1, mask, alibi, qk=qk)
             row_lse = lse_ref[..., i0:i1].unsqueeze(-1)
-            # (*batch, H, Lb, Sb); in place unless s is part of the softcap's autograd graph
-            p = torch.exp(s.detach() - row_lse) if s.requires_grad else s.sub_(row_lse).exp_()
+            p = s.sub_(row_lse).exp_()  # (*batch, H, Lb, Sb)
             dv_blk += p.view(rows).transpose(-1, -2) @ dos[b]
             dp = (dos[b] @ v_blk.transpose(-1, -2)).view(*batch, H, Lb, Sb)
             ds = dp.sub_(delta[..., i0:i1].unsqueeze(-1)).mul_(p)
-            if s.requires_grad:
-                inputs = [t for t in (qk, additive) if t is not None and t.requires_grad]
-                grads = dict(zip([id(t) for t in inputs], torch.autograd.grad(s, inputs, ds)))
-                dqk = grads.get(id(qk), ds)
-                dadd = grads.get(id(additive)) if additive is not None else None
+            dadd = ds
+            if slope is None:
+                dqk = ds if plan.path.scale == 1.0 else ds * plan.path.scale
             else:
-                # Without softcap the score path is qk plus terms free of qk: its Jacobian is 1.
-                dqk, dadd = ds, ds
+                dqk = slope.square_().neg_().add_(1.0).mul_(ds).mul_(plan.path.scale)
             if dmask is not None:
                 blk = _mask_block(dmask, i0, i1, j0, j1)
                 blk += dadd.sum_to_size(blk.shape)
