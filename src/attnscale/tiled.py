@@ -299,16 +299,23 @@ def _backward(
     return dq, dk, dv, dmask
 
 
+def _kernel_inputs(plan: _Plan, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q (*batch, H, L, D) with the scale folded in, k (*batch, Hkv, S, D), v (*batch, Hkv, S, Dv),
+    all in the accumulation dtype and broadcast to the plan's batch shape."""
+    acc = accumulation_dtype(query.dtype)
+    q = query.to(acc).expand(*plan.batch, plan.H, plan.L, query.shape[-1]) * plan.scale
+    k = key.to(acc).expand(*plan.batch, *key.shape[-3:])
+    v = value.to(acc).expand(*plan.batch, *value.shape[-3:])
+    return q, k, v
+
+
 class _TiledAttention(torch.autograd.Function):
     """Autograd wrapper: saves the inputs, ``out`` and ``lse``; recomputes the rest."""
 
     @staticmethod
     def forward(ctx, query, key, value, mask, alibi, plan):  # type: ignore[override]
         acc = accumulation_dtype(query.dtype)
-        shape_q = (*plan.batch, plan.H, plan.L, query.shape[-1])
-        q = query.to(acc).expand(shape_q) * plan.scale  # (*batch, H, L, D), scale folded in
-        k = key.to(acc).expand(*plan.batch, *key.shape[-3:])  # (*batch, Hkv, S, D)
-        v = value.to(acc).expand(*plan.batch, *value.shape[-3:])  # (*batch, Hkv, S, Dv)
+        q, k, v = _kernel_inputs(plan, query, key, value)
         out, lse, stats = _forward(plan, q, k, v, mask, alibi)
         ctx.save_for_backward(query, key, value, mask, alibi, out, lse)
         ctx.plan = plan
@@ -321,9 +328,7 @@ class _TiledAttention(torch.autograd.Function):
         query, key, value, mask, alibi, out, lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
         acc = out.dtype
-        q = query.to(acc).expand(*plan.batch, plan.H, plan.L, query.shape[-1]) * plan.scale
-        k = key.to(acc).expand(*plan.batch, *key.shape[-3:])
-        v = value.to(acc).expand(*plan.batch, *value.shape[-3:])
+        q, k, v = _kernel_inputs(plan, query, key, value)
         mask_grad = mask is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dmask = _backward(
             plan, q, k, v, mask, alibi, out, lse, dresult.to(acc), dlse.to(acc), mask_grad
@@ -490,9 +495,7 @@ def partial_forward(
     )
     acc = accumulation_dtype(query.dtype)
     with torch.no_grad():
-        q = query.to(acc).expand(*plan.batch, plan.H, plan.L, query.shape[-1]) * plan.scale  # (*batch, H, L, D)
-        k = key.to(acc).expand(*plan.batch, *key.shape[-3:])  # (*batch, Hkv, S, D)
-        v = value.to(acc).expand(*plan.batch, *value.shape[-3:])  # (*batch, Hkv, S, Dv)
+        q, k, v = _kernel_inputs(plan, query, key, value)
         alibi = None if alibi_slopes is None else alibi_slopes.detach().to(acc)
         out, lse, stats = _forward(plan, q, k, v, None, alibi)
     if not with_stats:
@@ -528,9 +531,7 @@ def partial_backward(
     plan = _plan(query, key, value, path, block_q=block_q, block_k=block_k, q_start=q_start, k_start=k_start, with_stats=False)
     acc = accumulation_dtype(query.dtype)
     with torch.no_grad():
-        q = query.to(acc).expand(*plan.batch, plan.H, plan.L, query.shape[-1]) * plan.scale
-        k = key.to(acc).expand(*plan.batch, *key.shape[-3:])
-        v = value.to(acc).expand(*plan.batch, *value.shape[-3:])
+        q, k, v = _kernel_inputs(plan, query, key, value)
         alibi = None if alibi_slopes is None else alibi_slopes.detach().to(acc)
         dlse = torch.zeros_like(lse, dtype=acc) if dlse is None else dlse.to(acc)
         dq, dk, dv, _ = _backward(plan, q, k, v, None, alibi, out.to(acc), lse.to(acc), dout.to(acc), dlse, False)
