@@ -73,7 +73,8 @@ def with_sgd(measured: dict, unscaled: dict[str, list], scaled: list | None = No
     sgd = synthetic(unscaled, scaled, budget)
     return {
         **measured,
-        "sgd": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, "budget": budget, "seeds": 3},
+        "sgd": {"lrs": [0.03, 0.1], "momentum": 0.9, "weight_decay": 0.0, "budget": budget, "seeds": 3},
+        "sgd_best_lr": {i: {k: 0.03 if k.startswith("1/") else 0.1 for k in by} for i, by in sgd["steps_to_90_per_seed"].items()},
         "steps_to_90_sgd_per_seed": sgd["steps_to_90_per_seed"],
         "steps_to_90_sgd_by_init": sgd["steps_to_90_by_init"],
         "slowdown_sgd": sgd["slowdown"],
@@ -98,7 +99,7 @@ ADAMW_YES = synthetic({"default/64": [300, 310, 320], "unit/64": [None, None, 50
 def test_the_rule_is_applied_per_optimizer_and_combined(measured, verdict):
     judgement = exp.judge(measured)
     assert judgement.verdict is verdict
-    assert "AdamW: " in judgement.reason and "SGD (lr 0.1, momentum 0.9, 400 steps): " in judgement.reason
+    assert "AdamW: " in judgement.reason and "SGD (best lr of 0.03/0.1 per condition, momentum 0.9, 400 steps): " in judgement.reason
 
 
 def test_sgd_arm_reports_the_peak_logit_and_disagreement():
@@ -108,6 +109,7 @@ def test_sgd_arm_reports_the_peak_logit_and_disagreement():
     assert "AdamW: does-not-hold" in reason and "holds: without the scale learning is >= 2x slower" in reason
     assert "peak max logit without the scale: default/64 1e+04" in reason
     assert "accuracy without the scale, best -> final (medians): default/64 0.93 -> 0.10" in reason
+    assert "best lr without / with the scale: default/64 0.03 / 0.1" in reason
 
 
 def test_run_tiny(measured, tmp_path):
@@ -115,7 +117,15 @@ def test_run_tiny(measured, tmp_path):
     cfg = exp.Config.for_profile("tiny")
     assert set(measured["steps_to_90"]) == {"1/64", "sqrt/64"}
     assert measured["optimizers"] == ["adamw", "sgd"]
-    assert set(measured["steps_to_90_sgd"]) == {"1/64", "sqrt/64"} and measured["sgd"]["lr"] == cfg.sgd_lr
+    assert set(measured["steps_to_90_sgd"]) == {"1/64", "sqrt/64"} and measured["sgd"]["lrs"] == list(cfg.sgd_lrs)
+    assert set(measured["steps_to_90_sgd_by_lr"]) == {f"{lr:g}" for lr in cfg.sgd_lrs}
+    for label, lr in measured["sgd_best_lr"]["default"].items():
+        # the reported medians are those of the chosen learning rate, which no other one beats
+        assert lr in cfg.sgd_lrs
+        chosen = measured["steps_to_90_sgd_by_init"]["default"][label]
+        assert measured["steps_to_90_sgd_by_lr"][f"{lr:g}"]["default"][label] == chosen
+        others = [measured["steps_to_90_sgd_by_lr"][f"{o:g}"]["default"][label] for o in cfg.sgd_lrs]
+        assert chosen is None and all(o is None for o in others) or all(o is None or chosen <= o for o in others)
     assert all(len(v) == cfg.sgd_seeds for v in measured["steps_to_90_sgd_per_seed"]["default"].values())
     assert measured["curves_sgd"]["default"]["1/64"][0]["steps"][-1] <= cfg.sgd_steps
     assert all(0 <= r["final"] <= r["best"] <= 1 for r in measured["accuracy_sgd"]["default"]["1/64"])
@@ -145,6 +155,20 @@ def test_profiles_keep_realistic_head_dims():
     assert exp.Config.for_profile("quick").sgd_steps == 0 and exp.Config.for_profile("default").sgd_steps > 0
     with pytest.raises(ValueError, match="profile"):
         exp.Config.for_profile("huge")
+
+
+def test_sgd_counts_a_collapse_as_a_miss_and_picks_the_best_learning_rate():
+    from attnscale.lab.training import RunLog
+
+    def log(accuracy):
+        return RunLog(steps=[10 * i for i in range(len(accuracy))], accuracy=accuracy)
+
+    assert exp._kept(log([0.1, 0.95, 0.99])) == 10
+    assert exp._kept(log([0.1, 0.95, 0.05])) is None  # passed 90%, then collapsed
+    assert exp._kept(log([0.1, 0.5, 0.6])) is None
+    assert exp._best_lr({0.03: 300, 0.1: 200, 0.3: None}) == 0.1
+    assert exp._best_lr({0.03: 200, 0.1: 200}) == 0.03
+    assert exp._best_lr({0.1: None, 0.3: None}) == 0.1
 
 
 def test_reason_reports_the_long_run_and_small_init_ratio_is_per_dk():

@@ -18,16 +18,18 @@ of every condition is reported. The verdict is taken on the ``default`` and ``un
 only: ``small`` and ``large`` are deliberate departures from them.
 
 An optimizer arm trains the ``default`` and ``unit`` conditions (divisor 1 and sqrt(d_k)) again
-with plain SGD with momentum at one learning rate, ``sgd_lr``, at which the scaled model learns
-within a few hundred steps. Adam divides each update by a running gradient scale, which largely
+with plain SGD with momentum. Adam divides each update by a running gradient scale, which largely
 cancels a gradient that is small because softmax is saturated; SGD does not, so it is where the
 claim's vanishing-gradient mechanism has the most room. Without the scale, for the same weights
 and the same gradient on the logits, the gradient on W_q and W_k is sqrt(d_k) times larger and an
-SGD step moves the logits about d_k times further, so at one shared learning rate SGD also tests
-whether the unscaled model overshoots: the outcome depends on the learning rate, which is
-reported with the result, with each unscaled run's best and final accuracy and peak logit. SGD
-runs without weight decay: coupled L2 decay at SGD's learning rate would shrink the weights far
-more than AdamW's decoupled decay does.
+SGD step moves the logits about d_k times further, so one shared learning rate would compare an
+unscaled model that overshoots with a scaled one that does not. Each condition is therefore
+trained at every learning rate of ``sgd_lrs`` and judged at its best one, the usual fair
+comparison. Under SGD a run can pass 90% and then diverge, so the arm counts a run as learned only
+if it ends at or above 90% (its step is still the first one at 90%); a run that collapses counts
+as never getting there, and each unscaled condition's best and final accuracy and peak logit are
+reported. SGD runs without weight decay: coupled L2 decay at SGD's learning rate would shrink the
+weights far more than AdamW's decoupled decay does.
 
 Profiles: ``quick`` keeps d_k = 64 and 128 but drops the divisor d_k, the small and large inits,
 the long budget and the SGD arm, with two seeds and early stop at 90% accuracy, so that it fits
@@ -61,7 +63,8 @@ CLAIM = Claim(
         "curves, max attention logit and share of saturated rows (max prob > 0.99); plus small q/k init "
         "without the scale, a large q/k init (component variance 16) at d_k = 128, and a long unscaled run; "
         "and (default and full profiles) the default and unit conditions with divisor 1 and sqrt(d_k) trained "
-        "again by SGD with momentum 0.9 at one learning rate, without weight decay."
+        "again by SGD with momentum 0.9 at three learning rates, without weight decay, each condition judged at "
+        "its best learning rate, a run counting as learned only if it ends at or above 90%."
     ),
     rule=(
         "Per (init, d_k) condition, init in {default, unit}, slowdown r = median steps-to-90% without the scale / with sqrt(d_k) "
@@ -69,7 +72,8 @@ CLAIM = Claim(
         "the scaled model's median does not reach 90% in some condition; holds if r >= 2 in every "
         "condition; does-not-hold if no condition has r >= 2 and some condition has r < 1.25; "
         "holds-approximately otherwise (slower everywhere but not 2x everywhere, or 2x in some conditions only). "
-        "The rule is applied to each optimizer's runs on their own (AdamW; SGD where it ran), and the verdicts "
+        "The rule is applied to each optimizer's runs on their own (AdamW; SGD where it ran, at each condition's best "
+        "learning rate: the smallest median steps, a run that ends below 90% counting as never reaching it), and the verdicts "
         "combine: inconclusive if every optimizer is inconclusive; otherwise the verdict shared by the conclusive "
         "ones if they agree, holds-approximately if they differ (the claim holds for some optimizers only); the "
         "reason gives each optimizer's verdict."
@@ -104,7 +108,7 @@ class Config:
     log_every: int = 10
     eval_batch: int = 64
     long_steps: int = 4000
-    sgd_lr: float = 0.1
+    sgd_lrs: tuple[float, ...] = (0.03, 0.1, 0.3)
     sgd_momentum: float = 0.9
     sgd_steps: int = 400
     sgd_seeds: int = 2
@@ -115,7 +119,7 @@ class Config:
             return cls(
                 dks=(64,), divisors=("1", "sqrt"), inits=("default",), small_init=False, large_init=False, seeds=2,
                 context=4, queries=4, n_keys=8, n_values=8, steps=40, log_every=10, eval_batch=32, long_steps=60,
-                sgd_steps=30,
+                sgd_steps=30, sgd_lrs=(0.1, 0.3),
             )
         if profile == "quick":
             return cls(
@@ -233,22 +237,24 @@ def _sgd_conditions(config: Config) -> list[tuple[str, str, int]]:
 
 
 def _sgd_runs(config: Config) -> int:
-    return len(_sgd_conditions(config)) * config.sgd_seeds if config.sgd_steps else 0
+    return len(_sgd_conditions(config)) * config.sgd_seeds * len(config.sgd_lrs) if config.sgd_steps else 0
+
+
+def _kept(log: RunLog) -> int | None:
+    """First step at 90% of a run that ends at or above 90%; None for a run that misses or collapses."""
+    return log.steps_to(TARGET) if log.accuracy[-1] >= TARGET else None
+
+
+def _best_lr(medians: dict[float, float | None]) -> float:
+    """The learning rate with the smallest median steps (None is never); ties and all-None go to the smallest."""
+    return min(medians, key=lambda lr: (math.inf if medians[lr] is None else medians[lr], lr))
 
 
 def _run_sgd(config: Config, task: MQAR, seed: int, progress: Progress, done: int, total: int) -> dict:
-    """The SGD arm: measured keys with the suffix ``_sgd``, and its settings under ``sgd``."""
-    train_cfg = TrainConfig(
-        steps=config.sgd_steps,
-        batch=config.batch,
-        lr=config.sgd_lr,
-        weight_decay=0.0,
-        log_every=config.log_every,
-        eval_batch=config.eval_batch,
-        stop_at=config.stop_at,
-        optimizer="sgd",
-        momentum=config.sgd_momentum,
-    )
+    """The SGD arm: every condition at every learning rate of ``sgd_lrs``, reported at its best one;
+    measured keys with the suffix ``_sgd``, settings under ``sgd``, all medians under ``steps_to_90_sgd_by_lr``."""
+    by_lr: dict[str, dict[str, dict[str, float | None]]] = {}
+    chosen: dict[str, dict[str, float]] = {}
     steps: dict[str, dict[str, list[int | None]]] = {}
     curves: dict[str, dict[str, list[dict]]] = {}
     final_saturated: dict[str, dict[str, list[float]]] = {}
@@ -257,24 +263,43 @@ def _run_sgd(config: Config, task: MQAR, seed: int, progress: Progress, done: in
     for init, div, dk in _sgd_conditions(config):
         label = _label(div, dk)
         model_cfg = ModelConfig(d_model=config.d_model, head_dim=dk, divisor=div, qk_init_gain=INIT_GAINS[init])  # type: ignore[arg-type]
-        for i in range(config.sgd_seeds):
-            _, log = train(task, model_cfg, train_cfg, seed + i)
-            steps.setdefault(init, {}).setdefault(label, []).append(log.steps_to(TARGET))
+        logs: dict[float, list[RunLog]] = {}
+        for lr in config.sgd_lrs:
+            train_cfg = TrainConfig(
+                steps=config.sgd_steps,
+                batch=config.batch,
+                lr=lr,
+                weight_decay=0.0,
+                log_every=config.log_every,
+                eval_batch=config.eval_batch,
+                stop_at=config.stop_at,
+                optimizer="sgd",
+                momentum=config.sgd_momentum,
+            )
+            for i in range(config.sgd_seeds):
+                logs.setdefault(lr, []).append(train(task, model_cfg, train_cfg, seed + i)[1])
+                done += 1
+                progress(done, total)
+            by_lr.setdefault(f"{lr:g}", {}).setdefault(init, {})[label] = median_steps([_kept(log) for log in logs[lr]])
+        best = _best_lr({lr: by_lr[f"{lr:g}"][init][label] for lr in config.sgd_lrs})
+        chosen.setdefault(init, {})[label] = best
+        for log in logs[best]:
+            steps.setdefault(init, {}).setdefault(label, []).append(_kept(log))
             curves.setdefault(init, {}).setdefault(label, []).append(_curve(log))
             final_saturated.setdefault(init, {}).setdefault(label, []).append(log.saturated[-1])
             peak_logit.setdefault(init, {}).setdefault(label, []).append(max(log.max_logit))
             accuracy.setdefault(init, {}).setdefault(label, []).append({"best": max(log.accuracy), "final": log.accuracy[-1]})
-            done += 1
-            progress(done, total)
     medians = {init: {label: median_steps(v) for label, v in by_label.items()} for init, by_label in steps.items()}
     return {
         "sgd": {
-            "lr": config.sgd_lr,
+            "lrs": list(config.sgd_lrs),
             "momentum": config.sgd_momentum,
             "weight_decay": 0.0,
             "budget": config.sgd_steps,
             "seeds": config.sgd_seeds,
         },
+        "sgd_best_lr": chosen,
+        "steps_to_90_sgd_by_lr": by_lr,
         "steps_to_90_sgd": medians.get("default", {}),
         "steps_to_90_sgd_by_init": medians,
         "steps_to_90_sgd_per_seed": steps,
@@ -326,7 +351,10 @@ def judge(measured: dict) -> Judgement:
     arms = {"AdamW": _judge_arm(measured, "")}
     if "slowdown_sgd" in measured:
         sgd = measured["sgd"]
-        arms[f"SGD (lr {sgd['lr']:g}, momentum {sgd['momentum']:g}, {sgd['budget']} steps)"] = _judge_arm(measured, "_sgd")
+        lrs = "/".join(f"{lr:g}" for lr in sgd["lrs"])
+        arms[f"SGD (best lr of {lrs} per condition, momentum {sgd['momentum']:g}, {sgd['budget']} steps)"] = _judge_arm(
+            measured, "_sgd"
+        )
     if len(arms) == 1:
         return arms["AdamW"]
     shown = " | ".join(f"{name}: {j.verdict.value}: {j.reason}" for name, j in arms.items())
@@ -364,7 +392,7 @@ def _judge_arm(measured: dict, suffix: str) -> Judgement:
         return Judgement(Verdict.INCONCLUSIVE, "no condition has both divisor 1 and sqrt(d_k)")
     std = measured["init_logit_std"]
     # under SGD a run can miss 90% by collapsing after a rise rather than by stalling: say only what was measured
-    missed = "stalls" if not suffix else "misses 90%"
+    missed = "stalls" if not suffix else "misses or loses 90%"
     shown = "; ".join(
         f"{cond}: {missed if math.isinf(r) else f'x{r:.2f}'} (unscaled init logit std "
         f"{std[cond.split('/')[0]][_label('1', int(cond.split('/')[1]))]['raw']:.1f})"
@@ -386,6 +414,14 @@ def _judge_arm(measured: dict, suffix: str) -> Judgement:
         shown += (
             f"; long run ({long_run['label']}, {long_run['init']} init, {long_run['budget']} steps): "
             f"{reached}/{len(long_run['runs'])} seeds reached {TARGET:.0%}"
+        )
+    best_lr = measured.get("sgd_best_lr") if suffix else None
+    if best_lr:
+        shown += "; best lr without / with the scale: " + ", ".join(
+            f"{init}/{label.split('/')[1]} {lr:g} / {by_label.get(_label('sqrt', int(label.split('/')[1])), math.nan):g}"
+            for init, by_label in best_lr.items()
+            for label, lr in by_label.items()
+            if label.startswith("1/")
         )
     peaks = measured.get(f"peak_max_logit{suffix}")
     if peaks:
