@@ -326,6 +326,71 @@ def test_auto_dispatch_rule(monkeypatch):
     assert attnscale.last_backend() == "tiled"
 
 
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(is_causal=True, causal_alignment="bottom_right"),
+        dict(softcap=60.0, is_causal=True),  # |logits| <= 60, so s - m can reach -120: below the exp floor
+        dict(window=(9, 3)),
+        dict(alibi=True),
+    ],
+)
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_rows_spread_past_the_exp_floor_match_the_reference_and_keep_hidden_keys_at_zero(opts, mask_kind):
+    """Logits spread over hundreds of nats: entries far below the row maximum go through the
+    kernel's exp floor, and keys hidden by the mask or the position stay at exactly zero weight."""
+    opts = dict(opts)
+    H, L, S = 2, 40, 70
+    q, k, v = make_inputs(B=1, H=H, Hkv=H, L=L, S=S, D=16, dtype=torch.float32, seed=11, mag=8.0)
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = torch.full((H,), 4.0)  # a bias of -4 per position: rows span ~280 nats
+    mask = make_mask(mask_kind, B=1, H=H, L=L, S=S, seed=12)
+    mask[..., 20:30] = False if mask_kind == "bool" else NEG_INF  # keys no row sees
+    keep = mask if mask.dtype == torch.bool else mask != NEG_INF
+    expected = run_reference(q, k, v, mask, **opts)
+    out = run_tiled(q, k, v, mask, **opts)
+    logits = q.double() @ k.double().mT / 4
+    assert (logits.amax(-1) - logits.amin(-1)).median() > 200  # nats between a row's largest and smallest logit
+    # float32 logits of a few hundred carry rounding of ~1e-5 in the exponent: judge against the math
+    # backend's float32 error on the same problem
+    err = (out.double() - torch.from_numpy(expected)).abs().max().item()
+    err_math = (run_math(q, k, v, mask, **opts).double() - torch.from_numpy(expected)).abs().max().item()
+    assert err <= 2 * err_math
+    # a hidden key's value can be huge: a weight of exp(-87) = 1.6e-38 on 1e37 would move the output by 0.16
+    v_far = v.clone()
+    hidden_everywhere = ~keep[0, 0].any(0)  # keys no query row may see
+    v_far[..., hidden_everywhere, :] = 1e37
+    assert hidden_everywhere.any()
+    torch.testing.assert_close(run_tiled(q, k, v_far, mask, **opts), out, rtol=0, atol=0)
+    # the same for gradients (exactly zero for hidden values) and the statistics
+    grads = []
+    for backend in ("tiled", "math"):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v_far if backend == "tiled" else v))
+        o, st = attnscale.scaled_dot_product_attention(qq, kk, vv, mask, backend=backend, return_stats=True, **opts)
+        (o * torch.linspace(-1, 1, o.shape[-1])).sum().backward()
+        grads.append((vv.grad, st))
+    (dv_tiled, st_tiled), (dv_math, st_math) = grads
+    assert (dv_tiled[..., hidden_everywhere, :] == 0).all()
+    torch.testing.assert_close(dv_tiled, dv_math, rtol=2e-5, atol=1e-6)  # measured: 3e-6 relative
+    _, st64 = attnscale.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), mask, backend="math", return_stats=True, **opts
+    )
+    for name in ("max_prob", "entropy"):
+        err, err_math = ((getattr(st, name).double() - getattr(st64, name)).abs().max().item() for st in (st_tiled, st_math))
+        assert err <= 2 * err_math
+
+
+def test_block_visibility_on_integers_matches_the_positional_test():
+    for causal, window, offset in itertools.product([False, True], [None, (3, 0), (0, 2), (None, 4), (5, None)], [0, 3, 9]):
+        path = ScorePath(scale=1.0, causal=causal, window=window, q_offset=offset)
+        for q0, q1, k0, k1 in itertools.product(range(0, 12, 3), range(0, 12, 4), range(0, 16, 3), range(0, 16, 5)):
+            q_last, k_last = q0 + q1, k0 + k1
+            q_pos, k_pos = path.positions(q0, q_last - q0 + 1, k0, k_last - k0 + 1, torch.device("cpu"))
+            seen = path.visibility(q_pos, k_pos)
+            assert path.block_is_visible(q0, q_last, k0, k_last) == (seen is None or bool(seen.all()))
+            assert path.block_is_hidden(q0, q_last, k0, k_last) == (seen is not None and not bool(seen.any()))
+
+
 @pytest.mark.parametrize("bad", [0, -4, True, 2.5, "64"])
 def test_bad_block_sizes(bad):
     q, k, v = make_inputs()

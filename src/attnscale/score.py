@@ -67,6 +67,22 @@ class ScorePath:
                 return True
         return False
 
+    def block_is_visible(self, q_first: int, q_last: int, k_first: int, k_last: int) -> bool:
+        """True when causal/window hide no key of the block (rows/cols are aligned-inclusive).
+
+        Both constraints are half-planes in (i', j), so a block is fully visible iff its corners are.
+        """
+        lo, hi = q_first + self.q_offset, q_last + self.q_offset
+        if self.causal and k_last > lo:
+            return False
+        if self.window is not None:
+            left, right = self.window
+            if left is not None and k_first < hi - left:
+                return False
+            if right is not None and k_last > lo + right:
+                return False
+        return True
+
     def logits(
         self,
         qk: Tensor,
@@ -84,8 +100,10 @@ class ScorePath:
         """
         inplace = not torch.is_grad_enabled()
         if self.softcap is not None:  # softcap * tanh(scale * qk / softcap): the scale rides in one pass
-            s = qk.mul_(self.scale / self.softcap) if inplace else qk * (self.scale / self.softcap)
-            s = s.tanh_().mul_(self.softcap) if inplace else torch.tanh(s) * self.softcap
+            factor = self.scale / self.softcap  # 1 when the caller folded scale / softcap into q
+            if factor != 1.0:
+                qk = qk.mul_(factor) if inplace else qk * factor
+            s = qk.tanh_().mul_(self.softcap) if inplace else torch.tanh(qk) * self.softcap
         elif self.scale != 1.0:
             s = qk.mul_(self.scale) if inplace else qk * self.scale
         else:

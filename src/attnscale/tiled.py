@@ -21,6 +21,12 @@ O((L + S) * D) plus one tile. Accumulation is float32 (float64 for float64 input
 Semantics match the ``"math"`` backend exactly, with these choices:
 
 * A row with no visible key returns zeros and ``lse = -inf``; its gradients are zero, never NaN.
+* A visible key more than 87 nats below its row's maximum (float32; 708 in float64) gets the
+  unnormalised weight exp(-87) = 1.6e-38 rather than something smaller: ATen's exp is ~50x slower
+  for results below the normal range, and such a weight is below float32 resolution next to the
+  maximum's 1. Hidden keys (mask, causal, window, -inf in a float mask) get exactly zero.
+* With softcap, ``scale / softcap`` is folded into the query and ``softcap`` into the pass that
+  subtracts the running max, so capping costs one pass (tanh) per tile.
 * Dropout is not implemented: :func:`scaled_dot_product_attention` rejects ``dropout_p > 0`` with
   ``backend="tiled"`` and ``backend="auto"`` sends dropout to ``"math"``.
 * ALiBi slopes are constants (they are fixed by the head count, never learned): no gradient flows
@@ -58,7 +64,12 @@ _NEG_INF = float("-inf")
 
 @dataclass(frozen=True)
 class _Plan:
-    """How one call is tiled. ``path`` has the scale folded into the query (its scale is 1)."""
+    """How one call is tiled.
+
+    The query carries ``q_factor = scale / path.scale``: the whole scale (``path.scale`` is 1), or
+    with softcap ``scale / softcap`` (``path.scale`` is the softcap), so that a tile's raw products
+    are already the argument of tanh and the score path spends no pass on multiplying them.
+    """
 
     path: ScorePath
     scale: float
@@ -87,6 +98,16 @@ class _Plan:
 
     def k_blocks(self) -> list[tuple[int, int]]:
         return [(j, min(j + self.block_k, self.S)) for j in range(0, self.S, self.block_k)]
+
+    @property
+    def q_factor(self) -> float:
+        return self.scale / self.path.scale
+
+    def defer_cap(self, mask: Tensor | None, alibi: Tensor | None) -> float | None:
+        """The softcap when it is the only score-path op (no ALiBi, no float mask): the kernel then
+        keeps tiles as tanh values and multiplies by the cap inside its next pass; else None."""
+        plain_mask = mask is None or mask.dtype == torch.bool
+        return self.path.softcap if alibi is None and plain_mask else None
 
     def hidden(self, i0: int, i1: int, j0: int, j1: int) -> bool:
         return self.path.block_is_hidden(
@@ -132,36 +153,72 @@ def _tile_logits(
     mask: Tensor | None,
     alibi: Tensor | None,
     *,
-    additive: Tensor | None = None,
     qk: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Raw products, logits (hidden keys at -inf) and the bool keep of one tile.
+    defer_cap: bool = False,
+    mask_hides: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Logits of one tile, hidden keys at -inf, and the bool tile of hidden keys (None if none is).
 
-    Shapes: q_blk (*batch, Hkv, G * Lb, D), k_blk (*batch, Hkv, Sb, D) -> qk and s (*batch, H, Lb, Sb).
-    ``additive`` overrides the float mask block (the backward passes one that requires grad).
+    With ``defer_cap`` (only when softcap is the sole score-path op) the returned "logits" are
+    ``tanh(qk)``, hidden keys at -inf, and the caller multiplies by the softcap in its next pass.
+    ``mask_hides`` says the float mask holds -inf somewhere: its -inf positions then count as hidden.
+
+    Shapes: q_blk (*batch, Hkv, G * Lb, D), k_blk (*batch, Hkv, Sb, D) -> s (*batch, H, Lb, Sb).
     """
     Lb, Sb = i1 - i0, j1 - j0
     if qk is None:
         qk = (q_blk @ k_blk.transpose(-1, -2)).view(*plan.batch, plan.H, Lb, Sb)  # (*batch, H, Lb, Sb)
-    q_pos, k_pos = plan.path.positions(plan.q_start + i0, Lb, plan.k_start + j0, Sb, q_blk.device)
-    # Causal and window constraints are half-planes in (i', j): a tile is fully visible iff its
-    # four corners are, which spares the (Lb, Sb) visibility test on most tiles.
-    corners = plan.path.visibility(q_pos[[0, -1]], k_pos[:, [0, -1]])
-    keep = None if corners is None or bool(corners.all()) else plan.path.visibility(q_pos, k_pos)  # (Lb, Sb)
+    first, last = plan.q_start + i0, plan.q_start + i1 - 1
+    # Most tiles are fully visible: decided on integers, without building (Lb, Sb) positions.
+    partial = not plan.path.block_is_visible(first, last, plan.k_start + j0, plan.k_start + j1 - 1)
+    q_pos = k_pos = None
+    if partial or alibi is not None:
+        q_pos, k_pos = plan.path.positions(first, Lb, plan.k_start + j0, Sb, q_blk.device)
+    keep = plan.path.visibility(q_pos, k_pos) if partial else None  # (Lb, Sb)
+    additive = None
     if mask is not None:
         mb = _mask_block(mask, i0, i1, j0, j1)
         if mb.dtype == torch.bool:
             keep = mb if keep is None else keep & mb
-        elif additive is None:
+        else:
             additive = mb.to(qk.dtype)
     if plan.path.softcap is None and alibi is None and additive is None and plan.path.scale == 1.0:
         s = qk  # the score path is the identity once the scale sits in q: skip a pass over the tile
+    elif defer_cap and alibi is None and additive is None:
+        s = qk.tanh_()  # the softcap multiply is left to the caller's next pass over the tile
     else:
         s = plan.path.logits(qk, q_pos=q_pos, k_pos=k_pos, alibi_slopes=alibi, additive=additive)
+    hidden = None if keep is None else ~keep
     # A -inf in the float mask is already -inf in s; only bool and positional hiding need a fill.
-    if keep is not None:
-        s = s.masked_fill(~keep, _NEG_INF) if s.requires_grad else s.masked_fill_(~keep, _NEG_INF)
-    return qk, s, keep
+    if hidden is not None:
+        s = s.masked_fill(hidden, _NEG_INF) if s.requires_grad else s.masked_fill_(hidden, _NEG_INF)
+    if mask_hides and additive is not None:
+        neg = additive == _NEG_INF
+        hidden = neg if hidden is None else hidden | neg
+    return s, hidden
+
+
+# ATen's vectorized exp leaves its fast path for results below the normal range (arguments under
+# about -87.3 in float32, -inf included) and runs some 50x slower there. exp(-87) = 1.6e-38 is a
+# weight below float32 resolution next to a row maximum's exp(0) = 1, so arguments are raised to
+# this floor first, and hidden keys, whose -inf the floor also raises, are set back to exactly 0.
+_EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}
+
+
+def _exp_(centred: Tensor, hidden: Tensor | None, lowest: float) -> Tensor:
+    """exp of a centred tile (every entry <= 0, hidden keys -inf) in place, on ATen's fast path.
+
+    ``lowest`` bounds the finite entries from below when the score path does (softcap), else -inf.
+    """
+    floor = _EXP_FLOOR.get(centred.dtype, -87.0)
+    if hidden is not None or (lowest < floor and float(centred.amin()) < floor):
+        centred.clamp_min_(floor)
+    p = centred.exp_()
+    return p if hidden is None else p.masked_fill_(hidden, 0.0)
+
+
+def _has_neg_inf(mask: Tensor | None) -> bool:
+    return mask is not None and mask.dtype != torch.bool and bool(torch.isneginf(mask.detach()).any())
 
 
 def _group_rows(x: Tensor, plan: _Plan, i0: int, i1: int) -> Tensor:
@@ -188,6 +245,9 @@ def _forward(
             stats[name] = q.new_empty(*batch, H, L)
         stats["visible_keys"] = torch.zeros(*batch, H, L, dtype=torch.int64, device=q.device)
     k_blocks = plan.k_blocks()
+    cap = plan.defer_cap(mask, alibi)  # tiles hold tanh values; logits = cap * tile
+    lowest = _NEG_INF if cap is None else -2.0 * cap  # s - m >= -2 cap when |s| <= cap
+    mask_hides = _has_neg_inf(mask)
     for i0, i1 in plan.q_blocks():
         Lb = i1 - i0
         q_blk = _group_rows(q, plan, i0, i1)  # (*batch, Hkv, G * Lb, D)
@@ -200,20 +260,26 @@ def _forward(
                 continue
             Sb = j1 - j0
             # s is a fresh tile, so the steps below work in place: no (Lb, Sb) allocations.
-            _, s, _ = _tile_logits(plan, q_blk, k[..., j0:j1, :], i0, i1, j0, j1, mask, alibi)
-            m_new = torch.maximum(m, s.amax(dim=-1))
+            s, hidden = _tile_logits(
+                plan, q_blk, k[..., j0:j1, :], i0, i1, j0, j1, mask, alibi, defer_cap=cap is not None, mask_hides=mask_hides
+            )
+            tile_max = s.amax(dim=-1) if cap is None else s.amax(dim=-1).mul_(cap)  # tanh is increasing
+            m_new = torch.maximum(m, tile_max)
             m_ref = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # empty so far: exp(-inf - 0) = 0
             alpha = torch.exp(m - m_ref)
             if w is not None:
                 stats["visible_keys"][..., i0:i1] += (s != _NEG_INF).sum(dim=-1)
-            centred = s.sub_(m_ref.unsqueeze(-1))  # (*batch, H, Lb, Sb)
+            if cap is None:
+                centred = s.sub_(m_ref.unsqueeze(-1))  # (*batch, H, Lb, Sb)
+            else:  # cap * tanh - m in one pass
+                centred = torch.add(m_ref.neg().unsqueeze(-1), s, alpha=cap, out=s)
             if w is not None:
-                p = torch.exp(centred)
+                p = _exp_(centred.clone(), hidden, lowest)
                 # Re-centre the running sum of p * (s - m) on the new max, then add this tile's.
                 shift = torch.where(l > 0, l * (m - m_ref), torch.zeros_like(l))
                 w = alpha * (w + shift) + (p * centred.masked_fill_(p == 0, 0.0)).sum(dim=-1)
             else:
-                p = centred.exp_()
+                p = _exp_(centred, hidden, lowest)
             l = alpha * l + p.sum(dim=-1)
             acc.mul_(alpha.view(*batch, plan.Hkv, plan.G * Lb, 1))
             acc.view(plan.groups, plan.G * Lb, Dv).baddbmm_(
@@ -262,6 +328,14 @@ def _backward(
     dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)  # k may be an expanded view
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     dmask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device) if mask_grad else None
+    cap = plan.path.softcap
+    deferred = plan.defer_cap(mask, alibi) is not None
+    mask_hides = _has_neg_inf(mask)
+    # With softcap, q carries scale / cap, so a tile's raw products x are tanh's argument and
+    # d logits / dx = cap * (1 - tanh(x)^2): the tiles accumulate (1 - t^2) dS and the cap
+    # multiplies dq and dk once at the end. With ALiBi or a float mask, the capped tile goes
+    # through the rest of the score path (bias, mask) as ``uncapped`` describes it.
+    uncapped = dataclasses.replace(plan, path=dataclasses.replace(plan.path, softcap=None, scale=1.0))
     for j0, j1 in plan.k_blocks():
         Sb = j1 - j0
         k_blk, v_blk = k[..., j0:j1, :], v[..., j0:j1, :]
@@ -272,38 +346,46 @@ def _backward(
             Lb = i1 - i0
             rows = (*batch, Hkv, G * Lb, Sb)
             qk = (qs[b] @ k_blk.transpose(-1, -2)).view(*batch, H, Lb, Sb)
-            cap = plan.path.softcap
-            # d/dqk of cap * tanh(scale * qk / cap) is scale * (1 - tanh^2): taken before the tile
-            # logits overwrite qk in place. Bias and float mask enter linearly (derivative 1).
-            slope = None if cap is None else torch.tanh(qk * (plan.path.scale / cap))
-            _, s, _ = _tile_logits(plan, qs[b], k_blk, i0, i1, j0, j1, mask, alibi, qk=qk)
-            row_lse = lse_ref[..., i0:i1].unsqueeze(-1)
-            p = s.sub_(row_lse).exp_()  # (*batch, H, Lb, Sb)
+            neg_lse = lse_ref[..., i0:i1].neg().unsqueeze(-1)
+            if cap is None:
+                t = None
+                s, hidden = _tile_logits(plan, qs[b], k_blk, i0, i1, j0, j1, mask, alibi, qk=qk, mask_hides=mask_hides)
+                p = _exp_(s.add_(neg_lse), hidden, _NEG_INF)  # (*batch, H, Lb, Sb)
+            elif deferred:
+                t, hidden = _tile_logits(plan, qs[b], k_blk, i0, i1, j0, j1, mask, alibi, qk=qk, defer_cap=True)
+                p = _exp_(torch.add(neg_lse, t, alpha=cap), hidden, _NEG_INF)  # exp(cap * tanh - lse)
+                if hidden is not None:
+                    t.masked_fill_(hidden, 0.0)  # finite slope where p = 0, so (1 - t^2) dS stays 0
+            else:
+                t = qk.tanh_()
+                s, hidden = _tile_logits(
+                    uncapped, qs[b], k_blk, i0, i1, j0, j1, mask, alibi, qk=t * cap, mask_hides=mask_hides
+                )
+                p = _exp_(s.add_(neg_lse), hidden, _NEG_INF)
             dv_blk += p.view(rows).transpose(-1, -2) @ dos[b]
             dp = (dos[b] @ v_blk.transpose(-1, -2)).view(*batch, H, Lb, Sb)
             ds = dp.sub_(delta[..., i0:i1].unsqueeze(-1)).mul_(p)
-            dadd = ds
-            if slope is None:
-                dqk = ds if plan.path.scale == 1.0 else ds * plan.path.scale
-            else:
-                dqk = slope.square_().neg_().add_(1.0).mul_(ds).mul_(plan.path.scale)
+            dqk = ds if t is None else torch.addcmul(ds, ds, t.square_(), value=-1.0, out=t)  # (1 - t^2) dS
             if dmask is not None:
                 blk = _mask_block(dmask, i0, i1, j0, j1)
-                blk += dadd.sum_to_size(blk.shape)
+                blk += ds.sum_to_size(blk.shape)  # bias and float mask enter linearly, after the cap
             dqk = dqk.reshape(rows)
             dqs[b] += dqk @ k_blk
             dk_blk += dqk.transpose(-1, -2) @ qs[b]
     dq = torch.empty_like(q)
     for b, (i0, i1) in enumerate(q_blocks):
         dq[..., i0:i1, :] = dqs[b].view(*batch, H, i1 - i0, q.shape[-1])
+    if cap is not None:
+        dq.mul_(cap)
+        dk.mul_(cap)
     return dq, dk, dv, dmask
 
 
 def _kernel_inputs(plan: _Plan, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q (*batch, H, L, D) with the scale folded in, k (*batch, Hkv, S, D), v (*batch, Hkv, S, Dv),
+    """q (*batch, H, L, D) times ``plan.q_factor``, k (*batch, Hkv, S, D), v (*batch, Hkv, S, Dv),
     all in the accumulation dtype and broadcast to the plan's batch shape."""
     acc = accumulation_dtype(query.dtype)
-    q = query.to(acc).expand(*plan.batch, plan.H, plan.L, query.shape[-1]) * plan.scale
+    q = query.to(acc).expand(*plan.batch, plan.H, plan.L, query.shape[-1]) * plan.q_factor
     k = key.to(acc).expand(*plan.batch, *key.shape[-3:])
     v = value.to(acc).expand(*plan.batch, *value.shape[-3:])
     return q, k, v
@@ -333,7 +415,7 @@ class _TiledAttention(torch.autograd.Function):
         dq, dk, dv, dmask = _backward(
             plan, q, k, v, mask, alibi, out, lse, dresult.to(acc), dlse.to(acc), mask_grad
         )
-        dq = (dq * plan.scale).sum_to_size(query.shape).to(query.dtype)  # q was scaled before q k^T
+        dq = (dq * plan.q_factor).sum_to_size(query.shape).to(query.dtype)  # q was scaled before q k^T
         dk = dk.sum_to_size(key.shape).to(key.dtype)  # broadcast batch dims sum back
         dv = dv.sum_to_size(value.shape).to(value.dtype)
         if dmask is not None:
@@ -357,7 +439,7 @@ def _plan(
     H, L = query.shape[-3], query.shape[-2]
     Hkv, S = key.shape[-3], key.shape[-2]
     return _Plan(
-        path=dataclasses.replace(path, scale=1.0),
+        path=dataclasses.replace(path, scale=1.0 if path.softcap is None else path.softcap),
         scale=path.scale,
         batch=batch,
         H=H,
@@ -535,4 +617,4 @@ def partial_backward(
         alibi = None if alibi_slopes is None else alibi_slopes.detach().to(acc)
         dlse = torch.zeros_like(lse, dtype=acc) if dlse is None else dlse.to(acc)
         dq, dk, dv, _ = _backward(plan, q, k, v, None, alibi, out.to(acc), lse.to(acc), dout.to(acc), dlse, False)
-    return dq * plan.scale, dk, dv
+    return dq * plan.q_factor, dk, dv
