@@ -344,7 +344,6 @@ def _backward(
             if plan.hidden(i0, i1, j0, j1):
                 continue
             Lb = i1 - i0
-            rows = (*batch, Hkv, G * Lb, Sb)
             qk = (qs[b] @ k_blk.transpose(-1, -2)).view(*batch, H, Lb, Sb)
             neg_lse = lse_ref[..., i0:i1].neg().unsqueeze(-1)
             if cap is None:
@@ -362,16 +361,19 @@ def _backward(
                     uncapped, qs[b], k_blk, i0, i1, j0, j1, mask, alibi, qk=t * cap, mask_hides=mask_hides
                 )
                 p = _exp_(s.add_(neg_lse), hidden, _NEG_INF)
-            dv_blk += p.view(rows).transpose(-1, -2) @ dos[b]
+            # accumulate in place (baddbmm_): a matmul then += would allocate and sweep each result again
+            n = plan.groups
+            p3, do3 = p.view(n, G * Lb, Sb), dos[b].reshape(n, G * Lb, -1)
+            dv_blk.view(n, Sb, -1).baddbmm_(p3.transpose(1, 2), do3)
             dp = (dos[b] @ v_blk.transpose(-1, -2)).view(*batch, H, Lb, Sb)
             ds = dp.sub_(delta[..., i0:i1].unsqueeze(-1)).mul_(p)
             dqk = ds if t is None else torch.addcmul(ds, ds, t.square_(), value=-1.0, out=t)  # (1 - t^2) dS
             if dmask is not None:
                 blk = _mask_block(dmask, i0, i1, j0, j1)
                 blk += ds.sum_to_size(blk.shape)  # bias and float mask enter linearly, after the cap
-            dqk = dqk.reshape(rows)
-            dqs[b] += dqk @ k_blk
-            dk_blk += dqk.transpose(-1, -2) @ qs[b]
+            dqk = dqk.view(n, G * Lb, Sb)
+            dqs[b].view(n, G * Lb, -1).baddbmm_(dqk, k_blk.reshape(n, Sb, -1))
+            dk_blk.view(n, Sb, -1).baddbmm_(dqk.transpose(1, 2), qs[b].reshape(n, G * Lb, -1))
     dq = torch.empty_like(q)
     for b, (i0, i1) in enumerate(q_blocks):
         dq[..., i0:i1, :] = dqs[b].view(*batch, H, i1 - i0, q.shape[-1])
