@@ -244,54 +244,54 @@ def _forward(
         for name in ("max_logit", "max_prob", "entropy"):
             stats[name] = q.new_empty(*batch, H, L)
         stats["visible_keys"] = torch.zeros(*batch, H, L, dtype=torch.int64, device=q.device)
-    k_blocks = plan.k_blocks()
+    # Key/value blocks as the per-tile matmuls read them, sliced once rather than once per tile.
+    kv_blocks = [(j0, j1, k[..., j0:j1, :], v[..., j0:j1, :].reshape(plan.groups, j1 - j0, Dv)) for j0, j1 in plan.k_blocks()]
     cap = plan.defer_cap(mask, alibi)  # tiles hold tanh values; logits = cap * tile
     lowest = _NEG_INF if cap is None else -2.0 * cap  # s - m >= -2 cap when |s| <= cap
     mask_hides = _has_neg_inf(mask)
+    # The running max starts finite, so a row that has seen no key yet needs no special case:
+    # alpha = exp(0) = 1 scales l = 0, and its hidden entries give exp(-inf) = 0.
+    start = torch.finfo(acc_dtype).min
     for i0, i1 in plan.q_blocks():
         Lb = i1 - i0
         q_blk = _group_rows(q, plan, i0, i1)  # (*batch, Hkv, G * Lb, D)
-        m = q.new_full((*batch, H, Lb), _NEG_INF)
+        m = q.new_full((*batch, H, Lb), start)
         l = q.new_zeros(*batch, H, Lb)
         acc = q.new_zeros(*batch, plan.Hkv, plan.G * Lb, Dv)
+        acc3, rows = acc.view(plan.groups, plan.G * Lb, Dv), (*batch, plan.Hkv, plan.G * Lb, 1)
         w = q.new_zeros(*batch, H, Lb) if plan.with_stats else None  # sum exp(s - m) (s - m)
-        for j0, j1 in k_blocks:
+        for j0, j1, k_blk, v3 in kv_blocks:
             if plan.hidden(i0, i1, j0, j1):
                 continue
-            Sb = j1 - j0
             # s is a fresh tile, so the steps below work in place: no (Lb, Sb) allocations.
             s, hidden = _tile_logits(
-                plan, q_blk, k[..., j0:j1, :], i0, i1, j0, j1, mask, alibi, defer_cap=cap is not None, mask_hides=mask_hides
+                plan, q_blk, k_blk, i0, i1, j0, j1, mask, alibi, defer_cap=cap is not None, mask_hides=mask_hides
             )
             tile_max = s.amax(dim=-1) if cap is None else s.amax(dim=-1).mul_(cap)  # tanh is increasing
             m_new = torch.maximum(m, tile_max)
-            m_ref = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # empty so far: exp(-inf - 0) = 0
-            alpha = torch.exp(m - m_ref)
+            alpha = torch.exp(m - m_new)
             if w is not None:
                 stats["visible_keys"][..., i0:i1] += (s != _NEG_INF).sum(dim=-1)
             if cap is None:
-                centred = s.sub_(m_ref.unsqueeze(-1))  # (*batch, H, Lb, Sb)
+                centred = s.sub_(m_new.unsqueeze(-1))  # (*batch, H, Lb, Sb)
             else:  # cap * tanh - m in one pass
-                centred = torch.add(m_ref.neg().unsqueeze(-1), s, alpha=cap, out=s)
+                centred = torch.add(m_new.neg().unsqueeze(-1), s, alpha=cap, out=s)
             if w is not None:
                 p = _exp_(centred.clone(), hidden, lowest)
                 # Re-centre the running sum of p * (s - m) on the new max, then add this tile's.
-                shift = torch.where(l > 0, l * (m - m_ref), torch.zeros_like(l))
-                w = alpha * (w + shift) + (p * centred.masked_fill_(p == 0, 0.0)).sum(dim=-1)
+                w = alpha * (w + l * (m - m_new)) + (p * centred.masked_fill_(p == 0, 0.0)).sum(dim=-1)
             else:
                 p = _exp_(centred, hidden, lowest)
-            l = alpha * l + p.sum(dim=-1)
-            acc.mul_(alpha.view(*batch, plan.Hkv, plan.G * Lb, 1))
-            acc.view(plan.groups, plan.G * Lb, Dv).baddbmm_(
-                p.view(plan.groups, plan.G * Lb, Sb), v[..., j0:j1, :].reshape(plan.groups, Sb, Dv)
-            )
+            l = torch.addcmul(p.sum(dim=-1), alpha, l)  # alpha l + rowsum(p)
+            acc.mul_(alpha.view(rows))
+            acc3.baddbmm_(p.view(plan.groups, plan.G * Lb, j1 - j0), v3)
             m = m_new
         has_key = l > 0
         safe_l = torch.where(has_key, l, torch.ones_like(l))
-        out[..., i0:i1, :] = (acc / safe_l.view(*batch, plan.Hkv, plan.G * Lb, 1)).view(*batch, H, Lb, Dv)
-        lse[..., i0:i1] = torch.where(has_key, m + torch.log(safe_l), m)
+        out[..., i0:i1, :] = (acc / safe_l.view(rows)).view(*batch, H, Lb, Dv)
+        lse[..., i0:i1] = torch.where(has_key, m + torch.log(safe_l), _NEG_INF)
         if w is not None:
-            stats["max_logit"][..., i0:i1] = m
+            stats["max_logit"][..., i0:i1] = torch.where(has_key, m, _NEG_INF)
             stats["max_prob"][..., i0:i1] = torch.where(has_key, 1.0 / safe_l, torch.zeros_like(l))
             entropy = torch.log(safe_l) - w / safe_l
             stats["entropy"][..., i0:i1] = torch.where(has_key, entropy, torch.zeros_like(l)).clamp_min(0.0)
