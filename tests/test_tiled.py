@@ -175,6 +175,24 @@ def test_gradcheck_float64(opts):
     assert torch.autograd.gradcheck(f, inputs)
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("Hkv", [4, 2])
+def test_strided_inputs_as_projections_make_them(softcap, Hkv):
+    """q, k, v as a module's projections leave them: (B, L, H, D) memory seen as (B, H, L, D)."""
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (
+        torch.randn(2, 2 * BK + 3, h, 5, generator=gen, dtype=torch.float64).transpose(1, 2).requires_grad_()
+        for h in (4, Hkv, Hkv)
+    )
+    assert not q.is_contiguous()
+    out = run_tiled(q, k, v, softcap=softcap, is_causal=True, causal_alignment="top_left")
+    expected = run_math(q, k, v, softcap=softcap, is_causal=True, causal_alignment="top_left")
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * g).sum(), (q, k, v)), torch.autograd.grad((expected * g).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
 def test_bool_mask_and_broadcast_batch_dims():
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 1, 3, 10, 4, generator=gen, dtype=torch.float64, requires_grad=True)  # (B1, B2=1, H, L, D)

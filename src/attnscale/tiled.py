@@ -324,7 +324,7 @@ def _backward(
     q_blocks = plan.q_blocks()
     qs = [_group_rows(q, plan, i0, i1) for i0, i1 in q_blocks]  # (*batch, Hkv, G * Lb, D)
     dos = [_group_rows(dout, plan, i0, i1) for i0, i1 in q_blocks]  # (*batch, Hkv, G * Lb, Dv)
-    dqs = [torch.zeros_like(x) for x in qs]
+    dqs = [torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in qs]  # contiguous: viewed as (n, rows, D)
     dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)  # k may be an expanded view
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     dmask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device) if mask_grad else None

@@ -73,7 +73,7 @@ def with_sgd(measured: dict, unscaled: dict[str, list], scaled: list | None = No
     sgd = synthetic(unscaled, scaled, budget)
     return {
         **measured,
-        "sgd": {"lrs": [0.03, 0.1], "momentum": 0.9, "weight_decay": 0.0, "budget": budget, "seeds": 3},
+        "sgd": {"lrs": [0.03, 0.1], "lr_start": 0.1, "momentum": 0.9, "weight_decay": 0.0, "budget": budget, "seeds": 3},
         "sgd_best_lr": {i: {k: 0.03 if k.startswith("1/") else 0.1 for k in by} for i, by in sgd["steps_to_90_per_seed"].items()},
         "steps_to_90_sgd_per_seed": sgd["steps_to_90_per_seed"],
         "steps_to_90_sgd_by_init": sgd["steps_to_90_by_init"],
@@ -99,7 +99,7 @@ ADAMW_YES = synthetic({"default/64": [300, 310, 320], "unit/64": [None, None, 50
 def test_the_rule_is_applied_per_optimizer_and_combined(measured, verdict):
     judgement = exp.judge(measured)
     assert judgement.verdict is verdict
-    assert "AdamW: " in judgement.reason and "SGD (best lr of 0.03/0.1 per condition, momentum 0.9, 400 steps): " in judgement.reason
+    assert "AdamW: " in judgement.reason and "SGD (lr tuned per condition on 0.03..0.1, momentum 0.9, 400 steps): " in judgement.reason
 
 
 def test_sgd_arm_reports_the_peak_logit_and_disagreement():
@@ -118,13 +118,14 @@ def test_run_tiny(measured, tmp_path):
     assert set(measured["steps_to_90"]) == {"1/64", "sqrt/64"}
     assert measured["optimizers"] == ["adamw", "sgd"]
     assert set(measured["steps_to_90_sgd"]) == {"1/64", "sqrt/64"} and measured["sgd"]["lrs"] == list(cfg.sgd_lrs)
-    assert set(measured["steps_to_90_sgd_by_lr"]) == {f"{lr:g}" for lr in cfg.sgd_lrs}
+    tried = measured["steps_to_90_sgd_by_lr"]
+    assert {f"{lr:g}" for lr in cfg.sgd_lrs} >= set(tried) >= {"0.1", "0.3"}  # the start and its neighbour
     for label, lr in measured["sgd_best_lr"]["default"].items():
-        # the reported medians are those of the chosen learning rate, which no other one beats
+        # the reported medians are those of the chosen learning rate, which no other one tried beats
         assert lr in cfg.sgd_lrs
         chosen = measured["steps_to_90_sgd_by_init"]["default"][label]
-        assert measured["steps_to_90_sgd_by_lr"][f"{lr:g}"]["default"][label] == chosen
-        others = [measured["steps_to_90_sgd_by_lr"][f"{o:g}"]["default"][label] for o in cfg.sgd_lrs]
+        assert tried[f"{lr:g}"]["default"][label] == chosen
+        others = [by["default"][label] for by in tried.values() if label in by.get("default", {})]
         assert chosen is None and all(o is None for o in others) or all(o is None or chosen <= o for o in others)
     assert all(len(v) == cfg.sgd_seeds for v in measured["steps_to_90_sgd_per_seed"]["default"].values())
     assert measured["curves_sgd"]["default"]["1/64"][0]["steps"][-1] <= cfg.sgd_steps
@@ -169,6 +170,31 @@ def test_sgd_counts_a_collapse_as_a_miss_and_picks_the_best_learning_rate():
     assert exp._best_lr({0.03: 300, 0.1: 200, 0.3: None}) == 0.1
     assert exp._best_lr({0.03: 200, 0.1: 200}) == 0.03
     assert exp._best_lr({0.1: None, 0.3: None}) == 0.1
+
+
+LADDER = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+
+
+@pytest.mark.parametrize(
+    ("profile", "best", "tried"),
+    [
+        ({0.01: 500, 0.03: 300, 0.1: 200, 0.3: 250, 1.0: None}, 0.1, {0.03, 0.1, 0.3}),  # best at the start
+        ({0.003: 90, 0.01: 100, 0.03: 150, 0.1: 300, 0.3: None}, 0.003, {0.003, 0.01, 0.03, 0.1, 0.3}),  # walks down to the end
+        ({0.03: 400, 0.1: 300, 0.3: 200, 1.0: 100, 3.0: 120}, 1.0, {0.03, 0.1, 0.3, 1.0, 3.0}),  # walks up, stops
+        ({0.003: 80, 0.01: None, 0.03: None, 0.1: None, 0.3: None}, 0.003, set(LADDER)),  # widens both ways
+        ({}, 0.003, set(LADDER)),  # never reaches 90%: every rung tried, the smallest reported
+    ],
+)
+def test_learning_rate_search_never_stops_at_an_untried_edge(profile, best, tried):
+    seen = []
+
+    def evaluate(lr):
+        seen.append(lr)
+        return profile.get(lr)
+
+    result = exp._search_lr(LADDER, 0.1, evaluate)
+    assert exp._best_lr(result) == best and set(result) == tried and len(seen) == len(set(seen))
+
 
 
 def test_reason_reports_the_long_run_and_small_init_ratio_is_per_dk():

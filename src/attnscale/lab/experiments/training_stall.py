@@ -23,9 +23,11 @@ cancels a gradient that is small because softmax is saturated; SGD does not, so 
 claim's vanishing-gradient mechanism has the most room. Without the scale, for the same weights
 and the same gradient on the logits, the gradient on W_q and W_k is sqrt(d_k) times larger and an
 SGD step moves the logits about d_k times further, so one shared learning rate would compare an
-unscaled model that overshoots with a scaled one that does not. Each condition is therefore
-trained at every learning rate of ``sgd_lrs`` and judged at its best one, the usual fair
-comparison. Under SGD a run can pass 90% and then diverge, so the arm counts a run as learned only
+unscaled model that overshoots with a scaled one that does not. Each condition's learning rate
+is therefore tuned on the ladder ``sgd_lrs`` (factors of about 3) and the condition is judged at
+its best one, the usual fair comparison: the search starts at ``sgd_lr_start`` and its two
+neighbours and walks towards the better side until a learning rate beats both of its neighbours or
+the ladder ends, so the reported best is never an untried edge. Under SGD a run can pass 90% and then diverge, so the arm counts a run as learned only
 if it ends at or above 90% (its step is still the first one at 90%); a run that collapses counts
 as never getting there, and each unscaled condition's best and final accuracy and peak logit are
 reported. SGD runs without weight decay: coupled L2 decay at SGD's learning rate would shrink the
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,8 +66,9 @@ CLAIM = Claim(
         "curves, max attention logit and share of saturated rows (max prob > 0.99); plus small q/k init "
         "without the scale, a large q/k init (component variance 16) at d_k = 128, and a long unscaled run; "
         "and (default and full profiles) the default and unit conditions with divisor 1 and sqrt(d_k) trained "
-        "again by SGD with momentum 0.9 at three learning rates, without weight decay, each condition judged at "
-        "its best learning rate, a run counting as learned only if it ends at or above 90%."
+        "again by SGD with momentum 0.9 without weight decay, the learning rate of each condition tuned by a search on "
+        "a ladder from 0.003 to 3 (factors of about 3) and the condition judged at its best one, a run counting as "
+        "learned only if it ends at or above 90%."
     ),
     rule=(
         "Per (init, d_k) condition, init in {default, unit}, slowdown r = median steps-to-90% without the scale / with sqrt(d_k) "
@@ -108,7 +112,8 @@ class Config:
     log_every: int = 10
     eval_batch: int = 64
     long_steps: int = 4000
-    sgd_lrs: tuple[float, ...] = (0.03, 0.1, 0.3)
+    sgd_lrs: tuple[float, ...] = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+    sgd_lr_start: float = 0.1
     sgd_momentum: float = 0.9
     sgd_steps: int = 400
     sgd_seeds: int = 2
@@ -119,7 +124,7 @@ class Config:
             return cls(
                 dks=(64,), divisors=("1", "sqrt"), inits=("default",), small_init=False, large_init=False, seeds=2,
                 context=4, queries=4, n_keys=8, n_values=8, steps=40, log_every=10, eval_batch=32, long_steps=60,
-                sgd_steps=30, sgd_lrs=(0.1, 0.3),
+                sgd_steps=30, sgd_lrs=(0.1, 0.3, 1.0),
             )
         if profile == "quick":
             return cls(
@@ -237,7 +242,9 @@ def _sgd_conditions(config: Config) -> list[tuple[str, str, int]]:
 
 
 def _sgd_runs(config: Config) -> int:
-    return len(_sgd_conditions(config)) * config.sgd_seeds * len(config.sgd_lrs) if config.sgd_steps else 0
+    """Runs of the SGD arm if every search stops after its first three learning rates (the progress
+    total grows when a search walks further)."""
+    return len(_sgd_conditions(config)) * config.sgd_seeds * min(3, len(config.sgd_lrs)) if config.sgd_steps else 0
 
 
 def _kept(log: RunLog) -> int | None:
@@ -250,9 +257,39 @@ def _best_lr(medians: dict[float, float | None]) -> float:
     return min(medians, key=lambda lr: (math.inf if medians[lr] is None else medians[lr], lr))
 
 
+def _search_lr(ladder: tuple[float, ...], start: float, evaluate: Callable[[float], float | None]) -> dict[float, float | None]:
+    """Median steps at the learning rates a ladder search tries; ``_best_lr`` of the result is the pick.
+
+    Tries ``start`` and its neighbours, then the untried neighbours of the best so far until the best
+    has both neighbours tried (or the ladder ends there). While no learning rate has reached the
+    target, it widens on both sides until one does or the ladder is exhausted.
+    """
+    tried: dict[float, float | None] = {}
+
+    def visit(i: int) -> None:
+        if 0 <= i < len(ladder) and ladder[i] not in tried:
+            tried[ladder[i]] = evaluate(ladder[i])
+
+    i = ladder.index(start)
+    for j in (i, i - 1, i + 1):
+        visit(j)
+    while True:
+        if all(v is None for v in tried.values()):
+            idx = [ladder.index(lr) for lr in tried]
+            todo = [j for j in (min(idx) - 1, max(idx) + 1) if 0 <= j < len(ladder)]
+        else:
+            b = ladder.index(_best_lr(tried))
+            todo = [j for j in (b - 1, b + 1) if 0 <= j < len(ladder) and ladder[j] not in tried]
+        if not todo:
+            return tried
+        for j in todo:
+            visit(j)
+
+
 def _run_sgd(config: Config, task: MQAR, seed: int, progress: Progress, done: int, total: int) -> dict:
-    """The SGD arm: every condition at every learning rate of ``sgd_lrs``, reported at its best one;
-    measured keys with the suffix ``_sgd``, settings under ``sgd``, all medians under ``steps_to_90_sgd_by_lr``."""
+    """The SGD arm: every condition at the learning rates its ladder search tries, reported at its best
+    one; measured keys with the suffix ``_sgd``, settings under ``sgd``, the medians of every learning
+    rate tried under ``steps_to_90_sgd_by_lr``."""
     by_lr: dict[str, dict[str, dict[str, float | None]]] = {}
     chosen: dict[str, dict[str, float]] = {}
     steps: dict[str, dict[str, list[int | None]]] = {}
@@ -260,11 +297,14 @@ def _run_sgd(config: Config, task: MQAR, seed: int, progress: Progress, done: in
     final_saturated: dict[str, dict[str, list[float]]] = {}
     peak_logit: dict[str, dict[str, list[float]]] = {}
     accuracy: dict[str, dict[str, list[dict[str, float]]]] = {}
-    for init, div, dk in _sgd_conditions(config):
+    conditions = _sgd_conditions(config)
+    for c, (init, div, dk) in enumerate(conditions):
         label = _label(div, dk)
         model_cfg = ModelConfig(d_model=config.d_model, head_dim=dk, divisor=div, qk_init_gain=INIT_GAINS[init])  # type: ignore[arg-type]
         logs: dict[float, list[RunLog]] = {}
-        for lr in config.sgd_lrs:
+
+        def evaluate(lr: float) -> float | None:
+            nonlocal done, total
             train_cfg = TrainConfig(
                 steps=config.sgd_steps,
                 batch=config.batch,
@@ -279,9 +319,14 @@ def _run_sgd(config: Config, task: MQAR, seed: int, progress: Progress, done: in
             for i in range(config.sgd_seeds):
                 logs.setdefault(lr, []).append(train(task, model_cfg, train_cfg, seed + i)[1])
                 done += 1
+                # the total assumes three learning rates per search: it grows when one walks further
+                total = max(total, done + (len(conditions) - c - 1) * 3 * config.sgd_seeds)
                 progress(done, total)
-            by_lr.setdefault(f"{lr:g}", {}).setdefault(init, {})[label] = median_steps([_kept(log) for log in logs[lr]])
-        best = _best_lr({lr: by_lr[f"{lr:g}"][init][label] for lr in config.sgd_lrs})
+            median = median_steps([_kept(log) for log in logs[lr]])
+            by_lr.setdefault(f"{lr:g}", {}).setdefault(init, {})[label] = median
+            return median
+
+        best = _best_lr(_search_lr(config.sgd_lrs, config.sgd_lr_start, evaluate))
         chosen.setdefault(init, {})[label] = best
         for log in logs[best]:
             steps.setdefault(init, {}).setdefault(label, []).append(_kept(log))
@@ -293,6 +338,7 @@ def _run_sgd(config: Config, task: MQAR, seed: int, progress: Progress, done: in
     return {
         "sgd": {
             "lrs": list(config.sgd_lrs),
+            "lr_start": config.sgd_lr_start,
             "momentum": config.sgd_momentum,
             "weight_decay": 0.0,
             "budget": config.sgd_steps,
@@ -351,8 +397,8 @@ def judge(measured: dict) -> Judgement:
     arms = {"AdamW": _judge_arm(measured, "")}
     if "slowdown_sgd" in measured:
         sgd = measured["sgd"]
-        lrs = "/".join(f"{lr:g}" for lr in sgd["lrs"])
-        arms[f"SGD (best lr of {lrs} per condition, momentum {sgd['momentum']:g}, {sgd['budget']} steps)"] = _judge_arm(
+        lrs = f"{min(sgd['lrs']):g}..{max(sgd['lrs']):g}"
+        arms[f"SGD (lr tuned per condition on {lrs}, momentum {sgd['momentum']:g}, {sgd['budget']} steps)"] = _judge_arm(
             measured, "_sgd"
         )
     if len(arms) == 1:
