@@ -14,6 +14,7 @@ H = 8, D = 64, L = S = 16384 with softcap and a sliding window, measured in a fr
     python benchmarks/bench_tiled.py --quick             # one small size, a few seconds
     python benchmarks/bench_tiled.py --json results.json # full table and memory
     python benchmarks/bench_tiled.py --sweep-blocks      # block-size exploration at L = 4096
+    python benchmarks/bench_tiled.py --exp-probe         # ATen exp / exp2 throughput by argument range
 """
 
 from __future__ import annotations
@@ -157,6 +158,31 @@ def compile_probe(repeats: int) -> dict:
     return {"compile_s": compile_s, "eager_tile_s": times["eager"], "compiled_tile_s": times["compiled"]}
 
 
+EXP_RANGES = {  # name -> (low end of a uniform argument range, share of -inf entries)
+    "[-60, 0]": (-60.0, 0.0),
+    "[-87, 0]": (-87.0, 0.0),
+    "[-100, 0]": (-100.0, 0.0),
+    "[-125, 0]": (-125.0, 0.0),
+    "[-200, 0]": (-200.0, 0.0),
+    "[-60, 0], 1/3 -inf": (-60.0, 1 / 3),
+}
+
+
+def exp_probe(repeats: int) -> dict:
+    """Elements per second of ``torch.exp`` and ``torch.exp2`` on 8 x 128 x 256 float32 (one score
+    tile of 8 heads) by argument range: the measurement behind the tiled kernel's exp floor."""
+    gen = torch.Generator().manual_seed(0)
+    n = 8 * 128 * 256
+    out = torch.empty(n)
+    rows = {}
+    for name, (low, share_inf) in EXP_RANGES.items():
+        x = torch.rand(n, generator=gen) * low
+        x[torch.rand(n, generator=gen) < share_inf] = float("-inf")
+        times = _median_times({"exp": lambda: torch.exp(x, out=out), "exp2": lambda: torch.exp2(x, out=out)}, repeats)
+        rows[name] = {fn: n / t / 1e9 for fn, t in times.items()}  # G elements / s
+    return rows
+
+
 def memory_row(B: int, H: int, L: int, D: int, threads: int) -> dict:
     cmd = [sys.executable, "-c", MEMORY_PROBE, *map(str, (B, H, L, D, MEMORY_WINDOW[0], threads))]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -206,13 +232,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--flex", action="store_true", help="also time torch's flex_attention (eager, forward only) with the same softcap")
     parser.add_argument("--sweep-blocks", action="store_true", help="forward ratios over block sizes at L = 4096, D = 64")
     parser.add_argument("--compile-probe", action="store_true", help="time one tile update eager vs torch.compile")
+    parser.add_argument("--exp-probe", action="store_true", help="throughput of torch.exp and torch.exp2 by argument range")
     parser.add_argument("--no-memory", action="store_true", help="skip the L = 16384 memory run")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     result: dict = {"schema": SCHEMA, "torch": torch.__version__, "threads": args.threads, "repeats": args.repeats}
-    if args.compile_probe:
+    if args.exp_probe:
+        result["exp_probe"] = exp_probe(max(args.repeats, 20))
+        for name, row in result["exp_probe"].items():
+            print(f"arguments {name:>20}: exp {row['exp']:.2f}, exp2 {row['exp2']:.2f} G elements/s")
+    elif args.compile_probe:
         probe = compile_probe(max(args.repeats, 20))
         result["compile_probe"] = probe
         print(f"torch.compile of one tile update: compile {probe['compile_s']:.0f} s, tile "
