@@ -198,7 +198,7 @@ def _tile_logits(
     return s, hidden
 
 
-# ATen's vectorized exp leaves its fast path for results below the normal range (arguments under
+# ATen's vectorized CPU exp leaves its fast path for results below the normal range (arguments under
 # about -87.3 in float32, -inf included) and runs some 50x slower there. exp(-87) = 1.6e-38 is a
 # weight below float32 resolution next to a row maximum's exp(0) = 1, so arguments are raised to
 # this floor first, and hidden keys, whose -inf the floor also raises, are set back to exactly 0.
@@ -210,6 +210,8 @@ def _exp_(centred: Tensor, hidden: Tensor | None, lowest: float) -> Tensor:
 
     ``lowest`` bounds the finite entries from below when the score path does (softcap), else -inf.
     """
+    if centred.device.type != "cpu":  # the slow path is ATen's CPU exp; elsewhere exp(-inf) = 0 as it is
+        return centred.exp_()
     floor = _EXP_FLOOR.get(centred.dtype, -87.0)
     if hidden is not None or (lowest < floor and float(centred.amin()) < floor):
         centred.clamp_min_(floor)
