@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
             "reported as inconclusive with its error; the exit code is 0 whenever the report was written."
         ),
         epilog="profiles: quick = whole report in under 2 minutes on 2 cores; default = under 10 minutes; "
-        "full = tighter numbers, longer; tiny = smoke test only.",
+        "full = tighter numbers, about 40 minutes on 2 cores; tiny = smoke test only.",
     )
     report.add_argument("--out", default="attnscale-report", metavar="DIR", help="output folder (default ./attnscale-report)")
     report.add_argument("--profile", choices=profiles, default="default", help="size of the experiments (default: default)")
