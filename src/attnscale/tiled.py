@@ -127,12 +127,17 @@ def _check_offset(name: str, value: object) -> int:
     return value
 
 
-def _check_slopes(alibi_slopes: Tensor | None) -> None:
-    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+def _constant_slopes(alibi_slopes: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The slopes as the kernel reads them (detached, in ``dtype``'s accumulation dtype); slopes
+    that require grad are refused, since no gradient flows to them."""
+    if alibi_slopes is None:
+        return None
+    if alibi_slopes.requires_grad and torch.is_grad_enabled():
         raise ValueError(
             "alibi_slopes: expected constant slopes on the tiled backend, got a tensor that requires grad. "
             "Fix: pass alibi_slopes.detach(), or backend='math' to learn the slopes"
         )
+    return alibi_slopes.detach().to(accumulation_dtype(dtype))
 
 
 def _mask_block(mask: Tensor, i0: int, i1: int, j0: int, j1: int) -> Tensor:
@@ -485,9 +490,8 @@ def tiled_attention(
     >>> torch.allclose(out, weights @ v, atol=1e-6)
     True
     """
-    _check_slopes(alibi_slopes)
+    alibi = _constant_slopes(alibi_slopes, query.dtype)
     plan = _plan(query, key, value, path, block_q=block_q, block_k=block_k, q_start=0, k_start=0, with_stats=return_stats)
-    alibi = None if alibi_slopes is None else alibi_slopes.detach().to(accumulation_dtype(query.dtype))
     out, lse, *rest = _TiledAttention.apply(query, key, value, attn_mask, alibi, plan)
     if not return_stats:
         return out, None
@@ -519,11 +523,10 @@ def attention_partial(
     accumulation dtype (float32, or float64 for float64) so that :func:`merge_partials` is exact;
     a shard pair where a row sees no key gives ``out = 0`` and ``lse = -inf`` for that row.
     """
-    _check_slopes(alibi_slopes)
+    alibi = _constant_slopes(alibi_slopes, query.dtype)
     plan = _plan(
         query, key, value, path, block_q=block_q, block_k=block_k, q_start=q_start, k_start=k_start, with_stats=False
     )
-    alibi = None if alibi_slopes is None else alibi_slopes.detach().to(accumulation_dtype(query.dtype))
     acc = accumulation_dtype(query.dtype)
     out, lse = _TiledAttention.apply(query.to(acc), key.to(acc), value.to(acc), attn_mask, alibi, plan)
     return out, lse
@@ -575,14 +578,12 @@ def partial_forward(
     accumulation dtype and the broadcast batch shape; ``stats`` (or None) holds the statistics of
     this shard pair alone (its ``lse`` is ``lse``). :func:`partial_backward` is its gradient.
     """
-    _check_slopes(alibi_slopes)
+    alibi = _constant_slopes(alibi_slopes, query.dtype)
     plan = _plan(
         query, key, value, path, block_q=block_q, block_k=block_k, q_start=q_start, k_start=k_start, with_stats=with_stats
     )
-    acc = accumulation_dtype(query.dtype)
     with torch.no_grad():
         q, k, v = _kernel_inputs(plan, query, key, value)
-        alibi = None if alibi_slopes is None else alibi_slopes.detach().to(acc)
         out, lse, stats = _forward(plan, q, k, v, None, alibi)
     if not with_stats:
         return out, lse, None
@@ -613,12 +614,11 @@ def partial_backward(
     gradients over all shard pairs gives the gradients of the whole problem. Results are in the
     accumulation dtype and the broadcast batch shape (sum them to the input shapes at the end).
     """
-    _check_slopes(alibi_slopes)
+    alibi = _constant_slopes(alibi_slopes, query.dtype)
     plan = _plan(query, key, value, path, block_q=block_q, block_k=block_k, q_start=q_start, k_start=k_start, with_stats=False)
     acc = accumulation_dtype(query.dtype)
     with torch.no_grad():
         q, k, v = _kernel_inputs(plan, query, key, value)
-        alibi = None if alibi_slopes is None else alibi_slopes.detach().to(acc)
         dlse = torch.zeros_like(lse, dtype=acc) if dlse is None else dlse.to(acc)
         dq, dk, dv, _ = _backward(plan, q, k, v, None, alibi, out.to(acc), lse.to(acc), dout.to(acc), dlse, False)
     return dq * plan.q_factor, dk, dv

@@ -412,6 +412,17 @@ def judge(measured: dict) -> Judgement:
     return Judgement(Verdict.HOLDS_APPROXIMATELY, f"the optimizers disagree: {shown}")
 
 
+def _unscaled(by_init: dict[str, dict[str, object]], show: Callable[..., str]) -> str:
+    """"init/d_k value" for every unscaled (divisor 1) entry of an init -> label -> value table;
+    ``show(value, by_label, d_k)`` formats the value."""
+    return ", ".join(
+        f"{init}/{label.split('/')[1]} {show(value, by_label, int(label.split('/')[1]))}"
+        for init, by_label in by_init.items()
+        for label, value in by_label.items()
+        if label.startswith("1/")
+    )
+
+
 def _judge_arm(measured: dict, suffix: str) -> Judgement:
     """The rule on one optimizer's runs: AdamW's keys (``suffix=""``) or SGD's (``"_sgd"``)."""
     per_seed = measured[f"steps_to_90{suffix}_per_seed"]
@@ -463,29 +474,18 @@ def _judge_arm(measured: dict, suffix: str) -> Judgement:
         )
     best_lr = measured.get("sgd_best_lr") if suffix else None
     if best_lr:
-        shown += "; best lr without / with the scale: " + ", ".join(
-            f"{init}/{label.split('/')[1]} {lr:g} / {by_label.get(_label('sqrt', int(label.split('/')[1])), math.nan):g}"
-            for init, by_label in best_lr.items()
-            for label, lr in by_label.items()
-            if label.startswith("1/")
+        shown += "; best lr without / with the scale: " + _unscaled(
+            best_lr, lambda lr, by_label, dk: f"{lr:g} / {by_label.get(_label('sqrt', dk), math.nan):g}"
         )
     peaks = measured.get(f"peak_max_logit{suffix}")
     if peaks:
-        shown += "; peak max logit without the scale: " + ", ".join(
-            f"{init}/{label.split('/')[1]} {statistics.median(v):.3g}"
-            for init, by_label in peaks.items()
-            for label, v in by_label.items()
-            if label.startswith("1/")
-        )
+        shown += "; peak max logit without the scale: " + _unscaled(peaks, lambda v, *_: f"{statistics.median(v):.3g}")
     accuracy = measured.get(f"accuracy{suffix}")
     if accuracy:
         # a run can pass 90% and then diverge: the best and final accuracy tell a stall from a collapse
-        shown += "; accuracy without the scale, best -> final (medians): " + ", ".join(
-            f"{init}/{label.split('/')[1]} {statistics.median(r['best'] for r in runs):.2f} -> "
-            f"{statistics.median(r['final'] for r in runs):.2f}"
-            for init, by_label in accuracy.items()
-            for label, runs in by_label.items()
-            if label.startswith("1/")
+        shown += "; accuracy without the scale, best -> final (medians): " + _unscaled(
+            accuracy,
+            lambda runs, *_: f"{statistics.median(r['best'] for r in runs):.2f} -> {statistics.median(r['final'] for r in runs):.2f}",
         )
     much = [c for c, r in ratios.items() if r >= MUCH_SLOWER]
     if len(much) == len(ratios):
