@@ -13,6 +13,7 @@ import torch
 import attnscale
 from attnscale import ScorePath, reference
 from attnscale._validate import check_attention_call
+from attnscale import tiled
 from attnscale.tiled import attention_partial, merge_partials, tiled_attention
 
 BQ, BK = 8, 16  # small tiles so that small problems cross several block boundaries
@@ -103,8 +104,17 @@ SHAPES = [  # (H, Hkv, L, S): MHA, GQA, MQA; lengths just past a block, and L !=
 ]
 
 
+@pytest.fixture(params=["static", "running-max"])
+def offset_mode(request, monkeypatch):
+    """Run a test with the kernel's default choice of softmax offset (a static bound where the score
+    path allows one, see test_static_offset_*) and again with the running max everywhere."""
+    if request.param == "running-max":
+        monkeypatch.setattr(tiled, "_STATIC_LIMIT", {})
+    return request.param
+
+
 @pytest.mark.parametrize("case", range(len(FEATURES)))
-def test_features_match_reference_and_math_fp64(case):
+def test_features_match_reference_and_math_fp64(case, offset_mode):
     softcap, alibi, window, causal, mask_kind = FEATURES[case]
     H, Hkv, L, S = SHAPES[case % len(SHAPES)]
     q, k, v = make_inputs(H=H, Hkv=Hkv, L=L, S=S, seed=case)
@@ -129,7 +139,7 @@ TOLERANCE_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", [0, 23, 47, 58, 71])
-def test_low_precision_error_is_like_math(dtype, case):
+def test_low_precision_error_is_like_math(dtype, case, offset_mode):
     """Error against fp64 at most twice the math backend's (same dtype), plus a small floor."""
     softcap, alibi, window, causal, mask_kind = FEATURES[case]
     H, Hkv, L, S = SHAPES[case % len(SHAPES)]
@@ -266,7 +276,9 @@ def test_softcap_does_not_leak_masked_positions():
         vv.requires_grad_()
     opts = dict(softcap=2.0, is_causal=True, causal_alignment="bottom_right")
     a, b = run_tiled(q, k, v, mask, **opts), run_tiled(q, k2, v2, mask, **opts)
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # The kernel's static offset is a bound over every key's norm, so the two calls may round
+    # differently (measured: 1.2e-7); any weight above 1e-12 on the 1e6 values would fail this.
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     b.sum().backward()
     assert (k2.grad[..., 5:20, :] == 0).all() and (v2.grad[..., 5:20, :] == 0).all()
 
@@ -409,6 +421,26 @@ def test_block_visibility_on_integers_matches_the_positional_test():
             assert path.block_is_hidden(q0, q_last, k0, k_last) == (seen is not None and not bool(seen.any()))
 
 
+def test_key_range_is_the_span_of_visible_keys():
+    """A query block's key range is exactly the keys some row of it may see (brute force over positions)."""
+    q = torch.zeros(1, 1, 12, 2)
+    for causal, window, L, S, k_start in itertools.product(
+        [False, True], [None, (3, 0), (0, 2), (None, 4), (5, None), (2, 3)], [12], [6, 12, 20], [0, 4]
+    ):
+        for alignment in ("top_left", "bottom_right"):
+            path = path_for(q, torch.zeros(1, 1, S, 2), torch.zeros(1, 1, S, 2), is_causal=causal, causal_alignment=alignment, window=window)
+            plan = tiled._plan(q, torch.zeros(1, 1, S, 2), torch.zeros(1, 1, S, 2), path, block_q=5, block_k=4, q_start=3, k_start=k_start, with_stats=False)
+            for i0, i1 in plan.q_blocks():
+                q_pos, k_pos = path.positions(3 + i0, i1 - i0, k_start, S, q.device)
+                seen = path.visibility(q_pos, k_pos)
+                cols = torch.arange(S) if seen is None else seen.any(0).nonzero().flatten()
+                lo, hi = plan.key_range(i0, i1)
+                if len(cols) == 0:
+                    assert lo >= hi
+                else:
+                    assert (lo, hi) == (int(cols[0]), int(cols[-1]) + 1), (causal, window, S, k_start, alignment, i0)
+
+
 @pytest.mark.parametrize("bad", [0, -4, True, 2.5, "64"])
 def test_bad_block_sizes(bad):
     q, k, v = make_inputs()
@@ -464,3 +496,108 @@ def test_tiled_never_allocates_the_score_matrix():
     score_matrix_kib = L * L * 4 // 1024
     grads_kib = 3 * L * 16 * 4 // 1024  # q, k and v gradients must show up: the probe measures
     assert grads_kib <= result["growth_kib"] < score_matrix_kib // 4, result
+
+
+def spy_static_blocks(monkeypatch):
+    """Count the query blocks that take the static offset."""
+    calls = []
+    real = tiled._static_block
+
+    def spy(*args, **kwargs):
+        calls.append(args[3])  # i0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tiled, "_static_block", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "opts, mag, static_blocks",
+    [
+        ({"is_causal": True}, 1.0, 3),
+        ({"softcap": 30.0, "window": (5, 2)}, 1.0, 3),
+        ({"softcap": 20.0}, 100.0, 3),  # |cap * tanh| <= 20 < 21.8 whatever the products
+        ({"mask": "bool"}, 1.0, 3),
+        ({}, 6.0, 0),  # Cauchy-Schwarz bound ~ 6 * 4 * 6 * 6 / 4 = 216 nats: past the limit
+        ({"softcap": 30.0}, 6.0, 0),
+        ({"alibi": True}, 1.0, 0),  # ALiBi's bias has no bound
+        ({"mask": "float"}, 1.0, 0),
+        ({"return_stats": True}, 1.0, 0),  # the statistics need the row maximum
+    ],
+)
+def test_static_offset_is_taken_exactly_where_the_logits_are_bounded(monkeypatch, opts, mag, static_blocks):
+    opts = dict(opts)
+    H, L, S = 2, 3 * BQ - 2, 2 * BK + 1
+    q, k, v = make_inputs(B=1, H=H, Hkv=1, L=L, S=S, D=16, dtype=torch.float32, seed=21, mag=mag)
+    mask = make_mask(opts.pop("mask", None), B=1, H=H, L=L, S=S, seed=22)
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = attnscale.alibi_slopes(H)
+    return_stats = opts.pop("return_stats", False)
+    calls = spy_static_blocks(monkeypatch)
+    path = path_for(q, k, v, mask, **opts)
+    out, _ = tiled_attention(
+        q, k, v, path=path, attn_mask=mask, alibi_slopes=opts.get("alibi_slopes"), return_stats=return_stats, block_q=BQ, block_k=BK
+    )
+    assert len(calls) == static_blocks
+    expected = run_reference(q, k, v, mask, **opts)
+    assert np.abs(out.double().numpy() - expected).max() < 1e-5
+
+
+def test_static_offset_is_per_query_block(monkeypatch):
+    """One block with large rows runs the running max; the others keep the static offset."""
+    q, k, v = make_inputs(B=1, H=2, Hkv=2, L=3 * BQ, S=40, D=8, dtype=torch.float32, seed=23)
+    q[..., BQ : 2 * BQ, :] *= 50.0  # second block: bound ~ 50 * 2.8 * 4 / 2.8 = 200 nats
+    calls = spy_static_blocks(monkeypatch)
+    out = run_tiled(q, k, v, is_causal=True, causal_alignment="bottom_right")
+    assert calls == [0, 2 * BQ]
+    expected = run_reference(q, k, v, None, is_causal=True, causal_alignment="bottom_right")
+    assert np.abs(out.double().numpy() - expected).max() < 1e-5
+
+
+@pytest.mark.parametrize("value_scale", [1.0, 1e-15])
+def test_static_offset_at_its_limit_keeps_float32_precision(monkeypatch, value_scale):
+    """Rows whose every logit sits far below the bound, with the bound just under the float32 limit:
+    weights go down to exp(-2u) = 1.4e-19, and weights times values of 1e-15 must stay normal numbers."""
+    u = 21.5
+    assert u < tiled._STATIC_LIMIT[torch.float32]
+    D, S = 8, 3 * BK + 5
+    direction = torch.zeros(D)
+    direction[0] = 1.0
+    radii = torch.linspace(0.5, 1.0, S)  # |k_j| in [c/2, c]: logits in [-u, -u/2]
+    q = (direction * u).expand(1, 2, 6, D).clone()  # |q| c = u with c = 1 and scale 1
+    k = (-radii[:, None] * direction).expand(1, 2, S, D).clone()
+    v = torch.randn(1, 2, S, 3, generator=torch.Generator().manual_seed(24)) * value_scale
+    calls = spy_static_blocks(monkeypatch)
+    out = run_tiled(q, k, v, scale=1.0)
+    assert calls == [0]
+    expected = run_reference(q, k, v, None, scale=1.0)
+    err = np.abs(out.double().numpy() - expected).max() / np.abs(expected).max()
+    # exp's argument s - u reaches -2u here, so a weight carries up to 2u eps of relative rounding
+    # (5.1e-6). Measured: 9.7e-7 (with the running max 4.9e-7, the math backend 4.2e-7).
+    assert err <= 2 * u * torch.finfo(torch.float32).eps, err
+
+
+def test_visibility_patterns_are_shared_along_diagonals(monkeypatch):
+    """A causal call of any length builds at most two partial-tile patterns; with odd block sizes
+    (39 distinct patterns here) the cache stops at its cap and the rest are built per tile."""
+    monkeypatch.setattr(tiled, "_MAX_CACHED_TILES", 8)
+    for L, bq, bk, window, cap in [(4096, None, None, None, 2), (1000, 7, 13, (40, 3), 8)]:
+        q = torch.zeros(1, 1, L, 4)
+        path = ScorePath(scale=1.0, causal=True, window=window)
+        plan = tiled._plan(q, q, q, path, block_q=bq, block_k=bk, q_start=0, k_start=0, with_stats=False)
+        tiles = tiled._Visibility(plan, torch.float32, q.device)
+        partial = 0
+        for (i0, i1), (j0, j1) in itertools.product(plan.q_blocks(), plan.k_blocks()):
+            seen = path.visibility(*path.positions(i0, i1 - i0, j0, j1 - j0, q.device))
+            if plan.hidden(i0, i1, j0, j1):  # the kernel skips these tiles
+                assert not bool(seen.any())
+                continue
+            pattern = tiles.tile(i0, i1, j0, j1)
+            if pattern is None:
+                assert bool(seen.all())
+                continue
+            partial += 1
+            assert torch.equal(pattern.keep, seen)
+            assert torch.equal(pattern.weight, seen.float())
+            assert torch.equal(pattern.bias, torch.zeros(seen.shape).masked_fill(~seen, NEG_INF))
+        assert partial > len(tiles._cache) and len(tiles._cache) <= cap

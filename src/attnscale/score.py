@@ -83,6 +83,21 @@ class ScorePath:
                 return False
         return True
 
+    def key_span(self, q_first: int, q_last: int) -> tuple[int | None, int | None]:
+        """The first and last key position that causal/window leave visible to some row of
+        ``q_first..q_last`` (inclusive, before alignment); None where that side is unlimited."""
+        lo, hi = q_first + self.q_offset, q_last + self.q_offset
+        first = last = None
+        if self.causal:
+            last = hi
+        if self.window is not None:
+            left, right = self.window
+            if left is not None:
+                first = lo - left
+            if right is not None:
+                last = hi + right if last is None else min(last, hi + right)
+        return first, last
+
     def logits(
         self,
         qk: Tensor,
