@@ -498,16 +498,17 @@ def test_tiled_never_allocates_the_score_matrix():
     assert grads_kib <= result["growth_kib"] < score_matrix_kib // 4, result
 
 
-def spy_static_blocks(monkeypatch):
-    """Count the query blocks that take the static offset."""
+def spy_static_blocks(monkeypatch, name="_static_block"):
+    """Record the first row of every query block that runs ``name`` (the static offset, or with
+    ``_online_block`` the running max)."""
     calls = []
-    real = tiled._static_block
+    real = getattr(tiled, name)
 
     def spy(*args, **kwargs):
         calls.append(args[3])  # i0
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tiled, "_static_block", spy)
+    monkeypatch.setattr(tiled, name, spy)
     return calls
 
 
@@ -516,10 +517,11 @@ def spy_static_blocks(monkeypatch):
     [
         ({"is_causal": True}, 1.0, 3),
         ({"softcap": 30.0, "window": (5, 2)}, 1.0, 3),
-        ({"softcap": 20.0}, 100.0, 3),  # |cap * tanh| <= 20 < 21.8 whatever the products
+        ({"softcap": 20.0}, 100.0, 3),  # |cap * tanh| <= 20 < 43.2 whatever the products
+        ({"softcap": 30.0}, 6.0, 3),
         ({"mask": "bool"}, 1.0, 3),
         ({}, 6.0, 0),  # Cauchy-Schwarz bound ~ 6 * 4 * 6 * 6 / 4 = 216 nats: past the limit
-        ({"softcap": 30.0}, 6.0, 0),
+        ({"softcap": 50.0}, 6.0, 0),  # bound 50 tanh(216 / 50) = 50: past the limit
         ({"alibi": True}, 1.0, 0),  # ALiBi's bias has no bound
         ({"mask": "float"}, 1.0, 0),
         ({"return_stats": True}, 1.0, 0),  # the statistics need the row maximum
@@ -574,6 +576,27 @@ def test_static_offset_at_its_limit_keeps_float32_precision(monkeypatch, value_s
     err = np.abs(out.double().numpy() - expected).max() / np.abs(expected).max()
     # exp's argument s - u reaches -2u here, so a weight carries up to 2u eps of relative rounding
     # (5.1e-6). Measured: 9.7e-7 (with the running max 4.9e-7, the math backend 4.2e-7).
+    assert err <= 2 * u * torch.finfo(torch.float32).eps, err
+
+
+@pytest.mark.parametrize("gap, kept", [(30.0, True), (60.0, False)])
+def test_static_offset_falls_back_where_the_row_maximum_is_far_below_its_bound(monkeypatch, gap, kept):
+    """u = 40 is within the float32 limit; with every logit near u - gap the largest weight is
+    exp(-gap): kept at gap 30 (1e-13), recomputed with the running max at gap 60 (9e-27 < sqrt(tiny))."""
+    u, D, S = 40.0, 8, 2 * BK + 3
+    direction = torch.zeros(D)
+    direction[0] = 1.0
+    radii = torch.linspace((u - gap) / u - 0.05, (u - gap) / u, S)  # logits u * r, the largest u - gap
+    q = (direction * u).expand(1, 2, 5, D).clone()
+    k = torch.cat([radii[:, None] * direction, -direction[None]])  # the last key has norm 1: bound u
+    k = k.expand(1, 2, S + 1, D).clone()
+    v = torch.randn(1, 2, S + 1, 3, generator=torch.Generator().manual_seed(25))
+    static = spy_static_blocks(monkeypatch)
+    online = spy_static_blocks(monkeypatch, "_online_block")
+    out = run_tiled(q, k, v, scale=1.0)
+    assert static == [0] and online == ([] if kept else [0])
+    expected = run_reference(q, k, v, None, scale=1.0)
+    err = np.abs(out.double().numpy() - expected).max() / np.abs(expected).max()
     assert err <= 2 * u * torch.finfo(torch.float32).eps, err
 
 
