@@ -5,7 +5,8 @@ backend with causal masking *and* softcap (a feature torch lacks) is timed again
 SDPA on the same problem without the softcap; the tiled backend without softcap is timed too, to
 show what the feature costs. Forward alone (no grad) and forward + backward. Each time is the
 median of ``--repeats`` runs made in the same process, interleaved, so that load from other
-processes falls on both sides. Targets: tiled / SDPA <= 1.5 (forward) and <= 2 (forward + backward).
+processes falls on both sides; each ratio is the median of the per-repeat ratios. Targets:
+tiled / SDPA <= 1.5 (forward) and <= 2 (forward + backward).
 
 Memory: peak RSS growth (VmHWM after a reset, minus VmRSS before) of forward + backward at B = 1,
 H = 8, D = 64, L = S = 16384 with softcap and a sliding window, measured in a fresh subprocess
@@ -64,8 +65,8 @@ print(json.dumps({"growth_mib": after - before, "peak_mib": after, "seconds": se
 """
 
 
-def _median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, runs interleaved round-robin after one warm-up each."""
+def _interleaved_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of every run of each function, interleaved round-robin after one warm-up each."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -74,7 +75,12 @@ def _median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[st
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def _median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, runs interleaved round-robin after one warm-up each."""
+    return {name: statistics.median(ts) for name, ts in _interleaved_times(fns, repeats).items()}
 
 
 def _inputs(L: int, D: int, H: int, *, grad: bool) -> tuple[torch.Tensor, ...]:
@@ -107,14 +113,17 @@ def speed_row(L: int, D: int, H: int, repeats: int, block_q: int, block_k: int, 
             fns["flex_softcap"] = _flex_softcap(q, k, v, D)
         if grad:
             runs = {name: _forward_backward(fn, (q, k, v)) for name, fn in fns.items()}
-            times = _median_times(runs, repeats)
+            times = _interleaved_times(runs, repeats)
         else:
             with torch.no_grad():
-                times = _median_times(fns, repeats)
+                times = _interleaved_times(fns, repeats)
         for name, seconds in times.items():
-            row[f"{mode}.{name}_s"] = seconds
+            row[f"{mode}.{name}_s"] = statistics.median(seconds)
+            row[f"{mode}.{name}_times_s"] = seconds
             if name != "sdpa":
-                row[f"{mode}.{name}_ratio"] = seconds / times["sdpa"]
+                # the median of per-repeat ratios: each compares two runs made moments apart, so a
+                # change in machine load between repeats cancels (as in bench_sdpa.py)
+                row[f"{mode}.{name}_ratio"] = statistics.median(a / b for a, b in zip(seconds, times["sdpa"]))
     return row
 
 
