@@ -409,7 +409,7 @@ def _forward(
             m, l, w = _online_block(plan, tiler, q3, i0, i1, mask, alibi, mask_hides, acc, stats)
         has_key = l > 0
         safe_l = torch.where(has_key, l, torch.ones_like(l))
-        out[..., i0:i1, :] = (acc.view(*batch, H, Lb, Dv) / safe_l.unsqueeze(-1))
+        out[..., i0:i1, :] = acc.view(*batch, H, Lb, Dv) / safe_l.unsqueeze(-1)
         lse[..., i0:i1] = torch.where(has_key, m + torch.log(safe_l), _NEG_INF)
         if w is not None:
             stats["max_logit"][..., i0:i1] = torch.where(has_key, m, _NEG_INF)
