@@ -557,9 +557,10 @@ def test_static_offset_is_per_query_block(monkeypatch):
 
 
 @pytest.mark.parametrize("value_scale", [1.0, 1e-15])
-def test_static_offset_at_its_limit_keeps_float32_precision(monkeypatch, value_scale):
-    """Rows whose every logit sits far below the bound, with the bound just under the float32 limit:
-    weights go down to exp(-2u) = 1.4e-19, and weights times values of 1e-15 must stay normal numbers."""
+def test_static_offset_far_below_the_bound_keeps_float32_precision(monkeypatch, value_scale):
+    """Rows whose every logit sits far below the bound (in [-u, -u/2], u = 21.5): weights go down to
+    exp(-2u) = 2e-19 and the largest is exp(-1.5u) = 1e-14, still kept by the check; weights times
+    values of 1e-15 must stay normal numbers."""
     u = 21.5
     assert u < tiled._STATIC_LIMIT[torch.float32]
     D, S = 8, 3 * BK + 5
@@ -570,8 +571,9 @@ def test_static_offset_at_its_limit_keeps_float32_precision(monkeypatch, value_s
     k = (-radii[:, None] * direction).expand(1, 2, S, D).clone()
     v = torch.randn(1, 2, S, 3, generator=torch.Generator().manual_seed(24)) * value_scale
     calls = spy_static_blocks(monkeypatch)
+    online = spy_static_blocks(monkeypatch, "_online_block")
     out = run_tiled(q, k, v, scale=1.0)
-    assert calls == [0]
+    assert calls == [0] and online == []
     expected = run_reference(q, k, v, None, scale=1.0)
     err = np.abs(out.double().numpy() - expected).max() / np.abs(expected).max()
     # exp's argument s - u reaches -2u here, so a weight carries up to 2u eps of relative rounding
