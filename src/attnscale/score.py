@@ -54,38 +54,14 @@ class ScorePath:
         """Bool (Lb, Sb) visibility from causal and window, or None if all visible."""
         return visible(q_pos, k_pos, causal=self.causal, window=self.window)
 
-    def block_is_hidden(self, q_first: int, q_last: int, k_first: int, k_last: int) -> bool:
-        """True when causal/window hide every key of the block (rows/cols are aligned-inclusive)."""
-        lo, hi = q_first + self.q_offset, q_last + self.q_offset
-        if self.causal and k_first > hi:
-            return True
-        if self.window is not None:
-            left, right = self.window
-            if left is not None and k_last < lo - left:
-                return True
-            if right is not None and k_first > hi + right:
-                return True
-        return False
-
-    def block_is_visible(self, q_first: int, q_last: int, k_first: int, k_last: int) -> bool:
-        """True when causal/window hide no key of the block (rows/cols are aligned-inclusive).
-
-        Both constraints are half-planes in (i', j), so a block is fully visible iff its corners are.
-        """
-        lo, hi = q_first + self.q_offset, q_last + self.q_offset
-        if self.causal and k_last > lo:
-            return False
-        if self.window is not None:
-            left, right = self.window
-            if left is not None and k_first < hi - left:
-                return False
-            if right is not None and k_last > lo + right:
-                return False
-        return True
-
     def key_span(self, q_first: int, q_last: int) -> tuple[int | None, int | None]:
         """The first and last key position that causal/window leave visible to some row of
-        ``q_first..q_last`` (inclusive, before alignment); None where that side is unlimited."""
+        ``q_first..q_last`` (inclusive, before alignment); None where that side is unlimited.
+
+        Called with the rows swapped, ``key_span(q_last, q_first)``, it gives the keys visible to
+        every row of the range: the left window edge of the last row, the causal and right edges
+        of the first.
+        """
         lo, hi = q_first + self.q_offset, q_last + self.q_offset
         first = last = None
         if self.causal:
@@ -97,6 +73,19 @@ class ScorePath:
             if right is not None:
                 last = hi + right if last is None else min(last, hi + right)
         return first, last
+
+    def block_is_hidden(self, q_first: int, q_last: int, k_first: int, k_last: int) -> bool:
+        """True when causal/window hide every key of the block (rows/cols are inclusive)."""
+        first, last = self.key_span(q_first, q_last)
+        return (last is not None and k_first > last) or (first is not None and k_last < first)
+
+    def block_is_visible(self, q_first: int, q_last: int, k_first: int, k_last: int) -> bool:
+        """True when causal/window hide no key of the block (rows/cols are inclusive).
+
+        Both constraints are half-planes in (i', j), so a block is fully visible iff its corners are.
+        """
+        first, last = self.key_span(q_last, q_first)  # the keys every row of the block sees
+        return (last is None or k_last <= last) and (first is None or k_first >= first)
 
     def logits(
         self,
