@@ -11,9 +11,8 @@ import pytest
 import torch
 
 import attnscale
-from attnscale import ScorePath, reference
+from attnscale import ScorePath, reference, tiled
 from attnscale._validate import check_attention_call
-from attnscale import tiled
 from attnscale.tiled import attention_partial, merge_partials, tiled_attention
 
 BQ, BK = 8, 16  # small tiles so that small problems cross several block boundaries
