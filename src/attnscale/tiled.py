@@ -19,8 +19,8 @@ the kernel subtracts ``u_i`` instead (a static offset, like FlashDecoding++'s un
 but an upper bound by proof, so no weight can overflow). The bound is Cauchy-Schwarz,
 ``|q_i . k_j| <= |q_i| max_j |k_j|``, and with softcap ``softcap * tanh`` of that. A query block
 takes it when the score path has no ALiBi and no float mask, no statistics are asked for, and every
-``u_i <= (-ln(tiny) - 1) / 2`` (43.2 in float32): weights then lie in ``[exp(-2 u), 1]``, inside the
-normal range. Each tile skips the row max and the rescaling of the sum and the accumulator. The
+``u_i <= 34.4`` (float32; 345 in float64): weights then lie in ``[exp(-2 u), 1]``, above the exp
+floor below. Each tile skips the row max and the rescaling of the sum and the accumulator. The
 block is kept if every row's sum of weights shows a largest weight of at least sqrt(tiny); a row
 whose maximum sits far below its bound fails this and the block is recomputed with the running
 max. The price is rounding: exp's argument for the row's largest logit is ``M_i - u_i`` (up to
@@ -35,10 +35,11 @@ O((L + S) * D) plus one tile. Accumulation is float32 (float64 for float64 input
 Semantics match the ``"math"`` backend exactly, with these choices:
 
 * A row with no visible key returns zeros and ``lse = -inf``; its gradients are zero, never NaN.
-* A visible key more than 87 nats below its row's maximum (float32; 708 in float64) gets the
-  unnormalised weight exp(-87) = 1.6e-38 rather than something smaller: ATen's exp is ~50x slower
-  for results below the normal range, and such a weight is below float32 resolution next to the
-  maximum's 1. Hidden keys (mask, causal, window, -inf in a float mask) get exactly zero.
+* A visible key more than 68.9 nats below its row's maximum (float32; 690.8 in float64) gets the
+  unnormalised weight 1e8 * tiny = 1.2e-30 rather than something smaller: ATen's exp is ~50x slower
+  for results below the normal range and its matmuls ~100x slower for products there, and such a
+  weight is far below float32 resolution next to the maximum's 1. Hidden keys (mask, causal,
+  window, -inf in a float mask) get exactly zero.
 * With softcap, ``scale / softcap`` is folded into the query and ``softcap`` into the pass that
   subtracts the running max, so capping costs one pass (tanh) per tile.
 * Dropout is not implemented: :func:`scaled_dot_product_attention` rejects ``dropout_p > 0`` with
@@ -268,11 +269,15 @@ def _tile_logits(
     return s, keep
 
 
-# ATen's vectorized CPU exp leaves its fast path for results below the normal range (arguments under
-# about -87.3 in float32, -inf included) and runs some 50x slower there. exp(-87) = 1.6e-38 is a
-# weight below float32 resolution next to a row maximum's exp(0) = 1, so arguments are raised to
-# this floor first, and hidden keys, whose -inf the floor also raises, are set back to exactly 0.
-_EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}
+# Two CPU slow paths bound how small a weight may get. ATen's vectorized exp leaves its fast path
+# for results below the normal range (arguments under about -87.3 in float32, -inf included) and
+# runs some 50x slower there; and a matmul whose products fall below the normal range runs some
+# 100x slower (measured: p v of one 8 x 128 x 256 tile with every weight 1.6e-38, 41.9 ms against
+# 0.34 ms). So no weight goes below exp(floor) = 1e8 tiny (1.2e-30 in float32; floor -68.9, and
+# -690.8 in float64): arguments are raised to the floor before exp, weights times values down to
+# 1e-8 stay normal numbers, and hidden keys are set back to exactly 0 afterwards. A weight of
+# 1.2e-30 next to a row maximum's exp(0) = 1 is far below float32 resolution.
+_EXP_FLOOR = {dtype: math.log(torch.finfo(dtype).tiny * 1e8) for dtype in (torch.float32, torch.float64)}
 
 
 def _exp_(centred: Tensor, keep: Tensor | None, lowest: float) -> Tensor:
@@ -283,7 +288,7 @@ def _exp_(centred: Tensor, keep: Tensor | None, lowest: float) -> Tensor:
     from below when the score path does (softcap), else it is -inf.
     """
     cpu = centred.device.type == "cpu"  # the slow path is ATen's CPU exp; elsewhere exp(-inf) = 0 as it is
-    floor = _EXP_FLOOR.get(centred.dtype, -87.0) if cpu else None
+    floor = _EXP_FLOOR[centred.dtype] if cpu else None
     if keep is not None:
         centred.clamp_(floor, 0.0)
     elif floor is not None and lowest < floor and float(centred.amin()) < floor:
@@ -303,10 +308,10 @@ def _group_rows(x: Tensor, plan: _Plan, i0: int, i1: int) -> Tensor:
 
 
 # A row whose logits are known to satisfy |s_ij| <= u_i needs no running max: exp(s_ij - u_i) lies in
-# [exp(-2 u_i), 1]. While u_i <= (-ln(tiny) - 1) / 2 (43.2 in float32, 354 in float64) no weight
-# overflows or leaves the normal range (with a nat to spare for rounding), so exp also stays on
-# ATen's fast path.
-_STATIC_LIMIT = {dtype: (-math.log(torch.finfo(dtype).tiny) - 1) / 2 for dtype in (torch.float32, torch.float64)}
+# [exp(-2 u_i), 1]. While 2 u_i <= -floor (u_i <= 34.4 in float32, 345 in float64) no weight
+# overflows or falls below the exp floor, so exp and the matmuls stay on their fast paths without
+# any clamp.
+_STATIC_LIMIT = {dtype: -floor / 2 for dtype, floor in _EXP_FLOOR.items()}
 
 
 def _row_bounds(plan: _Plan, q: Tensor, k: Tensor, mask: Tensor | None, alibi: Tensor | None) -> Tensor | None:
