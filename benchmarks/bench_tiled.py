@@ -17,6 +17,7 @@ H = 8, D = 64, L = S = 16384 with softcap and a sliding window, measured in a fr
     python benchmarks/bench_tiled.py --sweep-blocks      # block-size exploration at L = 4096
     python benchmarks/bench_tiled.py --offset running-max  # the kernel without its static offset
     python benchmarks/bench_tiled.py --exp-probe         # ATen exp / exp2 throughput by argument range
+    python benchmarks/bench_tiled.py --feature-probe     # causal ALiBi and saturated rows
 """
 
 from __future__ import annotations
@@ -193,6 +194,36 @@ def exp_probe(repeats: int) -> dict:
     return rows
 
 
+def feature_probe(repeats: int) -> dict:
+    """Causal ALiBi (Press et al.'s slopes for 8 heads), and plain causal attention on saturated
+    inputs (q and k times 4: logits of std 16), tiled against torch's SDPA on the same causal
+    problem without ALiBi, L = 4096, D = 64, forward. Both run the running max (ALiBi has no
+    static offset; the saturated rows' bounds are past its limit), and far keys hit the exp floor."""
+    from attnscale import alibi_slopes
+
+    L, D = 4096, 64
+    q, k, v = _inputs(L, D, 8, grad=False)
+    q4, k4 = q * 4, k * 4
+    path = ScorePath(scale=D**-0.5, causal=True)
+    slopes = alibi_slopes(8)
+    fns = {
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "tiled_alibi": lambda: tiled_attention(q, k, v, path=path, alibi_slopes=slopes),
+        "sdpa_saturated": lambda: F.scaled_dot_product_attention(q4, k4, v, is_causal=True),
+        "tiled_saturated": lambda: tiled_attention(q4, k4, v, path=path),
+    }
+    with torch.no_grad():
+        times = _interleaved_times(fns, repeats)
+    ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))  # noqa: E731
+    return {
+        "L": L,
+        "D": D,
+        "alibi_ratio": ratio("tiled_alibi", "sdpa"),
+        "saturated_ratio": ratio("tiled_saturated", "sdpa_saturated"),
+        **{f"{name}_s": statistics.median(ts) for name, ts in times.items()},
+    }
+
+
 def memory_row(B: int, H: int, L: int, D: int, threads: int) -> dict:
     cmd = [sys.executable, "-c", MEMORY_PROBE, *map(str, (B, H, L, D, MEMORY_WINDOW[0], threads))]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -244,6 +275,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--compile-probe", action="store_true", help="time one tile update eager vs torch.compile")
     parser.add_argument("--exp-probe", action="store_true", help="throughput of torch.exp and torch.exp2 by argument range")
     parser.add_argument(
+        "--feature-probe",
+        action="store_true",
+        help="forward ratios of causal ALiBi and of saturated causal attention (logits of std 16) at L = 4096, D = 64",
+    )
+    parser.add_argument(
         "--offset",
         choices=("auto", "running-max"),
         default="auto",
@@ -269,6 +305,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["exp_probe"] = exp_probe(max(args.repeats, 20))
         for name, row in result["exp_probe"].items():
             print(f"arguments {name:>20}: exp {row['exp']:.2f}, exp2 {row['exp2']:.2f} G elements/s")
+    elif args.feature_probe:
+        probe = feature_probe(args.repeats)
+        result["feature_probe"] = probe
+        print(f"L = {probe['L']}, D = {probe['D']}, forward vs torch SDPA: causal ALiBi {probe['alibi_ratio']:.2f}x, "
+              f"saturated causal {probe['saturated_ratio']:.2f}x")
     elif args.compile_probe:
         probe = compile_probe(max(args.repeats, 20))
         result["compile_probe"] = probe
