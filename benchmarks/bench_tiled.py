@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--offset",
         choices=("auto", "running-max"),
         default="auto",
-        help="auto: the kernel's choice (a static softmax offset where |logits| are bounded under 43.2, as for "
+        help="auto: the kernel's choice (a static softmax offset where |logits| are bounded under 34.4, as for "
         "these standard-normal inputs); running-max: the online max everywhere, the path that inputs with larger "
         "norms (and ALiBi, float masks, statistics) take",
     )
