@@ -625,3 +625,29 @@ def test_visibility_patterns_are_shared_along_diagonals(monkeypatch):
             assert torch.equal(pattern.weight, seen.float())
             assert torch.equal(pattern.bias, torch.zeros(seen.shape).masked_fill(~seen, NEG_INF))
         assert partial > len(tiles._cache) and len(tiles._cache) <= cap
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_no_weight_falls_below_the_exp_floor(monkeypatch, dtype):
+    """ALiBi rows span thousands of nats; every nonzero weight the kernel hands to its matmuls, forward
+    and backward, stays at or above exp(floor) = 1e8 tiny, where products with values down to 1e-8
+    are normal numbers (products below the normal range made the CPU matmul ~100x slower)."""
+    smallest = []
+    real = tiled._exp_
+
+    def spy(*args, **kwargs):
+        p = real(*args, **kwargs)
+        smallest.append(float(p[p > 0].min()))
+        return p
+
+    monkeypatch.setattr(tiled, "_exp_", spy)
+    H = 2
+    q, k, v = make_inputs(B=1, H=H, Hkv=H, L=40, S=70, D=16, dtype=dtype, seed=26)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    slopes = torch.full((H,), 30.0, dtype=dtype)  # a bias of -30 per position
+    out = run_tiled(q, k, v, is_causal=True, causal_alignment="bottom_right", alibi_slopes=slopes)
+    out.sum().backward()
+    assert len(smallest) > 4
+    floor = torch.finfo(dtype).tiny * 1e8
+    assert min(smallest) >= floor * (1 - 1e-6), (min(smallest), floor)
+    assert min(smallest) < floor * 1.001  # the floor was reached: the rows really span past it
