@@ -18,6 +18,7 @@ H = 8, D = 64, L = S = 16384 with softcap and a sliding window, measured in a fr
     python benchmarks/bench_tiled.py --offset running-max  # the kernel without its static offset
     python benchmarks/bench_tiled.py --exp-probe         # ATen exp / exp2 throughput by argument range
     python benchmarks/bench_tiled.py --feature-probe     # causal ALiBi and saturated rows
+    python benchmarks/bench_tiled.py --op-probe          # the single ops behind the kernel's design
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ def _median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[st
     return {name: statistics.median(ts) for name, ts in _interleaved_times(fns, repeats).items()}
 
 
+def _median_ratio(times: dict[str, list[float]], name: str, base: str) -> float:
+    """Median of the per-repeat ratios: each compares two runs made moments apart, so a change in
+    machine load between repeats cancels (as in bench_sdpa.py)."""
+    return statistics.median(a / b for a, b in zip(times[name], times[base]))
+
+
 def _inputs(L: int, D: int, H: int, *, grad: bool) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, L, D, generator=gen).requires_grad_(grad) for _ in range(3))  # (B, H, L, D)
@@ -122,9 +129,7 @@ def speed_row(L: int, D: int, H: int, repeats: int, block_q: int, block_k: int, 
             row[f"{mode}.{name}_s"] = statistics.median(seconds)
             row[f"{mode}.{name}_times_s"] = seconds
             if name != "sdpa":
-                # the median of per-repeat ratios: each compares two runs made moments apart, so a
-                # change in machine load between repeats cancels (as in bench_sdpa.py)
-                row[f"{mode}.{name}_ratio"] = statistics.median(a / b for a, b in zip(seconds, times["sdpa"]))
+                row[f"{mode}.{name}_ratio"] = _median_ratio(times, name, "sdpa")
     return row
 
 
@@ -214,14 +219,58 @@ def feature_probe(repeats: int) -> dict:
     }
     with torch.no_grad():
         times = _interleaved_times(fns, repeats)
-    ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))  # noqa: E731
     return {
         "L": L,
         "D": D,
-        "alibi_ratio": ratio("tiled_alibi", "sdpa"),
-        "saturated_ratio": ratio("tiled_saturated", "sdpa_saturated"),
+        "alibi_ratio": _median_ratio(times, "tiled_alibi", "sdpa"),
+        "saturated_ratio": _median_ratio(times, "tiled_saturated", "sdpa_saturated"),
         **{f"{name}_s": statistics.median(ts) for name, ts in times.items()},
     }
+
+
+def op_probe(repeats: int) -> dict:
+    """Milliseconds of the single ops behind the kernel's design, one thread, float32:
+
+    * hiding keys of one 8 x 128 x 256 causal tile: ``masked_fill`` with a broadcast bool tile
+      (causal, and random), against adding a 0/-inf tile and multiplying by a 1/0 tile;
+    * ``p v`` of one such tile (``baddbmm_``, Dv = 64) with ordinary weights, every weight at the
+      old exp floor 1.6e-38 (products below the normal range), and at the new 1.2e-30;
+    * the 272 q k^T tiles of a causal L = 4096, D = 64 call (128 x 256 tiles) reading k
+      transposed, from one (n, D, S) copy of k^T, and from per-block copies.
+    """
+    gen = torch.Generator().manual_seed(0)
+    H, Lb, Sb, D, L = 8, 128, 256, 64, 4096
+    tile = torch.randn(H, Lb, Sb, generator=gen)
+    work = torch.empty_like(tile)
+    causal = torch.ones(Lb, Sb).tril().bool()
+    random = torch.rand(Lb, Sb, generator=gen) > 0.5
+    bias = torch.zeros(Lb, Sb).masked_fill(~causal, float("-inf"))
+    weight = causal.float()
+    v, acc = torch.randn(H, Sb, D, generator=gen), torch.zeros(H, Lb, D)
+    weights = {"normal": torch.rand(H, Lb, Sb, generator=gen), "1.6e-38": torch.full((H, Lb, Sb), 1.6e-38)}
+    weights["1.2e-30"] = torch.full((H, Lb, Sb), 1.2e-30)
+    q, k = (torch.randn(H, L, D, generator=gen) for _ in range(2))
+    kt = k.transpose(1, 2).contiguous()
+    kt_blocks = [kt[:, :, j : j + Sb].contiguous() for j in range(0, L, Sb)]
+    buf = torch.empty(H, Lb, Sb)
+
+    def qk_tiles(layout: str) -> None:
+        for i0 in range(0, L, Lb):
+            for b, j0 in enumerate(range(0, i0 + Lb, Sb)):
+                rhs = {"transposed": lambda: k[:, j0 : j0 + Sb].transpose(1, 2), "one copy": lambda: kt[:, :, j0 : j0 + Sb]}
+                torch.bmm(q[:, i0 : i0 + Lb], kt_blocks[b] if layout == "block copies" else rhs[layout](), out=buf)
+
+    fns = {
+        "hide: masked_fill causal": lambda: work.copy_(tile).masked_fill_(~causal, float("-inf")),
+        "hide: masked_fill random": lambda: work.copy_(tile).masked_fill_(random, float("-inf")),
+        "hide: add 0/-inf tile": lambda: work.copy_(tile).add_(bias),
+        "hide: multiply 1/0 tile": lambda: work.copy_(tile).mul_(weight),
+        "hide: copy alone": lambda: work.copy_(tile),
+        **{f"p v: weights {name}": (lambda p=p: acc.baddbmm_(p, v)) for name, p in weights.items()},
+        **{f"272 q k^T tiles: k {layout}": (lambda layout=layout: qk_tiles(layout)) for layout in ("transposed", "one copy", "block copies")},
+    }
+    with torch.no_grad():
+        return {name: t * 1e3 for name, t in _median_times(fns, repeats).items()}
 
 
 def memory_row(B: int, H: int, L: int, D: int, threads: int) -> dict:
@@ -274,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sweep-blocks", action="store_true", help="forward ratios over block sizes at L = 4096, D = 64")
     parser.add_argument("--compile-probe", action="store_true", help="time one tile update eager vs torch.compile")
     parser.add_argument("--exp-probe", action="store_true", help="throughput of torch.exp and torch.exp2 by argument range")
+    parser.add_argument("--op-probe", action="store_true", help="time the single ops behind the kernel's design (masking, weight floor, k^T layout)")
     parser.add_argument(
         "--feature-probe",
         action="store_true",
@@ -305,6 +355,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["exp_probe"] = exp_probe(max(args.repeats, 20))
         for name, row in result["exp_probe"].items():
             print(f"arguments {name:>20}: exp {row['exp']:.2f}, exp2 {row['exp2']:.2f} G elements/s")
+    elif args.op_probe:
+        result["op_probe"] = op_probe(max(args.repeats, 9))
+        for name, ms in result["op_probe"].items():
+            print(f"{name:>34}: {ms:8.3f} ms")
     elif args.feature_probe:
         probe = feature_probe(args.repeats)
         result["feature_probe"] = probe

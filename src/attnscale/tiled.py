@@ -180,8 +180,8 @@ class _Visibility:
     Visibility depends on ``i' - j`` alone, so tiles whose first row and first key lie on the same
     diagonal (and that have the same size) share one pattern: a causal call of any length has one
     or two distinct partial tiles. Multiplying by ``weight`` and adding ``bias`` run at the speed
-    of any elementwise pass, where ``masked_fill`` with a broadcast bool tile measured 10-60x
-    slower (CPU, float32, 8 x 128 x 256 tiles).
+    of any elementwise pass, where ``masked_fill`` with a broadcast bool tile is 5-19x slower
+    (``bench_tiled.py --op-probe``, CPU, float32, 8 x 128 x 256 tiles).
     """
 
     def __init__(self, plan: _Plan, dtype: torch.dtype, device: torch.device) -> None:
@@ -272,8 +272,8 @@ def _tile_logits(
 # Two CPU slow paths bound how small a weight may get. ATen's vectorized exp leaves its fast path
 # for results below the normal range (arguments under about -87.3 in float32, -inf included) and
 # runs some 50x slower there; and a matmul whose products fall below the normal range runs some
-# 100x slower (measured: p v of one 8 x 128 x 256 tile with every weight 1.6e-38, 41.9 ms against
-# 0.34 ms). So no weight goes below exp(floor) = 1e8 tiny (1.2e-30 in float32; floor -68.9, and
+# 90x slower (``bench_tiled.py --op-probe``: p v of one 8 x 128 x 256 tile with every weight
+# 1.6e-38, 47.9 ms against 0.53 ms). So no weight goes below exp(floor) = 1e8 tiny (1.2e-30 in float32; floor -68.9, and
 # -690.8 in float64): arguments are raised to the floor before exp, weights times values down to
 # 1e-8 stay normal numbers, and hidden keys are set back to exactly 0 afterwards. A weight of
 # 1.2e-30 next to a row maximum's exp(0) = 1 is far below float32 resolution.
@@ -356,9 +356,9 @@ class _Tiler:
         n, D, Dv = plan.groups, q.shape[-1], v.shape[-1]
         self.plan = plan
         # k^T laid out once per key block as contiguous (n, D, Sb): the per-tile q k^T is then a
-        # plain matmul on dense memory. Measured on the 272 q k^T tiles of L = 4096, D = 64: 81.0 ms
-        # reading k transposed, 74.7 ms from one (n, D, S) copy (its rows 16 KiB apart), 67.4 ms from
-        # per-block copies. v as (n, S, Dv), whose blocks are dense already.
+        # plain matmul on dense memory. ``bench_tiled.py --op-probe``, the 272 q k^T tiles of L = 4096,
+        # D = 64: 111.5 ms reading k transposed, 105.3 ms from one (n, D, S) copy (its rows 16 KiB
+        # apart), 96.2 ms from per-block copies. v as (n, S, Dv), whose blocks are dense already.
         kt = k.reshape(n, plan.S, D).transpose(1, 2)
         self.kt_blocks = {j0: kt[:, :, j0:j1].contiguous() for j0, j1 in plan.k_blocks()}
         self.v = v.reshape(n, plan.S, Dv)
