@@ -71,7 +71,7 @@ from .dense import accumulation_dtype
 from .score import ScorePath
 from .stats import AttentionStats
 
-__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "attention_partial", "merge_partials", "tiled_attention"]
+__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "attention_partial", "merge_partials", "merge_sinks", "tiled_attention"]
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 256
@@ -756,6 +756,33 @@ def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -
     out = (wa.unsqueeze(-1) * out_a + wb.unsqueeze(-1) * out_b) / safe.unsqueeze(-1)
     lse = torch.where(has_key, m_ref + torch.log(safe), torch.full_like(m, _NEG_INF))
     return out, lse
+
+
+def merge_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Add attention sinks to finished attention: ``(out, lse)`` of the row's softmax over every
+    visible key, and ``sinks`` (H,), one logit per query head, give ``(out, lse)`` with the sink in
+    the denominator::
+
+        p_ij = exp(s_ij) / (sum_j' exp(s_ij') + exp(sink_h)),   out_i = sum_j p_ij v_j
+
+    The sink is a partial with no value (``out = 0``, ``lse = sink_h``), so this is
+    :func:`merge_partials` with it: ``out * exp(lse_old - lse)`` and ``lse = log(exp(lse_old) +
+    exp(sink))``. Call it once, after every key shard is merged (the sink enters a row once). A row
+    with no visible key gives ``out = 0``, ``lse = sink``. Differentiable in all three inputs.
+    ``out`` (..., H, L, Dv) and ``lse`` (..., H, L) are in the accumulation dtype; ``sinks`` is
+    cast to it.
+
+    >>> import torch
+    >>> q, k, v = torch.randn(2, 3, 4), torch.randn(2, 5, 4), torch.randn(2, 5, 2)
+    >>> sinks = torch.tensor([0.5, -1.0])
+    >>> out, lse = merge_sinks(*attention_partial(q, k, v, path=ScorePath(scale=0.5)), sinks)
+    >>> logits = q @ k.mT * 0.5
+    >>> p = logits.exp() / (logits.exp().sum(-1, keepdim=True) + sinks.exp()[:, None, None])
+    >>> torch.allclose(out, p @ v, atol=1e-6)
+    True
+    """
+    sink = sinks.to(lse.dtype)[..., None].expand(lse.shape)  # (..., H, L)
+    return merge_partials(out, lse, torch.zeros_like(out), sink)
 
 
 def partial_forward(
