@@ -85,6 +85,22 @@ def check_window(window: object) -> tuple[int | None, int | None] | None:
     return (sides[0], sides[1])
 
 
+def check_sinks(sinks: object, H: int, device: torch.device) -> None:
+    """``sinks``: None or a float tensor (H,), one logit per query head, finite or -inf (no sink)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, Tensor) or sinks.dtype not in FLOAT_DTYPES:
+        got = f"dtype {sinks.dtype}" if isinstance(sinks, Tensor) else type(sinks).__name__
+        fail("sinks", f"a float tensor of shape (H,) = ({H},)", got, "pass e.g. torch.zeros(H) (one logit per query head)", exc=TypeError)
+    if tuple(sinks.shape) != (H,):
+        fail("sinks", f"shape (H,) = ({H},), one logit per query head", _shape(sinks), "pass one sink logit per query head")
+    if sinks.device != device:
+        fail("sinks", f"the query's device {device}", f"device {sinks.device}", "move it: sinks.to(query.device)")
+    bad = torch.isnan(sinks) | (sinks == float("inf"))
+    if bool(bad.any()):
+        fail("sinks", "finite logits (or -inf for a head without a sink)", f"NaN or +inf at heads {bad.nonzero().flatten().tolist()}", "check how the sinks were computed")
+
+
 @dataclass(frozen=True)
 class AttentionCall:
     """A validated call: shapes, the score path and the options that choose a backend."""
@@ -101,6 +117,7 @@ class AttentionCall:
     backend: Backend
     dropout_p: float
     alibi: bool
+    sinks: bool
     return_stats: bool
 
 
@@ -144,6 +161,7 @@ def check_attention_call(
     alibi_slopes: object,
     window: object,
     return_stats: object,
+    sinks: object = None,
 ) -> AttentionCall:
     check_tensors(query, key, value)
     H, L, D = query.shape[-3:]
@@ -219,6 +237,7 @@ def check_attention_call(
             fail("alibi_slopes", f"shape (H,) or (B, H) broadcastable to {(*batch, H)}", _shape(alibi_slopes), "use attnscale.alibi_slopes(H)")
         if alibi_slopes.device != query.device:
             fail("alibi_slopes", f"the query's device {query.device}", f"device {alibi_slopes.device}", "move it to the query's device")
+    check_sinks(sinks, H, query.device)
     path = ScorePath(
         scale=scale if scale is not None else 1.0 / math.sqrt(D),
         softcap=softcap,
@@ -239,5 +258,6 @@ def check_attention_call(
         backend=backend,
         dropout_p=float(dropout_p),
         alibi=alibi_slopes is not None,
+        sinks=sinks is not None,
         return_stats=return_stats,
     )

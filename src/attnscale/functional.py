@@ -51,6 +51,8 @@ def _fused_cannot(call: AttentionCall) -> str | None:
         return reason
     if call.alibi:
         return "alibi_slopes"
+    if call.sinks:
+        return "sinks"
     if call.path.window is not None:
         return "window"
     if call.path.causal and call.path.q_offset != 0:
@@ -78,6 +80,8 @@ def _tiled_feature(call: AttentionCall) -> str | None:
         return "return_stats"
     if call.alibi:
         return "alibi_slopes"
+    if call.sinks:
+        return "sinks"
     if path.window is not None:
         return "window"
     if path.causal and path.q_offset != 0:
@@ -121,16 +125,28 @@ def _choose(call: AttentionCall, *, slopes_need_grad: bool = False) -> tuple[Bac
 
 
 def _torch_attention(
-    query: Tensor, key: Tensor, value: Tensor, call: AttentionCall, attn_mask: Tensor | None, alibi_slopes: Tensor | None
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    call: AttentionCall,
+    attn_mask: Tensor | None,
+    alibi_slopes: Tensor | None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """torch's SDPA on (B, H, L, D) views; positional masks and ALiBi become an explicit mask."""
+    """torch's SDPA on (B, H, L, D) views; positional masks and ALiBi become an explicit mask.
+
+    Sinks become one more key with zero key and value vectors, whose logit the mask sets to the
+    head's sink: it joins every row's denominator and adds nothing to the output.
+    """
     batch, H, L, S, path = call.batch, call.H, call.L, call.S, call.path
     B = math.prod(batch)  # explicit, not -1: reshape cannot infer a dim of an empty tensor
     q = query.expand(*batch, H, L, call.D).reshape(B, H, L, call.D)  # (B, H, L, D)
     k = key.expand(*batch, call.Hkv, S, call.D).reshape(B, call.Hkv, S, call.D)  # (B, Hkv, S, D)
     v = value.expand(*batch, call.Hkv, S, call.Dv).reshape(B, call.Hkv, S, call.Dv)  # (B, Hkv, S, Dv)
 
-    native_causal = path.causal and path.q_offset == 0 and path.window is None and attn_mask is None and alibi_slopes is None
+    native_causal = (
+        path.causal and path.q_offset == 0 and path.window is None and attn_mask is None and alibi_slopes is None and sinks is None
+    )
     mask = attn_mask
     if not native_causal and (path.causal or path.window is not None or alibi_slopes is not None):
         q_pos, k_pos = path.positions(0, L, 0, S, query.device)
@@ -146,6 +162,7 @@ def _torch_attention(
             else:
                 mask = mask.masked_fill(~keep, float("-inf"))
     if mask is not None:
+        mask = mask.reshape((1,) * max(0, 2 - mask.ndim) + tuple(mask.shape))  # 0-d and (S,) masks
         if mask.dtype != torch.bool and mask.dtype != query.dtype:
             # torch wants the query's dtype; when that is narrower, clamp first so that a finite
             # value stays finite (-1e9 would become -inf in float16 and hide keys the other backends keep).
@@ -153,6 +170,11 @@ def _torch_attention(
             if finfo.max < torch.finfo(mask.dtype).max:
                 mask = mask.clamp(finfo.min, finfo.max).masked_fill(mask == float("-inf"), float("-inf"))
             mask = mask.to(query.dtype)
+    if sinks is not None:
+        mask = _with_sink_column(mask, sinks, (*batch, H, L, S), query.dtype)  # (..., H, L, S + 1)
+        k = torch.cat([k, k.new_zeros(B, call.Hkv, 1, call.D)], dim=-2)  # (B, Hkv, S + 1, D)
+        v = torch.cat([v, v.new_zeros(B, call.Hkv, 1, call.Dv)], dim=-2)  # (B, Hkv, S + 1, Dv)
+    if mask is not None:
         mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + tuple(mask.shape))
         mh, ml, ms = mask.shape[-3:]
         if all(n == 1 for n in mask.shape[:-3]):
@@ -172,6 +194,20 @@ def _torch_attention(
     return out.reshape(*batch, H, L, call.Dv)
 
 
+def _with_sink_column(mask: Tensor | None, sinks: Tensor, target: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A float mask over S + 1 keys: ``mask`` as logits to add (-inf hides) and the sink's logit last."""
+    *batch, H, L, S = target
+    if mask is None:
+        mask = torch.zeros((), dtype=dtype, device=sinks.device)
+    elif mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    mask = mask.reshape((1,) * (len(target) - mask.ndim) + tuple(mask.shape))
+    rows = torch.broadcast_shapes(mask.shape[:-1], (1,) * len(batch) + (H, 1))
+    keys = mask.expand(*rows, S)
+    sink = sinks.to(dtype).view(H, 1, 1).expand(*rows, 1)
+    return torch.cat([keys, sink], dim=-1)
+
+
 def scaled_dot_product_attention(
     query: Tensor,
     key: Tensor,
@@ -186,6 +222,7 @@ def scaled_dot_product_attention(
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
     window: tuple[int | None, int | None] | None = None,
+    sinks: Tensor | None = None,
     return_stats: bool = False,
     backend: Backend | str = Backend.AUTO,
 ) -> Tensor | tuple[Tensor, AttentionStats]:
@@ -226,15 +263,22 @@ def scaled_dot_product_attention(
             scaled), ``i'`` the aligned query position. See ``attnscale.alibi_slopes``.
         window: ``(left, right)``; key j is visible to aligned query i' iff
             ``i' - left <= j <= i' + right``. ``None`` or ``-1`` on a side means unlimited.
+        sinks: (H,), one logit per query head (gpt-oss's attention sinks) that joins every row's
+            softmax denominator and has no value: ``p_ij = exp(s_ij) / (sum_j' exp(s_ij') +
+            exp(sink_h))`` with ``s`` the finished logits (the sink is not scaled, capped or
+            biased), so a row's key weights sum to one minus the sink's share. Differentiable;
+            ``-inf`` means no sink for that head. A row with no visible key gives zeros.
         return_stats: also return :class:`AttentionStats` (per-row lse, max logit, max
-            probability, entropy in nats) as ``(out, stats)``.
+            probability, entropy in nats; with sinks also the sink's share, see
+            :mod:`attnscale.stats`) as ``(out, stats)``.
         backend: ``"auto"`` picks, in this order: torch's fused kernel whenever it computes exactly
             these semantics; ``"math"`` for dropout (or ALiBi slopes that require grad);
             ``"tiled"`` when the call uses a feature torch lacks (softcap, return_stats, ALiBi,
-            window, bottom-right causal alignment with L != S) or has more than
+            sinks, window, bottom-right causal alignment with L != S) or has more than
             ``MATH_MAX_SCORES = 2**26`` scores ``prod(batch) * H * L * S``; ``"math"`` otherwise.
             ``"torch"`` forces ``torch.nn.functional.scaled_dot_product_attention`` (ALiBi, windows
-            and bottom-right alignment become an explicit mask; softcap and return_stats raise);
+            and bottom-right alignment become an explicit mask, sinks one more key with a zero
+            value; softcap and return_stats raise);
             ``"math"`` forces attnscale's dense implementation, O(L * S) memory; ``"tiled"`` forces
             the online-softmax kernel of :mod:`attnscale.tiled`, O(L + S) memory, no dropout,
             statistics other than lse carry no gradient. :func:`last_backend` says which one ran.
@@ -270,11 +314,12 @@ def scaled_dot_product_attention(
         alibi_slopes=alibi_slopes,
         window=window,
         return_stats=return_stats,
+        sinks=sinks,
     )
     slopes_need_grad = alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled()
     chosen, why = _choose(call, slopes_need_grad=slopes_need_grad)
     if chosen is Backend.TORCH:
-        out = _torch_attention(query, key, value, call, attn_mask, alibi_slopes)
+        out = _torch_attention(query, key, value, call, attn_mask, alibi_slopes, sinks)
         stats = None
     elif chosen is Backend.TILED:
         out, stats = tiled_attention(
@@ -284,6 +329,7 @@ def scaled_dot_product_attention(
             path=call.path,
             attn_mask=attn_mask,
             alibi_slopes=alibi_slopes,
+            sinks=sinks,
             return_stats=call.return_stats,
         )
     else:
@@ -295,6 +341,7 @@ def scaled_dot_product_attention(
             attn_mask=attn_mask,
             alibi_slopes=alibi_slopes,
             dropout_p=call.dropout_p,
+            sinks=sinks,
             return_stats=call.return_stats,
         )
     _record(chosen, why)

@@ -42,13 +42,21 @@ def attention(
     softcap: float | None = None,
     alibi_slopes: np.ndarray | None = None,
     window: tuple[int | None, int | None] | None = None,
+    sinks: np.ndarray | None = None,
     return_stats: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, dict[str, np.ndarray]]:
     """Attention in float64: q (..., H, L, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, L, Dv).
 
+    ``sinks`` (H,): one logit per query head that joins every row's softmax denominator and has no
+    value, ``p_ij = exp(s_ij) / (sum_j' exp(s_ij') + exp(sink_h))`` with ``s`` the finished logits
+    (the sink is not scaled, capped or biased). The key weights of a row then sum to 1 - sink share.
+
     With ``return_stats`` also returns ``{"lse", "max_logit", "max_prob", "entropy", "visible_keys"}``,
     each (..., H, L); a row with no visible key has lse = max_logit = -inf, max_prob = entropy = 0
-    and visible_keys = 0.
+    and visible_keys = 0. With sinks the row's distribution is over its keys and the sink: ``lse``
+    is the log of the whole denominator, ``entropy`` counts the sink as one more outcome,
+    ``max_prob`` is over keys only, and ``"sink_share"`` (the sink's probability) is added; an
+    empty row then has lse = sink, sink share 1, entropy 0.
 
     >>> q = np.array([[[[1.0, 0.0]]]]); k = np.array([[[[1.0, 0.0], [0.0, 1.0]]]])
     >>> v = np.array([[[[1.0], [0.0]]]])
@@ -96,6 +104,8 @@ def attention(
 
     logits = np.where(visible, logits, -np.inf)
     any_visible = visible.any(axis=-1, keepdims=True)
+    if sinks is not None:
+        return _with_sinks(logits, visible, v, np.asarray(sinks, dtype=np.float64), return_stats)
     row_max = np.where(any_visible, logits.max(axis=-1, keepdims=True, initial=-np.inf), 0.0)
     weights = np.where(visible, np.exp(logits - row_max), 0.0)
     total = weights.sum(axis=-1, keepdims=True)
@@ -113,5 +123,36 @@ def attention(
         "max_prob": probs.max(axis=-1, initial=0.0),
         "entropy": -plogp.sum(axis=-1),
         "visible_keys": visible.sum(axis=-1),
+    }
+    return out, stats
+
+
+def _with_sinks(
+    logits: np.ndarray, visible: np.ndarray, v: np.ndarray, sinks: np.ndarray, return_stats: bool
+) -> np.ndarray | tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The softmax over each row's visible keys and its head's sink, written out directly."""
+    sink = np.broadcast_to(sinks[:, None, None], logits.shape[:-1] + (1,))  # (..., H, L, 1)
+    row_max = np.maximum(logits.max(axis=-1, keepdims=True, initial=-np.inf), sink)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)  # -inf sink and no key: nothing to attend
+    weights = np.where(visible, np.exp(logits - row_max), 0.0)
+    sink_weight = np.exp(sink - row_max)
+    total = weights.sum(axis=-1, keepdims=True) + sink_weight
+    safe = np.where(total > 0, total, 1.0)
+    probs, sink_p = weights / safe, sink_weight / safe
+    out = np.einsum("...hls,...hsv->...hlv", probs, v)
+    if not return_stats:
+        return out
+    has = visible.any(axis=-1)
+    with np.errstate(divide="ignore"):
+        plogp = np.where(probs > 0, probs * np.log(np.where(probs > 0, probs, 1.0)), 0.0).sum(axis=-1)
+        plogp += np.where(sink_p > 0, sink_p * np.log(np.where(sink_p > 0, sink_p, 1.0)), 0.0)[..., 0]
+        lse = np.where(total[..., 0] > 0, row_max[..., 0] + np.log(safe[..., 0]), -np.inf)
+    stats = {
+        "lse": lse,
+        "max_logit": np.where(has, logits.max(axis=-1, initial=-np.inf), -np.inf),
+        "max_prob": probs.max(axis=-1, initial=0.0),
+        "entropy": -plogp,
+        "visible_keys": visible.sum(axis=-1),
+        "sink_share": sink_p[..., 0],
     }
     return out, stats

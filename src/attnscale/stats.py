@@ -11,6 +11,17 @@ All four statistics are exact functions of one row's logits ``s_j`` over its vis
 window). A row with no visible key has ``lse = max_logit = -inf``, ``max_prob = 0``,
 ``entropy = 0`` and ``visible_keys = 0``. Statistics describe the softmax before dropout.
 
+With attention sinks (``sinks=``) a row's softmax runs over its visible keys and one more outcome,
+the sink, which has no value: the mass it takes is what the row gives to "nothing". Then
+
+* ``lse``        includes the sink: ``log(sum_j exp(s_j) + exp(sink))``, so ``p_j = exp(s_j - lse)``
+* ``max_logit``  over keys only (the sink is not a logit of q.k)
+* ``max_prob``   over keys only: ``exp(max_logit - lse)``
+* ``entropy``    of the whole distribution, the sink counted as one outcome
+* ``sink_share`` ``exp(sink - lse)``, the sink's probability; None without sinks
+
+and a row with no visible key has ``lse = sink``, ``sink_share = 1``, ``entropy = 0``.
+
 Reductions for diagnostics (all ignore empty rows): :func:`normalized_entropy` (entropy over
 ``log(visible_keys)``, 1 = uniform), :func:`summarize` (per-head mean, min, max and quantiles over
 rows and batch) and :func:`share_above` (per-head share of rows whose statistic exceeds a threshold).
@@ -24,7 +35,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionStats", "HeadSummary", "normalized_entropy", "share_above", "summarize"]
+__all__ = ["AttentionStats", "HeadSummary", "normalized_entropy", "share_above", "summarize", "with_sinks"]
 
 
 @dataclass(frozen=True)
@@ -37,11 +48,15 @@ class AttentionStats:
     max_prob: Tensor
     entropy: Tensor
     visible_keys: Tensor
+    sink_share: Tensor | None = None
 
     def to_dict(self) -> dict[str, list]:
-        """Nested lists, ready for ``json.dumps``; -inf becomes None (JSON has no infinity)."""
+        """Nested lists, ready for ``json.dumps``; -inf becomes None (JSON has no infinity).
+        ``sink_share`` is present only with sinks."""
         out = {}
         for f in fields(self):
+            if getattr(self, f.name) is None:
+                continue
             t = getattr(self, f.name).detach().double()
             out[f.name] = torch.where(torch.isfinite(t), t, torch.nan).tolist()
         return {k: _nan_to_none(v) for k, v in out.items()}
@@ -53,29 +68,59 @@ def _nan_to_none(x):
     return None if x != x else x
 
 
-_STATISTICS = ("lse", "max_logit", "max_prob", "entropy", "normalized_entropy")
+_STATISTICS = ("lse", "max_logit", "max_prob", "entropy", "normalized_entropy", "sink_share")
+
+
+def with_sinks(stats: AttentionStats, sinks: Tensor) -> AttentionStats:
+    """Statistics of a row's softmax over its keys, extended by its head's sink (H,) (see above).
+
+    Exact: with ``a = exp(lse_keys - lse)`` the key probabilities are ``a`` times the keys-only ones,
+    so ``entropy = a entropy_keys - a log a - share log share``, ``share = 1 - a = exp(sink - lse)``.
+    """
+    sink = sinks.to(stats.lse.dtype)[..., None].expand(stats.lse.shape)  # (..., H, L)
+    lse = torch.logaddexp(stats.lse, sink)
+    # lse = -inf only with no key and a -inf sink: nothing to attend, every share 0.
+    ref = torch.where(lse == -math.inf, 0.0, lse)
+    keys = torch.exp(stats.lse - ref)
+    share = torch.exp(sink - ref)
+    plogp = torch.where(keys > 0, keys * torch.log(torch.where(keys > 0, keys, 1.0)), 0.0)
+    plogp = plogp + torch.where(share > 0, share * torch.log(torch.where(share > 0, share, 1.0)), 0.0)
+    entropy = (keys * stats.entropy - plogp).clamp_min(0.0)
+    max_prob = torch.exp(stats.max_logit - ref).masked_fill(lse == -math.inf, 0.0)
+    return AttentionStats(
+        lse=lse,
+        max_logit=stats.max_logit,
+        max_prob=max_prob,
+        entropy=entropy,
+        visible_keys=stats.visible_keys,
+        sink_share=share,
+    )
 
 
 def normalized_entropy(stats: AttentionStats) -> Tensor:
-    """Entropy over its maximum ``log(visible_keys)``, per row (..., H, L): 1 = uniform, 0 = one-hot.
+    """Entropy over its maximum ``log(outcomes)``, per row (..., H, L): 1 = uniform, 0 = one-hot.
 
-    A row with one visible key has entropy 0 and gets 0 (it is as peaked as it can be); a row with
-    none gets NaN, which the reductions below skip.
+    The outcomes are the visible keys, plus the sink with sinks. A row with one outcome has entropy
+    0 and gets 0 (it is as peaked as it can be); a row with no visible key gets NaN, which the
+    reductions below skip.
 
     >>> s = AttentionStats(*(torch.tensor([0.0, 0.0, math.log(4)]) for _ in range(4)), visible_keys=torch.tensor([0, 1, 4]))
     >>> normalized_entropy(s)
     tensor([nan, 0., 1.])
     """
-    n = stats.visible_keys.to(stats.entropy.dtype)
+    keys = stats.visible_keys.to(stats.entropy.dtype)
+    n = keys if stats.sink_share is None else keys + 1
     denom = torch.log(n.clamp_min(2.0))
     ratio = torch.where(n > 1, stats.entropy.detach() / denom, torch.zeros_like(denom))
-    return ratio.masked_fill(n == 0, math.nan)
+    return ratio.masked_fill(keys == 0, math.nan)
 
 
 def _per_head(stats: AttentionStats, statistic: str) -> tuple[Tensor, Tensor]:
     """Values (H, N) over rows and batch, and the (H, N) mask of non-empty rows."""
     if statistic not in _STATISTICS:
         raise ValueError(f"statistic: expected one of {_STATISTICS}, got {statistic!r}. Fix: pick one of those names")
+    if statistic == "sink_share" and stats.sink_share is None:
+        raise ValueError("statistic: expected a statistic these stats hold, got 'sink_share' without sinks. Fix: pick another, or attend with sinks=")
     values = normalized_entropy(stats) if statistic == "normalized_entropy" else getattr(stats, statistic).detach()
     H = values.shape[-2]
     values = values.movedim(-2, 0).reshape(H, -1)  # (H, batch * L)

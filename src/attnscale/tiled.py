@@ -69,7 +69,7 @@ from torch import Tensor
 
 from .dense import accumulation_dtype
 from .score import ScorePath
-from .stats import AttentionStats
+from .stats import AttentionStats, with_sinks
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "attention_partial", "merge_partials", "merge_sinks", "tiled_attention"]
 
@@ -670,6 +670,7 @@ def tiled_attention(
     path: ScorePath,
     attn_mask: Tensor | None = None,
     alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
     return_stats: bool = False,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -678,6 +679,8 @@ def tiled_attention(
 
     query (..., H, L, D), key (..., Hkv, S, D), value (..., Hkv, S, Dv), H a multiple of Hkv,
     attn_mask broadcastable to (..., H, L, S). Returns (out (..., H, L, Dv), stats or None).
+    ``sinks`` (H,) enter after the last key tile, through :func:`merge_sinks` on the finished
+    ``(out, lse)`` in the accumulation dtype, so every tile runs as without them.
     ``block_q`` / ``block_k`` (default :data:`DEFAULT_BLOCK_Q` / :data:`DEFAULT_BLOCK_K`) set the
     tile; any positive size gives the same result up to rounding.
 
@@ -691,13 +694,17 @@ def tiled_attention(
     """
     alibi = _constant_slopes(alibi_slopes, query.dtype)
     plan = _plan(query, key, value, path, block_q=block_q, block_k=block_k, q_start=0, k_start=0, with_stats=return_stats)
-    out, lse, *rest = _TiledAttention.apply(query, key, value, attn_mask, alibi, plan)
+    if sinks is None:
+        out, lse, *rest = _TiledAttention.apply(query, key, value, attn_mask, alibi, plan)
+    else:  # the kernel's output stays in the accumulation dtype until the sink has rescaled it
+        acc = accumulation_dtype(query.dtype)
+        out, lse, *rest = _TiledAttention.apply(query.to(acc), key.to(acc), value.to(acc), attn_mask, alibi, plan)
+        out = merge_sinks(out, lse, sinks)[0].to(query.dtype)
     if not return_stats:
         return out, None
     max_logit, max_prob, entropy, visible_keys = rest
-    return out, AttentionStats(
-        lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys
-    )
+    stats = AttentionStats(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
+    return out, stats if sinks is None else with_sinks(stats, sinks)
 
 
 def attention_partial(
