@@ -294,3 +294,31 @@ def test_linear_kernels_reject_a_cache_and_unequal_causal_lengths(kernel):
 
 def test_exported():
     assert attnscale.AttentionConfig is AttentionConfig and "AttentionConfig" in attnscale.__all__
+
+
+# --- from_json on text that is not a config ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, exc, match",
+    [
+        ('{"kernel": "linear",}', ValueError, r"text: expected valid JSON .* at line 1, column 21"),
+        ('{\n  "kernel": \'linear\'\n}', ValueError, r"text: .* at line 2, column 13"),
+        ("", ValueError, r"text: .* line 1, column 1"),
+        ("[1, 2]", ValueError, r"text: expected a JSON object .*, got a JSON array"),
+        ("3", ValueError, r"got a JSON number"),
+        ('"softmax"', ValueError, r"got a JSON string"),
+        ("null", ValueError, r"got a JSON null"),
+        (b"\xff{}", ValueError, r"text: expected UTF-8"),
+        (None, TypeError, r"text: expected a JSON string .*, got NoneType"),
+    ],
+)
+def test_from_json_names_bad_text(text, exc, match):
+    with pytest.raises(exc, match=match) as info:
+        AttentionConfig.from_json(text)
+    assert type(info.value) is exc and "Fix:" in str(info.value)
+
+
+def test_from_json_accepts_bytes():
+    cfg = AttentionConfig(kernel="int8")
+    assert AttentionConfig.from_json(cfg.to_json().encode()) == cfg

@@ -386,7 +386,23 @@ class AttentionConfig:
 
     @classmethod
     def from_json(cls, text: str) -> AttentionConfig:
-        return cls.from_dict(json.loads(text))
+        """Read :meth:`to_json`'s text back; validates like :meth:`from_dict`.
+
+        Text that is not JSON, or JSON that is not an object, raises ``ValueError`` saying where
+        and what it found; anything but ``str`` / ``bytes`` raises ``TypeError``.
+        """
+        if not isinstance(text, (str, bytes, bytearray)):
+            fail("text", "a JSON string (AttentionConfig.to_json())", type(text).__name__, "pass the text itself, e.g. Path(p).read_text()", exc=TypeError)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            fail("text", "valid JSON (AttentionConfig.to_json())", f"{e.msg} at line {e.lineno}, column {e.colno}", "correct the text there (keys and strings in double quotes, no trailing commas)")
+        except UnicodeDecodeError as e:
+            fail("text", "UTF-8 encoded JSON", f"undecodable byte at position {e.start}", "decode the bytes with their encoding first")
+        if not isinstance(data, dict):
+            kind = {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(type(data), "number")
+            fail("text", "a JSON object {...} (AttentionConfig.to_json())", f"a JSON {kind}", "pass the object that to_json() wrote, not a list or a value")
+        return cls.from_dict(data)
 
     def with_fixed_scale(self, scale: float) -> AttentionConfig:
         """This config with ``scale="fixed"`` at ``scale`` (what ``MultiHeadAttention(scale=...)`` does)."""
