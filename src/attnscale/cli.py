@@ -36,11 +36,13 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_target(spec: str) -> object:
-    """Import ``package.module:attribute`` (attribute may be dotted)."""
-    import importlib
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
-    import os
+
+def _load_target(spec: str) -> object:
+    """Import ``package.module:attribute`` (attribute may be dotted); any failure exits with one line."""
+    import importlib
 
     if os.getcwd() not in sys.path:  # like `python -m`: modules in the current folder are importable
         sys.path.insert(0, os.getcwd())
@@ -49,28 +51,39 @@ def _load_target(spec: str) -> object:
         raise SystemExit(f"attnscale check: TARGET: expected 'package.module:callable', got {spec!r}")
     try:
         obj: object = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise SystemExit(f"attnscale check: cannot import {module_name!r}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # the broken code under diagnosis may fail in any way, exit() included
+        raise SystemExit(f"attnscale check: cannot import {module_name!r}: {_one_line(exc)}") from exc
     for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise SystemExit(f"attnscale check: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise SystemExit(f"attnscale check: {module_name!r} has no attribute {attr!r}") from None
+        except Exception as exc:  # a property or module __getattr__ that raises
+            raise SystemExit(f"attnscale check: reading {attr!r} from {module_name!r} raised {_one_line(exc)}") from exc
     return obj
 
 
 def _check(args: argparse.Namespace) -> int:
     """Probe the scale of an attention callable or module and run the conformance checks."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from .diagnostics import check_attention, probe_module
 
     console = Console()
+    if not args.timeout > 0:
+        raise SystemExit(f"attnscale check: --timeout: expected seconds > 0, got {args.timeout}. Fix: pass e.g. --timeout 10")
     target = _load_target(args.target)
     if isinstance(target, type) and issubclass(target, torch.nn.Module):
         raise SystemExit("attnscale check: TARGET is a module class; point it at an instance or a factory call result")
     if isinstance(target, torch.nn.Module):
-        found = probe_module(target, num_heads=args.num_heads)
+        try:
+            found = probe_module(target, num_heads=args.num_heads, timeout=args.timeout)
+        except (Exception, SystemExit) as exc:  # a broken module is a finding, reported in one line
+            detail = str(exc) if isinstance(exc, ValueError | TypeError | TimeoutError) else f"raised {_one_line(exc)}"
+            console.print(f"scale probe: [red]FAIL[/]: {escape(' '.join(detail.split()))}", highlight=False)
+            return 1
         ok = found.diagnosis == "1/sqrt(head_dim)"
         console.print(
             f"scale per head: {', '.join(f'{s:.6g}' for s in found.fit.scale)}\n"
@@ -80,14 +93,17 @@ def _check(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     if not callable(target):
         raise SystemExit(f"attnscale check: {args.target!r} is not callable")
-    report = check_attention(target, head_dim=args.head_dim, num_heads=args.num_heads or 4)
+    try:
+        report = check_attention(target, head_dim=args.head_dim, num_heads=args.num_heads or 4, timeout=args.timeout)
+    except ValueError as exc:
+        raise SystemExit(f"attnscale check: {exc}") from exc
     table = Table(title=f"attnscale check {args.target}")
     table.add_column("check")
     table.add_column("result")
     table.add_column("detail")
     marks = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "[yellow]n/a[/]"}
     for c in report.checks:
-        table.add_row(c.name, marks[c.passed], c.detail)
+        table.add_row(c.name, marks[c.passed], escape(c.detail))
     console.print(table)
     return 0 if report.ok else 1
 
@@ -205,12 +221,17 @@ def build_parser() -> argparse.ArgumentParser:
             "TARGET is 'package.module:name'. A callable with the SDPA layout fn(q, k, v, attn_mask=None, "
             "is_causal=False, enable_gqa=False) gets the scale probe and conformance checks (softmax axis, V, "
             "mask polarity, causal alignment, fully masked rows, large logits, fp16 overflow, GQA mapping). "
-            "An nn.Module instance gets the per-head scale probe. Exit code 1 when a check fails."
+            "An nn.Module instance gets the per-head scale probe. A target that fails to import, raises, returns "
+            "something else than the output, or exceeds --timeout gets a one-line diagnosis. Exit code 1 when a "
+            "check fails."
         ),
     )
     check.add_argument("target", metavar="TARGET", help="e.g. mypkg.attention:attend or mypkg.model:layer0")
     check.add_argument("--head-dim", type=int, default=64, help="D used for the callable probe (default 64)")
     check.add_argument("--num-heads", type=int, default=None, help="query heads (modules: if not an attribute)")
+    check.add_argument(
+        "--timeout", type=float, default=10.0, metavar="SECONDS", help="time limit of each check (default 10)"
+    )
     check.set_defaults(func=_check)
 
     profiles = ("tiny", "quick", "default", "full")

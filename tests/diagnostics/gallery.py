@@ -1,6 +1,7 @@
 """Attention implementations with the bugs practitioners ship, and correct ones, for the checks."""
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -62,3 +63,73 @@ def interleaved_gqa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
     rep = q.shape[-3] // k.shape[-3]
     k, v = k.repeat(1, rep, 1, 1), v.repeat(1, rep, 1, 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+
+
+# Broken targets: `attnscale check` must diagnose each of them in one line per check, never crash or hang.
+HANG = threading.Event()
+"""Set by a test to release the calls of ``hangs`` that are still waiting."""
+
+
+def raises(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+    raise RuntimeError("kernel exploded")
+
+
+def other_signature(x):
+    return x
+
+
+def returns_none(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+    return None
+
+
+def returns_tuple(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+    return out, None
+
+
+def returns_3x3_zeros(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+    return torch.zeros(3, 3)
+
+
+def returns_zeros(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+    """The right shape and dtype, and no attention at all."""
+    return q.new_zeros(*q.shape[:-1], v.shape[-1])
+
+
+def returns_float32(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+    return correct(q, k, v, attn_mask, is_causal, enable_gqa).float()
+
+
+def returns_nan(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+    return correct(q, k, v, attn_mask, is_causal, enable_gqa) * float("nan")
+
+
+def hangs(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+    HANG.wait(30)
+    return correct(q, k, v, attn_mask, is_causal, enable_gqa)
+
+
+no_projections = torch.nn.Linear(8, 8)
+not_callable = 42
+
+
+class BrokenAttention(torch.nn.Module):
+    """The projections of an attention layer around a forward that is broken as ``mode`` says."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.num_heads = 2
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (torch.nn.Linear(8, 8) for _ in range(4))
+        self.mode = mode
+
+    def forward(self, x):
+        if self.mode == "raises":
+            raise RuntimeError("forward exploded")
+        if self.mode == "hangs":
+            HANG.wait(30)
+        return None
+
+
+module_raises = BrokenAttention("raises")
+module_returns_none = BrokenAttention("returns None")
+module_hangs = BrokenAttention("hangs")

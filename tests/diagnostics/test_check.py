@@ -1,5 +1,10 @@
+import importlib
 import math
 import os
+import re
+import threading
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -106,3 +111,116 @@ def test_check_cli_exit_codes(monkeypatch, capsys):
     assert "FAIL" in out and "applied twice" in out
     with pytest.raises(SystemExit, match="expected 'package.module:callable'"):
         main(["check", "no_colon_here"])
+
+
+# Broken callables, and the text that must be in the one-line verdict of every check.
+BROKEN = {
+    "raises": "raised RuntimeError: kernel exploded",
+    "other_signature": "cannot be called as fn(query, key, value)",
+    "returns_none": "returned NoneType",
+    "returns_tuple": "returned tuple",
+    "returns_3x3_zeros": "output shape (3, 3)",
+    "returns_float32": "dtype torch.float32",
+    "returns_nan": "NaN",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_every_check_of_a_broken_callable_fails_in_one_line(name):
+    report = check_attention(getattr(gallery, name))
+    assert not report.ok
+    for c in report.checks:
+        assert c.passed is False, c
+        assert BROKEN[name] in c.detail, c
+        assert "\n" not in c.detail
+
+
+def test_zeros_of_the_right_shape_pass_no_check():
+    report = check_attention(gallery.returns_zeros)
+    assert [c for c in report.checks if c.passed is not False] == []
+
+
+def test_a_hanging_callable_times_out_and_the_other_checks_are_not_run():
+    release = threading.Event()
+
+    def hangs(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+        release.wait(30)
+        return F.scaled_dot_product_attention(q, k, v)
+
+    start = time.monotonic()
+    try:
+        report = check_attention(hangs, timeout=0.3)
+    finally:
+        release.set()
+    assert time.monotonic() - start < 5
+    first, *rest = report.checks
+    assert first.passed is False and "timed out after 0.3 s" in first.detail
+    assert rest and all(c.passed is False and "not run" in c.detail for c in rest)
+
+
+def test_check_rejects_bad_options_before_calling():
+    calls = []
+    with pytest.raises(ValueError, match="timeout: expected"):
+        check_attention(lambda *a, **k: calls.append(a), timeout=0)
+    with pytest.raises(ValueError, match="head_dim: expected"):
+        check_attention(lambda *a, **k: calls.append(a), head_dim=0)
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    ("target", "text"),
+    [
+        ("gallery:raises", "raised RuntimeError: kernel exploded"),
+        ("gallery:other_signature", "cannot be called as fn(query, key, value)"),
+        ("gallery:returns_none", "returned NoneType"),
+        ("gallery:returns_tuple", "returned tuple"),
+        ("gallery:returns_3x3_zeros", "output shape (3, 3)"),
+        ("gallery:hangs", "timed out after 0.5 s"),
+        ("gallery:no_projections", "projections: expected"),
+        ("gallery:module_raises", "RuntimeError: forward exploded"),
+        ("gallery:module_returns_none", "returned NoneType"),
+        ("gallery:module_hangs", "timed out after 0.5 s"),
+    ],
+)
+def test_check_cli_diagnoses_a_broken_target_without_a_traceback(target, text, monkeypatch, capsys):
+    monkeypatch.chdir(Path(__file__).parent)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    hang = importlib.import_module("gallery").HANG  # the module the command imports, not this package's
+    hang.clear()
+    start = time.monotonic()
+    try:
+        code = main(["check", "--timeout", "0.5", target])
+    finally:
+        hang.set()
+    assert code == 1
+    assert time.monotonic() - start < 10
+    out = " ".join(capsys.readouterr().out.split())  # the table may wrap a line
+    assert text in out
+    assert re.search(r"[│|] pass [│|]", out) is None  # no check passed
+
+
+@pytest.mark.parametrize(
+    ("source", "text"),
+    [
+        ("raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here"),
+        ("def attend(q, k, v:\n", "SyntaxError"),
+        ("import not_a_module_anywhere\n", "ModuleNotFoundError"),
+        ("import sys\nsys.exit(0)\n", "SystemExit"),
+    ],
+)
+def test_check_cli_reports_a_target_that_fails_to_import(source, text, tmp_path, monkeypatch):
+    name = f"target_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as info:
+        main(["check", f"{name}:attend"])
+    message = str(info.value.code)
+    assert f"cannot import {name!r}" in message and text in message
+    assert "\n" not in message
+
+
+def test_check_cli_reports_a_target_that_is_not_callable(monkeypatch):
+    monkeypatch.chdir(Path(__file__).parent)
+    with pytest.raises(SystemExit, match="is not callable"):
+        main(["check", "gallery:not_callable"])

@@ -5,10 +5,17 @@ query (B, H, L, D), key (B, Hkv, S, D), value (B, Hkv, S, Dv). Each check builds
 correct answer is known and gives a one-line verdict. Keyword arguments are passed only to the
 checks that need them; a callable that rejects one gets "not supported" for that check, not a
 failure. Weights are read by passing the identity over keys as the value.
+
+Every answer is validated before it is judged: it must be a tensor of shape (B, H, L, Dv) in the
+query's dtype, and finite wherever a correct implementation is finite; a check whose answer is
+not fails with what arrived instead. A callable that raises fails the check with the error in one
+line. Each check has a time limit; a call that exceeds it cannot be stopped (it keeps running in a
+daemon thread), so the callable is taken to be hung and the remaining checks are not run.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .probe import ScaleFit, diagnose_scale, fit_logit_scale
+from .._validate import fail
+from .probe import CallTimedOut, ScaleFit, call_with_timeout, diagnose_scale, fit_logit_scale
 
 __all__ = ["CheckResult", "ConformanceReport", "check_attention"]
 
@@ -56,42 +64,110 @@ def _eye(Hkv: int, S: int, dtype=torch.float64) -> Tensor:
     return torch.eye(S, dtype=dtype).expand(1, Hkv, S, S)  # (B, Hkv, S, Dv=S): out = weights
 
 
-def _call(fn: AttentionFn, *args, **kwargs) -> Tensor:
-    with torch.no_grad():
-        return fn(*args, **kwargs)
+class _Unjudgeable(Exception):
+    """The callable's answer is not an attention output for these inputs; the message says why."""
 
 
-def _run(name: str, body: Callable[[], tuple[bool, str]]) -> CheckResult:
+class _Unsupported(Exception):
+    """The callable rejected a keyword argument that the check needs."""
+
+
+def _call(fn: AttentionFn, query: Tensor, key: Tensor, value: Tensor, *, finite: bool = True, **kwargs) -> Tensor:
+    """``fn(query, key, value, **kwargs)``, validated: a tensor (B, H, L, Dv) in query's dtype, finite if ``finite``."""
     try:
-        passed, detail = body()
+        with torch.no_grad():  # grad mode is per thread: set it where fn runs
+            out = fn(query, key, value, **kwargs)
     except TypeError as exc:
-        if "argument" in str(exc):
-            return CheckResult(name, None, f"not supported: {exc}")
-        return CheckResult(name, False, f"raised TypeError: {exc}")
-    except Exception as exc:  # a crash on valid input is a failed check, reported in one line
-        return CheckResult(name, False, f"raised {type(exc).__name__}: {str(exc)[:120]}")
-    return CheckResult(name, passed, detail)
+        if any(name in str(exc) for name in kwargs):
+            raise _Unsupported(f"not supported: {exc}") from exc
+        raise
+    expected = (*query.shape[:-1], value.shape[-1])  # (B, H, L, Dv)
+    if not isinstance(out, Tensor):
+        hint = ": return the output tensor alone" if isinstance(out, tuple | list) else ""
+        raise _Unjudgeable(f"returned {type(out).__name__}, expected a tensor (B, H, L, Dv) = {expected}{hint}")
+    if tuple(out.shape) != expected:
+        hint = ": is V applied?" if value.shape[-1] != key.shape[-2] and out.shape[-1:] == key.shape[-2:-1] else ""
+        raise _Unjudgeable(f"output shape {tuple(out.shape)}, expected (B, H, L, Dv) = {expected}{hint}")
+    if out.dtype != query.dtype:
+        raise _Unjudgeable(f"output dtype {out.dtype}, expected the query's dtype {query.dtype}")
+    if finite and not bool(torch.isfinite(out).all()):
+        bad = int((~torch.isfinite(out)).sum())
+        raise _Unjudgeable(f"output has {bad} NaN or inf values of {out.numel()} on inputs with finite logits")
+    return out
 
 
-def check_attention(fn: AttentionFn, *, head_dim: int = 64, num_heads: int = 4, seed: int = 0) -> ConformanceReport:
+def _require_distribution(w: Tensor, where: str = "") -> None:
+    """Every row of ``w`` must sum to 1 over keys, or the check has nothing to judge."""
+    deviation = (w.sum(-1) - 1).abs().max().item()
+    if not deviation < 1e-6:
+        raise _Unjudgeable(f"weights do not sum to 1 over keys{where} (max deviation {deviation:.3g}): cannot judge")
+
+
+def _run(name: str, body: Callable[[], tuple[bool, str]], timeout: float | None) -> tuple[CheckResult, bool]:
+    """The check's one-line result, and whether it timed out."""
+    try:
+        passed, detail = call_with_timeout(body, timeout)
+    except CallTimedOut as exc:
+        return CheckResult(name, False, str(exc)), True
+    except _Unsupported as exc:
+        return CheckResult(name, None, str(exc)), False
+    except _Unjudgeable as exc:
+        return CheckResult(name, False, str(exc)), False
+    except (Exception, SystemExit) as exc:  # a crash on valid input is a failed check, reported in one line
+        text = " ".join(str(exc).split())
+        return CheckResult(name, False, f"raised {type(exc).__name__}: {text[:160]}"), False
+    return CheckResult(name, passed, detail), False
+
+
+def check_attention(
+    fn: AttentionFn, *, head_dim: int = 64, num_heads: int = 4, seed: int = 0, timeout: float | None = 10.0
+) -> ConformanceReport:
     """Run the scale probe and every conformance check on ``fn``.
+
+    ``timeout``: seconds each check may take (``None``: no limit). When one check times out, ``fn``
+    is taken to be hung: that check and every later one fail, and the later ones are not run.
 
     >>> import attnscale
     >>> report = check_attention(attnscale.scaled_dot_product_attention)
     >>> report.ok, report.diagnosis
     (True, '1/sqrt(head_dim)')
     """
+    if not callable(fn):
+        fail("fn", "an attention callable fn(query, key, value, ...)", type(fn).__name__, "pass the function itself", exc=TypeError)
+    for arg, value in (("head_dim", head_dim), ("num_heads", num_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            fail(arg, "a positive int", repr(value), f"pass {arg}=64" if arg == "head_dim" else f"pass {arg}=4")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf):
+        fail("timeout", "a finite number of seconds > 0, or None for no limit", repr(timeout), "pass timeout=10")
     D, H, L, S = head_dim, num_heads, 6, 9
 
-    def weights(q: Tensor, k: Tensor, **kwargs) -> Tensor:
-        return _call(fn, q, k, _eye(k.shape[-3], k.shape[-2], q.dtype), **kwargs)
+    def weights(q: Tensor, k: Tensor, *, finite: bool = True, **kwargs) -> Tensor:
+        return _call(fn, q, k, _eye(k.shape[-3], k.shape[-2], q.dtype), finite=finite, **kwargs)
 
     q, k = _inputs(H, H, L, S, D, seed)
-    w = weights(q, k)
-    fit = fit_logit_scale(q, k, w) if w.shape == (1, H, L, S) else ScaleFit((math.nan,), (math.nan,), 0)
-    diagnosis = diagnose_scale(fit.mean_scale, D, H) if w.shape == (1, H, L, S) else "could not read weights"
+    try:
+        inspect.signature(fn).bind(q, k, _eye(H, S))
+        unfit = None
+    except TypeError as exc:  # every check would fail the same way
+        unfit = f"fn cannot be called as fn(query, key, value): {exc}"
+    except ValueError:  # no signature to read (some builtins): the calls will tell
+        unfit = None
+    plain: list[Tensor] = []  # the weights without options, read once and shared by the checks that judge them
+    fit, diagnosis = ScaleFit((math.nan,), (math.nan,), 0), "could not read weights"
+
+    def plain_weights() -> Tensor:
+        if not plain:
+            plain.append(weights(q, k))
+        return plain[0]
+
+    def scale() -> tuple[bool, str]:
+        nonlocal fit, diagnosis
+        fit = fit_logit_scale(q, k, plain_weights())
+        diagnosis = diagnose_scale(fit.mean_scale, D, H)
+        return diagnosis == "1/sqrt(head_dim)", f"fitted scale {fit.mean_scale:.6g} vs 1/sqrt({D}) = {D ** -0.5:.6g}: {diagnosis}"
 
     def softmax_axis() -> tuple[bool, str]:
+        w = plain_weights()
         rows = (w.sum(-1) - 1).abs().max().item()
         cols = (w.sum(-2) - 1).abs().max().item()
         if rows < 1e-6:
@@ -101,10 +177,11 @@ def check_attention(fn: AttentionFn, *, head_dim: int = 64, num_heads: int = 4, 
         return False, f"weights do not sum to 1 over keys (max deviation {rows:.3g})"
 
     def multiplies_v() -> tuple[bool, str]:
+        w = plain_weights()
+        if w.abs().max().item() == 0:  # out = 0 @ V would "match" any V
+            return False, "weights read with V = identity are all zero: cannot judge"
         v = torch.randn(1, H, S, 5, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
         out = _call(fn, q, k, v)
-        if out.shape != (1, H, L, 5):
-            return False, f"output shape {tuple(out.shape)}, expected (B, H, L, Dv) = (1, {H}, {L}, 5): is V applied?"
         err = (out - w @ v).abs().max().item()
         return err < 1e-6, "output = weights @ V" if err < 1e-6 else f"output != weights @ V (max diff {err:.3g})"
 
@@ -112,8 +189,9 @@ def check_attention(fn: AttentionFn, *, head_dim: int = 64, num_heads: int = 4, 
         mask = torch.ones(L, S, dtype=torch.bool)
         mask[:, 0] = False  # hide key 0; True = attend
         wm = weights(q, k, attn_mask=mask)
-        hidden, rest = wm[..., 0].abs().max().item(), wm[..., 1:].sum(-1).min().item()
-        if hidden < 1e-9 and rest > 1 - 1e-6:
+        _require_distribution(wm)
+        hidden = wm[..., 0].abs().max().item()
+        if hidden < 1e-9:
             return True, "bool mask: True = attend"
         if wm[..., 1:].abs().max().item() < 1e-9:
             return False, "bool mask inverted: True hides the key"
@@ -121,7 +199,9 @@ def check_attention(fn: AttentionFn, *, head_dim: int = 64, num_heads: int = 4, 
 
     def causal_alignment() -> tuple[bool, str]:
         qa, ka = _inputs(1, 1, 2, 5, D, seed + 2)
-        seen = weights(qa, ka, is_causal=True)[0, 0] > 1e-12  # (2, 5)
+        wc = weights(qa, ka, is_causal=True)
+        _require_distribution(wc)  # either alignment leaves every row a visible key
+        seen = wc[0, 0] > 1e-12  # (2, 5)
         top_left = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.bool)
         bottom_right = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
         if torch.equal(seen, top_left):
@@ -133,7 +213,12 @@ def check_attention(fn: AttentionFn, *, head_dim: int = 64, num_heads: int = 4, 
     def fully_masked_rows() -> tuple[bool, str]:
         mask = torch.ones(L, S, dtype=torch.bool)
         mask[1] = False
-        row = weights(q, k, attn_mask=mask)[..., 1, :]
+        wf = weights(q, k, attn_mask=mask, finite=False)  # NaN in the empty row is the finding, not a bad answer
+        others = torch.cat([wf[..., :1, :], wf[..., 2:, :]], dim=-2)  # (B, H, L - 1, S)
+        if not bool(torch.isfinite(others).all()):
+            return False, "NaN or inf in rows that have visible keys: cannot judge"
+        _require_distribution(others, " in the rows with visible keys")
+        row = wf[..., 1, :]
         if torch.isnan(row).any():
             return False, "a fully masked row returns NaN"
         if row.abs().max().item() == 0:
@@ -143,14 +228,19 @@ def check_attention(fn: AttentionFn, *, head_dim: int = 64, num_heads: int = 4, 
         return False, f"a fully masked row returns {row[0, 0, :3].tolist()}..."
 
     def large_logits() -> tuple[bool, str]:
-        out = weights(q * 100, k * 100)
-        finite = bool(torch.isfinite(out).all())
-        return finite, "finite at logits ~1e4" if finite else "NaN or inf at logits ~1e4"
+        qb, kb = q * 100, k * 100
+        out = weights(qb, kb, finite=False)  # finiteness is what this check judges
+        if not bool(torch.isfinite(out).all()):
+            return False, "NaN or inf at logits ~1e4"
+        _require_distribution(out)
+        if not torch.equal(out.argmax(-1), (qb @ kb.transpose(-1, -2)).argmax(-1)):
+            return False, "finite at logits ~1e4, but the largest weight is not on the largest logit"
+        return True, "finite at logits ~1e4, peaked on the largest logit"
 
     def fp16_overflow() -> tuple[bool, str]:
         qh = torch.full((1, 1, 2, D), 40.0, dtype=torch.float16)
         kh = torch.full((1, 1, 3, D), 40.0, dtype=torch.float16)
-        out = weights(qh, kh).float()
+        out = weights(qh, kh, finite=False).float()  # overflow to inf/NaN is what this check looks for
         raw = f"fp16 inputs with q.k = {1600.0 * D:.0f} > 65504"
         if not bool(torch.isfinite(out).all()):
             return False, f"{raw}: inf/NaN"
@@ -163,23 +253,35 @@ def check_attention(fn: AttentionFn, *, head_dim: int = 64, num_heads: int = 4, 
         kg = torch.zeros(1, Hkv, 3, D, dtype=torch.float64)
         kg[0, 0, 0, 0] = kg[0, 1, 1, 0] = 1.0  # kv head 0 prefers key 0, kv head 1 prefers key 1
         qg[..., 0] = 20.0
-        w = weights(qg, kg, enable_gqa=True)[0, :, 0]  # (H, S)
-        got = w.argmax(-1).tolist()
+        wg = weights(qg, kg, enable_gqa=True)
+        _require_distribution(wg)
+        got = wg[0, :, 0].argmax(-1).tolist()  # (H, S) -> preferred key per query head
         if got == [0, 0, 1, 1]:
             return True, "query head h reads kv head h // (H // Hkv)"
         if got == [0, 1, 0, 1]:
             return False, "query head h reads kv head h % Hkv (interleaved, not grouped)"
         return False, f"unexpected head mapping {got}"
 
-    checks = (
-        CheckResult("scale", diagnosis == "1/sqrt(head_dim)", f"fitted scale {fit.mean_scale:.6g} vs 1/sqrt({D}) = {D ** -0.5:.6g}: {diagnosis}"),
-        _run("softmax axis", softmax_axis),
-        _run("multiplies V", multiplies_v),
-        _run("mask polarity", mask_polarity),
-        _run("causal alignment", causal_alignment),
-        _run("fully masked rows", fully_masked_rows),
-        _run("large logits", large_logits),
-        _run("fp16 overflow", fp16_overflow),
-        _run("GQA head mapping", gqa_mapping),
-    )
-    return ConformanceReport(head_dim=D, scale=fit, diagnosis=diagnosis, checks=checks)
+    bodies = {
+        "scale": scale,
+        "softmax axis": softmax_axis,
+        "multiplies V": multiplies_v,
+        "mask polarity": mask_polarity,
+        "causal alignment": causal_alignment,
+        "fully masked rows": fully_masked_rows,
+        "large logits": large_logits,
+        "fp16 overflow": fp16_overflow,
+        "GQA head mapping": gqa_mapping,
+    }
+    checks: list[CheckResult] = []
+    hung = False
+    for name, body in bodies.items():
+        if unfit is not None:
+            checks.append(CheckResult(name, False, unfit))
+            continue
+        if hung:
+            checks.append(CheckResult(name, False, f"not run: an earlier check timed out after {timeout:g} s (fn looks hung)"))
+            continue
+        result, hung = _run(name, body, timeout)
+        checks.append(result)
+    return ConformanceReport(head_dim=D, scale=fit, diagnosis=diagnosis, checks=tuple(checks))

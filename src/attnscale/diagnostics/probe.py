@@ -20,15 +20,64 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from .._validate import fail
 
-__all__ = ["ModuleProbe", "ScaleFit", "diagnose_scale", "fit_logit_scale", "probe_attention", "probe_module"]
+__all__ = [
+    "CallTimedOut",
+    "ModuleProbe",
+    "ScaleFit",
+    "call_with_timeout",
+    "diagnose_scale",
+    "fit_logit_scale",
+    "probe_attention",
+    "probe_module",
+]
+
+T = TypeVar("T")
+
+
+class CallTimedOut(TimeoutError):
+    """A call made by :func:`call_with_timeout` did not return in time; it may still be running."""
+
+
+def call_with_timeout(body: Callable[[], T], timeout: float | None) -> T:
+    """``body()``'s result or exception, or :class:`CallTimedOut` once ``timeout`` seconds have passed.
+
+    ``body`` runs in a daemon thread, because a call into foreign code cannot be interrupted: after a
+    timeout it goes on running in the background, and does not keep the interpreter alive at exit.
+    Thread-local state, such as torch's grad mode, must be set inside ``body``. ``timeout=None``
+    calls ``body`` in this thread, without a limit.
+
+    >>> call_with_timeout(lambda: 6 * 7, 1.0)
+    42
+    """
+    if timeout is None:
+        return body()
+    outcome: list[tuple[bool, object]] = []
+
+    def target() -> None:
+        try:
+            outcome.append((True, body()))
+        except BaseException as exc:  # handed over to the caller, whatever it is
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=target, name="attnscale-timed-call", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        raise CallTimedOut(f"timed out after {timeout:g} s")
+    ok, value = outcome[0]
+    if not ok:
+        raise value  # type: ignore[misc]
+    return value  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -181,6 +230,7 @@ def probe_module(
     call: Callable[[nn.Module, Tensor], Tensor] | None = None,
     length: int = 8,
     seed: int = 0,
+    timeout: float | None = None,
 ) -> ModuleProbe:
     """Find the per-head logit scale of a self-attention module from the outside.
 
@@ -190,11 +240,20 @@ def probe_module(
     runs self-attention on x (B, L, E) and returns (B, L, E'); the default handles the above.
     Masks inside the module (causal) are fine: hidden keys are ignored by the fit.
 
+    Raises ``TypeError``/``ValueError`` naming what does not fit (no linear projections, a head
+    count that does not divide them, a call that returns no (B, L, E') tensor), the module's own
+    exception if it raises, and :class:`CallTimedOut` if ``call`` takes longer than ``timeout``
+    seconds (``None``: no limit; see :func:`call_with_timeout`).
+
     >>> mha = torch.nn.MultiheadAttention(64, num_heads=8, batch_first=True)
     >>> found = probe_module(mha)
     >>> found.diagnosis, round(found.fit.mean_scale / found.expected, 6)
     ('1/sqrt(head_dim)', 1.0)
     """
+    if not isinstance(module, nn.Module):
+        fail("module", "a torch.nn.Module instance", type(module).__name__, "pass the attention layer itself", exc=TypeError)
+    if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1):
+        fail("num_heads", "a positive int or None", repr(num_heads), "pass the number of query heads, e.g. num_heads=8")
     m = copy.deepcopy(module).double().eval()
     gen = torch.Generator().manual_seed(seed)
     if isinstance(m, nn.MultiheadAttention):
@@ -208,13 +267,24 @@ def probe_module(
         names = projections or next((n for n in _PROJECTION_NAMES if all(hasattr(m, p) for p in n if p)), None)
         if names is None:
             fail("projections", "names of the module's (q, k, v, out) linear layers", "none of q_proj/k_proj/v_proj or query/key/value found", "pass projections=('wq', 'wk', 'wv', 'wo')")
+        for n in names:
+            if n and not isinstance(getattr(m, n, None), nn.Linear):
+                got = f"{n} is {type(getattr(m, n, None)).__name__}"
+                fail("projections", "names of the module's nn.Linear layers (q, k, v, out or None)", got, "pass projections=('wq', 'wk', 'wv', 'wo')", exc=TypeError)
         q_lin, k_lin, v_lin = (getattr(m, n) for n in names[:3])
         H = num_heads or next((getattr(m, a) for a in ("num_heads", "num_attention_heads") if isinstance(getattr(m, a, None), int)), None)
         if H is None:
             fail("num_heads", "the number of query heads", "None (not found on the module)", "pass num_heads=...")
+        if H < 1 or q_lin.out_features < H or q_lin.out_features % H:
+            fail("num_heads", f"a positive divisor of the query projection's {q_lin.out_features} outputs", H, "pass num_heads=...")
         hd = q_lin.out_features // H
         Hkv = k_lin.out_features // hd
         E_in = q_lin.in_features
+        if k_lin.out_features % hd or Hkv < 1 or H % Hkv or v_lin.out_features != k_lin.out_features:
+            got = f"q {q_lin.out_features}, k {k_lin.out_features}, v {v_lin.out_features} outputs with {H} heads"
+            fail("module", f"key and value projections of Hkv heads of {hd} features, Hkv dividing {H}", got, "pass num_heads=... or projections=...")
+        if k_lin.in_features != E_in or v_lin.in_features != E_in:
+            fail("module", f"q, k and v projections reading the same {E_in} features", f"{k_lin.in_features} and {v_lin.in_features}", "probe a self-attention module")
         out_features = q_lin.out_features if names[3] is None else getattr(m, names[3]).out_features
     L = min(length, hd)  # keys = queries (self-attention); at most hd so each head's V is invertible
     Wq = torch.randn(H * hd, E_in, generator=gen, dtype=torch.float64) / math.sqrt(E_in)
@@ -223,6 +293,7 @@ def probe_module(
     if out_features < H * hd:
         fail("module", f"an output projection that keeps all {H * hd} head features", f"{out_features} outputs", "probe the attention core (call=...) instead")
     Wo = torch.eye(out_features, H * hd, dtype=torch.float64)  # keeps every head's output readable
+    x = torch.randn(1, L, E_in, generator=gen, dtype=torch.float64)  # (B, L, E)
     with torch.no_grad():
         if isinstance(m, nn.MultiheadAttention):
             m.in_proj_weight.copy_(torch.cat([Wq, Wk, Wv]))
@@ -235,8 +306,20 @@ def probe_module(
                 lin.weight.copy_(W)
                 if lin.bias is not None:
                     lin.bias.zero_()
-        x = torch.randn(1, L, E_in, generator=gen, dtype=torch.float64)  # (B, L, E)
-        out = (call or _default_call)(m, x)[..., : H * hd]  # (B, L, H * hd)
+
+    def run() -> object:
+        with torch.no_grad():  # grad mode is per thread: set it where the module runs
+            return (call or _default_call)(m, x)
+
+    out = call_with_timeout(run, timeout)
+    if not isinstance(out, Tensor) or out.shape[:2] != (1, L) or out.dim() != 3 or out.shape[-1] < H * hd:
+        fail(
+            "call",
+            f"call(module, x) returning a (B, L, E') tensor with E' >= {H * hd}, here x has shape (1, {L}, {E_in})",
+            f"returned {type(out).__name__} {tuple(getattr(out, 'shape', ()))}",
+            "pass call=lambda module, x: ... that runs self-attention on x and returns its output tensor",
+        )
+    out = out[..., : H * hd].double()  # (B, L, H * hd)
     q = (x @ Wq.T).unflatten(-1, (H, hd)).transpose(1, 2)  # (B, H, L, hd)
     k = (x @ Wk.T).unflatten(-1, (Hkv, hd)).transpose(1, 2)  # (B, Hkv, S, hd)
     v = (x @ Wv.T).unflatten(-1, (Hkv, hd)).transpose(1, 2)  # (B, Hkv, S, hd)
