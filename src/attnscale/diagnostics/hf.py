@@ -38,6 +38,62 @@ __all__ = ["NAME", "attnscale_attention_forward", "load", "monitor_texts", "regi
 NAME = "attnscale"
 
 
+# Keywords transformers passes to attention functions that do not change what attention computes
+# here: cache bookkeeping, flags about outputs attnscale does not make, and position ids (RoPE is
+# applied before the call; packed sequences reach the mask function through them).
+_NEUTRAL_KWARGS = frozenset(
+    {
+        "cache_position",
+        "deterministic",
+        "layer_idx",
+        "output_hidden_states",
+        "past_key_value",
+        "past_key_values",
+        "position_embeddings",
+        "position_ids",
+        "return_dict",
+        "use_cache",
+    }
+)
+
+
+def _sink_logits(module: nn.Module, s_aux: object, sinks: object) -> Tensor | None:
+    """The (H,) sink logits transformers passes as ``s_aux`` (gpt-oss and its kin) or ``sinks``."""
+    if s_aux is not None and sinks is not None:
+        fail("s_aux", "attention sinks given once", "both s_aux and sinks", "pass only one of them")
+    given = s_aux if s_aux is not None else sinks
+    if given is None:
+        return None
+    if not isinstance(given, Tensor):
+        fail("s_aux", "a tensor of sink logits, one per query head", type(given).__name__, f"check {type(module).__name__}'s sinks", exc=TypeError)
+    return given.reshape(-1) if given.ndim > 1 and given.numel() == given.shape[-1] else given
+
+
+def _refuse_unknown(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Raise for a keyword that would change attention and that this function does not implement."""
+    for name, value in kwargs.items():
+        if name in _NEUTRAL_KWARGS or value is None or value is False:
+            continue
+        if name == "output_attentions":
+            fail(
+                "output_attentions",
+                "False with attn_implementation='attnscale' (it never materialises the weights)",
+                repr(value),
+                "use attn_implementation='eager' to read attention weights, or attnscale.monitor for their statistics",
+            )
+        fail(
+            name,
+            "only keywords the attnscale attention function implements",
+            f"{name}={_short(value)} from {type(module).__name__}",
+            "this model needs an attention feature attnscale's HuggingFace bridge does not implement yet; "
+            "use attn_implementation='eager' or 'sdpa' for it",
+        )
+
+
+def _short(value: object) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)[:60]
+
+
 def attnscale_attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -49,11 +105,23 @@ def attnscale_attention_forward(
     is_causal: bool | None = None,
     softcap: float | None = None,
     position_bias: Tensor | None = None,
+    sliding_window: int | None = None,
+    s_aux: Tensor | None = None,
+    sinks: Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers' attention-function signature: query (B, H, L, D), key (B, Hkv, S, D),
     value (B, Hkv, S, Dv), ``attention_mask`` bool (True = attend) or float (added), broadcastable
-    to (B, H, L, S). Returns (out (B, L, H, Dv), None): no attention weights are materialised."""
+    to (B, H, L, S). Returns (out (B, L, H, Dv), None): no attention weights are materialised.
+
+    ``s_aux`` (or ``sinks``), one sink logit per query head as gpt-oss passes them, join every row's
+    softmax denominator (``sinks=`` of :func:`attnscale.scaled_dot_product_attention`).
+    ``sliding_window`` W is carried by the mask when there is one; without a mask a causal layer
+    keeps keys ``i - W < j <= i`` (transformers' convention). Any other keyword that would change
+    the result raises (``output_attentions=True`` among them); bookkeeping keywords such as
+    ``position_ids`` and ``cache_position`` are accepted and unused.
+    """
+    _refuse_unknown(module, kwargs)
     L, S = query.shape[-2], key.shape[-2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and L > 1 and attention_mask is None
@@ -61,6 +129,17 @@ def attnscale_attention_forward(
         # Prefill into a larger static cache: as in transformers' SDPA path, the trailing keys are empty slots.
         key, value = key[..., :L, :], value[..., :L, :]
         position_bias = position_bias[..., :L] if position_bias is not None else None
+        S = L
+    window = None
+    if sliding_window is not None and attention_mask is None and max(L, S) > sliding_window:
+        if not causal:
+            fail(
+                "sliding_window",
+                "a mask that carries the window, or a causal layer",
+                f"sliding_window={sliding_window} with no attention mask in a non-causal call",
+                "let transformers build the mask (attnscale registers its mask function), or use 'eager'",
+            )
+        window = (sliding_window - 1, 0)
     mask = attention_mask
     if position_bias is not None:
         mask = add_bias(mask, position_bias.to(torch.float32 if query.dtype != torch.float64 else query.dtype))
@@ -71,6 +150,8 @@ def attnscale_attention_forward(
         scale=scaling,
         enable_gqa=query.shape[-3] != key.shape[-3],
         softcap=softcap,
+        window=window,
+        sinks=_sink_logits(module, s_aux, sinks),
     )
     monitor = active_monitor()
     layer = monitor.name_of(module) if monitor is not None else None
