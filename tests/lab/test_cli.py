@@ -126,6 +126,19 @@ def test_bad_arguments_say_what_to_do(argv, message, tmp_path, monkeypatch):
     assert not (tmp_path / "attnscale-report").exists()
 
 
+@pytest.mark.parametrize(
+    ("claim", "suggestion"),
+    [("saturation-exampel", "did you mean 'saturation-example'"), ("no-such-claim", "attnscale list")],
+)
+def test_run_with_an_unknown_claim_names_the_argument_and_the_nearest_claim(claim, suggestion):
+    with pytest.raises(SystemExit) as info:
+        main(["run", claim, "--profile", "tiny"])
+    message = str(info.value.code)
+    assert message.startswith("attnscale run: claim_id: expected ") and repr(claim) in message
+    assert "attnscale list" in message and suggestion in message
+    assert "--only" not in message
+
+
 def test_help_explains_the_report(capsys):
     with pytest.raises(SystemExit):
         main(["report", "--help"])

@@ -150,6 +150,16 @@ def test_select_rejects_unknown_ids(fake_lab):
     assert [e.id for e in runner.select(found, ["fake-c-raises"])] == ["fake-c-raises"]
 
 
+def test_run_single_explains_a_claim_it_cannot_run(fake_lab):
+    name = fake_lab[0]
+    with pytest.raises(ValueError, match=r"claim_id: .*'fake-a-okk'.*did you mean 'fake-a-ok'"):
+        runner.run_single("fake-a-okk", profile="tiny", console=_quiet(), package=name)
+    with pytest.raises(ValueError, match="claim_id: .*no experiment yet for variance-law"):
+        runner.run_single("variance-law", profile="tiny", console=_quiet(), package=name)
+    with pytest.raises(ValueError, match=f"claim_id: .*{name}.e_broken_import failed to import: ModuleNotFoundError"):
+        runner.run_single("e-broken-import", profile="tiny", console=_quiet(), package=name)
+
+
 def test_execute_turns_errors_into_inconclusive(fake_lab, tmp_path):
     name, _, _ = fake_lab
     task = runner.Task(f"{name}.c_raises", "fake-c-raises", "tiny", 0, str(tmp_path / "f"), "f", None)

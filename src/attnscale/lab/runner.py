@@ -9,6 +9,7 @@ own errors.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import multiprocessing
 import os
@@ -29,6 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from .. import __version__
+from .._validate import fail
 from . import cache, executors, registry, report, schema
 from .base import PROFILES, Claim, Profile, Verdict
 from .base import Progress as ProgressFn
@@ -468,12 +470,13 @@ def run_single(
     """Run one experiment in this process (no cache) and return its results.json record.
 
     ``figures``: a folder for its figures; ``None`` skips them. Raises ``ValueError`` for an
-    unknown claim id or profile.
+    unknown claim id (suggesting the nearest one), a claim without an experiment or whose module
+    fails to import, and an unknown profile.
     """
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {profile!r}")
     found = registry.discover(package)
-    (exp,) = select(found, [claim_id])
+    exp = _runnable(found, claim_id)
     figdir = None if figures is None else Path(figures)
     figdir_text = None if figdir is None else str(figdir)
     task = Task(exp.module_name, exp.id, profile, seed, figdir_text, figdir_text or "", None)
@@ -481,6 +484,24 @@ def run_single(
     with Progress(*_columns(), console=console, transient=True) as bars:
         bar = bars.add_task(claim_id, total=None)
         return execute(task, lambda done, total: bars.update(bar, completed=done, total=total))
+
+
+def _runnable(found: registry.Discovery, claim_id: str) -> Experiment:
+    """The experiment of ``claim_id``, or a ``ValueError`` saying why there is none and what to run instead."""
+    by_id = found.by_id()
+    if claim_id in by_id:
+        return by_id[claim_id]
+    expected = "the id of a claim with an experiment, as 'attnscale list' shows them"
+    broken = [(name, tb) for name, tb in found.broken if registry.module_claim_id(name) == claim_id]
+    if broken:
+        name, tb = broken[0]
+        last = tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
+        fail("claim_id", expected, f"{claim_id!r}, whose module {name} failed to import: {last}", f"fix {name}")
+    if claim_id in registry.CLAIM_IDS:
+        fail("claim_id", expected, f"{claim_id!r}: no experiment yet for {claim_id}", "pick a claim that 'attnscale list' shows with an experiment")
+    near = difflib.get_close_matches(claim_id, list(by_id), n=1)
+    fix = f"did you mean {near[0]!r}?" if near else "pick an id from 'attnscale list'"
+    fail("claim_id", expected, repr(claim_id), fix)
 
 
 def _value_renderable(value: Any) -> Any:
