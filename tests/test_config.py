@@ -206,6 +206,7 @@ def test_json_form_is_stable():
         "length_scaled": None,
         "softcap": None,
         "window": [8, 0],
+        "sinks": False,
         "kernel": "softmax",
         "linear": None,
         "performer": None,

@@ -8,6 +8,7 @@ One frozen, validated dataclass chooses, per axis (each a ``StrEnum``, strings a
                                                           options: temperature=, length_scaled=, fixed_scale=
     softcap     None or c > 0 (Gemma 2)
     window      None or (left, right), sides >= 0 or None (unlimited)
+    sinks       False | True: a learned sink logit per query head (gpt-oss), initialised at 0
     kernel      softmax | linear | performer | int8       options: linear=, performer=, int8=
 
 An options field belongs to one choice: it must be None unless that choice is selected, and is
@@ -32,8 +33,8 @@ INT8 take it as their ``scale``.
 Rules checked at construction (each a ``ValueError`` naming the field, what was expected, what
 arrived and a fix):
 
-* ``softcap``, ``window``, ``positional="alibi"`` and ``scale="length_scaled"`` act on softmax
-  logits or on which keys softmax sees: they need ``kernel="softmax"``.
+* ``softcap``, ``window``, ``sinks``, ``positional="alibi"`` and ``scale="length_scaled"`` act on
+  softmax logits, on its denominator or on which keys softmax sees: they need ``kernel="softmax"``.
 * ``qk_norm_options.learned_scale`` (Henry et al.'s learned ``g``, which replaces the scale)
   needs ``scale="none"``; with ``scale="learned"`` two learned scalars would multiply the same
   logits, which is ambiguous. With ``qk_norm="l2"`` it needs ``seq_len`` or ``scale_init``.
@@ -268,6 +269,7 @@ class AttentionConfig:
     length_scaled: LengthScaleOptions | None = None
     softcap: float | None = None
     window: tuple[int | None, int | None] | None = None
+    sinks: bool = False
     kernel: AttentionKernel | str = AttentionKernel.SOFTMAX
     linear: LinearOptions | None = None
     performer: PerformerOptions | None = None
@@ -280,6 +282,7 @@ class AttentionConfig:
         self._check_scale()
         object.__setattr__(self, "softcap", check_positive_finite("softcap", self.softcap))
         object.__setattr__(self, "window", check_window(self.window))
+        check_bool("sinks", self.sinks)
         self._check_kernel()
         if self.qk_norm is QKNormMode.L2 and self.scale is ScaleMode.INVERSE_SQRT:
             warnings.warn(
@@ -342,6 +345,8 @@ class AttentionConfig:
             fail("softcap", f"None {on} (softcap bounds softmax logits)", repr(self.softcap), "drop softcap, or use kernel='softmax'")
         if self.window is not None:
             fail("window", f"None {on} (windows hide keys from a softmax)", repr(self.window), "drop window, or use kernel='softmax'")
+        if self.sinks:
+            fail("sinks", f"False {on} (a sink joins a softmax denominator)", "True", "drop sinks, or use kernel='softmax'")
         if self.positional is PositionalScheme.ALIBI:
             fail("positional", f"'none' or 'rope' {on} (ALiBi is a bias on softmax logits)", "'alibi'", "use positional='rope', or kernel='softmax'")
         if self.scale is ScaleMode.LENGTH_SCALED:

@@ -168,10 +168,13 @@ def _merge_masks(attn_mask: Tensor | None, key_mask: Tensor | None) -> Tensor | 
     return torch.where(keep, attn_mask, float("-inf"))
 
 
-def _attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, path: ScorePath, alibi_slopes: Tensor | None) -> Tensor:
+def _attention_weights(
+    q: Tensor, k: Tensor, mask: Tensor | None, path: ScorePath, alibi_slopes: Tensor | None, sinks: Tensor | None
+) -> Tensor:
     """Softmax weights (B, H, L, S) for validated q (B, H, L, D), k (B, Hkv, S, D): the math
-    backend's own weights, so ``weights @ v`` is the output of ``backend="math"``."""
-    weights, _ = dense_weights(q, k, path=path, attn_mask=mask, alibi_slopes=alibi_slopes)
+    backend's own weights, so ``weights @ v`` is the output of ``backend="math"``. With sinks a
+    row's weights sum to one minus the sink's share."""
+    weights, _ = dense_weights(q, k, path=path, attn_mask=mask, alibi_slopes=alibi_slopes, sinks=sinks)
     return weights  # (B, H, L, S)
 
 
@@ -299,6 +302,9 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(num_heads * head_dim, d_model, bias=bias, **factory)
         self.variant = VariantStack(config, num_heads=num_heads, head_dim=head_dim, factory=factory)
         self.scale: float = effective_scale(config, head_dim)
+        # config.sinks: one learned logit per query head in every softmax denominator (gpt-oss);
+        # at 0 a sink takes 1 / (n + 1) of a row whose n keys all have logit 0.
+        self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if config.sinks else None
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -475,7 +481,7 @@ class MultiHeadAttention(nn.Module):
             cache.check_compatible(k)
         all_keys = k.new_empty(()).expand(B, self.num_kv_heads, S, self.head_dim)  # (B, Hkv, S, D)
         slopes = variant.slopes(q.device)  # (H,) or None
-        score_options = {"softcap": config.softcap, "alibi_slopes": slopes, "window": config.window}
+        score_options = {"softcap": config.softcap, "alibi_slopes": slopes, "window": config.window, "sinks": self.sinks}
         call = check_attention_call(q, all_keys, all_keys, attn_mask=attn_mask, backend="auto", **score_options, **options)
         cached = len(cache) if cache is not None else 0
         q, k = variant.transform_qk(q, k, q_start=query_offset(L, S, alignment), k_start=cached)
@@ -496,7 +502,7 @@ class MultiHeadAttention(nn.Module):
             return out
         weights = None
         if need_weights:
-            weights = _attention_weights(q, k, mask, call.path, slopes).to(q.dtype)  # (B, H, L, S)
+            weights = _attention_weights(q, k, mask, call.path, slopes, self.sinks).to(q.dtype)  # (B, H, L, S)
             if average_attn_weights:
                 weights = weights.mean(dim=1)  # (B, L, S)
         return AttentionOutput(output=out, weights=weights, stats=stats)
