@@ -116,6 +116,11 @@ def _report(args: argparse.Namespace) -> int:
 
     console = Console()
     try:
+        runner.check_outdir(args.out, arg="--out")
+    except ValueError as exc:  # a usage error, reported like argparse's own
+        print(f"attnscale report: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    try:
         results = runner.run_report(
             args.out,
             profile=args.profile,

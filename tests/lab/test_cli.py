@@ -1,6 +1,7 @@
 """`attnscale report`, `list` and `run`, end to end through main(argv)."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from attnscale.cli import main
-from attnscale.lab import cache, registry, schema
+from attnscale.lab import cache, registry, runner, schema
 
 MINE = ["softmax-peak-example", "saturation-example", "variance-law"]
 CHROMIUM = next((p for p in (shutil.which("chromium"), "/usr/bin/chromium") if p and Path(p).exists()), None)
@@ -137,6 +138,50 @@ def test_run_with_an_unknown_claim_names_the_argument_and_the_nearest_claim(clai
     assert message.startswith("attnscale run: claim_id: expected ") and repr(claim) in message
     assert "attnscale list" in message and suggestion in message
     assert "--only" not in message
+
+
+@pytest.fixture
+def no_experiment_runs(monkeypatch):
+    """Fail the test if the report starts running experiments."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("experiments ran before the output folder was checked")
+
+    monkeypatch.setattr(runner, "_run_pending", refuse)
+
+
+def _report_into(out):
+    return main(["report", "--out", str(out), "--profile", "tiny", "--jobs", "1", "--only", MINE[0]])
+
+
+def test_report_into_an_existing_file_fails_before_any_work(tmp_path, capsys, no_experiment_runs):
+    taken = tmp_path / "taken"
+    taken.write_text("the user's own file")
+    for out in (taken, taken / "report"):
+        with pytest.raises(SystemExit) as info:
+            _report_into(out)
+        assert info.value.code == 2  # like argparse's usage errors
+        err = " ".join(capsys.readouterr().err.split())
+        assert err.startswith("attnscale report: error: --out: expected ") and str(out) in err and "Fix:" in err
+    assert taken.read_text() == "the user's own file"
+
+
+def test_report_into_a_read_only_folder_fails_before_any_work(tmp_path, capsys, no_experiment_runs):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("this user (root?) can write into a folder without write permission")
+        for out in (locked, locked / "report"):
+            with pytest.raises(SystemExit) as info:
+                _report_into(out)
+            assert info.value.code == 2
+            err = " ".join(capsys.readouterr().err.split())
+            assert err.startswith("attnscale report: error: --out: expected ") and str(out) in err
+    finally:
+        locked.chmod(0o755)
+    assert list(locked.iterdir()) == []
 
 
 def test_help_explains_the_report(capsys):

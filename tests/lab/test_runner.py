@@ -210,6 +210,17 @@ def test_report_survives_failures_and_caches_successes(fake_lab):
     assert (out / "figures" / "fake-a-ok" / "line.svg").is_file()
 
 
+def test_report_checks_the_output_folder_before_running(fake_lab):
+    name, counter, root = fake_lab
+    taken = root / "taken"
+    taken.write_text("x")
+    with pytest.raises(ValueError, match="outdir: expected a folder .* exists and is not a folder"):
+        runner.run_report(taken, profile="tiny", jobs=1, console=_quiet(), package=name)
+    with pytest.raises(ValueError, match="outdir: expected a folder .* inside the file"):
+        runner.run_report(taken / "out", profile="tiny", jobs=1, console=_quiet(), package=name)
+    assert counter.read_text() == ""  # no experiment started
+
+
 def test_a_dying_process_loses_only_its_own_experiment(fake_lab):
     name, counter, root = fake_lab
     (root / "src" / name / "g_dies.py").write_text(_module(root, "fake-g-dies", RUN_DIES))

@@ -17,6 +17,7 @@ import platform
 import queue as queue_module
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ from .registry import DEFAULT_PACKAGE, Experiment
 
 __all__ = [
     "Task",
+    "check_outdir",
     "claims_table",
     "execute",
     "headline",
@@ -291,6 +293,33 @@ def _broken_record(module_name: str, tb: str) -> dict[str, Any]:
     return _inconclusive(_bare_fields(registry.module_claim_id(module_name)), reason, tb)
 
 
+def check_outdir(outdir: Path | str, *, arg: str = "outdir") -> None:
+    """Raise ``ValueError`` (naming ``arg``) unless ``outdir`` is a folder this process can write, or can create.
+
+    Creates nothing. An existing folder is tried by creating and removing a temporary file in it, so
+    that permissions, read-only mounts and access lists all count; a missing one needs its nearest
+    existing parent to be a folder this process may write to.
+    """
+    path = Path(outdir)
+    expected = "a folder to write the report into, or a path where one can be created"
+    if os.path.lexists(path) and not path.is_dir():
+        fail(arg, expected, f"{str(path)!r}, which exists and is not a folder", "pass another path, or move that file away")
+    if path.is_dir():
+        try:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as exc:
+            fail(arg, expected, f"{str(path)!r}, a folder this process cannot write to ({exc.strerror})", "pass a writable folder")
+        return
+    parent = path.absolute().parent
+    while not os.path.lexists(parent):
+        parent = parent.parent
+    if not parent.is_dir():
+        fail(arg, expected, f"{str(path)!r}, inside the file {str(parent)!r}", "pass a path that is not inside a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        fail(arg, expected, f"{str(path)!r}, in {str(parent)!r}, which this process cannot write to", "pass a writable place")
+
+
 def run_report(
     outdir: Path | str = "attnscale-report",
     *,
@@ -306,8 +335,9 @@ def run_report(
 ) -> dict[str, Any]:
     """Run the lab and write ``outdir``/{index.html, report.md, results.json, figures/}; return results.json's data.
 
-    Raises ``ValueError`` for a bad argument before running anything. An experiment that raises,
-    or whose process dies, is reported as ``inconclusive`` with the error. ``executor="ray"`` runs
+    Raises ``ValueError`` for a bad argument, an unusable ``outdir`` included (see
+    :func:`check_outdir`), before running anything. An experiment that raises, or whose process
+    dies, is reported as ``inconclusive`` with the error. ``executor="ray"`` runs
     the experiments as Ray tasks, on a local Ray instance or on the cluster at ``address``
     (see :mod:`attnscale.lab.executors`); the cache and the results are the same.
     """
@@ -317,6 +347,7 @@ def run_report(
     jobs = (os.cpu_count() or 1) if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}; use 1 to run one experiment at a time")
+    check_outdir(outdir)
     console = console or Console()
     outdir = Path(outdir)
     started = time.perf_counter()
