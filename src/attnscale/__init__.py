@@ -16,6 +16,7 @@ from .modules import AttentionOutput, KVCache, MultiHeadAttention
 from .score import ScorePath
 from .stats import AttentionStats, HeadSummary, normalized_entropy, share_above, summarize
 from .tiled import attention_partial, merge_partials
+from .varlen import varlen_attention
 from . import variants
 
 try:
@@ -57,4 +58,5 @@ __all__ = [
     "sliding_window_mask",
     "summarize",
     "variants",
+    "varlen_attention",
 ]
