@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .._validate import check_bool, check_choice, fail
 from ..dense import accumulation_dtype
-from ._checks import check_float, check_int, check_qkv_heads
+from ._checks import check_float, check_int, check_qkv
 
 __all__ = ["FeatureMap", "kernel_attention", "linear_attention"]
 
@@ -59,18 +59,31 @@ def kernel_attention(
 ) -> Tensor:
     """Attention with kernel weights ``phi_q . phi_k``, for features already computed.
 
-    phi_q (..., H, L, F), phi_k (..., Hkv, S, F), value (..., Hkv, S, Dv), all of one dtype;
-    returns (..., H, L, Dv). Causal needs L == S and runs in chunks of ``chunk_size`` queries:
-    exact weights inside a chunk, running sums ``sum phi(k) v^T`` and ``sum phi(k)`` across chunks.
+    phi_q (..., H, L, F), phi_k (..., Hkv, S, F), value (..., Hkv, S, Dv), all of one dtype and
+    device, batch dims broadcastable; returns (..., H, L, Dv). Causal needs L == S and runs in
+    chunks of ``chunk_size`` queries: exact weights inside a chunk, running sums
+    ``sum phi(k) v^T`` and ``sum phi(k)`` across chunks. With no keys (S = 0) every row is 0, as
+    a fully masked row of ``scaled_dot_product_attention``; with L = 0 the output is empty.
     Shared by :func:`linear_attention` and Performer's FAVOR+.
     """
-    H, Hkv = check_qkv_heads(phi_q, phi_k, value)
+    check_qkv(phi_q, phi_k, value, names=("phi_q", "phi_k", "value"))
+    is_causal = check_bool("is_causal", is_causal)
+    eps = check_float("eps", eps, positive=False)
+    chunk_size = check_int("chunk_size", chunk_size, minimum=1)
     if is_causal and phi_q.shape[-2] != phi_k.shape[-2]:
         fail("phi_k", f"length S = L = {phi_q.shape[-2]} when causal", f"S = {phi_k.shape[-2]}", "pass equal lengths, or is_causal=False")
-    G = H // Hkv
+    return _kernel_attention(phi_q, phi_k, value, is_causal=is_causal, eps=eps, chunk_size=chunk_size)
+
+
+def _kernel_attention(phi_q: Tensor, phi_k: Tensor, value: Tensor, *, is_causal: bool, eps: float, chunk_size: int) -> Tensor:
+    Hkv = phi_k.shape[-3]
+    G = phi_q.shape[-3] // Hkv
     fq = phi_q.unflatten(-3, (Hkv, G))  # (..., Hkv, G, L, F)
     fk = phi_k.unsqueeze(-3)  # (..., Hkv, 1, S, F)
     v = value.unsqueeze(-3)  # (..., Hkv, 1, S, Dv)
+    if fk.shape[-2] == 0:
+        # No keys: the empty sum, zeros that keep the graph (the general path gives 0 / eps, NaN at eps = 0).
+        return (fq @ fk.transpose(-1, -2) @ v).flatten(-4, -3)  # (..., H, L, Dv)
     if not is_causal:
         kv = fk.transpose(-1, -2) @ v  # (..., Hkv, 1, F, Dv)
         z = fk.sum(dim=-2).unsqueeze(-1)  # (..., Hkv, 1, F, 1)
@@ -106,8 +119,11 @@ def linear_attention(
 
     ``scale_queries`` multiplies q by ``1/sqrt(D)`` before the feature map (see the module doc).
     Causal needs L == S (query i sees keys 0..i). Computed in float32 (float64 for float64).
+    Inputs are checked as in ``scaled_dot_product_attention`` (one dtype and device, batch dims
+    broadcastable, D >= 1, Hkv dividing H). With no keys (S = 0) every row is 0, as a fully masked
+    row of softmax attention; L = 0 gives an empty output. NaN or inf inputs propagate.
     """
-    check_qkv_heads(query, key, value)
+    check_qkv(query, key, value)
     feature_map = check_choice("feature_map", feature_map, FeatureMap)
     is_causal = check_bool("is_causal", is_causal)
     scale_queries = check_bool("scale_queries", scale_queries)
@@ -121,5 +137,5 @@ def linear_attention(
     q, k, v = query.to(acc), key.to(acc), value.to(acc)
     if scale_queries:
         q = q * q.shape[-1] ** -0.5
-    out = kernel_attention(_features(q, feature_map), _features(k, feature_map), v, is_causal=is_causal, eps=eps, chunk_size=chunk_size)
+    out = _kernel_attention(_features(q, feature_map), _features(k, feature_map), v, is_causal=is_causal, eps=eps, chunk_size=chunk_size)
     return out.to(query.dtype)

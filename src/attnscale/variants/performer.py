@@ -41,9 +41,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .._validate import check_bool, check_positive_finite, fail
+from .._validate import FLOAT_DTYPES, check_bool, check_positive_finite, fail
 from ..dense import accumulation_dtype
-from ._checks import check_float, check_int, check_qkv_heads
+from ._checks import check_float, check_float_tensor, check_int, check_qkv, check_same_device
 from .linear import kernel_attention
 
 __all__ = ["PerformerAttention", "favor_attention", "favor_features", "gaussian_features"]
@@ -59,6 +59,9 @@ def gaussian_features(
     """
     m = check_int("num_features", num_features, minimum=1)
     D = check_int("head_dim", head_dim, minimum=1)
+    orthogonal = check_bool("orthogonal", orthogonal)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        fail("generator", "None or a torch.Generator", type(generator).__name__, "pass torch.Generator().manual_seed(seed)", exc=TypeError)
     if not orthogonal:
         return torch.randn(m, D, generator=generator, dtype=torch.float64)
     blocks = []
@@ -71,15 +74,34 @@ def gaussian_features(
     return rows * norms
 
 
+def check_projection(projection: object, D: int, device: torch.device, *, owner: str = "the query's") -> Tensor:
+    """A random projection W (m, D): floating, m >= 1, on ``device``."""
+    fix = "use gaussian_features(m, D) or PerformerAttention"
+    if not isinstance(projection, Tensor) or projection.dtype not in FLOAT_DTYPES:
+        got = f"dtype {projection.dtype}" if isinstance(projection, Tensor) else type(projection).__name__
+        fail("projection", f"a floating tensor (m, D = {D})", got, fix, exc=TypeError)
+    if projection.ndim != 2 or projection.shape[0] == 0 or projection.shape[1] != D:
+        fail("projection", f"shape (m, D = {D}) with m >= 1", f"shape {tuple(projection.shape)}", fix)
+    check_same_device("projection", projection, device, owner=owner)
+    return projection
+
+
 def favor_features(x: Tensor, projection: Tensor, *, is_query: bool) -> Tensor:
     """Positive features ``exp(W x - |x|^2/2 - c) / sqrt(m)`` of x (..., N, D) -> (..., N, m).
 
     x must already carry its share of the scale (``sqrt(scale)``). c is detached: it cancels in
     attention, so it only guards ``exp`` against overflow.
     """
+    check_float_tensor("x", x, min_ndim=2)
+    return _favor_features(x, check_projection(projection, x.shape[-1], x.device, owner="x's"), is_query=check_bool("is_query", is_query))
+
+
+def _favor_features(x: Tensor, projection: Tensor, *, is_query: bool) -> Tensor:
     wx = x @ projection.to(x.dtype).T  # (..., N, m)
     logits = wx - x.pow(2).sum(dim=-1, keepdim=True) / 2
     dims = (-1,) if is_query else (-2, -1)  # per query row; per head over all keys
+    if logits.shape[-2] == 0:
+        return logits  # no rows: nothing to stabilise (amax over no keys is undefined)
     c = logits.detach().amax(dim=dims, keepdim=True)
     return torch.exp(logits - c) / math.sqrt(projection.shape[0])
 
@@ -100,12 +122,14 @@ def favor_attention(
 
     ``scale`` defaults to ``1/sqrt(D)``; causal needs L == S. ``eps`` is added to the denominator
     so that a row whose features all underflow gives 0, not NaN; ``eps=0.0`` is the exact
-    estimator. Float32 (float64 for float64 inputs).
+    estimator. Float32 (float64 for float64 inputs). Inputs are checked as in
+    ``scaled_dot_product_attention``; ``projection`` must be a floating (m, D) tensor on the
+    query's device. With no keys (S = 0) every row is 0, as a fully masked row of softmax
+    attention; L = 0 gives an empty output. NaN or inf inputs propagate.
     """
-    check_qkv_heads(query, key, value)
-    D, L, S = query.shape[-1], query.shape[-2], key.shape[-2]
-    if not isinstance(projection, Tensor) or projection.ndim != 2 or projection.shape[-1] != D:
-        fail("projection", f"a tensor (m, D = {D})", repr(projection)[:60], "use gaussian_features(m, D) or PerformerAttention")
+    shapes = check_qkv(query, key, value)
+    D, L, S = shapes.D, shapes.L, shapes.S
+    check_projection(projection, D, query.device)
     is_causal = check_bool("is_causal", is_causal)
     scale = check_positive_finite("scale", scale)
     eps = check_float("eps", eps, positive=False)
@@ -115,8 +139,8 @@ def favor_attention(
 
     acc = accumulation_dtype(query.dtype)
     root = math.sqrt(D**-0.5 if scale is None else scale)  # D^(-1/4) by default, on q and on k
-    phi_q = favor_features(query.to(acc) * root, projection, is_query=True)  # (..., H, L, m)
-    phi_k = favor_features(key.to(acc) * root, projection, is_query=False)  # (..., Hkv, S, m)
+    phi_q = _favor_features(query.to(acc) * root, projection, is_query=True)  # (..., H, L, m)
+    phi_k = _favor_features(key.to(acc) * root, projection, is_query=False)  # (..., Hkv, S, m)
     out = kernel_attention(phi_q, phi_k, value.to(acc), is_causal=is_causal, eps=eps, chunk_size=chunk_size)
     return out.to(query.dtype)
 
@@ -145,6 +169,8 @@ class PerformerAttention(nn.Module):
         self.projection.copy_(self._draw())
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, *, is_causal: bool = False) -> Tensor:
+        if isinstance(query, Tensor) and query.ndim and query.shape[-1] != self.head_dim:
+            fail("query", f"last dim head_dim = {self.head_dim}", f"shape {tuple(query.shape)}", "build PerformerAttention with the per-head dim")
         return favor_attention(query, key, value, self.projection, is_causal=is_causal)
 
     def extra_repr(self) -> str:
