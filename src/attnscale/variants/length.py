@@ -31,13 +31,14 @@ tensor([1, 2, 3])
 from __future__ import annotations
 
 import math
+from numbers import Real
 
 import torch
 from torch import Tensor, nn
 
-from .._validate import check_bool, check_choice, check_window, fail
+from .._validate import FLOAT_DTYPES, check_bool, check_choice, check_window, fail
 from ..masks import CausalAlignment, query_offset, visible
-from ._checks import check_float, check_float_tensor, check_int
+from ._checks import check_float, check_float_tensor, check_int, check_same_device
 
 __all__ = ["ScalableSoftmax", "log_length_qk", "ssmax_factor", "ssmax_qk", "visible_key_counts"]
 
@@ -60,7 +61,17 @@ def visible_key_counts(
     L, S = check_int("L", L, minimum=0), check_int("S", S, minimum=0)
     alignment = check_choice("causal_alignment", causal_alignment, CausalAlignment)
     if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor) or (attn_mask.dtype != torch.bool and attn_mask.dtype not in FLOAT_DTYPES):
+            got = f"dtype {attn_mask.dtype}" if isinstance(attn_mask, Tensor) else type(attn_mask).__name__
+            fail("attn_mask", "None, or a bool (True = attend) or float tensor", got, "pass the mask given to attention; mask.bool() for a 0/1 mask", exc=TypeError)
+        if attn_mask.ndim < 2 or not all(a in (1, b) for a, b in zip(attn_mask.shape[-2:], (L, S))):
+            fail("attn_mask", f"last two dims broadcastable to (L, S) = ({L}, {S})", f"shape {tuple(attn_mask.shape)}", "pass the mask given to attention, with these L and S")
         device = attn_mask.device
+    elif device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            fail("device", "None, a torch.device or a device string", repr(device), "pass e.g. device='cpu'")
     q_pos = torch.arange(L, device=device).unsqueeze(-1) + query_offset(L, S, alignment)  # (L, 1)
     k_pos = torch.arange(S, device=device).unsqueeze(0)  # (1, S)
     keep = visible(q_pos, k_pos, causal=check_bool("is_causal", is_causal), window=check_window(window))  # (L, S) or None
@@ -76,10 +87,31 @@ def ssmax_factor(n: Tensor, s: Tensor | float) -> Tensor:
 
     A row with ``n = 0`` sees no key and returns zeros whatever its factor; it gets factor 0.
     """
+    _check_counts(n)
+    s = _check_s(s)
+    if isinstance(s, Tensor):
+        check_same_device("s", s, n.device, owner="n's")
     log_n = n.clamp_min(1).to(torch.float64 if isinstance(s, float) else s.dtype).log()
     if isinstance(s, Tensor):
         return s[:, None] * log_n  # (H, 1) * (..., H or 1, L) -> (..., H, L)
     return s * log_n
+
+
+def _check_counts(n: object) -> Tensor:
+    if not isinstance(n, Tensor) or n.dtype == torch.bool or n.is_complex():
+        got = f"dtype {n.dtype}" if isinstance(n, Tensor) else type(n).__name__
+        fail("n", "an integer tensor of visible key counts", got, "use visible_key_counts(L, S, ...) with the attention's masks", exc=TypeError)
+    return n
+
+
+def _check_s(s: object) -> Tensor | float:
+    if isinstance(s, Tensor):
+        if s.dtype not in FLOAT_DTYPES or s.ndim != 1:
+            fail("s", "a float or a float tensor of shape (H,)", f"dtype {s.dtype}, shape {tuple(s.shape)}", "pass one s per query head")
+        return s
+    if isinstance(s, bool) or not isinstance(s, Real):
+        fail("s", "a float or a float tensor of shape (H,)", repr(s), "pass e.g. s=0.3", exc=TypeError)
+    return float(s)
 
 
 def ssmax_qk(query: Tensor, key: Tensor, s: Tensor | float, *, n: Tensor) -> tuple[Tensor, Tensor]:
@@ -88,11 +120,18 @@ def ssmax_qk(query: Tensor, key: Tensor, s: Tensor | float, *, n: Tensor) -> tup
     ``n`` comes from :func:`visible_key_counts` for the same masks you pass to attention.
     """
     check_float_tensor("query", query)
+    check_float_tensor("key", key)
     H, L = query.shape[-3], query.shape[-2]
-    if not isinstance(n, Tensor) or n.shape[-1:] != (L,):
-        fail("n", f"visible key counts with last dim L = {L}", repr(n)[:60], "use visible_key_counts(L, S, ...) with the attention's masks")
-    if isinstance(s, Tensor) and s.shape != (H,):
-        fail("s", f"a float or a tensor of shape (H,) = ({H},)", f"shape {tuple(s.shape)}", "pass one s per query head")
+    rows = query.shape[:-1]  # (..., H, L)
+    _check_counts(n)
+    if n.ndim == 0 or n.ndim > len(rows) or not all(a in (1, b) for a, b in zip(n.shape[::-1], rows[::-1])) or n.shape[-1] != L:
+        fail("n", f"visible key counts (L,) or broadcastable to (..., H, L) = {tuple(rows)}", f"shape {tuple(n.shape)}", "use visible_key_counts(L, S, ...) with the attention's masks")
+    check_same_device("n", n, query.device)
+    s = _check_s(s)
+    if isinstance(s, Tensor):
+        if s.shape != (H,):
+            fail("s", f"a float or a tensor of shape (H,) = ({H},)", f"shape {tuple(s.shape)}", "pass one s per query head")
+        check_same_device("s", s, query.device)
     factor = ssmax_factor(n, s)  # broadcastable to (..., H, L)
     return query * factor.unsqueeze(-1).to(query.dtype), key
 
@@ -129,7 +168,7 @@ class ScalableSoftmax(nn.Module):
                 fail("n_train", "the training length (>= 2) to initialise s = 1/log(n_train)", "None", "pass n_train=... or s_init=...")
             s_init = 1.0 / math.log(check_int("n_train", n_train, minimum=2))
         s = torch.full((self.num_heads,), check_float("s_init", s_init))
-        if learnable:
+        if check_bool("learnable", learnable):
             self.s = nn.Parameter(s)
         else:
             self.register_buffer("s", s)
@@ -151,6 +190,8 @@ class ScalableSoftmax(nn.Module):
         """query (..., H, L, D), key (..., Hkv, S, D); pass the same masks to attention afterwards."""
         check_float_tensor("query", query)
         check_float_tensor("key", key)
+        if query.shape[-3] != self.num_heads or query.shape[-1] != self.head_dim:
+            fail("query", f"(..., H = num_heads = {self.num_heads}, L, D = head_dim = {self.head_dim})", f"shape {tuple(query.shape)}", "build ScalableSoftmax with the query's heads and per-head dim")
         n = visible_key_counts(
             query.shape[-2],
             key.shape[-2],

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from .._validate import check_choice, fail
 from ..dense import accumulation_dtype
-from ._checks import check_float, check_float_tensor, check_int
+from ._checks import check_float, check_float_tensor, check_int, check_same_device
 
 __all__ = ["DoubleShrinkWarning", "QKNorm", "QKNormKind", "QKScale", "normalize_qk"]
 
@@ -166,6 +166,8 @@ class QKNorm(nn.Module):
             check_float_tensor(name, t)
             if t.shape[-1] != self.head_dim:
                 fail(name, f"last dim head_dim = {self.head_dim}", f"shape {tuple(t.shape)}", "build QKNorm with the per-head dim")
+            for p in self.parameters():
+                check_same_device(name, t, p.device, owner="the module's")
         q = _normalize(query, self.kind, self.eps, self.q_weight, self.q_bias)
         k = _normalize(key, self.kind, self.eps, self.k_weight, self.k_bias)
         if self.logit_scale is not None:

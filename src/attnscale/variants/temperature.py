@@ -28,8 +28,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .._validate import fail
-from ._checks import check_float_tensor, check_int
+from .._validate import FLOAT_DTYPES, fail
+from ._checks import check_float_tensor, check_int, check_same_device
 
 __all__ = ["LearnedTemperature", "temperature_qk"]
 
@@ -37,9 +37,12 @@ __all__ = ["LearnedTemperature", "temperature_qk"]
 def temperature_qk(query: Tensor, key: Tensor, log_scale: Tensor) -> tuple[Tensor, Tensor]:
     """``(query * exp(log_scale)[h], key)`` for query (..., H, L, D) and log_scale (H,); use scale=1.0."""
     check_float_tensor("query", query)
+    check_float_tensor("key", key)
     H = query.shape[-3]
-    if not isinstance(log_scale, Tensor) or log_scale.shape != (H,):
-        fail("log_scale", f"a tensor of shape (H,) = ({H},)", repr(log_scale)[:60], "pass one log-scale per query head")
+    if not isinstance(log_scale, Tensor) or log_scale.dtype not in FLOAT_DTYPES or log_scale.shape != (H,):
+        got = f"dtype {log_scale.dtype}, shape {tuple(log_scale.shape)}" if isinstance(log_scale, Tensor) else type(log_scale).__name__
+        fail("log_scale", f"a float tensor of shape (H,) = ({H},)", got, "pass one log-scale per query head")
+    check_same_device("log_scale", log_scale, query.device)
     factor = log_scale.exp().to(query.dtype)[:, None, None]  # (H, 1, 1)
     return query * factor, key
 
@@ -59,8 +62,8 @@ class LearnedTemperature(nn.Module):
 
     def forward(self, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor]:
         check_float_tensor("query", query)
-        if query.shape[-1] != self.head_dim:
-            fail("query", f"last dim head_dim = {self.head_dim}", f"shape {tuple(query.shape)}", "build LearnedTemperature with the per-head dim")
+        if query.shape[-3] != self.num_heads or query.shape[-1] != self.head_dim:
+            fail("query", f"(..., H = num_heads = {self.num_heads}, L, D = head_dim = {self.head_dim})", f"shape {tuple(query.shape)}", "build LearnedTemperature with the query's heads and per-head dim")
         return temperature_qk(query, key, self.log_scale)
 
     def extra_repr(self) -> str:
