@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import math
 from enum import StrEnum
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._validate import check_attention_call, check_choice, fail
+from .._validate import FLOAT_DTYPES, AttentionCall, check_attention_call, check_choice, fail
 from ..dense import accumulation_dtype
 from ..masks import CausalAlignment, query_offset
 from ..score import ScorePath
 from ..stats import AttentionStats
+from .agreement import Field, check_agreement, digest, float_bits, from_bits, gather_rows, text_code, text_of
 from .layout import Layout, check_zigzag_length, segments
 from .ring import RingPlan, ring_attention
 from .ulysses import UlyssesPlan, ulysses_attention
@@ -47,21 +47,105 @@ def _group_info(group: object) -> tuple[int, int, list[int]]:
     return rank, size, peers
 
 
-def _gather_shapes(query: Tensor, key: Tensor, value: Tensor, group: dist.ProcessGroup | None, size: int) -> list[list[int]]:
-    """Every rank's (query length, key length, query/key/value sizes without the sequence axis)."""
-    mine = [query.shape[-2], key.shape[-2], *(math.prod(t.shape[:-2]) * t.shape[-1] for t in (query, key, value))]
-    local = torch.tensor(mine, dtype=torch.int64, device=query.device)
-    every = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(every, local, group=group)
-    return [t.tolist() for t in every]
+_BATCH_SLOTS = 6  # batch dims per tensor in the agreement row: a fixed length on every rank
+_SHARD_FIX = "shard only the sequence axis (dim -2): every other dim must be the same on every rank"
+_GRAD_FIX = "make it require grad on every rank or on none (the backward is collective too)"
 
 
-def _check_shards(method: Method, layout: Layout, shapes: list[list[int]], H: int, size: int) -> None:
-    """Cross-rank checks; every rank sees the same gathered shapes, so all raise together."""
-    if len({tuple(s[2:]) for s in shapes}) != 1:
-        fail("query", "the same batch, head and head-dim sizes on every rank", f"per-rank (L, S, q, k, v sizes) {shapes}", "shard only the sequence axis (dim -2)")
+def _same(arg: str) -> str:
+    return f"pass the same {arg} on every rank: the call is collective"
+
+
+def _one(show):
+    return lambda v: show(v[0])
+
+
+def _tensor(v: tuple[int, ...]) -> str:
+    return "None" if not v[0] else f"a tensor with checksum {v[1] & (2**64 - 1):016x}"
+
+
+def _batch(v: tuple[int, ...]) -> str:
+    return str(tuple(n for n in v if n >= 0))
+
+
+def _window(v: tuple[int, ...]) -> str:
+    return "None" if v == (-1, -1) else str(tuple(None if n < 0 else n for n in v))
+
+
+# Every argument the ranks must agree on, in the order the checks report them: dtype, device and
+# shapes first, since a scale that differs only because D differs should be reported as D.
+_FIELDS = (
+    Field("query", "dtype", 1, "cast query, key and value to one dtype on every rank", _one(lambda c: str(FLOAT_DTYPES[c]).removeprefix("torch."))),
+    Field("query", "device type", 1, "put every rank's tensors on the same kind of device", _one(text_of)),
+    Field("query", "number of dims", 1, _SHARD_FIX, _one(str)),
+    Field("query", "number of heads H (dim -3)", 1, _SHARD_FIX, _one(str)),
+    Field("key", "number of key/value heads Hkv (dim -3)", 1, _SHARD_FIX, _one(str)),
+    Field("query", "head dim D (dim -1)", 1, _SHARD_FIX, _one(str)),
+    Field("value", "value head dim Dv (dim -1)", 1, _SHARD_FIX, _one(str)),
+    Field("query", "batch shape (the dims before -3)", _BATCH_SLOTS, _SHARD_FIX, _batch),
+    Field("key", "batch shape (the dims before -3)", _BATCH_SLOTS, _SHARD_FIX, _batch),
+    Field("value", "batch shape (the dims before -3)", _BATCH_SLOTS, _SHARD_FIX, _batch),
+    Field("alibi_slopes", "slopes", 2, _same("alibi_slopes"), _tensor),
+    Field("sinks", "sink logits", 2, _same("sinks") + " (one parameter, replicated)", _tensor),
+    Field("method", "method", 1, _same("method"), _one(lambda c: repr(tuple(Method)[c].value))),
+    Field("layout", "layout", 1, _same("layout"), _one(lambda c: repr(tuple(Layout)[c].value))),
+    Field("is_causal", "is_causal", 1, _same("is_causal"), _one(lambda b: str(bool(b)))),
+    Field("causal_alignment", "causal_alignment", 1, _same("causal_alignment"), _one(lambda c: repr(tuple(CausalAlignment)[c].value))),
+    Field("scale", "scale (after the 1/sqrt(D) default)", 1, _same("scale"), _one(lambda b: repr(from_bits(b)))),
+    Field("softcap", "softcap", 2, _same("softcap"), lambda v: repr(from_bits(v[1])) if v[0] else "None"),
+    Field("window", "window", 2, _same("window"), _window),
+    Field("return_stats", "return_stats", 1, _same("return_stats"), _one(lambda b: str(bool(b)))),
+    *(
+        Field(arg, "requires_grad (with grad mode on)", 1, _GRAD_FIX, _one(lambda b: "requires grad" if b else "no grad"))
+        for arg in ("query", "key", "value", "sinks")
+    ),
+    Field("query", "shard lengths (Lr, Sr)", 2, "", must_agree=False),
+)
+
+
+def _row(
+    query: Tensor, key: Tensor, value: Tensor, call: AttentionCall, method: Method, layout: Layout,
+    alibi_slopes: Tensor | None, sinks: Tensor | None,
+) -> list[tuple[int, ...]]:
+    """This rank's call as the int64 values of :data:`_FIELDS`, in order."""
+    path, grad = call.path, torch.is_grad_enabled()
+
+    def batch(t: Tensor) -> tuple[int, ...]:
+        dims = tuple(t.shape[:-3])
+        return dims + (-1,) * (_BATCH_SLOTS - len(dims))
+
+    def tensor(t: Tensor | None) -> tuple[int, int]:
+        return (0, 0) if t is None else (1, digest(t))
+
+    def needs_grad(t: Tensor | None) -> tuple[int]:
+        return (int(grad and t is not None and t.requires_grad),)
+
+    left, right = path.window if path.window is not None else (None, None)
+    return [
+        (FLOAT_DTYPES.index(query.dtype),),
+        (text_code(query.device.type),),
+        (query.ndim,),
+        (call.H,), (call.Hkv,), (call.D,), (call.Dv,),
+        batch(query), batch(key), batch(value),
+        tensor(alibi_slopes), tensor(sinks),
+        (tuple(Method).index(method),),
+        (tuple(Layout).index(layout),),
+        (int(path.causal),),
+        (tuple(CausalAlignment).index(call.alignment),),
+        (float_bits(path.scale),),
+        (0, 0) if path.softcap is None else (1, float_bits(path.softcap)),
+        (-1 if left is None else left, -1 if right is None else right),
+        (int(call.return_stats),),
+        needs_grad(query), needs_grad(key), needs_grad(value), needs_grad(sinks),
+        (query.shape[-2], key.shape[-2]),
+    ]
+
+
+def _check_shards(method: Method, layout: Layout, shards: list[tuple[int, ...]], H: int, size: int) -> None:
+    """Checks of every rank's shard lengths ``(Lr, Sr)``; every rank sees the same gathered
+    lengths, so all raise together."""
     for arg, column in (("query", 0), ("key", 1)):
-        lengths = [s[column] for s in shapes]
+        lengths = [s[column] for s in shards]
         if layout is Layout.ZIGZAG:
             if len(set(lengths)) != 1:
                 fail(arg, "equal shard lengths on every rank for layout='zigzag'", f"lengths {lengths}", "shard with shard_sequence(x, rank, world_size, 'zigzag')")
@@ -75,6 +159,27 @@ def _check_shards(method: Method, layout: Layout, shapes: list[list[int]], H: in
             )
     if method is Method.ULYSSES and H % size != 0:
         fail("query", f"a number of heads divisible by the group size {size} for method='ulysses'", f"{H} heads", "use method='ring', or a group size that divides the head count")
+
+
+def _check_call(
+    query: Tensor, key: Tensor, value: Tensor, *, method: object, layout: object, is_causal: object,
+    causal_alignment: object, scale: object, softcap: object, alibi_slopes: object, window: object,
+    sinks: object, return_stats: object,
+) -> tuple[Method, Layout, AttentionCall]:
+    """The checks one rank can make alone."""
+    method = check_choice("method", method, Method)
+    layout = check_choice("layout", layout, Layout)
+    call = check_attention_call(
+        query, key, value,
+        attn_mask=None, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=True,
+        causal_alignment=causal_alignment, backend="auto", softcap=softcap,
+        alibi_slopes=alibi_slopes, window=window, return_stats=return_stats, sinks=sinks,
+    )
+    if isinstance(alibi_slopes, Tensor) and alibi_slopes.requires_grad and torch.is_grad_enabled():
+        fail("alibi_slopes", "constant slopes (no gradient flows to them across shards)", "a tensor that requires grad", "pass alibi_slopes.detach()")
+    if query.ndim - 3 > _BATCH_SLOTS:
+        fail("query", f"at most {_BATCH_SLOTS} batch dims before (H, Lr, D)", f"shape {tuple(query.shape)}", "merge batch dims with reshape before the call")
+    return method, layout, call
 
 
 def context_parallel_attention(
@@ -91,6 +196,7 @@ def context_parallel_attention(
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
     window: tuple[int | None, int | None] | None = None,
+    sinks: Tensor | None = None,
     return_stats: bool = False,
 ) -> Tensor | tuple[Tensor, AttentionStats]:
     """Attention over a sequence sharded across the ranks of ``group``: each rank passes its shard
@@ -122,11 +228,22 @@ def context_parallel_attention(
         layout: ``"contiguous"`` or ``"zigzag"``, the same for query and key/value shards.
         is_causal, causal_alignment, scale, softcap, alibi_slopes, window, return_stats: as in
             :func:`attnscale.scaled_dot_product_attention`; ALiBi slopes are constants.
+        sinks: (H,), one logit per query head, the same on every rank: it joins each row's softmax
+            denominator once, after every key shard is merged, and has no value (as in
+            :func:`attnscale.scaled_dot_product_attention`; not scaled, ``-inf`` = no sink; a row
+            with no visible key gives zeros). Its gradient on each rank is that rank's share (ring:
+            its query rows; ulysses: its heads); the sum over the group's ranks is the gradient of
+            the whole, so all-reduce it (sum) over the group like any replicated parameter.
 
     Forward and backward are collective: every rank of the group must call with the same options.
-    With ``return_stats=True`` the result is ``(out, stats)``, ``stats`` this rank's rows of
-    :class:`~attnscale.AttentionStats`, merged exactly over every key shard; ``stats.lse`` is
-    differentiable, the other fields are not.
+    One ``all_gather`` of a fixed-length int64 row, before any other communication, checks that
+    they do: dtype, device type, every dim but the sequence axis, every option (floats exactly),
+    the ALiBi slopes' and sinks' values, and which inputs require grad. On a disagreement every
+    rank raises the same ``ValueError`` naming the argument and what each rank passed; a rank
+    whose own checks fail raises its error and the others a ``ValueError`` naming that rank. With ``return_stats=True`` the result is ``(out, stats)``, ``stats`` this
+    rank's rows of :class:`~attnscale.AttentionStats`, merged exactly over every key shard (with
+    sinks, of the softmax that includes the sink: ``lse`` includes it, ``sink_share`` is set);
+    ``stats.lse`` is differentiable, the other fields are not.
 
     Equivalent to ``shard_sequence(scaled_dot_product_attention(q, k, v, ...), rank, N, layout)``
     on the whole q, k, v; shown here on a group of one process (torchrun starts N):
@@ -144,19 +261,18 @@ def context_parallel_attention(
     >>> dist.destroy_process_group()
     """
     rank, size, peers = _group_info(group)
-    method = check_choice("method", method, Method)
-    layout = check_choice("layout", layout, Layout)
-    call = check_attention_call(
-        query, key, value,
-        attn_mask=None, dropout_p=0.0, is_causal=is_causal, scale=scale, enable_gqa=True,
-        causal_alignment=causal_alignment, backend="auto", softcap=softcap,
-        alibi_slopes=alibi_slopes, window=window, return_stats=return_stats,
-    )
-    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
-        fail("alibi_slopes", "constant slopes (no gradient flows to them across shards)", "a tensor that requires grad", "pass alibi_slopes.detach()")
-    shapes = _gather_shapes(query, key, value, group, size)
-    _check_shards(method, layout, shapes, call.H, size)
-    L, S = sum(s[0] for s in shapes), sum(s[1] for s in shapes)
+    try:
+        method, layout, call = _check_call(
+            query, key, value, method=method, layout=layout, is_causal=is_causal, causal_alignment=causal_alignment,
+            scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, window=window, sinks=sinks, return_stats=return_stats,
+        )
+        row = _row(query, key, value, call, method, layout, alibi_slopes, sinks)
+    except (TypeError, ValueError):
+        gather_rows(_FIELDS, None, group, size)  # join the one collective, so that the others raise too
+        raise
+    shards = [values[-1] for values in check_agreement(_FIELDS, gather_rows(_FIELDS, row, group, size))]
+    _check_shards(method, layout, shards, call.H, size)
+    L, S = sum(s[0] for s in shards), sum(s[1] for s in shards)
     batch = call.batch
     query = query.expand(*batch, *query.shape[-3:])  # (*batch, H, Lr, D)
     key = key.expand(*batch, *key.shape[-3:])  # (*batch, Hkv, Sr, D)
@@ -167,7 +283,7 @@ def context_parallel_attention(
             causal_alignment=call.alignment.value, scale=call.path.scale, softcap=call.path.softcap,
             window=call.path.window, return_stats=call.return_stats,
         )
-        out, stats = ulysses_attention(query, key, value, plan, alibi_slopes)
+        out, stats = ulysses_attention(query, key, value, plan, alibi_slopes, sinks)
     else:
         path = ScorePath(
             scale=call.path.scale, softcap=call.path.softcap, causal=call.path.causal,
@@ -177,14 +293,14 @@ def context_parallel_attention(
             group=group, rank=rank, size=size,
             send_to=peers[(rank + 1) % size], recv_from=peers[(rank - 1) % size],
             path=path,
-            q_runs=tuple(segments(layout, [s[0] for s in shapes], rank)),
-            k_runs=tuple(tuple(segments(layout, [s[1] for s in shapes], r)) for r in range(size)),
-            k_lengths=tuple(s[1] for s in shapes),
+            q_runs=tuple(segments(layout, [s[0] for s in shards], rank)),
+            k_runs=tuple(tuple(segments(layout, [s[1] for s in shards], r)) for r in range(size)),
+            k_lengths=tuple(s[1] for s in shards),
             kv_dims=((*batch, call.Hkv, call.D), (*batch, call.Hkv, call.Dv)),
             alibi=None if alibi_slopes is None else alibi_slopes.detach().to(accumulation_dtype(query.dtype)),
             with_stats=call.return_stats,
         )
-        out, stats = ring_attention(query, key, value, ring)
+        out, stats = ring_attention(query, key, value, ring, sinks)
     if return_stats:
         assert stats is not None
         return out, stats

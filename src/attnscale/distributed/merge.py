@@ -15,12 +15,14 @@ sides keeps ``lse = max_logit = -inf``, ``max_prob = entropy = 0``, ``visible_ke
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
-from ..stats import AttentionStats
+from ..stats import AttentionStats, with_sinks
 
-__all__ = ["merge_stats"]
+__all__ = ["merge_sink_stats", "merge_stats"]
 
 _NEG_INF = float("-inf")
 
@@ -55,3 +57,12 @@ def merge_stats(a: AttentionStats, b: AttentionStats, *, lse: Tensor | None = No
         max_prob = torch.where(has_key, torch.exp(max_logit - lse_ref), torch.zeros_like(lse_ref))
         visible_keys = a.visible_keys + b.visible_keys
     return AttentionStats(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
+
+
+def merge_sink_stats(stats: AttentionStats, sinks: Tensor, lse: Tensor) -> AttentionStats:
+    """Statistics of finished rows (every key shard merged) extended by their heads' sinks (H,):
+    :func:`attnscale.stats.with_sinks`, with ``lse`` the differentiable log-sum-exp including the
+    sink that :func:`attnscale.tiled.merge_sinks` returned; the other fields carry no gradient."""
+    with torch.no_grad():
+        merged = with_sinks(dataclasses.replace(stats, lse=stats.lse.detach()), sinks.detach())
+    return dataclasses.replace(merged, lse=lse)

@@ -14,6 +14,10 @@ pair's gradient is exact on its own. ``dK`` and ``dV`` accumulators travel with 
 shard and take one last hop back to the shard's owner. Memory per rank is O((L + S) / N) plus
 one tile; activations for the backward are the local q, k, v, out and lse only.
 
+Attention sinks join each row once, after the last step: :func:`~attnscale.tiled.merge_sinks` on
+the finished ``(out, lse)``, outside the autograd function, so autograd carries their gradient
+and the ring's backward sees the gradients of the keys-only ``out`` and ``lse``.
+
 Shard pairs that causal or window masks hide entirely are skipped
 (:meth:`~attnscale.score.ScorePath.block_is_hidden`); with the zigzag layout every rank then does
 the same work. Sends and receives are posted one by one, even ranks sending first, and each
@@ -33,8 +37,8 @@ from torch import Tensor
 from ..dense import accumulation_dtype
 from ..score import ScorePath
 from ..stats import AttentionStats
-from ..tiled import merge_partials, partial_backward, partial_forward
-from .merge import merge_stats
+from ..tiled import merge_partials, merge_sinks, partial_backward, partial_forward
+from .merge import merge_sink_stats, merge_stats
 
 __all__ = ["RingPlan", "ring_attention"]
 
@@ -184,7 +188,8 @@ def _ring_backward(
 
 
 class _RingAttention(torch.autograd.Function):
-    """Saves the local q, k, v, out and lse; the backward runs the ring again."""
+    """Saves the local q, k, v, out and lse; the backward runs the ring again. ``out`` stays in the
+    accumulation dtype, so that sinks merge into it before the one rounding to the input dtype."""
 
     @staticmethod
     def forward(ctx, query, key, value, plan):  # type: ignore[override]
@@ -192,26 +197,33 @@ class _RingAttention(torch.autograd.Function):
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.plan = plan
         ctx.mark_non_differentiable(*stats.values())
-        result = out if query.dtype == out.dtype else out.to(query.dtype)
-        return (result, lse, *stats.values())
+        return (out, lse, *stats.values())
 
     @staticmethod
-    def backward(ctx, dresult, dlse, *unused):  # type: ignore[override]
+    def backward(ctx, dout, dlse, *unused):  # type: ignore[override]
         query, key, value, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(ctx.plan, query, key, value, out, lse, dresult.to(out.dtype), dlse.to(out.dtype))
+        dq, dk, dv = _ring_backward(ctx.plan, query, key, value, out, lse, dout, dlse)
         dq = dq.sum_to_size(query.shape).to(query.dtype)
         dk = dk.sum_to_size(key.shape).to(key.dtype)
         dv = dv.sum_to_size(value.shape).to(value.dtype)
         return dq, dk, dv, None
 
 
-def ring_attention(query: Tensor, key: Tensor, value: Tensor, plan: RingPlan) -> tuple[Tensor, AttentionStats | None]:
+def ring_attention(
+    query: Tensor, key: Tensor, value: Tensor, plan: RingPlan, sinks: Tensor | None = None
+) -> tuple[Tensor, AttentionStats | None]:
     """This rank's output rows (and statistics) of attention over the whole sequence.
 
     query (*batch, H, Lq, D) and key/value (*batch, Hkv, Sr, D / Dv) are this rank's shards with
     the batch dims already broadcast, so that every rank sends buffers of the shapes ``plan`` expects.
+    ``sinks`` (H,) join each row once, after the ring has merged every key shard; their gradient
+    comes from this rank's rows only (autograd through :func:`~attnscale.tiled.merge_sinks`).
     """
-    out, lse, *rest = _RingAttention.apply(query, key, value, plan)
-    if not plan.with_stats:
-        return out, None
-    return out, AttentionStats(lse=lse, **dict(zip(_STAT_FIELDS, rest)))
+    out, lse, *rest = _RingAttention.apply(query, key, value, plan)  # keys only
+    stats = AttentionStats(lse=lse, **dict(zip(_STAT_FIELDS, rest))) if plan.with_stats else None
+    if sinks is not None:
+        out, lse = merge_sinks(out, lse, sinks)
+        if stats is not None:
+            stats = merge_sink_stats(stats, sinks, lse)
+    return out.to(query.dtype), stats
+

@@ -10,7 +10,8 @@ Both all-to-alls are autograd functions whose backward is the opposite all-to-al
 attention keeps its own backward. The head count must be a multiple of ``N``; key/value heads
 that are not (GQA with ``Hkv`` not divisible by ``N``) are repeated to ``lcm(Hkv, N)`` first.
 Zigzag shards are put back in natural order after the first all-to-all and restored before the
-last one.
+last one. Attention sinks: each rank merges the sinks of its ``H/N`` heads into its whole-sequence
+rows (:func:`~attnscale.tiled.merge_sinks` on the local ``out`` and ``lse``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..dense import accumulation_dtype
 from ..functional import scaled_dot_product_attention
 from ..stats import AttentionStats
+from ..tiled import merge_sinks
 from .layout import Layout, zigzag_order
+from .merge import merge_sink_stats
 
 __all__ = ["UlyssesPlan", "ulysses_attention"]
 
@@ -92,10 +96,13 @@ class _HeadsToSeq(torch.autograd.Function):
 
 
 def ulysses_attention(
-    query: Tensor, key: Tensor, value: Tensor, plan: UlyssesPlan, alibi_slopes: Tensor | None
+    query: Tensor, key: Tensor, value: Tensor, plan: UlyssesPlan, alibi_slopes: Tensor | None, sinks: Tensor | None = None
 ) -> tuple[Tensor, AttentionStats | None]:
     """This rank's output rows (and statistics); query (*batch, H, Lq/N, D), key/value
-    (*batch, Hkv, S/N, D / Dv) with the batch dims already broadcast and ``H % N == 0``."""
+    (*batch, Hkv, S/N, D / Dv) with the batch dims already broadcast and ``H % N == 0``.
+
+    ``sinks`` (H,): this rank's ``H/N`` of them join its heads' rows once, after the local
+    attention over the whole sequence; their gradient is this rank's heads' only."""
     group, N = plan.group, plan.size
     H, Hkv = query.shape[-3], key.shape[-3]
     if Hkv % N != 0:
@@ -112,9 +119,11 @@ def ulysses_attention(
         q = q.index_select(-2, torch.argsort(q_order))  # natural order of positions
         k = k.index_select(-2, torch.argsort(k_order))
         v = v.index_select(-2, torch.argsort(k_order))
+    heads = slice(plan.rank * (H // N), (plan.rank + 1) * (H // N))  # this rank's heads
     slopes = alibi_slopes
     if slopes is not None and slopes.shape[-1] == H:
-        slopes = slopes[..., plan.rank * (H // N) : (plan.rank + 1) * (H // N)]  # this rank's heads
+        slopes = slopes[..., heads]
+    with_lse = plan.return_stats or sinks is not None  # the sinks merge through lse
     result = scaled_dot_product_attention(
         q, k, v,
         is_causal=plan.is_causal,
@@ -124,9 +133,15 @@ def ulysses_attention(
         softcap=plan.softcap,
         alibi_slopes=slopes,
         window=plan.window,
-        return_stats=plan.return_stats,
+        return_stats=with_lse,
     )
-    out, stats = result if plan.return_stats else (result, None)
+    out, stats = result if with_lse else (result, None)
+    if sinks is not None:
+        assert stats is not None
+        mine = sinks[heads]
+        out, lse = merge_sinks(out.to(accumulation_dtype(out.dtype)), stats.lse, mine)
+        out = out.to(q.dtype)
+        stats = merge_sink_stats(stats, mine, lse) if plan.return_stats else None
 
     def back(x: Tensor) -> Tensor:
         if q_order is not None:
@@ -136,5 +151,6 @@ def ulysses_attention(
     out = back(out)  # (*batch, H, Lq/N, Dv)
     if stats is None:
         return out, None
-    rows = {name: back(getattr(stats, name).unsqueeze(-1)).squeeze(-1) for name in ("lse", "max_logit", "max_prob", "entropy", "visible_keys")}
+    names = ("lse", "max_logit", "max_prob", "entropy", "visible_keys") + (() if stats.sink_share is None else ("sink_share",))
+    rows = {name: back(getattr(stats, name).unsqueeze(-1)).squeeze(-1) for name in names}
     return out, AttentionStats(**rows)
