@@ -651,3 +651,20 @@ def test_no_weight_falls_below_the_exp_floor(monkeypatch, dtype):
     floor = torch.finfo(dtype).tiny * 1e8
     assert min(smallest) >= floor * (1 - 1e-6), (min(smallest), floor)
     assert min(smallest) < floor * 1.001  # the floor was reached: the rows really span past it
+
+
+@pytest.mark.parametrize("opts", [{"window": (0, 0)}, {"window": (0, 0), "softcap": 20.0}, {"eye": True}], ids=["window", "softcap", "mask"])
+def test_backward_recomputes_the_forwards_weights_exactly(opts, offset_mode):
+    """One visible key per row: its weight is exactly 1, so dv = dO exactly, as in the math backend.
+    The backward recomputes the forward's tiles and divides by its normaliser, not exp(s - lse)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 300, 32, generator=gen, requires_grad=True) for _ in range(3))
+    opts = dict(opts)
+    mask = torch.eye(300, dtype=torch.bool) if opts.pop("eye", False) else None
+    grad_out = torch.randn(1, 2, 300, 32, generator=gen)
+    dv = {}
+    for backend in ("math", "tiled"):
+        out = attnscale.scaled_dot_product_attention(q, k, v, mask, backend=backend, **opts)
+        (dv[backend],) = torch.autograd.grad((out * grad_out).sum(), v)
+    torch.testing.assert_close(dv["tiled"], grad_out, rtol=0, atol=0)
+    torch.testing.assert_close(dv["math"], grad_out, rtol=0, atol=0)

@@ -381,11 +381,14 @@ class _Tiler:
 
 def _forward(
     plan: _Plan, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, alibi: Tensor | None
-) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+) -> tuple[Tensor, Tensor, dict[str, Tensor], tuple[Tensor, Tensor]]:
     """Online softmax over key blocks, one query block at a time.
 
     q (*batch, H, L, D) already scaled, k (*batch, Hkv, S, D), v (*batch, Hkv, S, Dv), all in the
-    accumulation dtype. Returns out (*batch, H, L, Dv), lse (*batch, H, L) and the statistics.
+    accumulation dtype. Returns out (*batch, H, L, Dv), lse (*batch, H, L), the statistics, and
+    the normaliser ``(m, l)`` (*batch, H, L) each: the offset every row's exp used last (its
+    running max, or its static bound) and ``l = sum exp(s - m)``, so that the backward pass can
+    recompute the forward's weights ``exp(s - m) / l`` exactly.
 
     A query block whose rows have a static offset (:func:`_row_bounds`) subtracts that instead of a
     running max: no row maximum, no rescaling of the sum and the accumulator. The others run the
@@ -395,6 +398,7 @@ def _forward(
     acc_dtype = q.dtype
     out = q.new_empty(*batch, H, L, Dv)
     lse = q.new_empty(*batch, H, L)
+    offset, total = q.new_empty(*batch, H, L), q.new_empty(*batch, H, L)
     stats: dict[str, Tensor] = {}
     if plan.with_stats:
         for name in ("max_logit", "max_prob", "entropy"):
@@ -420,13 +424,14 @@ def _forward(
         safe_l = torch.where(has_key, l, torch.ones_like(l))
         out[..., i0:i1, :] = acc.view(*batch, H, Lb, Dv) / safe_l.unsqueeze(-1)
         lse[..., i0:i1] = torch.where(has_key, m + torch.log(safe_l), _NEG_INF)
+        offset[..., i0:i1], total[..., i0:i1] = m, safe_l
         if w is not None:
             stats["max_logit"][..., i0:i1] = torch.where(has_key, m, _NEG_INF)
             stats["max_prob"][..., i0:i1] = torch.where(has_key, 1.0 / safe_l, torch.zeros_like(l))
             entropy = torch.log(safe_l) - w / safe_l
             stats["entropy"][..., i0:i1] = torch.where(has_key, entropy, torch.zeros_like(l)).clamp_min(0.0)
     assert out.dtype == acc_dtype
-    return out, lse, stats
+    return out, lse, stats, (offset, total)
 
 
 def _static_block(
@@ -516,17 +521,27 @@ def _backward(
     dout: Tensor,
     dlse: Tensor,
     mask_grad: bool,
+    norm: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """dq (of the scaled q), dk, dv and the float mask's gradient, tile by tile from the saved lse.
 
     Key blocks outside, query blocks inside (FlashAttention-2): dK and dV of a key block are
-    finished before the next one; dQ accumulates per query block.
+    finished before the next one; dQ accumulates per query block. The tiles are the forward's
+    (the same key ranges, k^T blocks and products, see :class:`_Tiler`), so the logits are
+    recomputed bit for bit. With the forward's normaliser ``norm = (m, l)`` the weights are
+    ``exp(s - m) / l``, the forward's own (a row with one visible key gets exactly 1); without it
+    (a partial whose rows were merged over key shards) they are ``exp(s - lse)``.
     """
     batch, H, Hkv, G = plan.batch, plan.H, plan.Hkv, plan.G
     # D_i = rowsum(dO * O) = sum_j p_ij dP_ij; a gradient on lse adds p_ij * dlse_i to dS_ij.
     delta = (dout * out).sum(dim=-1) - dlse  # (*batch, H, L)
-    lse_ref = lse.masked_fill(lse == _NEG_INF, 0.0)  # empty rows: keep hides every key, so p = 0
+    if norm is None:
+        offset, total = lse.masked_fill(lse == _NEG_INF, 0.0), None  # empty rows: keep hides every key, so p = 0
+    else:
+        offset, total = norm  # total > 0: the forward made it 1 for empty rows
     q_blocks = plan.q_blocks()
+    tiler = _Tiler(plan, q, k, v)
+    spans = [{b0: (j0, j1) for b0, j0, j1 in tiler.key_tiles(i0, i1)} for i0, i1 in q_blocks]
     qs = [_group_rows(q, plan, i0, i1) for i0, i1 in q_blocks]  # (*batch, Hkv, G * Lb, D)
     dos = [_group_rows(dout, plan, i0, i1) for i0, i1 in q_blocks]  # (*batch, Hkv, G * Lb, Dv)
     dqs = [torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in qs]  # contiguous: viewed as (n, rows, D)
@@ -536,7 +551,8 @@ def _backward(
     cap = plan.path.softcap
     deferred = plan.defer_cap(mask, alibi) is not None
     mask_hides = _has_neg_inf(mask)
-    tiles = _Visibility(plan, q.dtype, q.device)
+    tiles = tiler.tiles
+    n = plan.groups
     # With softcap, q carries scale / cap, so a tile's raw products x are tanh's argument and
     # d logits / dx = cap * (1 - tanh(x)^2): the tiles accumulate (1 - t^2) dS and the cap
     # multiplies dq and dk once at the end. With ALiBi or a float mask, the capped tile goes
@@ -544,16 +560,16 @@ def _backward(
     # No -inf is placed at hidden keys (no row maximum is taken here): p = exp(s - lse) * keep, so
     # t stays finite and (1 - t^2) dS is 0 wherever p is.
     uncapped = dataclasses.replace(plan, path=dataclasses.replace(plan.path, softcap=None, scale=1.0))
-    for j0, j1 in plan.k_blocks():
-        Sb = j1 - j0
-        k_blk, v_blk = k[..., j0:j1, :], v[..., j0:j1, :]
-        dk_blk, dv_blk = dk[..., j0:j1, :], dv[..., j0:j1, :]
+    for b0, _ in plan.k_blocks():
         for b, (i0, i1) in enumerate(q_blocks):
-            if plan.hidden(i0, i1, j0, j1):
-                continue
-            Lb = i1 - i0
-            qk = (qs[b] @ k_blk.transpose(-1, -2)).view(*batch, H, Lb, Sb)
-            neg_lse = lse_ref[..., i0:i1].neg().unsqueeze(-1)
+            if b0 not in spans[b]:
+                continue  # causal / window hide the whole tile
+            j0, j1 = spans[b][b0]
+            Lb, Sb = i1 - i0, j1 - j0
+            k_blk, v_blk = k[..., j0:j1, :], v[..., j0:j1, :]
+            dk_blk, dv_blk = dk[..., j0:j1, :], dv[..., j0:j1, :]
+            qk = tiler.products(qs[b].reshape(n, G * Lb, -1), b0, j0, j1, Lb)  # (*batch, H, Lb, Sb)
+            neg_lse = offset[..., i0:i1].neg().unsqueeze(-1)
             if cap is None:
                 t = None
                 s, keep = _tile_logits(plan, qk, i0, i1, j0, j1, mask, alibi, tiles, fill=False, mask_hides=mask_hides)
@@ -567,8 +583,9 @@ def _backward(
                     uncapped, t * cap, i0, i1, j0, j1, mask, alibi, tiles, fill=False, mask_hides=mask_hides
                 )
                 p = _exp_(s.add_(neg_lse), keep, _NEG_INF)
+            if total is not None:
+                p = p.div_(total[..., i0:i1].unsqueeze(-1))
             # accumulate in place (baddbmm_): a matmul then += would allocate and sweep each result again
-            n = plan.groups
             p3, do3 = p.view(n, G * Lb, Sb), dos[b].reshape(n, G * Lb, -1)
             dv_blk.view(n, Sb, -1).baddbmm_(p3.transpose(1, 2), do3)
             dp = (dos[b] @ v_blk.transpose(-1, -2)).view(*batch, H, Lb, Sb)
@@ -606,8 +623,8 @@ class _TiledAttention(torch.autograd.Function):
     def forward(ctx, query, key, value, mask, alibi, plan):  # type: ignore[override]
         acc = accumulation_dtype(query.dtype)
         q, k, v = _kernel_inputs(plan, query, key, value)
-        out, lse, stats = _forward(plan, q, k, v, mask, alibi)
-        ctx.save_for_backward(query, key, value, mask, alibi, out, lse)
+        out, lse, stats, (offset, total) = _forward(plan, q, k, v, mask, alibi)
+        ctx.save_for_backward(query, key, value, mask, alibi, out, lse, offset, total)
         ctx.plan = plan
         ctx.mark_non_differentiable(*stats.values())
         result = out if query.dtype == acc else out.to(query.dtype)
@@ -615,13 +632,13 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dresult, dlse, *unused):  # type: ignore[override]
-        query, key, value, mask, alibi, out, lse = ctx.saved_tensors
+        query, key, value, mask, alibi, out, lse, offset, total = ctx.saved_tensors
         plan: _Plan = ctx.plan
         acc = out.dtype
         q, k, v = _kernel_inputs(plan, query, key, value)
         mask_grad = mask is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dmask = _backward(
-            plan, q, k, v, mask, alibi, out, lse, dresult.to(acc), dlse.to(acc), mask_grad
+            plan, q, k, v, mask, alibi, out, lse, dresult.to(acc), dlse.to(acc), mask_grad, (offset, total)
         )
         dq = (dq * plan.q_factor).sum_to_size(query.shape).to(query.dtype)  # q was scaled before q k^T
         dk = dk.sum_to_size(key.shape).to(key.dtype)  # broadcast batch dims sum back
@@ -817,7 +834,7 @@ def partial_forward(
     )
     with torch.no_grad():
         q, k, v = _kernel_inputs(plan, query, key, value)
-        out, lse, stats = _forward(plan, q, k, v, None, alibi)
+        out, lse, stats, _ = _forward(plan, q, k, v, None, alibi)
     if not with_stats:
         return out, lse, None
     return out, lse, AttentionStats(lse=lse, **stats)
