@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from .._validate import fail
 from ..functional import scaled_dot_product_attention
+from ..varlen import varlen_attention
 from ..masks import add_bias
 from .monitor import HF_IMPLEMENTATIONS, ROUTE_HF, MonitorReport, MonitorThresholds, active_monitor, monitor
 
@@ -94,6 +95,51 @@ def _short(value: object) -> str:
     return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else repr(value)[:60]
 
 
+def _packed_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    dropout: float,
+    scaling: float | None,
+    is_causal: bool | None,
+    softcap: float | None,
+    position_bias: Tensor | None,
+    sliding_window: int | None,
+    sinks: Tensor | None,
+    packed: dict[str, Any],
+) -> tuple[Tensor, None]:
+    """The attention of one packed row (1, H, T, D) as varlen attention over its documents."""
+    if packed["cu_seq_lens_q"] is None or packed["cu_seq_lens_k"] is None:
+        fail("cu_seq_lens_q", "cu_seq_lens_q and cu_seq_lens_k together", "only one of them", "pass both (transformers' flash-attention kwargs)")
+    if query.shape[0] != 1:
+        fail("query", "one packed row (batch size 1) with cu_seq_lens", f"batch size {query.shape[0]}", "pack the documents into one row (DataCollatorWithFlattening)")
+    if float(dropout) > 0.0:
+        fail("dropout", "0.0 for packed sequences (attnscale's varlen attention has no dropout)", repr(dropout), "set the model's attention dropout to 0, or do not pack")
+    if position_bias is not None:
+        fail("position_bias", "None for packed sequences", "a bias tensor", "do not pack with a model that adds a position bias")
+    if active_monitor() is not None and active_monitor().name_of(module) is not None:
+        fail("cu_seq_lens_q", "an unpacked batch while attnscale.monitor records", "packed sequences", "monitor an unpacked (padded) batch")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if sliding_window is not None and not causal:
+        fail("sliding_window", "a causal layer for packed sequences with a sliding window", f"sliding_window={sliding_window} in a non-causal layer", "do not pack, so that the mask carries the window")
+    out = varlen_attention(
+        query[0].transpose(0, 1),  # (T, H, D)
+        key[0].transpose(0, 1),  # (T, Hkv, D)
+        value[0].transpose(0, 1),  # (T, Hkv, Dv)
+        packed["cu_seq_lens_q"],
+        packed["cu_seq_lens_k"],
+        packed["max_length_q"],
+        packed["max_length_k"],
+        scale=scaling,
+        is_causal=causal,
+        softcap=softcap,
+        window=None if sliding_window is None else (sliding_window - 1, 0),
+        sinks=sinks,
+    )
+    return out.unsqueeze(0), None  # (1, T, H, Dv)
+
+
 def attnscale_attention_forward(
     module: nn.Module,
     query: Tensor,
@@ -120,8 +166,18 @@ def attnscale_attention_forward(
     keeps keys ``i - W < j <= i`` (transformers' convention). Any other keyword that would change
     the result raises (``output_attentions=True`` among them); bookkeeping keywords such as
     ``position_ids`` and ``cache_position`` are accepted and unused.
+
+    Packed sequences: with ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (what transformers passes for a
+    batch of one packed row, e.g. from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``)
+    attention runs through :func:`attnscale.varlen_attention`: each document attends only to itself,
+    causally (bottom-right per document, as FlashAttention) when the layer is causal, within the
+    sliding window if any. As in transformers' flash-attention path, the boundaries, causality and
+    the window then define what is visible and ``attention_mask`` is not read.
     """
+    packed = {name: kwargs.pop(name, None) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
     _refuse_unknown(module, kwargs)
+    if packed["cu_seq_lens_q"] is not None or packed["cu_seq_lens_k"] is not None:
+        return _packed_attention(module, query, key, value, dropout, scaling, is_causal, softcap, position_bias, sliding_window, _sink_logits(module, s_aux, sinks), packed)
     L, S = query.shape[-2], key.shape[-2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and L > 1 and attention_mask is None

@@ -1,5 +1,6 @@
-"""attnscale as transformers' attention on a model with attention sinks (gpt-oss), and the keywords
-the registered attention function implements, accepts as bookkeeping, or refuses."""
+"""attnscale as transformers' attention on tiny random models: attention sinks (gpt-oss), packed
+sequences (Llama, gpt-oss), and the keywords the registered attention function implements, accepts
+as bookkeeping, or refuses."""
 
 import pytest
 import torch
@@ -72,6 +73,66 @@ def test_gpt_oss_greedy_generation_is_identical(gpt_oss):
         model.set_attn_implementation(implementation)
         tokens[implementation] = model.generate(ids, attention_mask=padding, max_new_tokens=12, do_sample=False)
     assert torch.equal(tokens["eager"], tokens[hf.NAME])
+
+
+def tiny_llama():
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+DOCUMENTS = [[int(t) for t in torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n))] for n in (5, 1, 17, 12)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt-oss"])
+def test_packed_documents_attend_only_to_themselves(arch, gpt_oss):
+    """DataCollatorWithFlattening's cu_seq_lens reach varlen attention: the packed row's logits and
+    gradients are those of each document run alone through eager attention."""
+    model = tiny_llama() if arch == "llama" else gpt_oss[0]
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d} for d in DOCUMENTS])
+    batch.pop("labels")
+    assert batch["cu_seq_lens_q"].tolist() == [0, 5, 6, 23, 35]
+    weight = torch.randn(35, 128, generator=torch.Generator().manual_seed(2))
+    results = {}
+    for implementation in ("eager", hf.NAME):
+        model.set_attn_implementation(implementation)
+        model.zero_grad()
+        if implementation == "eager":
+            out = torch.cat([model(input_ids=torch.tensor([d]), use_cache=False).logits[0] for d in DOCUMENTS])
+        else:
+            out = model(**batch, use_cache=False).logits[0]
+        (out * weight).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results[implementation] = out.detach(), grads
+    (want, want_grads), (got, got_grads) = results["eager"], results[hf.NAME]
+    assert (got - want).abs().max().item() < LOGITS_ATOL
+    assert len(got_grads) == len(want_grads)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_packed_keywords_are_checked():
+    cu = torch.tensor([0, 4, 12])
+    with pytest.raises(ValueError, match="cu_seq_lens_q: expected cu_seq_lens_q and cu_seq_lens_k together"):
+        call(cu_seq_lens_q=cu)
+    with pytest.raises(ValueError, match="dropout: expected 0.0 for packed sequences"):
+        call(cu_seq_lens_q=cu, cu_seq_lens_k=cu, dropout=0.1)
+    q, k, v, out = call(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=8, max_length_k=8)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    for a, b in ((0, 4), (4, 12)):  # each document alone, causal
+        n = b - a
+        logits = q[..., a:b, :] @ k[..., a:b, :].repeat_interleave(2, dim=1).mT / 8**0.5
+        weights = torch.softmax(logits.masked_fill(~causal[:n, :n], float("-inf")), -1)
+        want = (weights @ v[..., a:b, :].repeat_interleave(2, dim=1)).transpose(1, 2)
+        torch.testing.assert_close(out[:, a:b], want, rtol=0, atol=1e-6)
 
 
 class _Layer(nn.Module):
