@@ -4,6 +4,7 @@ These tests run small fake experiment packages written into tmp_path, so they do
 long the real experiments take.
 """
 
+import contextlib
 import io
 import json
 import os
@@ -13,6 +14,7 @@ import sys
 import textwrap
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -83,6 +85,13 @@ def run(config, seed, progress):
 RUN_DIES = '''
 def run(config, seed, progress):
     os._exit(3)
+'''
+
+RUN_FOREVER = '''
+def run(config, seed, progress):
+    (COUNTER.parent / "{id}.pid").write_text(str(os.getpid()))
+    while True:  # until its process is killed
+        time.sleep(1)
 '''
 
 PLOT_RAISES = '''
@@ -286,6 +295,86 @@ def test_resume_after_a_crash_recomputes_nothing_finished(fake_lab):
     assert by_id["fake-b-slow"]["verdict"] == "holds"
     assert counter.read_text().split() == ["fake-a-ok", "fake-b-slow", "fake-b-slow"]
     assert entry.stat().st_mtime_ns == mtime
+
+
+def _descendants(pid):
+    """The pids of every process below ``pid``, from the parent pids in /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # the process ended while being read
+            continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _running(pid):
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has ended: only its exit status is left to collect
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="finds the worker processes in /proc")
+def test_workers_end_when_the_report_is_killed(fake_lab):
+    name, counter, root = fake_lab
+    (root / "src" / name / "h_forever.py").write_text(_module(root, "fake-h-forever", RUN_FOREVER))
+    (root / "slow").touch()
+    script = textwrap.dedent(
+        f"""
+        from attnscale.lab import cache
+        from attnscale.lab.runner import run_report
+        cache.library_source_hash = lambda: "fixed"
+        run_report({str(root / "out")!r}, profile="tiny", jobs=2, package={name!r}, only=["fake-h-forever", "fake-b-slow"])
+        """
+    )
+    pid_file = root / "fake-h-forever.pid"
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.is_file() and pid_file.read_text()) or "fake-b-slow" not in counter.read_text():
+            assert proc.poll() is None, "the report ended before it could be killed"
+            assert time.monotonic() < deadline, "the experiments never started"
+            time.sleep(0.1)
+        below = _descendants(proc.pid)
+        assert int(pid_file.read_text()) in below
+        os.kill(proc.pid, signal.SIGKILL)  # the report alone, not its process group
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while any(_running(p) for p in below) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in below if _running(p)] == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever the test left behind
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX process semantics")
+def test_without_pidfds_the_watchdog_polls_the_report_process():
+    report = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    script = (
+        f"import os\ndel os.pidfd_open\nfrom attnscale.lab import runner\nprint('watching', flush=True)\n"
+        f"runner._watch({report.pid}, os.getppid())"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline() == "watching\n"
+        time.sleep(1.0)
+        assert worker.poll() is None  # it waits while the report runs
+        report.kill()
+        report.wait()
+        assert worker.wait(timeout=10) == 1
+    finally:
+        for proc in (report, worker):
+            proc.kill()
+            proc.wait()
+        worker.stdout.close()
 
 
 def test_summary_table_lists_every_claim(fake_lab):

@@ -9,15 +9,19 @@ own errors.
 
 from __future__ import annotations
 
+import ctypes
 import difflib
 import importlib
 import multiprocessing
 import os
 import platform
 import queue as queue_module
+import select as select_module
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -53,6 +57,9 @@ __all__ = [
 ]
 
 _PROGRESS_INTERVAL_S = 0.2
+_WATCH_INTERVAL_S = 0.5
+"""How often a worker without pidfds checks that the report's process is still there."""
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -206,8 +213,46 @@ def _figures_exist(record: dict[str, Any], outdir: Path) -> bool:
     return all((outdir / f[k]).is_file() for f in record["figures"] for k in ("svg", "png"))
 
 
-def _child(task: Task, messages: Any) -> None:
+def _end_with(driver: int) -> None:
+    """Make this worker process end as soon as the report's process ``driver`` does, even by SIGKILL.
+
+    Under forkserver the worker's parent is the fork server, which lives as long as its workers do
+    (they hold its liveness pipe), so a watchdog thread watches ``driver`` itself: through a pidfd,
+    readable once it has exited, where Linux has them; else by polling it and the parent pid.
+    PR_SET_PDEATHSIG adds a kernel-sent SIGKILL when the direct parent dies (the driver under spawn).
+    """
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    threading.Thread(target=_watch, args=(driver, os.getppid()), name="attnscale-watchdog", daemon=True).start()
+
+
+def _watch(driver: int, parent: int) -> None:
+    """Wait until ``driver`` has exited, or this process has lost ``parent``; then end this process."""
+    try:
+        pidfd = os.pidfd_open(driver)
+    except ProcessLookupError:  # the driver is gone already
+        pass
+    except (AttributeError, OSError):  # no pidfds here (not Linux, or a kernel before 5.3): poll
+        while os.getppid() == parent and _alive(driver):
+            time.sleep(_WATCH_INTERVAL_S)
+    else:
+        select_module.select([pidfd], [], [])  # readable once the driver has exited
+    os._exit(1)  # nobody is left to read the result
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by another user
+        pass
+    return True
+
+
+def _child(task: Task, messages: Any, driver: int) -> None:
     """Body of an experiment's own process: run it, sending progress and then the record to ``messages``."""
+    _end_with(driver)
     import torch
 
     torch.set_num_threads(1)  # experiments run side by side, one per core
@@ -409,7 +454,8 @@ def _run_pending(pending: list[Task], records: dict[str, dict[str, Any]], jobs: 
     """Run ``pending`` in up to ``jobs`` processes at once, one process per experiment, adding to ``records``.
 
     One process each, not a pool: an experiment that crashes its process (a segfault, an
-    out-of-memory kill) loses only its own result.
+    out-of-memory kill) loses only its own result. Workers end with this process, even when it
+    is killed with SIGKILL and cannot stop them itself (see ``_end_with``).
     """
     with Progress(*_columns(), console=console) as bars:
         overall = bars.add_task("[bold]claims", total=len(records) + len(pending), completed=len(records))
@@ -448,7 +494,7 @@ def _run_pending(pending: list[Task], records: dict[str, dict[str, Any]], jobs: 
             while waiting or running:
                 while waiting and len(running) < jobs:
                     task = waiting.pop(0)
-                    proc = ctx.Process(target=_child, args=(task, messages), name=f"attnscale-{task.claim_id}")
+                    proc = ctx.Process(target=_child, args=(task, messages, os.getpid()), name=f"attnscale-{task.claim_id}")
                     proc.start()
                     running[task.claim_id] = (proc, task, bars.add_task(task.claim_id, total=None))
                 read(block=True)
