@@ -72,8 +72,8 @@ def _check(args: argparse.Namespace) -> int:
     from .diagnostics import check_attention, probe_module
 
     console = Console()
-    if not args.timeout > 0:
-        raise SystemExit(f"attnscale check: --timeout: expected seconds > 0, got {args.timeout}. Fix: pass e.g. --timeout 10")
+    if not 0 < args.timeout < float("inf"):
+        raise SystemExit(f"attnscale check: --timeout: expected a finite number of seconds > 0, got {args.timeout}. Fix: pass e.g. --timeout 10")
     target = _load_target(args.target)
     if isinstance(target, type) and issubclass(target, torch.nn.Module):
         raise SystemExit("attnscale check: TARGET is a module class; point it at an instance or a factory call result")
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
             "is_causal=False, enable_gqa=False) gets the scale probe and conformance checks (softmax axis, V, "
             "mask polarity, causal alignment, fully masked rows, large logits, fp16 overflow, GQA mapping). "
             "An nn.Module instance gets the per-head scale probe. A target that fails to import, raises, returns "
-            "something else than the output, or exceeds --timeout gets a one-line diagnosis. Exit code 1 when a "
+            "something other than the output, or exceeds --timeout gets a one-line diagnosis. Exit code 1 when a "
             "check fails."
         ),
     )

@@ -165,6 +165,10 @@ def test_check_rejects_bad_options_before_calling():
     with pytest.raises(ValueError, match="head_dim: expected"):
         check_attention(lambda *a, **k: calls.append(a), head_dim=0)
     assert calls == []
+    with pytest.raises(ValueError, match="timeout: expected"):
+        probe_module(torch.nn.MultiheadAttention(8, 2), timeout=float("inf"))
+    with pytest.raises(ValueError, match="num_heads: expected a positive divisor"):
+        probe_module(gallery.BrokenAttention("raises"), num_heads=3)  # 8 query features, 3 heads
 
 
 @pytest.mark.parametrize(
@@ -224,3 +228,9 @@ def test_check_cli_reports_a_target_that_is_not_callable(monkeypatch):
     monkeypatch.chdir(Path(__file__).parent)
     with pytest.raises(SystemExit, match="is not callable"):
         main(["check", "gallery:not_callable"])
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf"])
+def test_check_cli_rejects_a_timeout_that_is_not_a_finite_positive_number(timeout):
+    with pytest.raises(SystemExit, match="--timeout: expected a finite number of seconds > 0"):
+        main(["check", "--timeout", timeout, "torch.nn.functional:scaled_dot_product_attention"])

@@ -254,6 +254,8 @@ def probe_module(
         fail("module", "a torch.nn.Module instance", type(module).__name__, "pass the attention layer itself", exc=TypeError)
     if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1):
         fail("num_heads", "a positive int or None", repr(num_heads), "pass the number of query heads, e.g. num_heads=8")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf):
+        fail("timeout", "a finite number of seconds > 0, or None for no limit", repr(timeout), "pass timeout=10")
     m = copy.deepcopy(module).double().eval()
     gen = torch.Generator().manual_seed(seed)
     if isinstance(m, nn.MultiheadAttention):
