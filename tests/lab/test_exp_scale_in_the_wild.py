@@ -22,6 +22,26 @@ def test_verdict_rule(measured, verdict):
     assert exp.judge(measured).verdict is verdict
 
 
+def test_architectures_that_fail_to_probe_are_counted_and_named():
+    failed = [{"architecture": "Odd", "model_type": "odd", "reason": "RuntimeError: no attention"}]
+    judgement = exp.judge({"transformers": "x", "rows": [_row("a", True)] * 6, "not_probed": failed})
+    assert judgement.verdict is Verdict.HOLDS_APPROXIMATELY  # holds needs every architecture probed
+    assert "6 of 6 probed use 1/sqrt(head_dim)" in judgement.reason
+    assert "1 of 7 could not be probed: Odd (RuntimeError: no attention)" in judgement.reason
+    few = exp.judge({"transformers": "x", "rows": [_row("a", True)] * 4, "not_probed": failed})
+    assert few.verdict is Verdict.INCONCLUSIVE and "only 4 of 5" in few.reason and "Odd" in few.reason
+
+
+def test_the_alibi_models_with_attention_of_their_own_are_probed():
+    pytest.importorskip("transformers")
+    config = exp.Config(architectures=("Falcon", "BLOOM", "MPT"), length=8)
+    measured = exp.run(config, seed=0, progress=lambda done, total: None)
+    assert measured["not_probed"] == []
+    for row in measured["rows"]:  # each divides by sqrt(head_dim); BLOOM and MPT once ALiBi is zeroed
+        assert row["scale_times_sqrt_head_dim"] == pytest.approx(1.0, rel=1e-4), row["architecture"]
+        assert row["r2"] > 0.999
+
+
 def test_probes_real_architectures(tmp_path):
     pytest.importorskip("transformers")
     measured = exp.run(exp.Config.for_profile("tiny"), seed=0, progress=lambda done, total: None)

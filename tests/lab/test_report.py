@@ -20,8 +20,15 @@ def _claim(claim_id="variance-law", verdict="holds"):
         "sources": ["Vaswani et al. 2017"],
         "method": "draw many pairs",
         "rule": "holds if within 4 standard errors",
+        "rule_history": [
+            {"version": 1, "date": "2026-11-29", "why": "the rule as first committed", "fingerprint": "0" * 16},
+            {"version": 2, "date": "2026-12-01", "why": "4 standard errors, not 3", "fingerprint": "1" * 16},
+        ],
+        "rule_version": 2,
+        "rule_fingerprint": "1" * 16,
         "verdict": verdict,
         "reason": "all points <within> 4 SE & fine",
+        "arms": [],
         "headline": {"key": "ratio", "value": 1.01},
         "measured": {
             "ratio": 1.01,
@@ -163,3 +170,20 @@ def test_format_value():
     assert report.format_value(1.6700863991745674e-05) == "1.6701e-05"
     assert report.format_value([1, [2, 3]]) == "[1, [2, 3]]"
     assert report.format_value(None) == "null"
+
+
+def test_report_shows_the_rule_version_its_history_and_every_arm():
+    results = _results()
+    results["claims"][1]["arms"] = [
+        {"name": "AdamW", "verdict": "does-not-hold", "reason": "x0.97"},
+        {"name": "SGD", "verdict": "holds", "reason": "stalls"},
+    ]
+    results["claims"][1]["rule_version"] = None
+    page, text = render_html(results), report.render_markdown(results)
+    for shown in (page, text):
+        assert "rule v2, code 1111111111111111" in shown
+        assert "v1, 2026-11-29: the rule as first committed" in shown and "v2, 2026-12-01: 4 standard errors, not 3" in shown
+        assert "code matching no recorded version" in shown
+    assert '<strong>AdamW</strong> <span class="badge does-not-hold">does-not-hold</span> x0.97' in page
+    assert '<strong>SGD</strong> <span class="badge holds">holds</span> stalls' in page
+    assert "- AdamW: **does-not-hold**. x0.97" in text and "- SGD: **holds**. stalls" in text

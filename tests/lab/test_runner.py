@@ -389,8 +389,8 @@ def test_summary_table_lists_every_claim(fake_lab):
 
 def test_last_seconds_reads_the_newest_entry_of_that_claim_only(tmp_path):
     record = {
-        "id": "x", "statement": "", "sources": [], "method": "", "rule": "", "verdict": "holds", "reason": "",
-        "headline": None, "measured": {}, "figures": [], "config": {}, "seconds": 7.5, "cpu_seconds": 7.0, "cached": False, "error": None,
+        "id": "x", "statement": "", "sources": [], "method": "", "rule": "", "rule_history": [], "rule_version": None,
+        "rule_fingerprint": "", "verdict": "holds", "reason": "", "arms": [], "headline": None, "measured": {}, "figures": [], "config": {}, "seconds": 7.5, "cpu_seconds": 7.0, "cached": False, "error": None,
     }
     cache.store(cache.cache_path(tmp_path, "x", "0" * 16), record)
     cache.store(cache.cache_path(tmp_path, "x-longer", "1" * 16), {**record, "id": "x-longer", "seconds": 99.0})

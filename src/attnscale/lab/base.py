@@ -2,8 +2,10 @@
 
 An experiment is one module under ``attnscale.lab.experiments`` that defines:
 
-* ``CLAIM: Claim`` - id (the key in results.json), statement, sources, method, and the verdict
-  rule in words (the rule itself is ``judge``, written before looking at numbers);
+* ``CLAIM: Claim`` - id (the key in results.json), statement, sources, method, the verdict
+  rule in words (the rule itself is ``judge``, written before looking at numbers) and the rule's
+  history: one :class:`RuleVersion` per version of ``judge``'s code, the last one current (a test
+  compares its fingerprint with :func:`rule_fingerprint` of the module);
 * ``Config`` - a frozen dataclass of sizes, with ``Config.for_profile(profile) -> Config``;
 * ``run(config, seed, progress) -> dict`` - the measurement, JSON-able (named numbers and small
   tables), deterministic for a given config and seed, using attnscale's own attention;
@@ -17,11 +19,16 @@ and may define ``HEADLINE: str``, the key of ``measured`` (dotted for nested dic
 
 from __future__ import annotations
 
+import ast
+import hashlib
+import inspect
+import textwrap
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -48,18 +55,96 @@ class Verdict(StrEnum):
 
 
 @dataclass(frozen=True)
+class RuleVersion:
+    """One version of a verdict rule: when it took effect, why, and the fingerprint of its code."""
+
+    version: int
+    date: str
+    """ISO date (``YYYY-MM-DD``) of the commit that introduced this version."""
+    why: str
+    fingerprint: str
+    """:func:`rule_fingerprint` of the experiment module as of this version."""
+
+
+@dataclass(frozen=True)
 class Claim:
     id: str
     statement: str
     sources: tuple[str, ...]
+    """Where the claim is stated: entries of docs/claims.md (papers with sections, documentation pages)."""
     method: str
     rule: str
+    rule_history: tuple[RuleVersion, ...] = ()
+    """Every version of the verdict rule, oldest first; the last one is the rule ``judge`` applies."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    """The verdict of one arm of an experiment (one optimizer, one model) under the same rule."""
+
+    name: str
+    verdict: Verdict
+    reason: str
 
 
 @dataclass(frozen=True)
 class Judgement:
     verdict: Verdict
     reason: str
+    arms: tuple[Arm, ...] = ()
+    """Each arm's own verdict, where the experiment judges several; the report shows every one."""
+
+
+def rule_fingerprint(module: types.ModuleType) -> str:
+    """SHA-256 (16 hex digits) of the code of ``module.judge`` and everything of the lab it reaches.
+
+    Covers ``judge`` and, transitively, the functions and plain constants (numbers, strings and
+    containers of them) it names, from ``module`` itself or any ``attnscale.lab`` module. Functions count by their syntax tree without docstrings, so comments, docstrings and
+    layout do not change the fingerprint; any change to what the rule computes does.
+    """
+    parts: list[str] = []
+    seen: set[int] = set()
+
+    def visit_code(code: types.CodeType, scope: dict[str, Any]) -> None:
+        for name in code.co_names:
+            if name in scope:
+                visit(name, scope[name])
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                visit_code(const, scope)
+
+    def visit(name: str, obj: Any) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        ours = isinstance(obj, types.FunctionType) and (
+            obj.__module__ == module.__name__ or obj.__module__.startswith("attnscale.lab")
+        )
+        if ours:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+            for node in ast.walk(tree):
+                body = getattr(node, "body", None)
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and body:
+                    first = body[0]
+                    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                        node.body = body[1:] or [ast.Pass()]
+            parts.append(f"{obj.__qualname__}\0{ast.dump(tree)}")  # by name alone, so that a copy of the module compares equal
+            visit_code(obj.__code__, obj.__globals__)
+        elif _plain(obj):
+            parts.append(f"{name}\0{obj!r}")
+
+    visit("judge", module.judge)
+    return hashlib.sha256("\0\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _plain(obj: Any) -> bool:
+    if isinstance(obj, bool | int | float | str | None):
+        return True
+    if isinstance(obj, tuple | list | frozenset | set):
+        return all(_plain(v) for v in obj)
+    if isinstance(obj, dict):
+        return all(_plain(k) and _plain(v) for k, v in obj.items())
+    return False
 
 
 def save_figure(fig: Figure, outdir: Path, name: str) -> str:

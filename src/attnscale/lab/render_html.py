@@ -5,7 +5,16 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from .report import format_value, grid_columns, headline_text, is_scalar, record_columns, verdict_counts
+from .report import (
+    format_value,
+    grid_columns,
+    headline_text,
+    is_scalar,
+    record_columns,
+    rule_history_lines,
+    rule_label,
+    verdict_counts,
+)
 
 __all__ = ["render_html"]
 
@@ -73,6 +82,12 @@ def _section(rec: dict[str, Any]) -> str:
         f'<blockquote class="statement">{escape(rec["statement"])}</blockquote>',
         f"<p><strong>Verdict: {escape(rec['verdict'])}.</strong> {escape(rec['reason'])}</p>",
     ]
+    if rec["arms"]:
+        parts.append(
+            '<ul class="arms">'
+            + "".join(f"<li><strong>{escape(a['name'])}</strong> {_badge(a['verdict'])} {escape(a['reason'])}</li>" for a in rec["arms"])
+            + "</ul>"
+        )
     if rec["sources"]:
         parts.append("<p><strong>Sources.</strong></p><ul>" + "".join(f"<li>{escape(s)}</li>" for s in rec["sources"]) + "</ul>")
     if rec["method"]:
@@ -85,7 +100,10 @@ def _section(rec: dict[str, Any]) -> str:
     if rec["measured"]:
         parts.append('<h3>Measured</h3><div class="scroll">' + _table(rec["measured"]) + "</div>")
     if rec["rule"]:
-        parts.append(f'<p class="rule"><strong>Verdict rule.</strong> {escape(rec["rule"])}</p>')
+        parts.append(f'<p class="rule"><strong>Verdict rule ({escape(rule_label(rec))}).</strong> {escape(rec["rule"])}</p>')
+    if rec["rule_history"]:
+        history = "".join(f"<li>{escape(line)}</li>" for line in rule_history_lines(rec))
+        parts.append(f'<p class="meta">Rule history:</p><ul class="meta">{history}</ul>')
     if rec["config"]:
         parts.append('<h3>Config</h3><div class="scroll">' + _table(rec["config"]) + "</div>")
     cached = " (from the cache)" if rec["cached"] else ""

@@ -21,7 +21,15 @@ from typing import Any, Literal
 
 from . import schema
 
-__all__ = ["Format", "format_value", "grid_columns", "render_markdown", "write_report"]
+__all__ = [
+    "Format",
+    "format_value",
+    "grid_columns",
+    "render_markdown",
+    "rule_history_lines",
+    "rule_label",
+    "write_report",
+]
 
 Format = Literal["json", "markdown", "html"]
 FILES: dict[Format, str] = {"json": "results.json", "markdown": "report.md", "html": "index.html"}
@@ -122,6 +130,18 @@ def verdict_counts(results: dict[str, Any]) -> str:
     return ", ".join(f"{n} {v}" for v, n in counts.items() if n) or "no claims measured"
 
 
+def rule_label(record: dict[str, Any]) -> str:
+    """``rule v2, code 0123456789abcdef``, or that the code matches no recorded version."""
+    version = record["rule_version"]
+    known = f"v{version}" if version is not None else "code matching no recorded version"
+    return f"rule {known}, code {record['rule_fingerprint']}" if record["rule_fingerprint"] else f"rule {known}"
+
+
+def rule_history_lines(record: dict[str, Any]) -> list[str]:
+    """One line per version of the claim's rule, oldest first: ``v2, 2026-12-01: why``."""
+    return [f"v{v['version']}, {v['date']}: {v['why']}" for v in record["rule_history"]]
+
+
 def headline_text(record: dict[str, Any]) -> str:
     head = record["headline"]
     return f"{head['key']} = {format_value(head['value'])}" if head else ""
@@ -156,6 +176,9 @@ def render_markdown(results: dict[str, Any]) -> str:
     for rec in results["claims"]:
         lines += [f"## {rec['id']}", "", f"> {rec['statement']}", ""]
         lines += [f"**Verdict: {rec['verdict']}.** {rec['reason']}", ""]
+        lines += [f"- {arm['name']}: **{arm['verdict']}**. {arm['reason']}" for arm in rec["arms"]]
+        if rec["arms"]:
+            lines.append("")
         if rec["sources"]:
             lines += ["Sources: " + "; ".join(rec["sources"]) + ".", ""]
         if rec["method"]:
@@ -166,7 +189,9 @@ def render_markdown(results: dict[str, Any]) -> str:
         if rec["measured"]:
             lines += ["### Measured", ""] + _md_value_tables(rec["measured"])
         if rec["rule"]:
-            lines += [f"Verdict rule: {rec['rule']}", ""]
+            lines += [f"Verdict rule ({rule_label(rec)}): {rec['rule']}", ""]
+        if rec["rule_history"]:
+            lines += ["Rule history:", ""] + [f"- {entry}" for entry in rule_history_lines(rec)] + [""]
         if rec["config"]:
             lines += ["Config: " + ", ".join(f"{k} = {format_value(v)}" for k, v in rec["config"].items()), ""]
         cached = " (from the cache)" if rec["cached"] else ""

@@ -37,7 +37,7 @@ from rich.table import Table
 from .. import __version__
 from .._validate import fail
 from . import cache, executors, registry, report, schema
-from .base import PROFILES, Claim, Profile, Verdict
+from .base import PROFILES, Claim, Profile, Verdict, rule_fingerprint
 from .base import Progress as ProgressFn
 from .registry import DEFAULT_PACKAGE, Experiment
 
@@ -85,7 +85,16 @@ def claim_fields(claim: Claim) -> dict[str, Any]:
         "sources": list(claim.sources),
         "method": claim.method,
         "rule": claim.rule,
+        "rule_history": [asdict(v) for v in claim.rule_history],
     }
+
+
+def rule_fields(claim: Claim, module: Any) -> dict[str, Any]:
+    """The rule's fingerprint as the code stands, and the version it is: the latest one of the
+    claim's history whose fingerprint matches, or ``None`` if the code matches no recorded version."""
+    found = rule_fingerprint(module)
+    version = next((v.version for v in reversed(claim.rule_history) if v.fingerprint == found), None)
+    return {"rule_version": version, "rule_fingerprint": found}
 
 
 def headline(measured: dict[str, Any], key: str | None) -> dict[str, Any] | None:
@@ -108,7 +117,16 @@ def headline(measured: dict[str, Any], key: str | None) -> dict[str, Any] | None
 
 def _bare_fields(claim_id: str) -> dict[str, Any]:
     """Claim fields for a claim whose module could not tell us more."""
-    return {"id": claim_id, "statement": registry.statement(claim_id), "sources": [], "method": "", "rule": ""}
+    return {
+        "id": claim_id,
+        "statement": registry.statement(claim_id),
+        "sources": [],
+        "method": "",
+        "rule": "",
+        "rule_history": [],
+        "rule_version": None,
+        "rule_fingerprint": "",
+    }
 
 
 def _inconclusive(
@@ -118,6 +136,7 @@ def _inconclusive(
         **fields,
         "verdict": Verdict.INCONCLUSIVE.value,
         "reason": reason,
+        "arms": [],
         "headline": None,
         "measured": {},
         "figures": [],
@@ -153,7 +172,7 @@ def execute(task: Task, progress: ProgressFn) -> dict[str, Any]:
     config_json: Any = None
     try:
         module = importlib.import_module(task.module_name)
-        fields = claim_fields(module.CLAIM)
+        fields = {**claim_fields(module.CLAIM), **rule_fields(module.CLAIM, module)}
         config = module.Config.for_profile(task.profile)
         config_json = schema.to_jsonable(asdict(config))
     except Exception:
@@ -171,6 +190,7 @@ def execute(task: Task, progress: ProgressFn) -> dict[str, Any]:
         **fields,
         "verdict": Verdict(judgement.verdict).value,
         "reason": judgement.reason,
+        "arms": [{"name": a.name, "verdict": Verdict(a.verdict).value, "reason": a.reason} for a in judgement.arms],
         "headline": schema.to_jsonable(headline(stored, getattr(module, "HEADLINE", None))),
         "measured": stored,
         "figures": [],

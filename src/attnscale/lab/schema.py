@@ -21,8 +21,12 @@
         {
           "id": "variance-law", "statement": "...", "sources": ["..."],
           "method": "...", "rule": "...",          the verdict rule in words
+          "rule_history": [{"version": 1, "date": "2026-11-29", "why": "...", "fingerprint": "..."}],
+          "rule_version": 1 | null,                the version whose fingerprint the code matches
+          "rule_fingerprint": "0123456789abcdef",   attnscale.lab.base.rule_fingerprint of the code that judged
           "verdict": "holds" | "holds-approximately" | "does-not-hold" | "inconclusive",
           "reason": "...",
+          "arms": [{"name": "AdamW", "verdict": "...", "reason": "..."}],   each arm's own verdict, or []
           "headline": {"key": "var_over_dk.64", "value": 1.01} | null,
           "measured": {...},                       the experiment's own JSON (named numbers, tables)
           "figures": [{"name": "variance", "svg": "figures/variance-law/variance.svg",
@@ -59,7 +63,7 @@ from typing import Any
 
 __all__ = ["SCHEMA", "SCHEMA_VERSION", "VERDICTS", "check", "dumps", "to_jsonable", "validate"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 VERDICTS = ("holds", "holds-approximately", "does-not-hold", "inconclusive")
 
 _NUMBER = {"type": "number"}
@@ -69,10 +73,21 @@ _FIGURE = {
     "required": ["name", "svg", "png"],
     "properties": {"name": _STRING, "svg": _STRING, "png": _STRING},
 }
+_RULE_VERSION = {
+    "type": "object",
+    "required": ["version", "date", "why", "fingerprint"],
+    "properties": {"version": {"type": "integer"}, "date": _STRING, "why": _STRING, "fingerprint": _STRING},
+}
+_ARM = {
+    "type": "object",
+    "required": ["name", "verdict", "reason"],
+    "properties": {"name": _STRING, "verdict": {"type": "string", "enum": list(VERDICTS)}, "reason": _STRING},
+}
 _CLAIM = {
     "type": "object",
     "required": [
-        "id", "statement", "sources", "method", "rule", "verdict", "reason", "headline",
+        "id", "statement", "sources", "method", "rule", "rule_history", "rule_version", "rule_fingerprint",
+        "verdict", "reason", "arms", "headline",
         "measured", "figures", "config", "seconds", "cpu_seconds", "cached", "error",
     ],
     "properties": {
@@ -81,8 +96,12 @@ _CLAIM = {
         "sources": {"type": "array", "items": _STRING},
         "method": _STRING,
         "rule": _STRING,
+        "rule_history": {"type": "array", "items": _RULE_VERSION},
+        "rule_version": {"type": ["integer", "null"]},
+        "rule_fingerprint": _STRING,
         "verdict": {"type": "string", "enum": list(VERDICTS)},
         "reason": _STRING,
+        "arms": {"type": "array", "items": _ARM},
         "headline": {
             "type": ["object", "null"],
             "required": ["key", "value"],

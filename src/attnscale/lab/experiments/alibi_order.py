@@ -17,7 +17,7 @@ import torch
 
 import attnscale
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="alibi-order",
@@ -40,6 +40,9 @@ CLAIM = Claim(
         "with sqrt(d_k). Holds: within 1% for every d_k and head. Holds approximately: within 10%. "
         "Does not hold: otherwise. Inconclusive: fewer than 2 head sizes, or missing or non-finite "
         "slopes."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "a4ba6618cfbd101e"),
     ),
 )
 

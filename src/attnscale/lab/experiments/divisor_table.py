@@ -16,7 +16,7 @@ import torch
 
 import attnscale
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="divisor-table",
@@ -45,6 +45,9 @@ CLAIM = Claim(
         "Does not hold: sqrt(d_k) leaves the wide band at some d_k, or another fixed divisor stays "
         "in the narrow band at every d_k. Inconclusive: fewer than 3 head sizes, a d_k span below a "
         "factor 4, or missing values."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "fe0c117da0697e5d"),
     ),
 )
 

@@ -24,7 +24,7 @@ import torch
 import attnscale
 from attnscale import reference
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="flash-exp2",
@@ -46,6 +46,9 @@ CLAIM = Claim(
         "For every case and dtype, with e = exp2-loop error and b = attnscale's error (in eps). "
         "Holds: e <= max(2 b, 64). Holds approximately: e <= max(8 b, 4096). Does not hold: "
         "otherwise. Inconclusive: missing or non-finite errors."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "4509e1a74130d5ac"),
     ),
 )
 

@@ -21,7 +21,7 @@ import torch
 
 import attnscale
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="fp16-secondary",
@@ -49,6 +49,9 @@ CLAIM = Claim(
         "mean over rows. Holds approximately: gap >= 10 for the median only, or 2 <= gap < 10 for the "
         "median. Does not hold: gap < 2 for the median. Inconclusive: a threshold not reached on the "
         "grid for the median, no overflow found, or attnscale not finite on the fp16 inputs."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "11348c77e3aa4e8f"),
     ),
 )
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import PointerCopy
 from ..training import SATURATED, ModelConfig, TemperedLinear, TrainConfig, median_steps, train
 
@@ -48,6 +48,9 @@ CLAIM = Claim(
         "the learned arm's median accuracy is more than 0.02 below the fixed one's; holds if learned is sharper "
         "by more than the noise, reaches a near one-hot median (>= 0.99) and fixed does not; holds-approximately "
         "otherwise (sharper, but not near one-hot, or fixed is near one-hot too)."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "57c549514b36f08b"),
     ),
 )
 

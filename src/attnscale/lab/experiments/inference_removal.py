@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from matplotlib.figure import Figure
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import MQAR
 from ..training import ModelConfig, TrainConfig, evaluate, train
 
@@ -49,6 +49,9 @@ CLAIM = Claim(
         "is below 0.9; holds if both removal (divisor 1) and 1/d_k degrade; holds-approximately if exactly "
         "one does, or if both do but all-MiniLM-L6-v2 (when measured; degraded = mean embedding cosine to the "
         "original < 0.95) disagrees for one of them; does-not-hold if neither degrades."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "087b215b6fd68049"),
     ),
 )
 

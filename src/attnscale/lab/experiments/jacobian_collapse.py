@@ -17,7 +17,7 @@ import torch
 
 import attnscale
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="jacobian-collapse",
@@ -42,6 +42,9 @@ CLAIM = Claim(
         "d_k >= 64. Holds: r <= 0.1 for all of them. Holds approximately: r <= 0.1 for every d_k >= 128 "
         "or r <= 0.3 for all. Does not hold: otherwise. Inconclusive: no d_k >= 64, missing values, or "
         "the closed-form Jacobian disagrees with autograd by more than 1e-5."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "e5a8209ca7fca05b"),
     ),
 )
 

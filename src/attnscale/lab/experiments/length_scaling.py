@@ -26,7 +26,7 @@ import torch
 import attnscale
 from attnscale.variants import ssmax_qk, visible_key_counts
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="length-scaling",
@@ -50,6 +50,9 @@ CLAIM = Claim(
         "while some smaller gap does not. Does not hold: the fixed scale does not spread, or a gap "
         "with s g > 1 is not decisive. Inconclusive: measurement and closed form differ by more than "
         "1e-5, n_max / n_min < 100, or missing values."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "1699a479954510e9"),
     ),
 )
 

@@ -23,7 +23,7 @@ import torch
 
 from ...functional import scaled_dot_product_attention
 from ...variants import favor_attention, gaussian_features, linear_attention
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="linear-attention",
@@ -44,6 +44,9 @@ CLAIM = Claim(
         "(the scale would not cancel). holds if, in addition, softmax saturates (mean max weight > 0.9 at the "
         "largest c), elu+1's output changes by more than 1e-2 under the scale (the feature map decides) and "
         "FAVOR+'s error at 1/sqrt(D) is below half its error at scale 1; holds-approximately otherwise."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "a941f09d118661f1"),
     ),
 )
 HEADLINE = "favor_error_ratio_unscaled_over_scaled"

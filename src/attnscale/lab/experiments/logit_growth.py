@@ -34,7 +34,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from ...config import AttentionConfig
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import MQAR
 from ..training import ModelConfig, RunLog, TrainConfig, train
 
@@ -64,6 +64,9 @@ CLAIM = Claim(
         "every seed and its saturated share >= 0.5; QK-Clip's largest logged max logit (after step 0) <= 1.25 tau. "
         "does-not-hold if G fails (no growth to guard against) or no part holds; holds if G and every part hold; "
         "holds-approximately otherwise."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "2d12b07c2f7f3bd1"),
     ),
 )
 

@@ -17,7 +17,7 @@ import torch
 
 import attnscale
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="mup-correlated",
@@ -44,6 +44,9 @@ CLAIM = Claim(
         "case under-corrects too. Holds approximately: growth and under-correction, but the shared "
         "case does not (correlation must differ between keys to matter). Does not hold: otherwise. "
         "Inconclusive: fewer than 3 head sizes, a span below 16, or missing values."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "696e770669aaf7f9"),
     ),
 )
 

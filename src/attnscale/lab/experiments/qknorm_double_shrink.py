@@ -25,7 +25,7 @@ import torch
 
 from ...functional import scaled_dot_product_attention
 from ...variants import DoubleShrinkWarning, QKNorm
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="qknorm-double-shrink",
@@ -47,6 +47,9 @@ CLAIM = Claim(
         "d_k. holds if it is stuck at every d_k and its random-data entropy / log n exceeds 0.95 at every d_k; "
         "holds-approximately if it is stuck at some d_k only, or stuck but not near uniform on random data. The "
         "RMS-norm rows are reported beside it: the double shrink is specific to unit-length normalisation."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "4a228ca2618e16e0"),
     ),
 )
 HEADLINE = "best_case_max_prob_l2_inverse_sqrt_at_128"

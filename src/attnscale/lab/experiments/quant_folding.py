@@ -26,7 +26,7 @@ import torch
 from ...dense import masked_softmax
 from ...functional import scaled_dot_product_attention
 from ...variants import int8_attention, int8_logits, quantize_int8, smooth_keys
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="quant-folding",
@@ -47,6 +47,9 @@ CLAIM = Claim(
         "if folding a power-of-two scale changes any INT8 value, or smoothing changes float attention by more than "
         "1e-10, or smoothing does not reduce the INT8 error at the largest offset. holds if, in addition, folding a "
         "non-power-of-two scale changes the attention error by less than 25% relative; holds-approximately otherwise."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "d177ce7e3b8d2093"),
     ),
 )
 HEADLINE = "smoothing_error_ratio_at_largest_offset"

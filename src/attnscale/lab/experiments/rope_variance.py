@@ -17,7 +17,7 @@ import torch
 import attnscale
 from attnscale.variants import apply_rope
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="rope-variance",
@@ -39,6 +39,9 @@ CLAIM = Claim(
         "commutation difference is at most 1e-12. Holds approximately: within [0.5, 2] and at most "
         "1e-6. Does not hold: otherwise. Inconclusive: fewer than 2 head sizes or 2 offsets, or "
         "missing values."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "4aa70b583a2f1755"),
     ),
 )
 

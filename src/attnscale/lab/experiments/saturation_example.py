@@ -20,7 +20,7 @@ import torch
 
 from attnscale import scaled_dot_product_attention
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="saturation-example",
@@ -40,6 +40,9 @@ CLAIM = Claim(
     "holds if in addition each quoted number lies inside the measured interquartile range of its own case (it is "
     "then a typical single draw); holds-approximately if the qualitative claim holds but a quoted number falls "
     "outside that range (the reason gives the factor between quoted and measured median).",
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "dc70b514ea9bfc13"),
+    ),
 )
 HEADLINE = "scaled_max_prob_median"
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ...diagnostics import diagnose_scale, fit_logit_scale
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="scale-in-the-wild",
@@ -39,8 +40,19 @@ CLAIM = Claim(
     rule=(
         "An architecture conforms when s * sqrt(head_dim) is within 3% of 1 and the fit's R^2 > 0.99. "
         "inconclusive if transformers is missing or fewer than 5 architectures could be probed; "
-        "holds if every probed architecture conforms; holds-approximately if at least two thirds "
-        "do; does-not-hold otherwise."
+        "holds if every architecture tried was probed and conforms; holds-approximately if at least two thirds "
+        "of the probed ones conform; does-not-hold otherwise. Every architecture that could not be probed is "
+        "counted and named in the verdict's reason."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "b558f8a9abbe6909"),
+        RuleVersion(
+            2,
+            "2026-12-01",
+            "architectures that cannot be probed are counted and named in the reason, and holds needs every "
+            "architecture tried to be probed",
+            "8ae3c360aa0d6d8c",
+        ),
     ),
 )
 
@@ -170,6 +182,82 @@ def _probe_architecture(transformers, model_type: str, overrides: dict, batch: i
     }
 
 
+def _split_bloom(fused: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    B, L, _ = fused.shape
+    qkv = fused.view(B, L, heads, 3, -1)  # (B, L, H, 3, D): BloomAttention._reshape's layout
+    return qkv[..., 0, :].transpose(1, 2), qkv[..., 1, :].transpose(1, 2)  # (B, H, L, D) each
+
+
+def _split_mpt(fused: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    B, L, _ = fused.shape
+    q, k, _ = fused.chunk(3, dim=2)  # MptAttention's layout: [q | k | v], each (B, L, H * D)
+    return q.reshape(B, L, heads, -1).transpose(1, 2), k.reshape(B, L, heads, -1).transpose(1, 2)
+
+
+# Architectures with attention code of their own (not transformers' attention interface): the fused
+# q/k/v projection of their first layer and how it splits into query and key (B, H, L, D), or None
+# where the query and key are read after RoPE, from the module's apply_rotary_pos_emb.
+_OWN_ATTENTION: dict[str, tuple[str, Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]] | None] = {
+    "falcon": None,
+    "bloom": ("h.0.self_attention.query_key_value", _split_bloom),
+    "mpt": ("blocks.0.attn.Wqkv", _split_mpt),
+}
+
+
+def _probe_own_attention(transformers, model_type: str, overrides: dict, batch: int, length: int) -> dict:
+    """Probe a model whose attention is its own code: read q and k where the model computes them and
+    the weights from ``output_attentions``, with ALiBi zeroed so that the logits are s * q.k (ALiBi adds
+    a per-key bias that the fit of s alone would mistake for noise; its order is alibi-order's claim)."""
+    config = transformers.AutoConfig.for_model(model_type)
+    for name, value in {**_SMALL, **overrides}.items():
+        setattr(config, name, value)
+    model = transformers.AutoModel.from_config(config, attn_implementation="eager").eval()
+    heads = model.config.num_attention_heads
+    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name in ("build_alibi_tensor", "build_mpt_alibi_tensor"):
+        if hasattr(model, name):
+            build = getattr(model, name)
+            setattr(model, name, lambda *args, build=build, **kwargs: torch.zeros_like(build(*args, **kwargs)))
+    tap = _OWN_ATTENTION[model_type]
+    modeling = sys.modules[type(model).__module__]
+    rotary = modeling.apply_rotary_pos_emb if tap is None else None
+    if tap is None:
+
+        def rotate_and_record(q, k, *args, **kwargs):
+            q, k = rotary(q, k, *args, **kwargs)
+            captured.append((q, k))
+            return q, k
+
+        modeling.apply_rotary_pos_emb = rotate_and_record
+        handle = None
+    else:
+        path, split = tap
+        handle = model.get_submodule(path).register_forward_hook(lambda mod, args, out: captured.append(split(out, heads)))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, _SMALL["vocab_size"] - 1, (batch, length), generator=gen)
+    try:
+        with torch.no_grad():
+            # an explicit mask: without one BLOOM builds ALiBi inline, past build_alibi_tensor
+            attentions = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_attentions=True).attentions
+    finally:
+        if handle is not None:
+            handle.remove()
+        if rotary is not None:
+            modeling.apply_rotary_pos_emb = rotary
+    if not captured or not attentions:
+        raise RuntimeError(f"{model_type}: no query/key or attention weights were captured")
+    query, key = captured[0]
+    fit = fit_logit_scale(query, key, attentions[0])
+    return {
+        "head_dim": query.shape[-1],
+        "scale": fit.mean_scale,
+        "r2": fit.min_r2,
+        "scaling_argument": None,
+        "softcap": None,
+        "attention_calls": len(captured),
+    }
+
+
 def run(config: Config, seed: int, progress: Progress) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -183,7 +271,8 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
     for i, label in enumerate(config.architectures):
         model_type, overrides, note = table[label]
         try:
-            found = _probe_architecture(transformers, model_type, overrides, config.batch, config.length)
+            probe = _probe_own_attention if model_type in _OWN_ATTENTION else _probe_architecture
+            found = probe(transformers, model_type, overrides, config.batch, config.length)
         except Exception as exc:  # an architecture that cannot be built or routed is reported, not fatal
             not_probed.append({"architecture": label, "model_type": model_type, "reason": f"{type(exc).__name__}: {exc}"[:160]})
         else:
@@ -215,13 +304,23 @@ def judge(measured: dict) -> Judgement:
     rows = measured.get("rows", [])
     if measured.get("transformers") is None:
         return Judgement(Verdict.INCONCLUSIVE, "transformers is not installed (pip install 'attnscale[hf]')")
+    failed = measured.get("not_probed", [])
+    tried = len(rows) + len(failed)
+    unprobed = (
+        f"; {len(failed)} of {tried} could not be probed: " + ", ".join(f"{f['architecture']} ({f['reason']})" for f in failed)
+        if failed
+        else ""
+    )
     if len(rows) < 5:
-        return Judgement(Verdict.INCONCLUSIVE, f"only {len(rows)} architectures could be probed (need 5)")
+        return Judgement(Verdict.INCONCLUSIVE, f"only {len(rows)} of {tried} architectures could be probed (need 5){unprobed}")
     departing = [r["architecture"] for r in rows if not r["conforms"]]
     share = 1 - len(departing) / len(rows)
-    if not departing:
-        return Judgement(Verdict.HOLDS, f"all {len(rows)} probed architectures use 1/sqrt(head_dim)")
-    summary = f"{len(rows) - len(departing)} of {len(rows)} use 1/sqrt(head_dim); departing: {', '.join(departing)}"
+    if not departing and not failed:
+        return Judgement(Verdict.HOLDS, f"all {len(rows)} architectures tried use 1/sqrt(head_dim)")
+    summary = (
+        f"{len(rows) - len(departing)} of {len(rows)} probed use 1/sqrt(head_dim); "
+        f"departing: {', '.join(departing) or 'none'}{unprobed}"
+    )
     if share >= 2 / 3:
         return Judgement(Verdict.HOLDS_APPROXIMATELY, summary)
     return Judgement(Verdict.DOES_NOT_HOLD, summary)
@@ -231,14 +330,18 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     from matplotlib.figure import Figure
 
     rows = measured.get("rows", [])
+    failed = [f["architecture"] for f in measured.get("not_probed", [])]
     if not rows:
         return []
-    fig = Figure(figsize=(7.5, 0.28 * len(rows) + 1.4))
+    fig = Figure(figsize=(7.5, 0.28 * (len(rows) + len(failed)) + 1.4))
     ax = fig.subplots()
     labels = [r["architecture"] for r in rows]
     ratios = [r["scale_times_sqrt_head_dim"] for r in rows]
     colors = ["tab:green" if r["conforms"] else "tab:red" for r in rows]
     ax.barh(labels, ratios, color=colors)
+    for name in failed:  # an architecture that could not be probed keeps its row, marked
+        ax.barh(name, 1.0, color="none", edgecolor="grey", hatch="//")
+        ax.text(1.05, name, "not probed", va="center", fontsize=8, color="grey")
     ax.axvline(1.0, color="black", lw=1, ls="--")
     ax.set_xscale("log")
     ax.invert_yaxis()

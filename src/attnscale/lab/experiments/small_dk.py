@@ -16,7 +16,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import MQAR
 from ..training import ModelConfig, TrainConfig, median_steps, train
 
@@ -34,6 +34,9 @@ CLAIM = Claim(
         "the seed-to-seed std of steps-to-90% (at least one logging interval). inconclusive if fewer than 2 "
         "seeds or either arm's median does not reach 90%; holds if diff <= noise for every d_k; does-not-hold "
         "if for some d_k diff > 2 noise and diff > 25% of the scaled median; holds-approximately otherwise."
+    ),
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "97e6da0185a2b443"),
     ),
 )
 

@@ -23,7 +23,7 @@ import torch
 
 from attnscale import scaled_dot_product_attention
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="softmax-peak-example",
@@ -40,6 +40,9 @@ CLAIM = Claim(
     "broken); does-not-hold if the peak is not the largest probability or holds less than 0.99 of the mass; holds "
     "if, in addition, every quoted value lies within one unit of its last quoted decimal of the exact value; "
     "holds-approximately otherwise (the mass is on the peak but a quoted number is off).",
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "1a5f4eb05600f99b"),
+    ),
 )
 HEADLINE = "peak_prob"
 

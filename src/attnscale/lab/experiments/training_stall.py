@@ -48,7 +48,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Arm, Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import MQAR
 from ..training import ModelConfig, RunLog, TrainConfig, median_steps, train
 
@@ -77,10 +77,52 @@ CLAIM = Claim(
         "condition; does-not-hold if no condition has r >= 2 and some condition has r < 1.25; "
         "holds-approximately otherwise (slower everywhere but not 2x everywhere, or 2x in some conditions only). "
         "The rule is applied to each optimizer's runs on their own (AdamW; SGD where it ran, at each condition's best "
-        "learning rate: the smallest median steps, a run that ends below 90% counting as never reaching it), and the verdicts "
-        "combine: inconclusive if every optimizer is inconclusive; otherwise the verdict shared by the conclusive "
-        "ones if they agree, holds-approximately if they differ (the claim holds for some optimizers only); the "
-        "reason gives each optimizer's verdict."
+        "learning rate: the smallest median steps, a run that ends below 90% counting as never reaching it), and each "
+        "optimizer's verdict is reported. The claim's verdict: inconclusive if every optimizer is inconclusive; "
+        "otherwise the least supportive conclusive verdict (does-not-hold < holds-approximately < holds), since the "
+        "claim is stated for training in general."
+    ),
+    rule_history=(
+        RuleVersion(
+            1,
+            "2026-11-29",
+            "AdamW only: holds if the unscaled model needs >= 2x the scaled one's median steps to 90% in "
+            "every (init, d_k) condition; does-not-hold if no condition reaches 2x and one is within 1.25x",
+            "f99f3917c8887913",
+        ),
+        RuleVersion(
+            2,
+            "2026-11-29",
+            "an SGD arm judged by the same rule at one learning rate; optimizers that disagree combined "
+            "into holds-approximately",
+            "ae5e335edb49f078",
+        ),
+        RuleVersion(
+            3,
+            "2026-11-29",
+            "SGD judged at each condition's best of three learning rates; a run that ends below 90% counts "
+            "as never reaching it",
+            "056333632b8ba926",
+        ),
+        RuleVersion(
+            4,
+            "2026-11-29",
+            "SGD learning rate tuned per condition by a ladder search that never stops at an untried edge",
+            "cd3631cbe4ea3085",
+        ),
+        RuleVersion(
+            5,
+            "2026-11-29",
+            "the reason's wording only (one formatter for the unscaled conditions); the same verdicts",
+            "f11ad124bc6e7f81",
+        ),
+        RuleVersion(
+            6,
+            "2026-12-01",
+            "each optimizer's verdict is reported on its own, and the claim gets the least supportive one "
+            "instead of a holds-approximately merge of disagreeing optimizers",
+            "fe47709b4ea71dfd",
+        ),
     ),
 )
 
@@ -393,23 +435,32 @@ def _small_init_ratio(medians: dict[str, dict[str, float | None]], dks: tuple[in
     return out
 
 
+# How far each verdict supports the claim: where optimizers disagree, the claim (stated for training
+# in general) gets the least supportive one, and every optimizer's verdict is reported beside it.
+_SUPPORT = {Verdict.DOES_NOT_HOLD: 0, Verdict.HOLDS_APPROXIMATELY: 1, Verdict.HOLDS: 2}
+
+
 def judge(measured: dict) -> Judgement:
-    arms = {"AdamW": _judge_arm(measured, "")}
-    if "slowdown_sgd" in measured:
-        sgd = measured["sgd"]
-        lrs = f"{min(sgd['lrs']):g}..{max(sgd['lrs']):g}"
-        arms[f"SGD (lr tuned per condition on {lrs}, momentum {sgd['momentum']:g}, {sgd['budget']} steps)"] = _judge_arm(
-            measured, "_sgd"
-        )
-    if len(arms) == 1:
-        return arms["AdamW"]
-    shown = " | ".join(f"{name}: {j.verdict.value}: {j.reason}" for name, j in arms.items())
-    conclusive = {j.verdict for j in arms.values() if j.verdict is not Verdict.INCONCLUSIVE}
+    adamw = _judge_arm(measured, "")
+    if "slowdown_sgd" not in measured:
+        return adamw
+    sgd, settings = _judge_arm(measured, "_sgd"), measured["sgd"]
+    lrs = f"{min(settings['lrs']):g}..{max(settings['lrs']):g}"
+    sgd_name = f"SGD (lr tuned per condition on {lrs}, momentum {settings['momentum']:g}, {settings['budget']} steps)"
+    arms = (Arm("AdamW", adamw.verdict, adamw.reason), Arm(sgd_name, sgd.verdict, sgd.reason))
+    conclusive = [a for a in arms if a.verdict is not Verdict.INCONCLUSIVE]
     if not conclusive:
-        return Judgement(Verdict.INCONCLUSIVE, shown)
-    if len(conclusive) == 1:
-        return Judgement(conclusive.pop(), shown)
-    return Judgement(Verdict.HOLDS_APPROXIMATELY, f"the optimizers disagree: {shown}")
+        return Judgement(Verdict.INCONCLUSIVE, "no optimizer gives a conclusive verdict", arms)
+    least = min(conclusive, key=lambda a: _SUPPORT[a.verdict])
+    each = "; ".join(f"{a.name.split(' ')[0]}: {a.verdict.value}" for a in arms)
+    if all(a.verdict is least.verdict for a in arms):
+        return Judgement(least.verdict, f"both optimizers agree ({each})", arms)
+    return Judgement(
+        least.verdict,
+        f"the optimizers disagree ({each}); the claim, stated for training in general, gets the least supportive "
+        "verdict, and each optimizer's verdict stands on its own",
+        arms,
+    )
 
 
 def _unscaled(by_init: dict[str, dict[str, object]], show: Callable[..., str]) -> str:

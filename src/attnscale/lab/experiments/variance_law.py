@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from attnscale import scaled_dot_product_attention
 
-from ..base import Claim, Judgement, Profile, Progress, Verdict, save_figure
+from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="variance-law",
@@ -55,6 +55,9 @@ CLAIM = Claim(
     "standard errors of 1; does-not-hold if any differs from 1 by more than 25% and by more than 4 standard "
     "errors; holds-approximately otherwise. The nn.Linear and correlated cases are reported as findings on when "
     "the premise holds in practice.",
+    rule_history=(
+        RuleVersion(1, "2026-11-29", "the rule as first committed", "a24a945fcb075f67"),
+    ),
 )
 HEADLINE = "max_deviation_iid"
 
