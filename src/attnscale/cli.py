@@ -142,6 +142,30 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explore(args: argparse.Namespace) -> int:
+    """Write the explorer page; with --open, show it in the default browser."""
+    import webbrowser
+    from pathlib import Path
+
+    from .lab import explorer
+
+    out = Path(args.out)
+    folder, name = (out, explorer.PAGE) if out.is_dir() else (out.parent, out.name)
+    try:
+        path = explorer.write_explorer(folder, filename=name)
+    except OSError as exc:  # a usage error, reported like argparse's own
+        print(
+            f"attnscale explore: error: --out: expected a file path this process can write, got {str(out)!r} "
+            f"({exc.strerror}). Fix: pass another path",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from exc
+    print(f"explorer: {path}")
+    if args.open:
+        webbrowser.open(path.resolve().as_uri())
+    return 0
+
+
 def _list(args: argparse.Namespace) -> int:
     """The claims, in report order, and which have an experiment."""
     from rich.console import Console
@@ -276,6 +300,18 @@ def build_parser() -> argparse.ArgumentParser:
         "a local Ray instance with --jobs CPUs",
     )
     report.set_defaults(func=_report)
+
+    explore = sub.add_parser(
+        "explore",
+        help="write the interactive explorer of the scale (one offline HTML page) and optionally open it",
+        description="Writes one self-contained HTML page that moves d_k, the divisor, the number of keys and how q "
+        "and k are drawn, and shows the scores, softmax weights, the softmax Jacobian, the gradient into q and k and "
+        "the fp16 headroom, computed in the browser. The URL holds the view, e.g. explore.html?dk=128&divisor=1&keys=64. "
+        "'attnscale report' writes the same page beside the report.",
+    )
+    explore.add_argument("--out", default="explore.html", metavar="FILE", help="where to write it (default ./explore.html; a folder gets explore.html inside)")
+    explore.add_argument("--open", action="store_true", help="open it in the default web browser")
+    explore.set_defaults(func=_explore)
 
     listing = sub.add_parser("list", help="list the claims, and which have an experiment yet")
     listing.set_defaults(func=_list)

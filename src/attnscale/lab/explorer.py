@@ -40,6 +40,7 @@ True
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from dataclasses import asdict, dataclass, fields
 from importlib import resources
@@ -82,6 +83,7 @@ SIGMA_GRID = tuple(10.0 ** (i / 10) for i in range(-10, 51))
 """Logit stds 0.1 .. 1e5, ten per decade, 1 included: where the off-peak gradient is traced."""
 
 _LIMITS = {"dk": (1, 1024), "keys": (2, 512), "heads": (1, 128), "draws": (1, 2000), "seed": (0, 2**32 - 1)}
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 _EPS_QK = 1e-6
 _EPS_LN = 1e-5
 
@@ -104,29 +106,36 @@ class State:
         for name, (lo, hi) in _LIMITS.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                fail(name, f"an integer in [{lo}, {hi}]", repr(value), f"pass e.g. {name}={getattr(State, name)}")
+                fail(name, f"an integer in [{lo}, {hi}]", _shown(value), f"pass e.g. {name}={getattr(State, name)}")
         if self.divisor not in get_args(Divisor):
             fail("divisor", f"one of {', '.join(get_args(Divisor))}", repr(self.divisor), "pass e.g. divisor=sqrt-dk")
         if self.qk not in get_args(QKDraw):
             fail("qk", f"one of {', '.join(get_args(QKDraw))}", repr(self.qk), "pass e.g. qk=iid")
         if not (_is_real(self.temp) and math.isfinite(self.temp) and self.temp > 0):
-            fail("temp", "a finite number > 0", repr(self.temp), "pass e.g. temp=11.3")
+            fail("temp", "a finite number > 0", _shown(self.temp), "pass e.g. temp=11.3")
         if not (_is_real(self.rho) and -1.0 <= self.rho <= 1.0):
-            fail("rho", "a float in [-1, 1]", repr(self.rho), "pass e.g. rho=0.5")
+            fail("rho", "a number in [-1, 1]", _shown(self.rho), "pass e.g. rho=0.5")
 
     @classmethod
     def from_query(cls, query: str) -> State:
-        """Parse a URL query (``"dk=128&divisor=1"``, a leading ``?`` allowed); absent fields keep their defaults."""
+        """Parse a URL query (``"dk=128&divisor=1"``, a leading ``?`` allowed); absent fields keep their defaults.
+
+        Numbers are decimal (``2``, ``0.5``, ``1e3``); an integer field takes any integral one.
+        The page parses and checks its URL the same way, with the same messages.
+        """
         kinds = {f.name: f.type for f in fields(cls)}
         values: dict[str, object] = {}
         for name, text in parse_qsl(query.removeprefix("?"), keep_blank_values=True):
             if name not in kinds:
                 fail("query", f"parameters among {', '.join(kinds)}", repr(name), "remove it or fix its spelling")
             kind = kinds[name]
-            try:
-                values[name] = int(text) if kind == "int" else float(text) if kind == "float" else text
-            except ValueError:
-                fail(name, f"a number ({kind})", repr(text), f"pass e.g. {name}={getattr(cls, name)}")
+            if kind not in ("int", "float"):
+                values[name] = text
+                continue
+            if not _DECIMAL.fullmatch(text):
+                fail(name, f"a number ({kind})", repr(text), f"pass e.g. {name}={_shown(getattr(cls, name))}")
+            number = float(text)
+            values[name] = int(number) if kind == "int" and number.is_integer() else number
         return cls(**values)  # type: ignore[arg-type]
 
     def to_query(self) -> str:
@@ -157,6 +166,11 @@ def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _shown(value: object) -> str:
+    """A received value in an error message: numbers as the URL writes them, anything else as repr."""
+    return _text(value) if _is_real(value) else repr(value)
+
+
 def _text(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
@@ -170,11 +184,15 @@ def mulberry32(seed: int, start: int, count: int) -> np.ndarray:
     >>> [int(w) for w in mulberry32(1, 0, 3)]
     [2693262067, 11749833, 2265367787]
     """
-    index = np.arange(start + 1, start + count + 1, dtype=np.uint64)
-    t = ((np.uint64(seed) + index * np.uint64(0x6D2B79F5)) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    t = (t ^ (t >> np.uint32(15))) * (t | np.uint32(1))
-    t ^= t + (t ^ (t >> np.uint32(7))) * (t | np.uint32(61))
-    return t ^ (t >> np.uint32(14))
+    u32 = np.uint32
+    t = np.arange(count, dtype=u32)  # uint32 arithmetic wraps modulo 2**32, as the page's Math.imul does
+    t += u32((start + 1) & 0xFFFFFFFF)
+    t *= u32(0x6D2B79F5)
+    t += u32(seed)
+    t = (t ^ (t >> u32(15))) * (t | u32(1))
+    t ^= t + (t ^ (t >> u32(7))) * (t | u32(61))
+    t ^= t >> u32(14)
+    return t
 
 
 def uniforms(seed: int, start: int, count: int) -> np.ndarray:
