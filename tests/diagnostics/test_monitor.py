@@ -188,8 +188,12 @@ def test_training_loop_api_keeps_gradients_and_accumulates_calls():
 def test_forwards_in_several_threads_are_attributed_to_their_own_layers():
     model = Block()
     x = torch.randn(2, 6, 48)
-    with attnscale.monitor(model) as mon, torch.no_grad():
-        threads = [threading.Thread(target=model, args=(x,)) for _ in range(4)]
+    def forward():
+        with torch.no_grad():  # grad mode is per thread; with gradients the output would come from another kernel
+            model(x)
+
+    with attnscale.monitor(model) as mon:
+        threads = [threading.Thread(target=forward) for _ in range(4)]
         for t in threads:
             t.start()
         for t in threads:

@@ -13,9 +13,15 @@ training loop). While it is active:
   ``torch.no_grad()``) runs a fused C++ kernel; neither goes through the function, so neither is seen.
 * HuggingFace models set to ``attn_implementation="attnscale"`` (see :mod:`attnscale.diagnostics.hf`)
   report to the active monitor directly.
+* :class:`attnscale.MultiHeadAttention` layers report their kernel call (after projections, RoPE,
+  QK-Norm and the KV cache; with softcap, ALiBi, window and sinks) under the module's name.
 * forward pre/post hooks on every module of ``model`` keep a stack of the modules running; a call
   is recorded under the innermost one's qualified name (``transformer.h.0.attn``). Calls made
   outside the model's forward run through torch's own function, unrecorded.
+
+When gradients are recorded (training), the output and its gradient come from the call the model
+makes without the monitor, and the statistics from a second forward pass without autograd and
+without dropout: a monitored run trains exactly as an unmonitored one.
 
 Everything is restored on exit, also when the body raises. One monitor may be active at a time in
 a process; starting a second one (or the same one twice) raises ``RuntimeError``.
@@ -40,6 +46,25 @@ Recorded per (layer, head), accumulated over calls, batch and query rows:
   Rows with no visible key are left out; every other row the model computes counts, including
   the rows of padding queries (a padding mask hides keys, not queries).
 
+Time series: with ``every=N`` only training steps 0, N, 2N, ... are recorded (the others run the
+model's own attention, untouched); :meth:`Monitor.step` (or the optimizer's step, given
+``optimizer=``) ends a step and turns a sampled one into a :class:`StepRecord`, which goes to
+``history``, to the ``writers`` (:class:`JsonlWriter`, :class:`CsvWriter`, any callable) and to the
+alert rules (:class:`AlertRules`). :func:`read_run` and :func:`plot_run` read and draw a run.
+
+>>> import attnscale
+>>> from attnscale.diagnostics.monitor import AlertRules
+>>> mha = attnscale.MultiHeadAttention(32, num_heads=4)
+>>> opt = torch.optim.SGD(mha.parameters(), lr=0.1)
+>>> mon = attnscale.monitor(mha, every=2, optimizer=opt, alerts=AlertRules(max_logit=50.0)).start()
+>>> for _ in range(5):
+...     mha(torch.randn(2, 6, 32)).square().mean().backward()
+...     opt.step()
+...     opt.zero_grad()
+>>> report = mon.stop()
+>>> [r.step for r in mon.history], len(mon.history[0].heads)
+([0, 2, 4], 4)
+
 The wrapper computes what torch 2.13's function computes (a row with no visible key gives zeros;
 ``attn_mask`` with ``is_causal`` applies both; older torch versions give NaN, or raise, there);
 only dropout draws a different random pattern. Its output agrees with torch's to float32 rounding.
@@ -57,9 +82,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import math
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,6 +94,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import modules as _modules
 from .._validate import check_attention_call, fail
 from ..dense import accumulation_dtype
 from ..functional import MATH_MAX_SCORES, scaled_dot_product_attention
@@ -78,21 +105,31 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 __all__ = [
+    "Alert",
+    "AlertRules",
+    "CsvWriter",
     "Flag",
     "HeadReport",
+    "JsonlWriter",
     "LayerSummary",
     "Monitor",
     "MonitorReport",
     "MonitorThresholds",
+    "StepRecord",
+    "TrainingStopped",
     "active_monitor",
     "monitor",
+    "plot_run",
     "read_csv",
+    "read_run",
     "score_moments",
 ]
 
 SCHEMA = "attnscale.monitor/1"
 ROUTE_SDPA = "torch.nn.functional.scaled_dot_product_attention"
 ROUTE_HF = "transformers:attnscale"
+ROUTE_MHA = "attnscale.MultiHeadAttention"
+_log = logging.getLogger("attnscale.monitor")
 
 
 def _check_unit(name: str, value: object, *, open_low: bool = True) -> float:
@@ -151,7 +188,8 @@ class MonitorThresholds:
 
 @dataclass(frozen=True)
 class HeadReport:
-    """Statistics of one head at one call site, over all its recorded calls. None where no row was visible."""
+    """Statistics of one head at one call site, over all its recorded calls. None where no row was
+    visible; ``sink_share`` (mean probability of the attention sink) is None for calls without sinks."""
 
     layer: str
     head: int
@@ -165,6 +203,7 @@ class HeadReport:
     normalized_entropy: float | None
     max_prob: float | None
     saturated_share: float | None
+    sink_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -436,12 +475,13 @@ class _Accumulator:
     """Running per-head sums for one call site, as float64 tensors on the device of the first call
     (no host synchronisation per call)."""
 
-    NAMES = ("rows", "sum_qk", "sum_qk2", "pairs", "sum_sqk", "sum_sqk2", "entropy", "norm_entropy", "max_prob", "saturated")
+    NAMES = ("rows", "sum_qk", "sum_qk2", "pairs", "sum_sqk", "sum_sqk2", "entropy", "norm_entropy", "max_prob", "saturated", "sink_share", "sink_rows")
 
     def __init__(self, route: str, H: int, device: torch.device) -> None:
         self.route = route
         self.H = H
         self.calls = 0
+        self.sink_calls = 0
         self.sums = {name: torch.zeros(H, dtype=torch.float64, device=device) for name in self.NAMES}
         self.max_logit = torch.full((H,), -math.inf, dtype=torch.float64, device=device)
 
@@ -475,6 +515,7 @@ class _Accumulator:
                     normalized_entropy=mean("norm_entropy"),
                     max_prob=mean("max_prob"),
                     saturated_share=mean("saturated"),
+                    sink_share=s["sink_share"][h] / s["sink_rows"][h] if self.sink_calls and s["sink_rows"][h] else None,
                 )
             )
         return heads
@@ -506,6 +547,297 @@ def score_moments(query: Tensor, key: Tensor, batch: tuple[int, ...]) -> tuple[T
     total2 = total2.flatten(-2).expand(*batch, H).reshape(-1, H).sum(0, dtype=torch.float64)  # (H,)
     return total, total2, math.prod(batch) * query.shape[-2] * key.shape[-2]
 
+STEP_SCHEMA = "attnscale.monitor.step/1"
+STATISTICS = ("max_logit", "entropy", "normalized_entropy", "max_prob", "saturated_share", "score_std", "scaled_score_std", "sink_share")
+"""The per-head statistics of a :class:`StepRecord` that :meth:`StepRecord.scalars` reports."""
+
+
+@dataclass(frozen=True)
+class Alert:
+    """A rule that fired for one head at one sampled step (see :class:`AlertRules`).
+
+    ``rule`` is "max_logit", "logit_growth", "entropy_collapse" or "saturation_jump"; ``value`` is
+    the measured quantity (the max logit, the growth factor, the normalised entropy or the jump
+    of the saturated share) and ``threshold`` the limit it crossed."""
+
+    step: int
+    layer: str
+    head: int
+    rule: str
+    value: float
+    threshold: float
+    message: str
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One sampled training step: each (layer, head)'s statistics over the step's forward calls, and
+    the alerts that fired at it. ``to_dict`` is one line of a JSON-lines run (``schema`` =
+    "attnscale.monitor.step/1"); :meth:`from_dict` reads it back."""
+
+    step: int
+    heads: tuple[HeadReport, ...]
+    alerts: tuple[Alert, ...] = ()
+
+    def scalars(self, prefix: str = "attention") -> dict[str, float]:
+        """Flat ``{"attention/<layer>/head_<h>/<statistic>": value}`` for any scalar logger
+        (statistics in :data:`STATISTICS`; None values are left out).
+
+        >>> head = HeadReport("h.0", 1, ROUTE_SDPA, 1, 8, 1.0, 0.5, 3.0, 1.2, 0.6, 0.4, 0.0)
+        >>> StepRecord(10, (head,)).scalars()["attention/h.0/head_1/max_logit"]
+        3.0
+        """
+        out = {}
+        for h in self.heads:
+            for name in STATISTICS:
+                value = getattr(h, name)
+                if value is not None:
+                    out[f"{prefix}/{h.layer}/head_{h.head}/{name}"] = value
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": STEP_SCHEMA, "step": self.step, "heads": [asdict(h) for h in self.heads], "alerts": [asdict(a) for a in self.alerts]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepRecord:
+        if not isinstance(data, dict) or data.get("schema") != STEP_SCHEMA:
+            got = repr(data.get("schema")) if isinstance(data, dict) else type(data).__name__
+            fail("data", f"schema {STEP_SCHEMA!r}", got, "pass a line written by JsonlWriter (StepRecord.to_dict())")
+        return cls(
+            step=int(data["step"]),
+            heads=tuple(HeadReport(**h) for h in data["heads"]),
+            alerts=tuple(Alert(**a) for a in data.get("alerts", ())),
+        )
+
+
+def _check_optional_positive(name: str, value: object, example: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        fail(name, "None or a float", repr(value), f"pass e.g. {name}={example}", exc=TypeError)
+    if not math.isfinite(value) or value <= 0:
+        fail(name, "None or a finite float > 0", repr(value), f"pass e.g. {name}={example}, or None to turn the rule off")
+
+
+@dataclass(frozen=True)
+class AlertRules:
+    """When the monitor raises an alert for a head, checked at every sampled step; None turns a rule off.
+
+    * ``max_logit``: the head's max logit exceeds it (100 is QK-Clip's tau in Kimi K2);
+    * ``growth_factor`` over ``growth_window`` steps: the max logit is at least ``growth_factor``
+      times the smallest max logit the head had in the sampled steps of the last ``growth_window``
+      steps, and above ``growth_floor`` (small logits at initialisation may double harmlessly);
+    * ``min_normalized_entropy``: the mean entropy / log(visible keys) falls below it (entropy
+      collapse: the head has become close to one-hot);
+    * ``saturation_jump``: the share of saturated rows (max prob > ``MonitorThresholds.saturation_prob``)
+      rose by more than it since the previous sampled step.
+
+    A rule fires once when its condition becomes true for a head and again only after it was false
+    at a sampled step. Every alert is logged as a warning on the ``attnscale.monitor`` logger and
+    passed to the monitor's ``on_alert`` hook; with ``stop=True`` it also stops training
+    (:meth:`Monitor.step` raises :class:`TrainingStopped`).
+
+    >>> AlertRules(max_logit=30.0, growth_factor=None).max_logit
+    30.0
+    >>> AlertRules(growth_window=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: growth_window: expected an int >= 1 (steps), got 0. Fix: pass e.g. growth_window=100
+    """
+
+    max_logit: float | None = 100.0
+    growth_factor: float | None = 4.0
+    growth_window: int = 200
+    growth_floor: float = 10.0
+    min_normalized_entropy: float | None = 0.05
+    saturation_jump: float | None = 0.5
+    stop: bool = False
+
+    def __post_init__(self) -> None:
+        _check_optional_positive("max_logit", self.max_logit, "100.0")
+        _check_optional_positive("growth_factor", self.growth_factor, "4.0")
+        if self.growth_factor is not None and self.growth_factor <= 1:
+            fail("growth_factor", "None or a factor > 1", repr(self.growth_factor), "pass e.g. growth_factor=4.0")
+        if isinstance(self.growth_window, bool) or not isinstance(self.growth_window, int) or self.growth_window < 1:
+            fail("growth_window", "an int >= 1 (steps)", repr(self.growth_window), "pass e.g. growth_window=100")
+        if isinstance(self.growth_floor, bool) or not isinstance(self.growth_floor, (int, float)) or not math.isfinite(self.growth_floor):
+            fail("growth_floor", "a finite float", repr(self.growth_floor), "pass e.g. growth_floor=10.0")
+        for name in ("min_normalized_entropy", "saturation_jump"):
+            if getattr(self, name) is not None:
+                _check_unit(name, getattr(self, name))
+        if not isinstance(self.stop, bool):
+            fail("stop", "a bool", repr(self.stop), "pass stop=True to stop training on an alert", exc=TypeError)
+
+
+class TrainingStopped(RuntimeError):
+    """Raised by :meth:`Monitor.step` when an alert fired under ``AlertRules(stop=True)``; ``alerts`` holds them."""
+
+    def __init__(self, alerts: tuple[Alert, ...]) -> None:
+        super().__init__("attnscale.monitor stopped training: " + "; ".join(a.message for a in alerts))
+        self.alerts = alerts
+
+
+class _AlertState:
+    """What the rules remember per (layer, head): recent max logits, the last saturated share, and
+    which rules are firing."""
+
+    def __init__(self, rules: AlertRules) -> None:
+        self.rules = rules
+        self.logits: dict[tuple[str, int], list[tuple[int, float]]] = {}
+        self.saturated: dict[tuple[str, int], float] = {}
+        self.firing: set[tuple[str, int, str]] = set()
+
+    def check(self, step: int, heads: Iterable[HeadReport]) -> list[Alert]:
+        r, out = self.rules, []
+        for h in heads:
+            key = (h.layer, h.head)
+            conditions: dict[str, tuple[bool, float, float, str]] = {}
+            if h.max_logit is not None:
+                if r.max_logit is not None:
+                    conditions["max_logit"] = (h.max_logit > r.max_logit, h.max_logit, r.max_logit, f"max logit {h.max_logit:.1f} > {r.max_logit:g}")
+                window = [(s, v) for s, v in self.logits.get(key, []) if s >= step - r.growth_window]
+                self.logits[key] = [*window, (step, h.max_logit)]
+                low = min((v for _, v in window), default=None)
+                if r.growth_factor is not None and low is not None and low > 0:
+                    grown = h.max_logit / low
+                    fired = grown >= r.growth_factor and h.max_logit > r.growth_floor
+                    conditions["logit_growth"] = (fired, grown, r.growth_factor, f"max logit grew {grown:.1f}x to {h.max_logit:.1f} within {r.growth_window} steps (>= {r.growth_factor:g}x)")
+            if h.normalized_entropy is not None and r.min_normalized_entropy is not None:
+                e = h.normalized_entropy
+                conditions["entropy_collapse"] = (e < r.min_normalized_entropy, e, r.min_normalized_entropy, f"normalised entropy {e:.3f} < {r.min_normalized_entropy:g}")
+            if h.saturated_share is not None:
+                before = self.saturated.get(key)
+                self.saturated[key] = h.saturated_share
+                if r.saturation_jump is not None and before is not None:
+                    jump = h.saturated_share - before
+                    conditions["saturation_jump"] = (jump > r.saturation_jump, jump, r.saturation_jump, f"saturated share jumped {before:.0%} -> {h.saturated_share:.0%} (> +{r.saturation_jump:.0%})")
+            for rule, (fired, value, threshold, what) in conditions.items():
+                tag = (h.layer, h.head, rule)
+                if fired and tag not in self.firing:
+                    out.append(Alert(step, h.layer, h.head, rule, float(value), float(threshold), f"step {step}, {h.layer} head {h.head}: {what}"))
+                (self.firing.add if fired else self.firing.discard)(tag)
+        return out
+
+
+class JsonlWriter:
+    """Writes each :class:`StepRecord` as one line of JSON (``StepRecord.to_dict()``) to ``path``,
+    which it creates (or empties) at once; :func:`read_run` reads the file back. The file is opened
+    for each record, so it is complete after every step and no handle stays open."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("")
+
+    def __call__(self, record: StepRecord) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record.to_dict()) + "\n")
+
+
+_RUN_CSV_FIELDS = ("step",) + tuple(f.name for f in fields(HeadReport))
+
+
+class CsvWriter:
+    """Writes one CSV row per (step, layer, head): ``step`` then the :class:`HeadReport` fields
+    (floats in round-trip repr, None as an empty cell); alerts are not part of the CSV."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(",".join(_RUN_CSV_FIELDS) + "\n")
+
+    def __call__(self, record: StepRecord) -> None:
+        with self.path.open("a", newline="") as f:
+            writer = csv.writer(f, lineterminator="\n")
+            for h in record.heads:
+                cells = (getattr(h, n) for n in _RUN_CSV_FIELDS[1:])
+                writer.writerow([record.step, *("" if v is None else repr(v) if isinstance(v, float) else str(v) for v in cells)])
+
+
+def read_run(path: str | Path) -> tuple[StepRecord, ...]:
+    """The records of a run written by :class:`JsonlWriter` (``.jsonl``) or :class:`CsvWriter` (``.csv``)."""
+    path = Path(path)
+    if not path.is_file():
+        fail("path", "a .jsonl or .csv file written by the monitor", repr(str(path)), "pass the file a JsonlWriter or CsvWriter wrote")
+    text = path.read_text()
+    if path.suffix == ".csv":
+        rows = csv.DictReader(io.StringIO(text))
+        if tuple(rows.fieldnames or ()) != _RUN_CSV_FIELDS:
+            fail("path", f"a CSV with header {','.join(_RUN_CSV_FIELDS)}", repr(rows.fieldnames), "pass a file written by CsvWriter")
+        steps: dict[int, list[HeadReport]] = {}
+        for row in rows:
+            values: dict[str, Any] = {}
+            for name in _RUN_CSV_FIELDS[1:]:
+                cell = row[name]
+                values[name] = cell if name in _STR_FIELDS else int(cell) if name in _INT_FIELDS else None if cell == "" else float(cell)
+            steps.setdefault(int(row["step"]), []).append(HeadReport(**values))
+        return tuple(StepRecord(step, tuple(heads)) for step, heads in steps.items())
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            fail("path", "one JSON object per line", f"line {number}: {exc.msg}", "pass a file written by JsonlWriter")
+        records.append(StepRecord.from_dict(data))
+    return tuple(records)
+
+
+def plot_run(records: Sequence[StepRecord], *, title: str | None = None, thresholds: MonitorThresholds | None = None) -> Figure:
+    """Max logit, normalised entropy and saturated share over steps: one small panel per layer and
+    statistic (rows: statistics, columns: layers), one line per head. Flagged heads (an alert in the
+    run, or a :class:`MonitorThresholds` flag at any step) are drawn in colour and named in the
+    legend; the others in grey. Returns a ``Figure`` (not pyplot)."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    if not records:
+        fail("records", "at least one StepRecord", "none", "record some steps (Monitor.step) before plotting")
+    thresholds = thresholds or MonitorThresholds()
+    layers = tuple(dict.fromkeys(h.layer for r in records for h in r.heads))
+    labels, shared = _short_labels(layers)
+    flagged = {(a.layer, a.head) for r in records for a in r.alerts}
+    flagged |= {(f.layer, f.head) for r in records for f in MonitorReport.from_heads(r.heads, thresholds).flags}
+    panels = (("max_logit", "max logit"), ("normalized_entropy", "entropy / log n"), ("saturated_share", "saturated share"))
+    fig = Figure(figsize=(1.2 + 2.6 * len(layers), 6.4), layout="constrained")
+    fig.suptitle(title or (f"attention over training, {shared}" if shared else "attention over training"))
+    axes = np.atleast_2d(fig.subplots(len(panels), len(layers), sharex=True, squeeze=False))
+    colours = iter(("tab:red", "tab:orange", "tab:purple", "tab:blue", "tab:green", "tab:brown", "tab:pink", "tab:cyan"))
+    colour_of: dict[tuple[str, int], str] = {}
+    for col, layer in enumerate(layers):
+        heads = sorted({h.head for r in records for h in r.heads if h.layer == layer})
+        for row, (name, label) in enumerate(panels):
+            ax = axes[row, col]
+            for head in heads:
+                points = [(r.step, getattr(h, name)) for r in records for h in r.heads if h.layer == layer and h.head == head]
+                xs = [s for s, v in points if v is not None]
+                ys = [v for _, v in points if v is not None]
+                if (layer, head) in flagged:
+                    colour = colour_of.setdefault((layer, head), next(colours, "tab:red"))
+                    ax.plot(xs, ys, color=colour, lw=1.8, label=f"{labels[col]} head {head}", zorder=3)
+                else:
+                    ax.plot(xs, ys, color="0.65", lw=0.9)
+            if name != "max_logit":
+                ax.set_ylim(-0.03, 1.03)
+            ax.grid(alpha=0.3)
+            if row == 0:
+                ax.set_title(f"layer {labels[col]}" if shared else labels[col])
+            if col == 0:
+                ax.set_ylabel(label)
+            if row == len(panels) - 1:
+                ax.set_xlabel("step")
+    for a in (a for r in records for a in r.alerts if a.rule in ("max_logit", "logit_growth")):
+        col = layers.index(a.layer)
+        axes[0, col].axvline(a.step, color=colour_of.get((a.layer, a.head), "tab:red"), ls=":", lw=1.0)
+    handles = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    if handles:
+        fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=min(len(handles), 4), title="flagged heads (others grey)", fontsize="small")
+    return fig
+
 
 _lock = threading.Lock()
 _active: Monitor | None = None
@@ -520,24 +852,113 @@ def active_monitor() -> Monitor | None:
     return _active
 
 
+Writer = Callable[[StepRecord], object]
+"""Anything called with each :class:`StepRecord`: :class:`JsonlWriter`, :class:`CsvWriter`, a TensorBoard
+writer (:mod:`attnscale.integrations.tensorboard`) or a plain function."""
+
+
 class Monitor:
     """Records attention statistics of ``model``; see the module docstring. Use :func:`monitor` to make one."""
 
-    def __init__(self, model: nn.Module, *, thresholds: MonitorThresholds | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        thresholds: MonitorThresholds | None = None,
+        every: int = 1,
+        writers: Sequence[Writer] = (),
+        alerts: AlertRules | None = None,
+        on_alert: Callable[[Alert], object] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        keep_history: bool = True,
+    ) -> None:
         if not isinstance(model, nn.Module):
             fail("model", "a torch.nn.Module", type(model).__name__, "pass the model whose attention to watch", exc=TypeError)
         if thresholds is None:
             thresholds = MonitorThresholds()
         if not isinstance(thresholds, MonitorThresholds):
             fail("thresholds", "a MonitorThresholds", type(thresholds).__name__, "pass MonitorThresholds(...)", exc=TypeError)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            fail("every", "an int >= 1 (sample one step in every)", repr(every), "pass e.g. every=10", exc=TypeError if not isinstance(every, int) or isinstance(every, bool) else ValueError)
+        if isinstance(writers, (str, bytes)) or not isinstance(writers, Sequence) or not all(callable(w) for w in writers):
+            fail("writers", "a sequence of callables taking a StepRecord", repr(writers), "pass e.g. writers=[JsonlWriter('run.jsonl')]", exc=TypeError)
+        if alerts is not None and not isinstance(alerts, AlertRules):
+            fail("alerts", "None or an AlertRules", type(alerts).__name__, "pass AlertRules(...)", exc=TypeError)
+        if on_alert is not None and not callable(on_alert):
+            fail("on_alert", "None or a callable taking an Alert", type(on_alert).__name__, "pass a function", exc=TypeError)
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            fail("optimizer", "None or a torch.optim.Optimizer", type(optimizer).__name__, "pass the optimizer whose steps end training steps", exc=TypeError)
         self.model = model
         self.thresholds = thresholds
+        self.every = every
+        self.writers = tuple(writers)
+        self.alerts = alerts
+        self.on_alert = on_alert
+        self.optimizer = optimizer
+        self.keep_history = bool(keep_history)
+        self.history: list[StepRecord] = []
+        self.stop_requested = False
+        self._step = 0
+        self._alert_state = _AlertState(alerts) if alerts is not None else None
         self._names: dict[int, str] = {}
         self._acc: dict[str, _Accumulator] = {}
         self._skipped = 0
         self._acc_lock = threading.Lock()
         self._hooks: list[Any] = []
         self._original: Callable[..., Tensor] | None = None
+        self._original_module_fn: Callable[..., Any] | None = None
+
+    @property
+    def current_step(self) -> int:
+        """Number of the training step now running (0 at first; :meth:`step` adds one). Settable,
+        e.g. to a resumed run's global step."""
+        return self._step
+
+    @current_step.setter
+    def current_step(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            fail("current_step", "an int >= 0", repr(value), "pass the number of the step about to run", exc=TypeError if not isinstance(value, int) else ValueError)
+        self._step = value
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the running step is recorded: its number is a multiple of ``every``."""
+        return self._step % self.every == 0
+
+    def step(self, *, raise_on_stop: bool = True) -> StepRecord | None:
+        """End the running training step. If it was sampled, its statistics become a
+        :class:`StepRecord` (kept in ``history``, given to every writer, checked by the alert rules)
+        and the accumulators are reset; returns the record, or None for a step not sampled or in
+        which nothing was recorded. Then the next step begins.
+
+        Raises :class:`TrainingStopped` when an alert fired under ``AlertRules(stop=True)``
+        (``raise_on_stop=False`` only sets ``stop_requested``, for loops that stop themselves).
+        Called by the optimizer's step when the monitor was given ``optimizer=``."""
+        record = None
+        if self.sampling:
+            with self._acc_lock:
+                heads = tuple(h for layer, acc in self._acc.items() for h in acc.report(layer))
+                self._acc.clear()
+                self._skipped = 0
+            if heads:
+                fired = tuple(self._alert_state.check(self._step, heads)) if self._alert_state is not None else ()
+                record = StepRecord(self._step, heads, fired)
+                if self.keep_history:
+                    self.history.append(record)
+                for write in self.writers:
+                    write(record)
+                for alert in fired:
+                    _log.warning("attnscale.monitor alert: %s", alert.message)
+                    if self.on_alert is not None:
+                        self.on_alert(alert)
+                if fired and self.alerts is not None and self.alerts.stop:
+                    self.stop_requested = True
+                    self._step += 1
+                    if raise_on_stop:
+                        raise TrainingStopped(fired)
+                    return record
+        self._step += 1
+        return record
 
     @property
     def active(self) -> bool:
@@ -558,6 +979,10 @@ class Monitor:
                 self._hooks.append(module.register_forward_hook(self._exit, always_call=True))
             self._original = F.scaled_dot_product_attention
             F.scaled_dot_product_attention = self._wrapper(self._original)
+            self._original_module_fn = _modules.scaled_dot_product_attention
+            _modules.scaled_dot_product_attention = self._module_wrapper(self._original_module_fn)
+            if self.optimizer is not None:
+                self._hooks.append(self.optimizer.register_step_post_hook(lambda *_: self.step()))
             _active = self
         return self
 
@@ -568,7 +993,8 @@ class Monitor:
             if _active is not self or self._original is None:
                 raise RuntimeError("attnscale.monitor: this monitor is not active. Fix: call start() first")
             F.scaled_dot_product_attention = self._original
-            self._original = None
+            _modules.scaled_dot_product_attention = self._original_module_fn
+            self._original = self._original_module_fn = None
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
@@ -627,7 +1053,7 @@ class Monitor:
             enable_gqa: bool = False,
         ) -> Tensor:
             layer = self.current_layer()
-            if layer is None or getattr(_local, "recording", False):
+            if layer is None or getattr(_local, "recording", False) or not self.sampling:
                 return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
             try:
                 out, _ = self.attend(
@@ -653,9 +1079,27 @@ class Monitor:
         scaled_dot_product_attention_monitored.__doc__ = original.__doc__
         return scaled_dot_product_attention_monitored
 
-    def attend(self, layer: str, route: str, query: Tensor, key: Tensor, value: Tensor, **options: Any) -> tuple[Tensor, AttentionStats]:
+    def _module_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """attnscale.MultiHeadAttention's kernel call, recorded under the module's name."""
+
+        def attend_monitored(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, *args: Any, return_stats: bool = False, **options: Any) -> Any:
+            layer = self.current_layer()
+            if layer is None or args or getattr(_local, "recording", False) or not self.sampling:
+                return original(query, key, value, attn_mask, *args, return_stats=return_stats, **options)
+            out, stats = self.attend(layer, ROUTE_MHA, query, key, value, attn_mask=attn_mask, **options)
+            return (out, stats) if return_stats else out
+
+        return attend_monitored
+
+    def attend(self, layer: str, route: str, query: Tensor, key: Tensor, value: Tensor, **options: Any) -> tuple[Tensor, AttentionStats | None]:
         """``attnscale.scaled_dot_product_attention(query, key, value, **options)`` with statistics,
-        recorded under ``layer``; returns (out, stats). Invalid inputs raise before any compute."""
+        recorded under ``layer``; returns (out, stats). Invalid inputs raise before any compute.
+
+        In a step that is not sampled (see ``every``) nothing is recorded: the call runs without
+        statistics and returns (out, None)."""
+        requested = options.pop("backend", "auto")
+        if not self.sampling:
+            return scaled_dot_product_attention(query, key, value, backend=requested, **options), None
         call = check_attention_call(
             query,
             key,
@@ -665,19 +1109,30 @@ class Monitor:
             is_causal=options.get("is_causal", False),
             scale=options.get("scale"),
             enable_gqa=options.get("enable_gqa", False),
-            causal_alignment="top_left",
-            backend="auto",
+            causal_alignment=options.get("causal_alignment", "top_left"),
+            backend=requested,
             softcap=options.get("softcap"),
-            alibi_slopes=None,
-            window=None,
+            alibi_slopes=options.get("alibi_slopes"),
+            window=options.get("window"),
             return_stats=True,
+            sinks=options.get("sinks"),
         )
         scores = math.prod(call.batch) * call.H * call.L * call.S
         # With statistics, "auto" picks the tiled kernel; below the memory limit the dense one is faster.
-        backend = "math" if scores <= MATH_MAX_SCORES else "auto"
+        backend = requested if requested != "auto" else "math" if scores <= MATH_MAX_SCORES else "auto"
         _local.recording = True
         try:
-            out, stats = scaled_dot_product_attention(query, key, value, return_stats=True, backend=backend, **options)
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+                # Training: the output and its gradient come from the call the model makes without the
+                # monitor (fast kernels, identical numerics); the statistics from a separate forward
+                # without autograd, far cheaper than differentiating the statistics' path.
+                out = scaled_dot_product_attention(query, key, value, backend=requested, **options)
+                # No dropout there: statistics describe the softmax before dropout, and drawing a second
+                # dropout mask would move the random stream the training run sees.
+                with torch.no_grad():
+                    _, stats = scaled_dot_product_attention(query, key, value, return_stats=True, backend=backend, **{**options, "dropout_p": 0.0})
+            else:
+                out, stats = scaled_dot_product_attention(query, key, value, return_stats=True, backend=backend, **options)
         finally:
             _local.recording = False
         self._record(layer, route, query, key, call.batch, call.path.scale, stats)
@@ -705,6 +1160,9 @@ class Monitor:
                 "max_prob": per_head(stats.max_prob),
                 "saturated": (shown & (stats.max_prob > self.thresholds.saturation_prob)).sum(rows_dims, dtype=torch.float64),
             }
+            if stats.sink_share is not None:
+                update["sink_share"] = per_head(stats.sink_share)
+                update["sink_rows"] = update["rows"]
             row_max = None
             if shown.numel():
                 row_max = torch.where(shown, stats.max_logit.detach(), -math.inf).amax(rows_dims).double()  # (H,)
@@ -715,6 +1173,7 @@ class Monitor:
             elif acc.H != H:
                 raise RuntimeError(f"attnscale.monitor: layer {layer!r} was called with {acc.H} heads before and {H} now")
             acc.calls += 1
+            acc.sink_calls += stats.sink_share is not None
             for name, value in update.items():
                 acc.sums[name] += value
             if row_max is not None:
@@ -734,10 +1193,27 @@ def _check_attention_implementation(model: nn.Module) -> None:
         )
 
 
-def monitor(model: nn.Module, *, thresholds: MonitorThresholds | None = None) -> Monitor:
+def monitor(
+    model: nn.Module,
+    *,
+    thresholds: MonitorThresholds | None = None,
+    every: int = 1,
+    writers: Sequence[Writer] = (),
+    alerts: AlertRules | None = None,
+    on_alert: Callable[[Alert], object] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    keep_history: bool = True,
+) -> Monitor:
     """Watch ``model``'s attention: ``with attnscale.monitor(model) as mon: model(x)``, then ``mon.report()``.
 
     For a training loop: ``mon = attnscale.monitor(model).start()`` ... ``report = mon.stop()``
     (``mon.report()`` and ``mon.reset()`` in between). See :mod:`attnscale.diagnostics.monitor`.
+
+    As a time series: ``every`` = N records one training step in N (steps 0, N, 2N, ...); a step
+    ends with ``mon.step()`` or, given ``optimizer=``, with each ``optimizer.step()``. Each sampled
+    step becomes a :class:`StepRecord` for ``writers`` and ``history`` (``keep_history=False``
+    keeps none in memory), checked by ``alerts`` (:class:`AlertRules`), which call ``on_alert``.
     """
-    return Monitor(model, thresholds=thresholds)
+    return Monitor(
+        model, thresholds=thresholds, every=every, writers=writers, alerts=alerts, on_alert=on_alert, optimizer=optimizer, keep_history=keep_history
+    )
