@@ -4,6 +4,7 @@ The browser tests drive Debian's Chromium over the DevTools protocol (websocket-
 every number the page displays with attnscale.lab.explorer.measure for the same URL state.
 """
 
+import html
 import json
 import math
 import re
@@ -341,3 +342,18 @@ def test_bad_url_shows_the_library_message_and_uses_defaults(browser, page_url):
     assert browser.eval("location.search") == "?dk=128&divisor=sqrt-dk&keys=8&draws=20"
     _check_against_python(browser.numbers(), "dk=128&divisor=sqrt-dk&keys=8&draws=20")
     assert browser.problems() == []
+
+
+def test_report_writes_the_explorer_and_links_each_claim_to_its_view(tmp_path):
+    claims = ["saturation-example", "softmax-peak-example"]
+    assert main(["report", "--out", str(tmp_path), "--profile", "tiny", "--jobs", "1", "--only", *claims]) == 0
+    assert (tmp_path / "explore.html").read_text(encoding="utf-8") == explorer.page_html()
+    sections = dict(re.findall(r'<section id="([^"]+)">(.*?)</section>', (tmp_path / "index.html").read_text(), re.S))
+    markdown = (tmp_path / "report.md").read_text()
+    assert sorted(sections) == sorted(claims)
+    for cid, body in sections.items():
+        view = explorer.explorer_link(cid)
+        assert [html.unescape(h) for h in re.findall(r'href="(explore\.html[^"]*)"', body)] == [view]
+        assert (tmp_path / view.partition("?")[0]).is_file()
+        md_section = markdown.split(f"## {cid}\n", 1)[1].split("\n## ", 1)[0]
+        assert re.findall(r"\]\((explore\.html[^)]*)\)", md_section) == [view]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
+from .explorer import explorer_link
 from .report import (
     format_value,
     grid_columns,
@@ -82,6 +83,8 @@ def _section(rec: dict[str, Any]) -> str:
         f'<blockquote class="statement">{escape(rec["statement"])}</blockquote>',
         f"<p><strong>Verdict: {escape(rec['verdict'])}.</strong> {escape(rec['reason'])}</p>",
     ]
+    if view := explorer_link(rec["id"]):
+        parts.append(f'<p><a class="explore" href="{escape(view)}">See it in the explorer</a>: move d_k and the divisor.</p>')
     if rec["arms"]:
         parts.append(
             '<ul class="arms">'

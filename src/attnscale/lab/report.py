@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import schema
+from .explorer import explorer_link, write_explorer
 
 __all__ = [
     "Format",
@@ -175,6 +176,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         lines += [f"Claims without an experiment yet: {missing}.", ""]
     for rec in results["claims"]:
         lines += [f"## {rec['id']}", "", f"> {rec['statement']}", ""]
+        if view := explorer_link(rec["id"]):
+            lines += [f"[See it in the explorer]({view})", ""]
         lines += [f"**Verdict: {rec['verdict']}.** {rec['reason']}", ""]
         lines += [f"- {arm['name']}: **{arm['verdict']}**. {arm['reason']}" for arm in rec["arms"]]
         if rec["arms"]:
@@ -202,7 +205,7 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def write_report(results: dict[str, Any], outdir: Path) -> dict[Format, Path]:
-    """Check ``results`` against the schema, then write results.json, report.md and index.html."""
+    """Check ``results`` against the schema, then write results.json, report.md, index.html and explore.html."""
     from .render_html import render_html
 
     schema.check(results)
@@ -216,4 +219,5 @@ def write_report(results: dict[str, Any], outdir: Path) -> dict[Format, Path]:
     for fmt, text in texts.items():
         paths[fmt] = outdir / FILES[fmt]
         paths[fmt].write_text(text, encoding="utf-8")
+    write_explorer(outdir)  # the claims' sections link into it
     return paths
