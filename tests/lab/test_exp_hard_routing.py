@@ -41,6 +41,8 @@ def test_run_tiny(tmp_path):
     for run in measured["final"].values():
         assert all(0.0 <= p <= 1.0 for p in run["max_prob"])
         assert all(s <= m + 1e-6 for s, m in zip(run["source_prob"], run["max_prob"]))
-    assert exp.judge(measured).verdict in set(Verdict)
+    # tiny trains too briefly to learn the task, and the rule says so (real verdicts: test_training_verdicts.py)
+    judgement = exp.judge(measured)
+    assert judgement.verdict is Verdict.INCONCLUSIVE and "the routing was not learned" in judgement.reason
     names = exp.plot(measured, tmp_path)
     assert all((tmp_path / f"{n}.png").exists() for n in names)

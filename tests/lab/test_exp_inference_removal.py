@@ -46,7 +46,9 @@ def test_run_tiny(tmp_path):
     entropy = {k: v[0]["entropy"] for k, v in by_div.items()}
     assert entropy["1"] < entropy["sqrt"] < entropy["dk"]
     assert measured["minilm"]["status"] == "skipped at this profile"
-    assert exp.judge(measured).verdict in set(Verdict)
+    # tiny trains too briefly to learn the task, and the rule says so (real verdicts: test_training_verdicts.py)
+    judgement = exp.judge(measured)
+    assert judgement.verdict is Verdict.INCONCLUSIVE and "the lab model reached only" in judgement.reason
     names = exp.plot(measured, tmp_path)
     assert names == ["inference_removal_lab"]
 

@@ -114,6 +114,8 @@ def test_run_tiny(measured, tmp_path):
     assert clip["clipped_heads"] == 0 or clip["peak_max_logit"] > 0
     curve = measured["curves"]["none"]["0.03"][0]
     assert curve["steps"][0] == 0 and curve["steps"][-1] == cfg.steps, "never stopped early"
-    assert exp.judge(measured).verdict in set(Verdict)
+    # tiny trains too briefly to learn the task, and the rule says so (real verdicts: test_training_verdicts.py)
+    judgement = exp.judge(measured)
+    assert judgement.verdict is Verdict.INCONCLUSIVE and "no reference for the logit that learning needs" in judgement.reason
     names = exp.plot(measured, tmp_path)
     assert names and all((tmp_path / f"{n}.png").exists() and (tmp_path / f"{n}.svg").exists() for n in names)

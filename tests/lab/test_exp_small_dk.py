@@ -43,7 +43,9 @@ def test_run_tiny(tmp_path):
     assert set(measured["steps_to_90_per_seed"]) == {"1/2", "sqrt/2"}
     init = measured["init_attention"]
     assert init["sqrt/2"]["logit_std"] == pytest.approx(init["1/2"]["logit_std"] / 2**0.5, rel=1e-5)
-    assert exp.judge(measured).verdict in set(Verdict)
+    # tiny trains too briefly to learn the task, and the rule says so (real verdicts: test_training_verdicts.py)
+    judgement = exp.judge(measured)
+    assert judgement.verdict is Verdict.INCONCLUSIVE and "did not reach 90%" in judgement.reason
     names = exp.plot(measured, tmp_path)
     assert all((tmp_path / f"{n}.png").exists() for n in names)
 

@@ -1,0 +1,83 @@
+"""The five training-based experiments reach real verdicts, in the directions the published run found.
+
+Each runs its ``tiny`` profile trained for a few hundred steps (so that the models learn the task,
+which ``tiny``'s 30-40 steps do not) with AdamW, seed 0 and one torch thread, and asserts the verdict
+and the measured directions behind it, not only that ``judge`` returns something. The sizes are the
+smallest at which the verdict is the one the ``quick`` and ``default`` profiles reach (see
+results/published.json), apart from hard-routing, whose gap sits at the noise floor at this size.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from attnscale.lab.base import Verdict, no_progress
+from attnscale.lab.experiments import hard_routing, inference_removal, logit_growth, small_dk, training_stall
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(module, **sizes):
+    config = dataclasses.replace(module.Config.for_profile("tiny"), **sizes)
+    measured = module.run(config, 0, no_progress)
+    return measured, module.judge(measured)
+
+
+def test_training_stall_adamw_learns_without_the_scale_at_d_k_64():
+    measured, judgement = _run(
+        training_stall, inits=("default", "unit"), steps=300, stop_at=0.9, long_steps=0, sgd_steps=0
+    )
+    assert judgement.verdict is Verdict.DOES_NOT_HOLD
+    slowdown = measured["slowdown"]
+    assert set(slowdown) == {"default/64", "unit/64"}
+    for init in ("default", "unit"):  # no stall: both models reach 90%, the unscaled one within 2x
+        assert measured["steps_to_90_by_init"][init]["1/64"] is not None
+        assert measured["steps_to_90_by_init"][init]["sqrt/64"] is not None
+        assert slowdown[f"{init}/64"] < training_stall.MUCH_SLOWER
+    assert slowdown["unit/64"] > slowdown["default/64"]  # larger init logits cost more steps
+    std = measured["init_logit_std"]
+    assert std["unit"]["1/64"]["raw"] > 2 * std["default"]["1/64"]["raw"]
+
+
+def test_small_dk_the_scale_is_within_seed_noise_at_d_k_2_and_4():
+    measured, judgement = _run(small_dk, dks=(2, 4), seeds=3, context=4, queries=4, n_keys=8, n_values=8, steps=300, eval_batch=64)
+    assert judgement.verdict is Verdict.HOLDS
+    for c in measured["comparison"].values():
+        assert c["diff"] is not None and c["diff"] <= c["noise"]
+
+
+def test_hard_routing_a_learned_temperature_routes_more_sharply_than_the_fixed_scale():
+    measured, judgement = _run(hard_routing, context=8, queries=4, n_values=16, steps=200, eval_batch=64)
+    fixed, learned = measured["final_median"]["fixed"], measured["final_median"]["learned"]
+    assert fixed["accuracy"] >= hard_routing.MIN_ACCURACY and learned["accuracy"] >= hard_routing.MIN_ACCURACY
+    assert measured["sharpness_gap"] > 0
+    assert judgement.verdict is Verdict.HOLDS_APPROXIMATELY  # sharper, but not near one-hot (>= 0.99)
+    assert learned["max_prob"] < hard_routing.SATURATED
+
+
+def test_inference_removal_one_over_d_k_degrades_and_removing_the_scale_barely_does():
+    measured, judgement = _run(
+        inference_removal, exponents=(0.0, 0.5, 1.0), seeds=2, steps=300, eval_batch=128
+    )
+    assert judgement.verdict is Verdict.HOLDS_APPROXIMATELY
+    removed, one_over_dk = measured["lab_summary"]["64/1"], measured["lab_summary"]["64/dk"]
+    assert removed["accuracy_trained"] >= inference_removal.MIN_TRAINED_ACCURACY
+    assert removed["accuracy_drop"] < inference_removal.ACC_DROP
+    assert one_over_dk["accuracy_drop"] > 10 * inference_removal.ACC_DROP
+    assert one_over_dk["entropy_change"] > 0 > removed["entropy_change"]  # 1/d_k flattens, no scale sharpens
+
+
+def test_logit_growth_logits_grow_without_a_guard_and_qk_norm_bounds_them():
+    measured, judgement = _run(logit_growth, lrs=(3e-3, 5e-2), steps=100)
+    assert judgement.verdict is Verdict.HOLDS_APPROXIMATELY
+    over = measured["over_reference"]
+    assert over["none"] > logit_growth.GROWTH
+    assert over["qk-norm"] <= logit_growth.QKNORM_BOUND
+    assert measured["softcap_max_logit_over_run"] <= measured["config"]["cap"] * (1 + 1e-6)
