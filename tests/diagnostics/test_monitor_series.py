@@ -275,3 +275,24 @@ def test_plot_run_draws_three_statistics_per_layer_and_names_flagged_heads(tmp_p
     assert labels == {f"MultiHeadAttention head {a.head}" for r in history for a in r.alerts}
     with pytest.raises(ValueError, match="records: expected at least one StepRecord"):
         plot_run([])
+
+
+def test_cli_plots_a_recorded_run(tmp_path, capsys):
+    from attnscale import cli
+
+    history, (jsonl, csv_path) = _recorded_run(tmp_path)
+    assert cli.main(["monitor", "--run", str(jsonl), "--title", "tiny run"]) == 0
+    out = capsys.readouterr().out
+    assert f"3 recorded steps (0 .. 4), {sum(len(r.alerts) for r in history)} alerts" in out and "alert: step 0" in out
+    assert jsonl.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    svg = tmp_path / "plots" / "run.svg"
+    assert cli.main(["monitor", "--run", str(csv_path), "--figure", str(svg)]) == 0
+    assert svg.read_text().lstrip().startswith("<?xml")
+    for argv, message in [
+        (["monitor", "--run", str(tmp_path / "none.jsonl")], "path: expected a .jsonl or .csv file"),
+        (["monitor", "--run", str(jsonl), "--figure", str(tmp_path / "x.txt")], "--figure: expected a .png, .svg or .pdf path"),
+        (["monitor", "--run", str(jsonl), "--hf", "x"], "--run plots a recorded run; it takes no --hf"),
+        (["monitor"], "expected --hf and --text"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            cli.main(argv)

@@ -800,7 +800,8 @@ def plot_run(records: Sequence[StepRecord], *, title: str | None = None, thresho
     flagged = {(a.layer, a.head) for r in records for a in r.alerts}
     flagged |= {(f.layer, f.head) for r in records for f in MonitorReport.from_heads(r.heads, thresholds).flags}
     panels = (("max_logit", "max logit"), ("normalized_entropy", "entropy / log n"), ("saturated_share", "saturated share"))
-    fig = Figure(figsize=(1.2 + 2.6 * len(layers), 6.4), layout="constrained")
+    width = max(4.5, 1.2 + 2.6 * len(layers))
+    fig = Figure(figsize=(width, 6.4), layout="constrained")
     fig.suptitle(title or (f"attention over training, {shared}" if shared else "attention over training"))
     axes = np.atleast_2d(fig.subplots(len(panels), len(layers), sharex=True, squeeze=False))
     colours = iter(("tab:red", "tab:orange", "tab:purple", "tab:blue", "tab:green", "tab:brown", "tab:pink", "tab:cyan"))
@@ -835,7 +836,7 @@ def plot_run(records: Sequence[StepRecord], *, title: str | None = None, thresho
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
     if handles:
-        fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=min(len(handles), 4), title="flagged heads (others grey)", fontsize="small")
+        fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncols=max(1, min(len(handles), 4, int(width // 2.4))), title="flagged heads (others grey)", fontsize="small")
     return fig
 
 
