@@ -46,11 +46,13 @@ def test_generator_is_mulberry32_at_any_offset(seed):
 
 def test_normals_are_box_muller_on_word_pairs_and_standard():
     u = explorer.uniforms(7, 20, 2)
-    expected = math.sqrt(-2 * math.log(1 - u[0])) * math.cos(2 * math.pi * u[1])
-    assert explorer.normals(7, 10, 1)[0] == pytest.approx(expected, rel=1e-15)
+    r, theta = math.sqrt(-2 * math.log(1 - u[0])), 2 * math.pi * u[1]
+    assert explorer.normals(7, 20, 2).tolist() == pytest.approx([r * math.cos(theta), r * math.sin(theta)], rel=1e-14)
+    assert explorer.normals(7, 11, 4).tolist() == explorer.normals(7, 0, 15)[11:].tolist()  # any offset, odd ones too
     z = explorer.normals(3, 0, 100_000)
     assert abs(z.mean()) < 4 / math.sqrt(z.size)
     assert abs(z.var() - 1) < 4 * math.sqrt(2 / z.size)
+    assert abs(np.mean(z[0::2] * z[1::2])) < 4 / math.sqrt(z.size / 2)  # the two normals of a pair are uncorrelated
 
 
 @pytest.mark.parametrize(

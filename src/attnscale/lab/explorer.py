@@ -7,8 +7,8 @@ folder (the report writes it beside ``index.html``); :func:`explorer_link` gives
 the page that shows a claim.
 
 The draws. One stream of uint32 words from mulberry32 seeded with ``State.seed`` (word ``i`` is
-mulberry32's ``i``-th output, see :func:`mulberry32`); uniforms are ``word / 2**32``; normal
-``i`` is Box-Muller on uniforms ``2i`` and ``2i + 1`` (``sqrt(-2 log(1 - u0)) cos(2 pi u1)``).
+mulberry32's ``i``-th output, see :func:`mulberry32`); uniforms are ``word / 2**32``; normals
+``2m`` and ``2m + 1`` are Box-Muller's pair on uniforms ``2m`` and ``2m + 1`` (see :func:`normals`).
 With ``qk = "linear"`` the weights come first, from uniforms: ``W_q`` (D, M) row-major, ``b_q``
 (D), ``W_k``, ``b_k``, each ``(2u - 1) / sqrt(M)`` (``nn.Linear``'s default init, M = 512 inputs);
 the normals start after them. Each draw then takes, in order: the query's source (D normals, M
@@ -201,9 +201,16 @@ def uniforms(seed: int, start: int, count: int) -> np.ndarray:
 
 
 def normals(seed: int, start: int, count: int) -> np.ndarray:
-    """Normals ``start ..`` of the stream that begins at word 0: normal i is Box-Muller on words 2i, 2i + 1."""
-    u = uniforms(seed, 2 * start, 2 * count).reshape(count, 2)
-    return np.sqrt(-2.0 * np.log(1.0 - u[:, 0])) * np.cos(2.0 * math.pi * u[:, 1])
+    """Normals ``start ..`` of the stream that begins at word 0, by Box-Muller on pairs of words.
+
+    Pair ``m`` (words 2m, 2m + 1, uniforms u0, u1) gives normal 2m = r cos(theta) and normal
+    2m + 1 = r sin(theta), with r = sqrt(-2 log(1 - u0)) and theta = 2 pi u1.
+    """
+    first, last = start // 2, (start + count - 1) // 2
+    u = uniforms(seed, 2 * first, 2 * (last - first + 1)).reshape(-1, 2)
+    r, theta = np.sqrt(-2.0 * np.log(1.0 - u[:, 0])), 2.0 * math.pi * u[:, 1]
+    pairs = np.stack([r * np.cos(theta), r * np.sin(theta)], axis=-1).reshape(-1)  # normals 2 first .. 2 last + 1
+    return pairs[start - 2 * first : start - 2 * first + count]
 
 
 @dataclass(frozen=True)
@@ -230,6 +237,8 @@ class Measures:
     max_prob_mean: float
     entropy_ratio: float
     """Mean over draws of the entropy (nats) divided by log(keys)."""
+    jacobian_max: float
+    """Largest |J_ij| of the first draw's Jacobian: the heatmap's full colour."""
     offpeak_first: float
     offpeak_mean: float
     """Mean over draws of the off-peak Jacobian mass: sum |J_ij| over i, j both off the argmax."""
@@ -308,7 +317,7 @@ def measure(state: State) -> Measures:
     from attnscale import scaled_dot_product_attention
 
     from .experiments.fp16_secondary import crossing
-    from .experiments.jacobian_collapse import jacobian_metrics, uniform_metrics
+    from .experiments.jacobian_collapse import jacobian_metrics, softmax_jacobian, uniform_metrics
 
     D, S, n = state.dk, state.keys, state.draws
     weights = _linear_weights(state) if state.qk == "linear" else None
@@ -344,6 +353,7 @@ def measure(state: State) -> Measures:
         max_prob_median=float(torch.quantile(max_prob, 0.5)),
         max_prob_mean=float(max_prob.mean()),
         entropy_ratio=float(stats.entropy.mean()) / math.log(S),
+        jacobian_max=float(softmax_jacobian(p[0]).abs().max()),
         offpeak_first=float(offpeak[0]),
         offpeak_mean=float(offpeak.mean()),
         offpeak_uniform=uniform_metrics(S)["offpeak_mass"],
