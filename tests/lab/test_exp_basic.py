@@ -55,7 +55,7 @@ def test_softmax_peak_values_are_exact(tiny):
     small = math.exp(-11) / (3 * math.exp(-11) + 1)
     assert m["probs"] == pytest.approx([small, small, 1 / (3 * math.exp(-11) + 1), small], rel=1e-14)
     assert small == pytest.approx(1.6700864e-5, rel=1e-7)
-    assert m["quoted"]["exact_peak_rounded"] == 0.99995  # the seeds' 0.99994 is truncated, not rounded
+    assert m["quoted"]["exact_peak_rounded"] == 0.99995  # the claim's 0.99994 is truncated, not rounded
 
 
 def test_softmax_peak_every_verdict(tiny):

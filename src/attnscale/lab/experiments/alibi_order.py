@@ -25,7 +25,7 @@ CLAIM = Claim(
         "ALiBi's distance penalty belongs after the 1/sqrt(d_k) scale, in logit units; added before "
         "the scale it is divided too, so every head's slope shrinks by sqrt(d_k)."
     ),
-    sources=("Press et al. 2021 (ALiBi)", "seeds"),
+    sources=("Press et al. 2022 (ALiBi), sec. 3",),
     method=(
         "Causal attention over S positions with the standard ALiBi slopes for H heads, for several "
         "d_k. After: attnscale.scaled_dot_product_attention with alibi_slopes. Before: attnscale on "

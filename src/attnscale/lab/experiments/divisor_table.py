@@ -25,7 +25,7 @@ CLAIM = Claim(
         "keeps the variance of the scores near 1 for every head size d_k: no division saturates "
         "softmax, d_k flattens it, and sqrt(d_model) is off by the number of heads."
     ),
-    sources=("Vaswani et al. 2017, sec. 3.2.1 and footnote 4", "seeds"),
+    sources=("Vaswani et al. 2017, sec. 3.2.1 and footnote 4",),
     method=(
         "For d_k in a range of head sizes, draw iid N(0, 1) queries and keys, divide q.k by each "
         "candidate divisor (d_model = d_k * num_heads) and run attnscale.scaled_dot_product_attention. "

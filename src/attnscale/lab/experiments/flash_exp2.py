@@ -33,7 +33,11 @@ CLAIM = Claim(
         "2^(scale * log2(e) * s), inside its blockwise online softmax, and gets the same result as "
         "the plain formula up to rounding."
     ),
-    sources=("Dao 2023 (FlashAttention-2)", "seeds"),
+    sources=(
+        "Dao 2023 (FlashAttention-2), sec. 3.1",
+        "flash-attention source: scale_softmax_log2 = softmax_scale * log2(e)",
+        "Triton tutorial 06-fused-attention: qk_scale = sm_scale * 1.44269504",
+    ),
     method=(
         "The exp2 online-softmax loop above, in float32 and float64, over key blocks, for several "
         "head sizes, key lengths (one not a multiple of the block) and scales (1/sqrt(d_k) and the "

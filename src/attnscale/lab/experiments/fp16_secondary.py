@@ -30,7 +30,10 @@ CLAIM = Claim(
         "that could move attention vanish at logit magnitudes far below those at which an fp16 q.k "
         "product overflows."
     ),
-    sources=("seeds", "Vaswani et al. 2017, footnote 4"),
+    sources=(
+        "Vaswani et al. 2017, sec. 3.2.1 and footnote 4",
+        "IEEE 754-2008, binary16 (largest finite value 65504)",
+    ),
     method=(
         "Gradient side (fp32): logits sigma * z, z ~ N(0, 1) over S keys, formed by "
         "attnscale.scaled_dot_product_attention with identity keys (so logits = scale * q); random "

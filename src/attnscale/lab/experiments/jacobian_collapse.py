@@ -26,7 +26,7 @@ CLAIM = Claim(
         "so the gradient cannot move attention to other keys; unscaled q.k at realistic head sizes "
         "is peaked enough for this."
     ),
-    sources=("Vaswani et al. 2017, footnote 4", "seeds"),
+    sources=("Vaswani et al. 2017, sec. 3.2.1 and footnote 4",),
     method=(
         "For several d_k, draw iid N(0, 1) queries and keys and form the attention probabilities p "
         "with attnscale.scaled_dot_product_attention at scale alpha (values = one-hot keys, so the "

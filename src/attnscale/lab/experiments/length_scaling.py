@@ -34,7 +34,7 @@ CLAIM = Claim(
         "With a fixed scale, the attention paid to a key that leads the others by a fixed logit gap "
         "fades as the number of keys grows; multiplying the logits by s log n keeps that key decisive."
     ),
-    sources=("Chiang & Cholak 2022", "Nakanishi 2025, Scalable-Softmax"),
+    sources=("Chiang and Cholak 2022 (log n scaling of the logits)", "Nakanishi 2025 (Scalable-Softmax)"),
     method=(
         "For n from 2 to n_max keys and several gaps g, attnscale.scaled_dot_product_attention runs "
         "on one query and n keys built so that q.k is g for one key and 0 for the others (D = 2), "

@@ -31,7 +31,7 @@ CLAIM = Claim(
         "Attention without softmax (linear attention, Performer) has no saturation failure; whether it needs "
         "the 1/sqrt(d_k) scale depends on its feature map."
     ),
-    sources=("seeds", "Katharopoulos et al. 2020", "Choromanski et al. 2020 (Performer, FAVOR+)"),
+    sources=("Katharopoulos et al. 2020, sec. 3.2", "Choromanski et al. 2021, sec. 2"),
     method=(
         "Scale q and k by c = 1..64 and measure the mean largest attention weight and the gradient norm into q "
         "for softmax, ReLU and elu+1 linear attention (D = 64, 64 keys). Measure how much applying 1/sqrt(D) to q "

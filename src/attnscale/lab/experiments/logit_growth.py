@@ -45,9 +45,10 @@ CLAIM = Claim(
         "soft-capping bounds the logits but not saturation, QK-Clip bounds the max logit."
     ),
     sources=(
-        "Dehghani et al. 2023 (ViT-22B, attention logit growth and QK-norm)",
-        "Gemma 2 (attention logit soft-capping)",
-        "Kimi K2 2025 (MuonClip / QK-Clip)",
+        "Dehghani et al. 2023, sec. 2 (QK normalization)",
+        "Wortsman et al. 2024, sec. 3.1.1",
+        "Gemma Team 2024, sec. 2 (logit soft-capping)",
+        "Kimi Team 2025, sec. 2.1 (MuonClip and QK-Clip)",
     ),
     method=(
         "One-layer transformer (attnscale.MultiHeadAttention, 2 heads, d_k = 64) trained by AdamW on multi-query "

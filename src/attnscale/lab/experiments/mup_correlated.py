@@ -26,7 +26,7 @@ CLAIM = Claim(
         "to d_k; dividing by sqrt(d_k) then leaves logits that still grow like sqrt(d_k), and only "
         "1/d_k (muP's choice) keeps them constant across head sizes."
     ),
-    sources=("Yang et al. 2022, Tensor Programs V (muP), attention 1/d scaling", "seeds"),
+    sources=("Yang et al. 2022 (Tensor Programs V), the muP attention scaling 1/d",),
     method=(
         "Rows of one query and S keys, q ~ N(0, I_{d_k}), keys k_j = rho_j q + sqrt(1 - rho_j^2) n_j. "
         "Cases: independent (rho_j = 0); one aligned key with rho = 0.1, 0.5 or 1 (q = k), the other "

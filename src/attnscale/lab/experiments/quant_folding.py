@@ -34,7 +34,7 @@ CLAIM = Claim(
         "Folding the softmax scale into q before INT8 quantisation is exact for power-of-two scales and harmless "
         "otherwise; smoothing K (subtracting its mean over keys) is exact under softmax and reduces INT8 error."
     ),
-    sources=("SageAttention 2024 (Zhang et al.)", "seeds: quantization interacts with the scale"),
+    sources=("Zhang et al. 2025 (SageAttention), smoothing K",),
     method=(
         "Per-block symmetric INT8 (128 query rows, 64 key rows per block), int32 accumulation. For D in "
         "{64, 128, 256}: share of INT8 values of q that change when the scale is folded in, and the block-scale "

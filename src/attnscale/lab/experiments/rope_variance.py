@@ -25,7 +25,7 @@ CLAIM = Claim(
         "Rotary position embeddings are rotations, so they leave the variance of q.k at d_k for "
         "independent components, at any pair of positions, and the 1/sqrt(d_k) scale commutes with them."
     ),
-    sources=("Su et al. 2021 (RoFormer)", "seeds"),
+    sources=("Su et al. 2021 (RoFormer), sec. 3",),
     method=(
         "For several d_k and relative offsets, draw iid N(0, 1) q and k, put q at a random position "
         "m and k at m + offset, rotate both with attnscale.variants.apply_rope (base 10000, half "

@@ -1,6 +1,6 @@
-"""The seeds' saturation example: d_k = 128, 64 keys, standard normal q and k, with and without the scale.
+"""The saturation example (docs/claims.md): d_k = 128, 64 keys, standard normal q and k, with and without the scale.
 
-The seeds quote one draw ("unscaled max ~= 0.99, scaled max ~= 0.05"). One draw says little, so the
+The claim quotes one draw ("unscaled max ~= 0.99, scaled max ~= 0.05"). One draw says little, so the
 experiment measures the distribution of the largest attention probability over many draws, both
 ways, and places the quoted numbers in it.
 
@@ -24,17 +24,16 @@ from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, sa
 
 CLAIM = Claim(
     id="saturation-example",
-    statement="For d_k = 128 and 64 keys with standard normal q and k, unscaled attention is near one-hot "
-    "(the seeds quote a largest probability of about 0.99) while scaled attention stays soft (about 0.05).",
-    sources=(
-        "seed 003: code example 'unscaled max ~= 0.99 (saturated); scaled max ~= 0.05 (soft)'",
-        "Vaswani et al. 2017, sec. 3.2.1 and footnote 4",
+    statement=(
+        "For d_k = 128 and 64 keys with standard normal q and k, unscaled attention is near one-hot (a "
+        "largest probability of about 0.99) while scaled attention stays soft (about 0.05)."
     ),
+    sources=("Vaswani et al. 2017, sec. 3.2.1 and footnote 4",),
     method="Many independent draws of one query and 64 keys with iid N(0, 1) components at d_k = 128; "
     "attnscale.scaled_dot_product_attention with return_stats=True gives each draw's largest attention "
     "probability with scale 1 (unscaled) and the default 1/sqrt(d_k) (scaled). Reported: median, mean and "
     "quantiles of that maximum, a distribution-free 95% interval for each median, the share of near one-hot "
-    "draws (max > 0.9), and the seeds' quoted values beside them.",
+    "draws (max > 0.9), and the claim's quoted values beside them.",
     rule="inconclusive with fewer than 100 draws or non-finite results; does-not-hold unless the unscaled median "
     "of the largest probability is >= 0.9 (near one-hot in a typical draw) and the scaled median is <= 0.25 (soft); "
     "holds if in addition each quoted number lies inside the measured interquartile range of its own case (it is "
@@ -162,7 +161,7 @@ def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
         median = measured[f"{case}_max_prob_median"]
         quoted = measured["quoted"][case]
         ax.axvline(median, color="black", lw=1.5, label=f"measured median {median:.3g}")
-        ax.axvline(quoted, color="black", ls="--", label=f"seeds' value {quoted}")
+        ax.axvline(quoted, color="black", ls="--", label=f"claimed value {quoted}")
         ax.axvline(measured["uniform_max_prob"], color="grey", ls=":", label=f"uniform 1/{measured['keys']}")
         ax.set_xlim(0, 1)
         ax.set_xlabel("largest attention probability of a draw")

@@ -25,10 +25,16 @@ from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, sa
 CLAIM = Claim(
     id="scale-in-the-wild",
     statement=(
-        "Modern transformers divide attention logits by sqrt(head_dim); the seeds cite Llama 3 70B "
-        "with head_dim 128 and divisor ~11.3."
+        (
+        "Modern transformers divide attention logits by sqrt(head_dim); Llama 3 70B, for example, has "
+        "head_dim 8192 / 64 = 128 and divides by sqrt(128) ~ 11.3."
+    )
     ),
-    sources=("seeds", "Vaswani et al. 2017, sec. 3.2.1", "model configs in the installed transformers"),
+    sources=(
+        "Vaswani et al. 2017, sec. 3.2.1 and footnote 4",
+        "Llama Team 2024 (The Llama 3 Herd of Models), Table 3",
+        "model configs and attention code of the installed transformers",
+    ),
     method=(
         "Build each architecture small from its transformers config (1 layer, random weights), "
         "route its attention through a probe that calls the model's own eager attention and fits "

@@ -23,7 +23,7 @@ from ..training import ModelConfig, TrainConfig, median_steps, train
 CLAIM = Claim(
     id="small-dk",
     statement="For head dims d_k <= 4 the 1/sqrt(d_k) scale barely matters: training with or without it is the same.",
-    sources=("seeds/003",),
+    sources=("Vaswani et al. 2017, sec. 3.2.1 and footnote 4",),
     method=(
         "One-layer transformer, 8 heads of d_k in {2, 4}, attnscale.MultiHeadAttention, AdamW, multi-query "
         "associative recall; divisor 1 vs sqrt(d_k) over several seeds: steps to 90% held-out accuracy, "

@@ -1,4 +1,4 @@
-"""softmax(0, 0, 11, 0): the seeds' worked example of a peaked softmax, computed exactly.
+"""softmax(0, 0, 11, 0): the worked example of a peaked softmax (docs/claims.md), computed exactly.
 
 The logits are produced as attention scores: one query ``q = (1)`` against four one-dimensional
 keys ``(0, 0, 11, 0)`` with ``scale = 1`` and identity values, so the attention output is the
@@ -29,13 +29,10 @@ CLAIM = Claim(
     id="softmax-peak-example",
     statement="softmax(0, 0, 11, 0) puts almost all of its mass on the 11: about 0.99994 there and about "
     "0.00002 on each of the other three.",
-    sources=(
-        "seed 003: 'softmax({0, 0, 11, 0}) is roughly {0.00002, 0.00002, 0.99994, 0.00002}'",
-        "seed 003: a typical unscaled score at d_head = 128 is around 11 in absolute value",
-    ),
+    sources=("Vaswani et al. 2017, sec. 3.2.1 and footnote 4",),
     method="The four logits are attention scores of one query against four keys (scale 1, identity values) in "
     "float64, through attnscale.scaled_dot_product_attention; the output is compared with the closed form "
-    "e^-11 / (1 + 3 e^-11) and 1 / (1 + 3 e^-11), and with the seeds' quoted values at the precision they are quoted.",
+    "e^-11 / (1 + 3 e^-11) and 1 / (1 + 3 e^-11), and with the claim's quoted values at the precision they are quoted.",
     rule="inconclusive if the attention output departs from the closed form by more than 1e-12 (the measurement is "
     "broken); does-not-hold if the peak is not the largest probability or holds less than 0.99 of the mass; holds "
     "if, in addition, every quoted value lies within one unit of its last quoted decimal of the exact value; "
@@ -127,8 +124,8 @@ def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
     ax = fig.add_subplot()
     ax.bar(range(len(probs)), probs, color="#4c72b0", label="measured (attnscale)")
     quoted = measured["quoted"]
-    seeds = [quoted["peak"] if i == measured["peak_index"] else quoted["other"] for i in range(len(probs))]
-    ax.scatter(range(len(probs)), seeds, color="#dd8452", zorder=3, marker="_", s=400, label="seeds' quoted value")
+    claimed = [quoted["peak"] if i == measured["peak_index"] else quoted["other"] for i in range(len(probs))]
+    ax.scatter(range(len(probs)), claimed, color="#dd8452", zorder=3, marker="_", s=400, label="claimed value")
     ax.set_yscale("log")
     ax.set_ylim(top=4.0)  # room for the label above the peak
     ax.set_xticks(range(len(probs)), labels)

@@ -58,7 +58,7 @@ CLAIM = Claim(
         "Without the 1/sqrt(d_k) scale a transformer learns attention much more slowly or stalls at "
         "realistic head dims (d_k = 64, 128); with the scale it learns."
     ),
-    sources=("seeds/003", "seeds/002", "Vaswani et al. 2017, footnote 4"),
+    sources=("Vaswani et al. 2017, sec. 3.2.1 and footnote 4",),
     method=(
         "One-layer pre-LN transformer with attnscale.MultiHeadAttention trained by AdamW on multi-query "
         "associative recall; divisor {1, sqrt(d_k), d_k} x d_k {64, 128} x q/k init {default nn.Linear, "

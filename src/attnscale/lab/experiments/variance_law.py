@@ -39,11 +39,7 @@ CLAIM = Claim(
     id="variance-law",
     statement="For q and k with iid zero-mean unit-variance components, Var(q.k) = d_k, so q.k / sqrt(d_k) has "
     "standard deviation ~1 whatever d_k is.",
-    sources=(
-        "Vaswani et al. 2017, sec. 3.2.1, footnote 4",
-        "seeds 000, 002, 003: the variance derivation",
-        "seed 000: 'approximately true after standard initialization and layer norm'",
-    ),
+    sources=("Vaswani et al. 2017, sec. 3.2.1 and footnote 4",),
     method="For d_k from 2 to 1024, many independent (q, k) pairs with iid Gaussian, uniform and Rademacher "
     "components of unit variance; q.k and q.k/sqrt(d_k) are the max_logit statistic of "
     "attnscale.scaled_dot_product_attention over a single key (scale 1 and the default scale). Var(q.k)/d_k is "
