@@ -90,7 +90,7 @@ _EPS_LN = 1e-5
 
 @dataclass(frozen=True)
 class State:
-    """One view of the page: its URL query holds the fields that differ from these defaults."""
+    """One view of the page, as its URL query holds it (see :meth:`to_query`); fields default as below."""
 
     dk: int = 128
     divisor: Divisor = "sqrt-dk"
@@ -248,14 +248,15 @@ class Measures:
     """Mean over draws of |d loss / d q| (the q entering the scores)."""
     grad_k: float
     """Mean over draws of the Frobenius norm of d loss / d k over the S keys."""
-    offpeak_grad_rel: float
-    """Median off-peak logit gradient now, over its median at the same logits rescaled to std 1."""
+    offpeak_grad_rel: float | None
+    """Median off-peak logit gradient now, over its median at the same logits rescaled to std 1
+    (None when all scores are equal)."""
     vanish_std: float | None
-    """Logit std at which that ratio falls below 1e-3 (None: not on 0.1 .. 1e5), as fp16-secondary."""
+    """Logit std at which that ratio falls below 1e-3 (None: not on 0.1 .. 1e5, or all scores equal), as fp16-secondary."""
     max_abs_qk: float
     """Largest |q.k| (before the divisor) over all draws and keys."""
-    fp16_overflow_std: float
-    """Score std at which q and k, grown by a common factor, make an fp16 q @ k^T overflow."""
+    fp16_overflow_std: float | None
+    """Score std at which q and k, grown by a common factor, make an fp16 q @ k^T overflow (None when all scores are equal)."""
     max_score: float
     """Largest score q.k / divisor (a softmax without max subtraction overflows fp16 above 11.09)."""
 
@@ -337,10 +338,13 @@ def measure(state: State) -> Measures:
     max_prob = stats.max_prob.reshape(n).double()
     dp = torch.einsum("nd,nsd->ns", up, v).numpy()  # d loss / d p_j = upstream . v_j
     score_std = float(s.std())
-    z = s / score_std
-    offpeak_median = [float(np.median(_offpeak_logit_grad(sigma * z, dp))) for sigma in SIGMA_GRID]
-    unit = offpeak_median[SIGMA_GRID.index(1.0)]
-    now = float(np.median(_offpeak_logit_grad(s, dp)))
+    relative = vanish = None  # stay None when every score is equal: no shape to rescale to std 1
+    if score_std > 0:
+        curve = [float(np.median(_offpeak_logit_grad(sigma * s / score_std, dp))) for sigma in SIGMA_GRID]
+        unit = curve[SIGMA_GRID.index(1.0)]
+        if unit > 0:
+            relative = float(np.median(_offpeak_logit_grad(s, dp))) / unit
+            vanish = crossing(list(SIGMA_GRID), [c / unit for c in curve], VANISH)
     max_abs = float(np.abs(raw).max())
     return Measures(
         divisor=state.divisor_value,
@@ -359,10 +363,10 @@ def measure(state: State) -> Measures:
         offpeak_uniform=uniform_metrics(S)["offpeak_mass"],
         grad_q=float(q4.grad.reshape(n, D).norm(dim=-1).mean()),
         grad_k=float(k4.grad.reshape(n, S * D).norm(dim=-1).mean()),
-        offpeak_grad_rel=now / unit,
-        vanish_std=crossing(list(SIGMA_GRID), [m / unit for m in offpeak_median], VANISH),
+        offpeak_grad_rel=relative,
+        vanish_std=vanish,
         max_abs_qk=max_abs,
-        fp16_overflow_std=score_std * FP16_MAX / max_abs,
+        fp16_overflow_std=score_std * FP16_MAX / max_abs if score_std > 0 else None,
         max_score=float(s.max()),
     )
 
