@@ -101,6 +101,12 @@ def test_heads_differ_without_enable_gqa():
     assert "enable_gqa=True" in refused(ValueError, "key", qg, kg, vg)
 
 
+def test_one_kv_head_broadcasts_without_enable_gqa():
+    q1, k1, v1 = qkv(H=4, Hkv=1)
+    out = attnscale.scaled_dot_product_attention(q1, k1, v1, backend="math")
+    torch.testing.assert_close(out, attnscale.scaled_dot_product_attention(q1, k1.expand(2, 4, 6, 8), v1.expand(2, 4, 6, 8), backend="math"))
+
+
 @pytest.mark.parametrize(("H", "Hkv"), [(6, 4), (4, 3), (2, 4)])
 def test_query_heads_not_a_multiple_of_kv_heads(H, Hkv):
     qg, kg, vg = qkv(H=H, Hkv=Hkv)
@@ -162,6 +168,16 @@ def test_softcap_must_be_finite_and_positive(softcap):
     refused(ValueError, "softcap", q, k, v, softcap=softcap)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("arg", ["scale", "softcap"])
+def test_scale_and_softcap_must_fit_the_float32_accumulation(arg, dtype):
+    qd, kd, vd = (t.to(dtype) for t in (q, k, v))
+    message = refused(ValueError, arg, qd, kd, vd, **{arg: 1e39})
+    assert "torch.float32" in message and "1e+39" in message
+    out = attnscale.scaled_dot_product_attention(qd.double(), kd.double(), vd.double(), **{arg: 1e39}, backend="math")
+    assert torch.isfinite(out).all()  # float64 inputs are scored in float64, where 1e39 fits
+
+
 @pytest.mark.parametrize("p", [-0.1, 1.0, 1.5, math.nan, math.inf])
 def test_dropout_outside_zero_one(p):
     refused(ValueError, "dropout_p", q, k, v, dropout_p=p)
@@ -194,6 +210,18 @@ def test_bad_window(window):
     refused(ValueError, "window", q, k, v, window=window)
 
 
+@pytest.mark.parametrize("window", [(10**20, 0), (0, 2**62)])
+def test_window_sides_beyond_int64_positions_are_refused(window):
+    assert "pass None" in refused(ValueError, "window", q, k, v, window=window)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "math", "tiled"])
+def test_the_largest_window_side_means_no_limit(backend):
+    largest = attnscale.scaled_dot_product_attention(q, k, v, window=(2**62 - 1, 0), backend=backend)
+    unlimited = attnscale.scaled_dot_product_attention(q, k, v, window=(None, 0), backend=backend)
+    torch.testing.assert_close(largest, unlimited, rtol=0, atol=0)
+
+
 def test_alibi_slopes_shape():
     assert "(H,) or (B, H)" in refused(ValueError, "alibi_slopes", q, k, v, alibi_slopes=torch.ones(5))
     refused(ValueError, "alibi_slopes", q, k, v, alibi_slopes=torch.tensor(0.5))
@@ -207,6 +235,11 @@ def test_alibi_slopes_type(slopes):
 
 def test_alibi_slopes_device():
     refused(ValueError, "alibi_slopes", q, k, v, alibi_slopes=torch.ones(4, device="meta"))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_alibi_slopes_must_be_finite(bad):
+    assert "finite" in refused(ValueError, "alibi_slopes", q, k, v, alibi_slopes=torch.tensor([0.5, bad, 0.25, 0.125]))
 
 
 @pytest.mark.parametrize("option", [dict(softcap=30.0), dict(return_stats=True)])

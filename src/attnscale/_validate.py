@@ -15,10 +15,16 @@ from typing import NoReturn
 import torch
 from torch import Tensor
 
+from .dense import accumulation_dtype
 from .masks import CausalAlignment, query_offset
 from .score import ScorePath
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SCORE_MAX = {dtype: torch.finfo(accumulation_dtype(dtype)).max for dtype in FLOAT_DTYPES}  # largest logit each input dtype's scores hold
+
+MAX_WINDOW = 2**62 - 1
+"""Largest finite window side: sides are added to int64 key positions, which stay below 2**62 for
+any sequence that fits in memory, so a larger side could overflow int64 (and means no limit)."""
 
 
 class Backend(StrEnum):
@@ -68,18 +74,22 @@ def check_bool(arg: str, value: object) -> bool:
 
 
 def check_window(window: object) -> tuple[int | None, int | None] | None:
-    """Normalise ``window`` to ``(left, right)`` with None for unlimited (-1 is accepted for None)."""
+    """Normalise ``window`` to ``(left, right)`` with None for unlimited (-1 is accepted for None).
+
+    Finite sides are at most :data:`MAX_WINDOW` (2**62 - 1)."""
     if window is None:
         return None
-    expected = "None or a pair (left, right) of ints >= 0, or None / -1 for unlimited"
+    expected = "None or a pair (left, right) of ints in [0, 2**62 - 1], or None / -1 for unlimited"
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         fail("window", expected, repr(window), "pass e.g. window=(128, 0) for a causal sliding window")
     sides = []
     for side in window:
         if side is None or (isinstance(side, int) and not isinstance(side, bool) and side == -1):
             sides.append(None)
-        elif isinstance(side, int) and not isinstance(side, bool) and side >= 0:
+        elif isinstance(side, int) and not isinstance(side, bool) and 0 <= side <= MAX_WINDOW:
             sides.append(side)
+        elif isinstance(side, int) and not isinstance(side, bool) and side > MAX_WINDOW:
+            fail("window", expected, repr(window), "pass None (or -1) for a side without a limit")
         else:
             fail("window", expected, repr(window), "pass e.g. window=(128, 0) for a causal sliding window")
     return (sides[0], sides[1])
@@ -179,12 +189,12 @@ def check_attention_call(
         fail("value", f"{Hkv} heads (dim -3) like the key's", _shape(value), "key and value must have the same number of heads")
     enable_gqa = check_bool("enable_gqa", enable_gqa)
     if H != Hkv:
-        if not enable_gqa:
+        if not enable_gqa and Hkv != 1:  # one key/value head broadcasts to every query head, as in torch
             fail(
                 "key",
                 f"{H} heads (dim -3) like the query's",
                 f"{Hkv} heads",
-                "pass enable_gqa=True for grouped-query / multi-query attention",
+                "pass enable_gqa=True for grouped-query attention (a single key/value head broadcasts without it)",
             )
         if Hkv == 0 or H % Hkv != 0:
             fail("key", f"a number of heads that divides the query's {H}", f"{Hkv} heads", "use Hkv in the divisors of H")
@@ -221,9 +231,14 @@ def check_attention_call(
         fail("dropout_p", "a float in [0, 1)", repr(dropout_p), "pass e.g. dropout_p=0.1, or 0.0 at inference")
     is_causal = check_bool("is_causal", is_causal)
     scale = check_positive_finite("scale", scale)
+    softcap = check_positive_finite("softcap", softcap)
+    for arg, value in (("scale", scale), ("softcap", softcap)):
+        # Python floats are float64: a value beyond float32's range would become inf in the score path.
+        if value is not None and value > _SCORE_MAX[query.dtype]:
+            acc = accumulation_dtype(query.dtype)
+            fail(arg, f"a value that fits {acc} (at most {_SCORE_MAX[query.dtype]:.4g}), where {query.dtype} inputs are scored", repr(value), f"pass a smaller {arg}, or float64 inputs")
     alignment = check_choice("causal_alignment", causal_alignment, CausalAlignment)
     backend = check_choice("backend", backend, Backend)
-    softcap = check_positive_finite("softcap", softcap)
     window = check_window(window)
     return_stats = check_bool("return_stats", return_stats)
     if alibi_slopes is not None:
@@ -237,6 +252,8 @@ def check_attention_call(
             fail("alibi_slopes", f"shape (H,) or (B, H) broadcastable to {(*batch, H)}", _shape(alibi_slopes), "use attnscale.alibi_slopes(H)")
         if alibi_slopes.device != query.device:
             fail("alibi_slopes", f"the query's device {query.device}", f"device {alibi_slopes.device}", "move it to the query's device")
+        if not bool(torch.isfinite(alibi_slopes).all()):
+            fail("alibi_slopes", "finite slopes", "NaN or inf entries", "use attnscale.alibi_slopes(H), or check how the slopes were computed")
     check_sinks(sinks, H, query.device)
     path = ScorePath(
         scale=scale if scale is not None else 1.0 / math.sqrt(D),
