@@ -184,3 +184,51 @@ def test_accepts_causal_alignment_enum_and_window_minus_one():
     by_name = reference.attention(q, k, v, is_causal=True, causal_alignment="bottom_right")
     np.testing.assert_array_equal(by_enum, by_name)
     np.testing.assert_array_equal(reference.attention(q, k, v, window=(-1, -1)), reference.attention(q, k, v))
+
+
+def missing_case(seed: int = 5):
+    """q (1, 2, 4, 3), k (1, 2, 6, 3), v (1, 2, 6, 2) and a mask where row 1 sees nothing, key 2 is hidden."""
+    rng = np.random.default_rng(seed)
+    q, k, v = rng.normal(size=(1, 2, 4, 3)), rng.normal(size=(1, 2, 6, 3)), rng.normal(size=(1, 2, 6, 2))
+    keep = np.ones((4, 6), dtype=bool)
+    keep[1] = False
+    keep[:, 2] = False
+    keep[0, 4] = False
+    return q, k, v, keep
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_missing_entries_poison_exactly_the_rows_that_see_them(bad):
+    q, k, v, keep = missing_case()
+    clean = reference.attention(q, k, v, attn_mask=keep)
+    q[0, 0, 3, 1] = bad  # a row that sees keys: NaN
+    q[0, 1, 1, 0] = bad  # the row that sees nothing: still zeros
+    k[0, 1, 4, 2] = bad  # seen by every row of head 1 but rows 0 and 1
+    v[0, 0, 2, 1] = bad  # hidden from every row: no effect
+    out = reference.attention(q, k, v, attn_mask=keep)
+    nan_rows = np.zeros((1, 2, 4), dtype=bool)
+    nan_rows[0, 0, 3] = True
+    nan_rows[0, 1, [2, 3]] = True
+    np.testing.assert_array_equal(np.isnan(out).any(-1), nan_rows)
+    np.testing.assert_array_equal(np.isnan(out).all(-1), nan_rows)
+    np.testing.assert_allclose(out[~nan_rows], clean[~nan_rows], rtol=0, atol=1e-15)  # the rest is as without them
+    np.testing.assert_array_equal(out[0, :, 1], 0.0)
+
+
+def test_missing_entries_give_nan_statistics_on_nan_rows_only():
+    q, k, v, keep = missing_case()
+    v[0, 0, 0, 0] = math.nan  # seen by rows 0, 2 and 3 of head 0
+    out, stats = reference.attention(q, k, v, attn_mask=keep, return_stats=True, sinks=np.array([0.0, -1.0]))
+    rows = np.isnan(out).any(-1)
+    np.testing.assert_array_equal(rows[0, 0], [True, False, True, True])
+    assert not rows[0, 1].any()
+    for name in ("lse", "max_logit", "max_prob", "entropy", "sink_share"):
+        np.testing.assert_array_equal(np.isnan(stats[name]), rows, err_msg=name)
+    np.testing.assert_array_equal(stats["visible_keys"][0, 0], [4, 0, 5, 5])
+
+
+def test_window_sides_of_max_length_or_more_mean_no_limit():
+    q, k, v, _ = missing_case()
+    unlimited = reference.attention(q, k, v, window=(None, 1), is_causal=True)
+    np.testing.assert_array_equal(reference.attention(q, k, v, window=(6, 1), is_causal=True), unlimited)
+    np.testing.assert_array_equal(reference.attention(q, k, v, window=(10**30, 1), is_causal=True), unlimited)

@@ -18,6 +18,11 @@ visible key returns zeros. Causal alignment: query row i sits at key position ``
 offset 0 ("top_left", PyTorch) or S - L ("bottom_right", FlashAttention). GQA: query head h reads
 key/value head ``h // (H // Hkv)``. Log-sum-exp is in natural log.
 
+Non-finite inputs: a NaN or infinite entry of q, k or v marks that vector as missing. An output row
+is NaN iff its query row has such an entry and the row has at least one visible key, or a key
+visible to the row has one in k or v; keys hidden from a row never affect it. A row with no
+visible key is zeros. (Rows that are NaN have NaN statistics, except ``visible_keys``.)
+
 This module deliberately shares no code with the torch backends, so that it can judge them.
 """
 
@@ -70,6 +75,10 @@ def attention(
     group = H // Hkv
     k = np.repeat(k, group, axis=-3)  # (..., H, S, D): head h reads kv head h // group
     v = np.repeat(v, group, axis=-3)  # (..., H, S, Dv)
+    # Missing (non-finite) vectors are set to 0 for the arithmetic and mark their rows NaN at the end.
+    bad_q = ~np.isfinite(q).all(axis=-1)  # (..., H, L)
+    bad_kv = ~np.isfinite(k).all(axis=-1) | ~np.isfinite(v).all(axis=-1)  # (..., H, S)
+    q, k, v = (np.where(np.isfinite(x), x, 0.0) for x in (q, k, v))
     if scale is None:
         scale = 1.0 / math.sqrt(D)
 
@@ -95,7 +104,8 @@ def attention(
     if is_causal:
         visible = visible & (j <= i)
     if window is not None:
-        left, right = (None if w is None or w == -1 else w for w in window)
+        # |i - j| < max(L, S), so a longer side hides nothing (and could overflow int64).
+        left, right = (None if w is None or w == -1 or w >= max(L, S) else w for w in window)
         if left is not None:
             visible = visible & (j >= i - left)
         if right is not None:
@@ -104,15 +114,16 @@ def attention(
 
     logits = np.where(visible, logits, -np.inf)
     any_visible = visible.any(axis=-1, keepdims=True)
+    nan_rows = (bad_q & any_visible[..., 0]) | (visible & bad_kv[..., None, :]).any(axis=-1)  # (..., H, L)
     if sinks is not None:
-        return _with_sinks(logits, visible, v, np.asarray(sinks, dtype=np.float64), return_stats)
+        return _missing(_with_sinks(logits, visible, v, np.asarray(sinks, dtype=np.float64), return_stats), nan_rows)
     row_max = np.where(any_visible, logits.max(axis=-1, keepdims=True, initial=-np.inf), 0.0)
     weights = np.where(visible, np.exp(logits - row_max), 0.0)
     total = weights.sum(axis=-1, keepdims=True)
     probs = weights / np.where(any_visible, total, 1.0)
     out = np.einsum("...hls,...hsv->...hlv", probs, v)
     if not return_stats:
-        return out
+        return _missing(out, nan_rows)
 
     has = any_visible[..., 0]
     with np.errstate(divide="ignore"):
@@ -124,7 +135,19 @@ def attention(
         "entropy": -plogp.sum(axis=-1),
         "visible_keys": visible.sum(axis=-1),
     }
-    return out, stats
+    return _missing((out, stats), nan_rows)
+
+
+def _missing(
+    result: np.ndarray | tuple[np.ndarray, dict[str, np.ndarray]], nan_rows: np.ndarray
+) -> np.ndarray | tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The result with NaN in the rows (..., H, L) that see a missing vector, statistics included."""
+    out, stats = result if isinstance(result, tuple) else (result, None)
+    nan_rows = np.broadcast_to(nan_rows, out.shape[:-1])
+    out = np.where(nan_rows[..., None], np.nan, out)
+    if stats is None:
+        return out
+    return out, {name: s if name == "visible_keys" else np.where(nan_rows, np.nan, s) for name, s in stats.items()}
 
 
 def _with_sinks(
