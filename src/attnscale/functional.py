@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 import threading
+from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -162,7 +166,6 @@ def _torch_attention(
             else:
                 mask = mask.masked_fill(~keep, float("-inf"))
     if mask is not None:
-        mask = mask.reshape((1,) * max(0, 2 - mask.ndim) + tuple(mask.shape))  # 0-d and (S,) masks
         if mask.dtype != torch.bool and mask.dtype != query.dtype:
             # torch wants the query's dtype; when that is narrower, clamp first so that a finite
             # value stays finite (-1e9 would become -inf in float16 and hide keys the other backends keep).
@@ -208,6 +211,199 @@ def _with_sink_column(mask: Tensor | None, sinks: Tensor, target: tuple[int, ...
     return torch.cat([keys, sink], dim=-1)
 
 
+_Run = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, AttentionStats | None]]
+
+
+def _run_backend(
+    chosen: Backend,
+    call: AttentionCall,
+    attn_mask: Tensor | None,
+    alibi_slopes: Tensor | None,
+    sinks: Tensor | None,
+) -> _Run:
+    """The chosen backend as a function of (query, key, value), every other option fixed."""
+
+    def run(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, AttentionStats | None]:
+        if chosen is Backend.TORCH:
+            return _torch_attention(query, key, value, call, attn_mask, alibi_slopes, sinks), None
+        if chosen is Backend.TILED:
+            return tiled_attention(
+                query, key, value, path=call.path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=call.return_stats
+            )
+        return dense_attention(
+            query,
+            key,
+            value,
+            path=call.path,
+            attn_mask=attn_mask,
+            alibi_slopes=alibi_slopes,
+            dropout_p=call.dropout_p,
+            sinks=sinks,
+            return_stats=call.return_stats,
+        )
+
+    return run
+
+
+def _row_peaks(out: Tensor) -> Tensor:
+    """max |out| per row (..., H, L), NaN in a row with a NaN; 1 for rows of Dv = 0 (nothing to check)."""
+    if out.shape[-1] == 0:
+        return out.new_ones(out.shape[:-1])
+    return out.detach().abs().amax(dim=-1)
+
+
+def _rows_look_right(peaks: Tensor) -> bool:
+    """Whether every output row is finite and not all zeros, from :func:`_row_peaks`: the fast
+    path's only check, O(L * Dv).
+
+    A NaN or inf row comes from non-finite inputs or from products that overflowed. A zero row is
+    often right (no visible key, zero values) but not always: torch's kernel returns zeros for a row
+    whose logits are all NaN, and logits that all overflow to -inf look like a row with no key.
+    """
+    if peaks.numel() == 0:
+        return True
+    # Two scalar reductions, not a boolean mask: at decode sizes every extra op is a visible cost.
+    return 0.0 < float(peaks.amin()) and float(peaks.amax()) < math.inf  # NaN fails both
+
+
+def _nan_rows(chosen: Backend, call: AttentionCall, bad_q: Tensor, bad_kv: Tensor, attn_mask: Tensor | None) -> Tensor:
+    """The rows (..., H, L) that the semantics make NaN: a non-finite query row that has a visible
+    key, or a visible key with a non-finite k or v; ``bad_q`` (..., H, L), ``bad_kv`` (..., Hkv, S).
+
+    Visibility comes from the chosen backend itself, run on indicators: with q = k = 0 every visible
+    key of a row has weight 1 / (its visible keys), so ``v = [bad key, 1]`` gives an output whose
+    column 0 is positive iff the row sees a bad key and column 1 iff it sees any key. A float mask
+    becomes the bool mask of its -inf entries: its finite values cannot hide a key, but could
+    underflow the indicator's weights.
+    """
+    keep = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask != -math.inf
+    q = torch.zeros(*bad_q.shape, 2, device=bad_q.device)  # (..., H, L, 2)
+    k = torch.zeros(*bad_kv.shape, 2, device=bad_kv.device)  # (..., Hkv, S, 2)
+    v = torch.stack([bad_kv.float(), torch.ones_like(bad_kv, dtype=torch.float32)], dim=-1)  # (..., Hkv, S, 2)
+    path = dataclasses.replace(call.path, scale=1.0, softcap=None)
+    plain = dataclasses.replace(call, D=2, Dv=2, path=path, dropout_p=0.0, alibi=False, sinks=False, return_stats=False)
+    seen, _ = _run_backend(chosen, plain, keep, None, None)(q, k, v)  # (..., H, L, 2)
+    return ((seen[..., 1] > 0) & bad_q) | (seen[..., 0] > 0)
+
+
+def _abs_max(x: Tensor) -> float:
+    """max |x| as a Python float, NaN if x holds a NaN, 0 if it is empty: one pass, no temporary."""
+    if x.numel() == 0:
+        return 0.0
+    lo, hi = (float(t) for t in torch.aminmax(x.detach()))
+    return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
+
+
+def _logit_bound(call: AttentionCall, q_max: float, k_max: float, attn_mask: Tensor | None, alibi_slopes: Tensor | None) -> float:
+    """An upper bound on |logit| over every (query, key) pair, from the largest entries |q| <= q_max
+    and |k| <= k_max (NaN gives NaN): ``|q.k| <= D q_max k_max`` times the scale (or the softcap),
+    plus the largest ALiBi bias and the largest finite float-mask value."""
+    bound = call.path.scale * call.D * q_max * k_max if call.path.softcap is None else call.path.softcap
+    if alibi_slopes is not None:
+        bound += _abs_max(alibi_slopes) * max(call.L, call.S)  # |i' - j| < max(L, S)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        peak = _abs_max(attn_mask)
+        if peak == math.inf:  # -inf hides a key, it is no logit
+            peak = _abs_max(attn_mask.detach().nan_to_num(neginf=0.0))
+        bound += peak
+    return bound
+
+
+def _cast_stats(stats: AttentionStats | None, dtype: torch.dtype) -> AttentionStats | None:
+    if stats is None:
+        return None
+    return dataclasses.replace(
+        stats, **{f.name: getattr(stats, f.name).to(dtype) for f in dataclasses.fields(stats) if f.name != "visible_keys" and getattr(stats, f.name) is not None}
+    )
+
+
+def _careful(
+    run: _Run,
+    chosen: Backend,
+    call: AttentionCall,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    alibi_slopes: Tensor | None,
+    fast: tuple[Tensor, AttentionStats | None],
+    peaks: Tensor,
+) -> tuple[Tensor, AttentionStats | None]:
+    """The result of a call whose fast output has a NaN, inf or zero row (or, from the tiled
+    kernel, logits that may overflow), by the documented rules.
+
+    Non-finite inputs: the NaN rows come from :func:`_nan_rows` and every other row from inputs
+    whose non-finite entries are 0 (they sit only where they cannot matter: in a NaN row's query or
+    at keys hidden from the row). Then a row that :func:`_misfit` finds suspect is recomputed in
+    float64 when the input dtype is narrower, differentiably, or refused.
+    """
+    acc = accumulation_dtype(query.dtype)
+    out, stats = fast
+    nan_rows = None
+    q_max, k_max, v_max = (_abs_max(x) for x in (query, key, value))
+    if not all(math.isfinite(m) for m in (q_max, k_max, v_max)):  # a cheap pass before the per-row test
+        with torch.no_grad():
+            bad_q = ~torch.isfinite(query).all(dim=-1)  # (..., H, L)
+            bad_kv = ~torch.isfinite(key).all(dim=-1) | ~torch.isfinite(value).all(dim=-1)  # (..., Hkv, S)
+            nan_rows = _nan_rows(chosen, call, bad_q, bad_kv, attn_mask)
+        query, key, value = (torch.where(torch.isfinite(x), x, 0.0) for x in (query, key, value))
+        out, stats = run(query, key, value)
+        peaks = _row_peaks(out)
+        q_max, k_max = _abs_max(query), _abs_max(key)
+    bound = functools.cache(lambda: _logit_bound(call, q_max, k_max, attn_mask, alibi_slopes))  # only when needed, once
+    trust_finite = chosen is not Backend.TILED
+    if _misfit(peaks, nan_rows, lambda: _may_overflow(bound(), acc), trust_finite):
+        if acc == torch.float64:
+            _refuse_overflow(call, query, key, value, acc, bound())
+        out, stats = run(query.double(), key.double(), value.double())
+        if _misfit(_row_peaks(out), nan_rows, lambda: _may_overflow(bound(), torch.float64), trust_finite):
+            _refuse_overflow(call, query, key, value, acc, bound())
+        # A convex combination of values (weights summing to at most 1) fits the values' dtype.
+        out, stats = out.to(query.dtype), _cast_stats(stats, acc)
+    if nan_rows is not None:
+        out = out.masked_fill(nan_rows[..., None], math.nan)
+        if stats is not None:
+            stats = dataclasses.replace(
+                stats, **{f.name: getattr(stats, f.name).masked_fill(nan_rows, math.nan) for f in dataclasses.fields(stats) if f.name != "visible_keys" and getattr(stats, f.name) is not None}
+            )
+    return out, stats
+
+
+def _may_overflow(bound: float, dtype: torch.dtype) -> bool:
+    """Whether logits bounded by ``bound`` may leave the range of ``dtype`` (with room for rounding)."""
+    return bound >= torch.finfo(dtype).max / 2
+
+
+def _misfit(peaks: Tensor, nan_rows: Tensor | None, may_overflow: Callable[[], bool], trust_finite: bool) -> bool:
+    """Whether, by its row peaks (:func:`_row_peaks`), an output row that is not to be NaN is
+    non-finite, or may be wrong because logits may have overflowed (``may_overflow()``, asked only
+    then): a zero row may be one whose logits all became -inf, and without ``trust_finite`` (the
+    tiled kernel, whose exp floor gives such a row uniform weights) any row may be."""
+    if nan_rows is not None:
+        peaks = peaks.masked_fill(nan_rows, 1.0)
+    if not bool(torch.isfinite(peaks).all()):
+        return True
+    return (not trust_finite or bool((peaks == 0).any())) and may_overflow()
+
+
+def _refuse_overflow(call: AttentionCall, query: Tensor, key: Tensor, value: Tensor, acc: torch.dtype, bound: float) -> NoReturn:
+    """Refuse finite inputs whose result does not fit even float64: blame the logits if their
+    bound exceeds float64's range, else the values."""
+    if bound < torch.finfo(torch.float64).max / 2:
+        fail(
+            "value",
+            "values whose weighted sums fit float64",
+            f"{value.dtype} values up to |v| = {_abs_max(value):.3g}",
+            "rescale value before attention (and the output after it)",
+        )
+    fail(
+        "query/key",
+        f"products q.k * scale (plus ALiBi and float-mask values) that fit {acc}, or float64 after a recompute",
+        f"{query.dtype} inputs with entries up to |q| = {_abs_max(query):.3g}, |k| = {_abs_max(key):.3g}, scale = {call.path.scale:.3g}",
+        "rescale query or key (e.g. normalise them, as QK-norm does) or pass a smaller scale",
+    )
+
+
 def scaled_dot_product_attention(
     query: Tensor,
     key: Tensor,
@@ -245,12 +441,18 @@ def scaled_dot_product_attention(
 
     Args:
         attn_mask: bool (**True = attend**) or float (added to the logits; ``-inf`` hides a key),
-            broadcastable to (..., H, L, S). May be combined with ``is_causal``: both apply
-            (PyTorch raises an error for that combination).
+            broadcastable to (..., H, L, S); a 0-d or (S,) mask broadcasts as in torch. May be
+            combined with ``is_causal``: both apply. (torch 2.13 on CPU applies both in its fused
+            kernel and raises a RuntimeError wherever it falls back to its math kernel: with
+            dropout, ``Dv != D``, inputs of other than 4 dims, a mask that requires grad, or one
+            key/value head without ``enable_gqa``. It never ignores one of the two.)
         dropout_p: dropout on the attention weights, reproducible under ``torch.manual_seed``.
         is_causal: hide keys after each query's aligned position; see ``causal_alignment``.
-        scale: finite positive multiplier of q.k; ``None`` means ``1/sqrt(D)``.
-        enable_gqa: allow H != Hkv; query head h reads key/value head ``h // G``.
+        scale: finite positive multiplier of q.k that fits the accumulation dtype (at most
+            3.4e38 unless the inputs are float64); ``None`` means ``1/sqrt(D)``.
+        enable_gqa: allow H != Hkv; query head h reads key/value head ``h // G``. Without it a
+            single key/value head (Hkv = 1) still broadcasts to every query head, as in torch;
+            any other Hkv != H raises.
         causal_alignment: where the diagonal sits when L != S, drawn for L = 2, S = 5::
 
             "top_left" (PyTorch)      "bottom_right" (FlashAttention)
@@ -258,11 +460,13 @@ def scaled_dot_product_attention(
                 x x . . .                 x x x x x
 
         softcap: if set, logits become ``softcap * tanh(logits / softcap)`` (Gemma 2), after the
-            scale and before bias and masks; hidden keys still get exactly zero weight.
-        alibi_slopes: (H,) or (B, H); adds ``-slope * |i' - j|`` after scale and softcap (never
-            scaled), ``i'`` the aligned query position. See ``attnscale.alibi_slopes``.
+            scale and before bias and masks; hidden keys still get exactly zero weight. Finite,
+            positive, and within the accumulation dtype like ``scale``.
+        alibi_slopes: (H,) or (B, H), finite; adds ``-slope * |i' - j|`` after scale and softcap
+            (never scaled), ``i'`` the aligned query position. See ``attnscale.alibi_slopes``.
         window: ``(left, right)``; key j is visible to aligned query i' iff
-            ``i' - left <= j <= i' + right``. ``None`` or ``-1`` on a side means unlimited.
+            ``i' - left <= j <= i' + right``. ``None`` or ``-1`` on a side means unlimited; a
+            finite side is at most ``2**62 - 1`` (larger ones raise).
         sinks: (H,), one logit per query head (gpt-oss's attention sinks) that joins every row's
             softmax denominator and has no value: ``p_ij = exp(s_ij) / (sum_j' exp(s_ij') +
             exp(sink_h))`` with ``s`` the finished logits (the sink is not scaled, capped or
@@ -286,6 +490,19 @@ def scaled_dot_product_attention(
     Softmax and accumulation run in float32 (float64 for float64 inputs) whatever the input dtype,
     so fp16 products above 65504 stay finite; the output has the input dtype. A row with no visible
     key returns zeros, with zero gradients, never NaN.
+
+    Logits beyond the accumulation dtype (finite inputs with ``|q| |k| scale`` above 3.4e38 in
+    float32) are computed again in float64 when the inputs are narrower, so the result is the
+    float64 one; where float64 overflows too, a ValueError says so.
+
+    NaN or infinite entries in q, k or v mark a vector missing, on every backend as in
+    :func:`attnscale.reference.attention`: an output row is NaN iff its query row has such an entry
+    and the row has at least one visible key, or a key visible to the row has one in k or v. Keys
+    hidden from a row (mask, causal, window, ``-inf`` in a float mask) never affect it, and a row
+    with no visible key is zeros. NaN rows have NaN statistics (``visible_keys`` excepted), and
+    gradients stay finite: NaN rows pass none back. Both cases cost the fast path one check of
+    the output, O(L * Dv) (the tiled kernel also a bound on the logits, O((L + S) * D)); only
+    when a row is NaN, inf or zero is the call diagnosed further.
 
     Equivalent to (no dropout, no GQA, for brevity):
 
@@ -316,34 +533,21 @@ def scaled_dot_product_attention(
         return_stats=return_stats,
         sinks=sinks,
     )
+    if attn_mask is not None and attn_mask.ndim < 2:
+        attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.ndim) + tuple(attn_mask.shape))  # (S,) -> (1, S), as torch broadcasts
     slopes_need_grad = alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled()
     chosen, why = _choose(call, slopes_need_grad=slopes_need_grad)
-    if chosen is Backend.TORCH:
-        out = _torch_attention(query, key, value, call, attn_mask, alibi_slopes, sinks)
-        stats = None
-    elif chosen is Backend.TILED:
-        out, stats = tiled_attention(
-            query,
-            key,
-            value,
-            path=call.path,
-            attn_mask=attn_mask,
-            alibi_slopes=alibi_slopes,
-            sinks=sinks,
-            return_stats=call.return_stats,
-        )
-    else:
-        out, stats = dense_attention(
-            query,
-            key,
-            value,
-            path=call.path,
-            attn_mask=attn_mask,
-            alibi_slopes=alibi_slopes,
-            dropout_p=call.dropout_p,
-            sinks=sinks,
-            return_stats=call.return_stats,
-        )
+    run = _run_backend(chosen, call, attn_mask, alibi_slopes, sinks)
+    out, stats = run(query, key, value)
+    peaks = _row_peaks(out)
+    # The tiled kernel turns a row whose logits all overflow to -inf into a finite one, so it needs
+    # a bound on the logits too: O((L + S) * D), small next to its O(L * S * D). (A NaN bound, from
+    # NaN inputs, is no overflow: the output check sees those.)
+    if not _rows_look_right(peaks) or (
+        chosen is Backend.TILED
+        and _may_overflow(_logit_bound(call, _abs_max(query), _abs_max(key), attn_mask, alibi_slopes), accumulation_dtype(query.dtype))
+    ):
+        out, stats = _careful(run, chosen, call, query, key, value, attn_mask, alibi_slopes, (out, stats), peaks)
     _record(chosen, why)
     if call.return_stats:
         assert stats is not None
