@@ -29,7 +29,7 @@ def _claim(claim_id="variance-law", verdict="holds"):
         "verdict": verdict,
         "reason": "all points <within> 4 SE & fine",
         "arms": [],
-        "headline": {"key": "ratio", "value": 1.01},
+        "headline": {"key": "ratio", "value": 1.01, "label": "Var(q.k) / d_k", "unit": "x"},
         "measured": {
             "ratio": 1.01,
             "count": 3,
@@ -147,7 +147,7 @@ def test_html_page_has_table_badges_sections_and_escapes_text():
 
 def test_markdown_has_claims_table_sections_and_grids():
     text = report.render_markdown(_results())
-    assert "| [variance-law](#variance-law) | **holds** | ratio = 1.01 | 1.5 |" in text
+    assert "| [variance-law](#variance-law) | **holds** | Var(q.k) / d_k: 1.01x | 1.5 |" in text
     assert "## saturation-example" in text
     assert "![plot](figures/variance-law/plot.png)" in text
     assert "| gaussian | 1 | 0.99 |" in text

@@ -195,7 +195,7 @@ def test_report_survives_failures_and_caches_successes(fake_lab):
     assert by_id["fake-a-ok"]["verdict"] == "holds"
     assert by_id["fake-a-ok"]["measured"]["n"] == 3  # size 2 at tiny, plus seed 1
     assert by_id["fake-a-ok"]["measured"]["nan"] == "NaN"
-    assert by_id["fake-a-ok"]["headline"] == {"key": "n", "value": 3}
+    assert by_id["fake-a-ok"]["headline"] == {"key": "n", "value": 3, "label": "n", "unit": ""}
     assert by_id["fake-a-ok"]["figures"][0]["svg"] == "figures/fake-a-ok/line.svg"
     assert by_id["fake-c-raises"]["verdict"] == "inconclusive"
     assert "measurement exploded" in by_id["fake-c-raises"]["reason"]

@@ -13,8 +13,9 @@ An experiment is one module under ``attnscale.lab.experiments`` that defines:
 * ``plot(measured, outdir) -> list[str]`` - writes figures (``name.svg`` and ``name.png``) into
   ``outdir`` and returns their file names without extension.
 
-and may define ``HEADLINE: str``, the key of ``measured`` (dotted for nested dicts, e.g.
-``"slowdown.default/128"``) whose value the report shows as the claim's key number.
+and may define ``HEADLINE: Headline``: the key of ``measured`` (dotted for nested dicts, e.g.
+``"slowdown.default/128"``) whose value the report shows as the claim's key number, with what that
+number is in words and its unit (a bare key string is shown under its own name).
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ class Verdict(StrEnum):
     HOLDS_APPROXIMATELY = "holds-approximately"
     DOES_NOT_HOLD = "does-not-hold"
     INCONCLUSIVE = "inconclusive"
+
+
+@dataclass(frozen=True)
+class Headline:
+    """The claim's key number: where it is in ``measured``, what it is in words, and its unit."""
+
+    key: str
+    label: str
+    unit: str = ""
+    """Appended to the value: ``"x"`` for a ratio of two like quantities, ``"eps"``, ``""`` for none."""
 
 
 @dataclass(frozen=True)

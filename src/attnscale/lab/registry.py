@@ -73,7 +73,8 @@ class Experiment:
     @property
     def headline_key(self) -> str | None:
         """The measured key (dotted for nested dicts) to show in summaries; optional ``HEADLINE``."""
-        return getattr(self.module, "HEADLINE", None)
+        spec = getattr(self.module, "HEADLINE", None)
+        return getattr(spec, "key", spec)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ __all__ = [
     "Format",
     "format_value",
     "grid_columns",
+    "headline_text",
+    "headline_value",
+    "short_reason",
     "render_markdown",
     "rule_history_lines",
     "rule_label",
@@ -143,9 +146,38 @@ def rule_history_lines(record: dict[str, Any]) -> list[str]:
     return [f"v{v['version']}, {v['date']}: {v['why']}" for v in record["rule_history"]]
 
 
+def headline_value(head: dict[str, Any]) -> str:
+    """The key number to 3 significant digits with its unit: ``1.13x``, ``101 eps``, ``0.946``."""
+    value, unit = head["value"], head["unit"]
+    text = f"{value:.3g}" if isinstance(value, float) else format_value(value)
+    return f"{text}{'' if unit in ('', 'x') else ' '}{unit}"
+
+
 def headline_text(record: dict[str, Any]) -> str:
+    """``label: value unit`` of the claim's key number, or ``""`` if it has none."""
     head = record["headline"]
-    return f"{head['key']} = {format_value(head['value'])}" if head else ""
+    return f"{head['label']}: {headline_value(head)}" if head else ""
+
+
+def short_reason(reason: str, limit: int = 200) -> str:
+    """The plain part of a verdict's reason: what comes before its first ``": "`` outside brackets
+    (the details follow it), cut at a word before ``limit`` characters.
+
+    >>> short_reason("slower without the scale, but not 2x (x1.1): default/64: x1.07; unit/64: x1.3")
+    'slower without the scale, but not 2x (x1.1)'
+    """
+    depth = 0
+    for i, ch in enumerate(reason):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        elif depth == 0 and reason.startswith(": ", i):
+            reason = reason[:i]
+            break
+    if len(reason) <= limit:
+        return reason
+    return reason[: reason.rfind(" ", 0, limit - 1)] + " ..."
 
 
 def render_markdown(results: dict[str, Any]) -> str:

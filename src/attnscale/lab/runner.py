@@ -19,6 +19,7 @@ import queue as queue_module
 import select as select_module
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -37,7 +38,7 @@ from rich.table import Table
 from .. import __version__
 from .._validate import fail
 from . import cache, executors, registry, report, schema
-from .base import PROFILES, Claim, Profile, Verdict, rule_fingerprint
+from .base import PROFILES, Claim, Headline, Profile, Verdict, rule_fingerprint
 from .base import Progress as ProgressFn
 from .registry import DEFAULT_PACKAGE, Experiment
 
@@ -97,22 +98,25 @@ def rule_fields(claim: Claim, module: Any) -> dict[str, Any]:
     return {"rule_version": version, "rule_fingerprint": found}
 
 
-def headline(measured: dict[str, Any], key: str | None) -> dict[str, Any] | None:
-    """``{"key", "value"}`` for the summary, from the experiment's ``HEADLINE`` (a dotted path into measured).
+def headline(measured: dict[str, Any], spec: Headline | str | None) -> dict[str, Any] | None:
+    """``{"key", "value", "label", "unit"}`` for the summary, from the experiment's ``HEADLINE``.
 
-    ``None`` when the experiment names no headline or the path is not in ``measured``.
+    ``spec``: a :class:`Headline` (a dotted path into measured, its label and unit) or a bare key,
+    labelled by itself. ``None`` when the experiment names no headline or the path is not in ``measured``.
 
-    >>> headline({"a": {"b": 2.0}}, "a.b")
-    {'key': 'a.b', 'value': 2.0}
+    >>> headline({"a": {"b": 2.0}}, Headline("a.b", "the b of a", "x"))
+    {'key': 'a.b', 'value': 2.0, 'label': 'the b of a', 'unit': 'x'}
     """
-    if key is None:
+    if spec is None:
         return None
+    if isinstance(spec, str):
+        spec = Headline(spec, spec)
     value: Any = measured
-    for part in key.split("."):
+    for part in spec.key.split("."):
         if not isinstance(value, dict) or part not in value:
             return None
         value = value[part]
-    return {"key": key, "value": value}
+    return {"key": spec.key, "value": value, "label": spec.label, "unit": spec.unit}
 
 
 def _bare_fields(claim_id: str) -> dict[str, Any]:
@@ -322,6 +326,22 @@ def select(found: registry.Discovery, only: Sequence[str] | None) -> list[Experi
     return [e for e in found.experiments if e.id in only]
 
 
+def source_commit() -> str | None:
+    """The git commit of the attnscale sources that ran, with ``+changes`` if they differ from it;
+    ``None`` outside a git checkout (an installed wheel)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        changed = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", "."], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0 or changed.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
+
+
 def _environment(jobs: int) -> dict[str, Any]:
     import numpy
     import torch
@@ -343,6 +363,7 @@ def _environment(jobs: int) -> dict[str, Any]:
         "cpu_count": os.cpu_count() or 1,
         "jobs": jobs,
         "threads": 1,
+        "commit": source_commit(),
     }
 
 

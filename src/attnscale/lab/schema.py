@@ -14,7 +14,8 @@
         "cpu": "model name", "cpu_count": 2,
         "jobs": 2,                                 experiments run at once (one process each)
         "threads": 1,                              torch threads inside each experiment process
-        "executor": "local" | "ray"                where the experiments ran (attnscale report --executor)
+        "executor": "local" | "ray",               where the experiments ran (attnscale report --executor)
+        "commit": "0123abc..." | "0123abc...+changes" | null   git commit of the sources that ran
       },
       "not_measured": [{"id": "...", "statement": "..."}],   claims with no experiment yet
       "claims": [                                  in the order of CLAIMS.md
@@ -27,7 +28,8 @@
           "verdict": "holds" | "holds-approximately" | "does-not-hold" | "inconclusive",
           "reason": "...",
           "arms": [{"name": "AdamW", "verdict": "...", "reason": "..."}],   each arm's own verdict, or []
-          "headline": {"key": "var_over_dk.64", "value": 1.01} | null,
+          "headline": {"key": "var_over_dk.64", "value": 1.01,
+                       "label": "Var(q.k) / d_k at d_k = 64", "unit": ""} | null,
           "measured": {...},                       the experiment's own JSON (named numbers, tables)
           "figures": [{"name": "variance", "svg": "figures/variance-law/variance.svg",
                        "png": "figures/variance-law/variance.png"}],
@@ -104,8 +106,8 @@ _CLAIM = {
         "arms": {"type": "array", "items": _ARM},
         "headline": {
             "type": ["object", "null"],
-            "required": ["key", "value"],
-            "properties": {"key": _STRING},
+            "required": ["key", "value", "label", "unit"],
+            "properties": {"key": _STRING, "label": _STRING, "unit": _STRING},
         },
         "measured": {"type": "object"},
         "figures": {"type": "array", "items": _FIGURE},

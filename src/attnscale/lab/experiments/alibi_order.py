@@ -17,7 +17,7 @@ import torch
 
 import attnscale
 
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="alibi-order",
@@ -47,7 +47,10 @@ CLAIM = Claim(
 )
 
 
-HEADLINE = "worst_ratio_error"
+HEADLINE = Headline(
+    "worst_ratio_error",
+    "largest |fitted slope ratio / sqrt(d_k) - 1| with the bias before the scale",
+)
 """max |(slope after / slope before) / sqrt(d_k) - 1| over d_k and heads, zero content."""
 
 

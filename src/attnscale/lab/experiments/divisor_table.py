@@ -16,7 +16,7 @@ import torch
 
 import attnscale
 
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="divisor-table",
@@ -51,7 +51,7 @@ CLAIM = Claim(
     ),
 )
 
-HEADLINE = "worst_sqrt_dk_var"
+HEADLINE = Headline("worst_sqrt_dk_var", "score variance with 1/sqrt(d_k), farthest from 1 over d_k")
 """Var of the scores divided by sqrt(d_k), at the d_k where it is farthest from 1 (in log)."""
 
 BAND = (0.8, 1.25)

@@ -24,7 +24,7 @@ import torch
 import attnscale
 from attnscale import reference
 
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="flash-exp2",
@@ -56,7 +56,7 @@ CLAIM = Claim(
     ),
 )
 
-HEADLINE = "worst_exp2_fp32_eps"
+HEADLINE = Headline("worst_exp2_fp32_eps", "largest error of the exp2-folded loop in float32", "eps")
 """The exp2 loop's largest float32 error, in float32 eps."""
 
 LOG2E = math.log2(math.e)

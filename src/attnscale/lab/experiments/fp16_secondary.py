@@ -21,7 +21,7 @@ import torch
 
 import attnscale
 
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="fp16-secondary",
@@ -59,7 +59,11 @@ CLAIM = Claim(
 )
 
 
-HEADLINE = "gap.median"
+HEADLINE = Headline(
+    "gap.median",
+    "logit std where fp16 q.k overflows / where a typical row's off-peak gradient vanishes",
+    "x",
+)
 """fp16 product overflow / off-peak gradient vanishing, in logit std, for the median row."""
 
 

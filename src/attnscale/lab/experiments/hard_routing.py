@@ -24,7 +24,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import PointerCopy
 from ..training import SATURATED, ModelConfig, TemperedLinear, TrainConfig, median_steps, train
 
@@ -54,7 +54,7 @@ CLAIM = Claim(
     ),
 )
 
-HEADLINE = "sharpness_gap"
+HEADLINE = Headline("sharpness_gap", "max attention probability, learned temperature minus fixed scale")
 ARMS = {"fixed": ("sqrt", False), "learned": ("sqrt", True), "none": ("1", False)}
 MIN_ACCURACY = 0.9
 ACC_SLACK = 0.02

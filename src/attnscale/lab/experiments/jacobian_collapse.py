@@ -17,7 +17,7 @@ import torch
 
 import attnscale
 
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="jacobian-collapse",
@@ -48,7 +48,7 @@ CLAIM = Claim(
     ),
 )
 
-HEADLINE = "offpeak_ratio.128"
+HEADLINE = Headline("offpeak_ratio.128", "off-peak Jacobian mass, unscaled / scaled, at d_k 128", "x")
 """Off-peak Jacobian mass unscaled / scaled at d_k = 128."""
 
 METRICS = ("offpeak_mass", "offpeak_max", "spectral_norm", "frobenius_norm")

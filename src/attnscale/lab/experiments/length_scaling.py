@@ -26,7 +26,7 @@ import torch
 import attnscale
 from attnscale.variants import ssmax_qk, visible_key_counts
 
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="length-scaling",
@@ -57,7 +57,7 @@ CLAIM = Claim(
 )
 
 
-HEADLINE = "smallest_decisive_gap"
+HEADLINE = Headline("smallest_decisive_gap", "smallest logit gap that s log n keeps decisive")
 """The smallest measured gap whose key keeps probability >= 0.5 at n_max under s log n."""
 
 

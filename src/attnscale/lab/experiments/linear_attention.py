@@ -23,7 +23,7 @@ import torch
 
 from ...functional import scaled_dot_product_attention
 from ...variants import favor_attention, gaussian_features, linear_attention
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="linear-attention",
@@ -49,7 +49,11 @@ CLAIM = Claim(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "a941f09d118661f1"),
     ),
 )
-HEADLINE = "favor_error_ratio_unscaled_over_scaled"
+HEADLINE = Headline(
+    "favor_error_ratio_unscaled_over_scaled",
+    "FAVOR+ approximation error without the scale / with it",
+    "x",
+)
 
 
 @dataclass(frozen=True)

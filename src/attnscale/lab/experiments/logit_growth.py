@@ -34,7 +34,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from ...config import AttentionConfig
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import MQAR
 from ..training import ModelConfig, RunLog, TrainConfig, train
 
@@ -71,7 +71,11 @@ CLAIM = Claim(
     ),
 )
 
-HEADLINE = "over_reference.none"
+HEADLINE = Headline(
+    "over_reference.none",
+    "max logit at the highest learning rate / at the reference one, no guard",
+    "x",
+)
 GUARDS = ("none", "qk-norm", "softcap", "qk-clip")
 MIN_ACCURACY = 0.9
 GROWTH = 10.0

@@ -17,7 +17,7 @@ import torch
 
 import attnscale
 
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="mup-correlated",
@@ -58,7 +58,7 @@ CASES = {
     "spread": "rho_j ~ U(-0.5, 0.5)",
     "shared": "every key rho = 0.5",
 }
-HEADLINE = "exponents.q=k.rms_qk"
+HEADLINE = Headline("exponents.q=k.rms_qk", "exponent of d_k in the growth of rms q.k when q = k")
 """Growth exponent of q.k with d_k when one key equals the query."""
 
 KEY_SPECIFIC = ("aligned_0.5", "q=k", "spread")

@@ -25,7 +25,7 @@ import torch
 
 from ...functional import scaled_dot_product_attention
 from ...variants import DoubleShrinkWarning, QKNorm
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="qknorm-double-shrink",
@@ -52,7 +52,10 @@ CLAIM = Claim(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "4a228ca2618e16e0"),
     ),
 )
-HEADLINE = "best_case_max_prob_l2_inverse_sqrt_at_128"
+HEADLINE = Headline(
+    "best_case_max_prob_l2_inverse_sqrt_at_128",
+    "best achievable max attention probability, L2 QK-norm with 1/sqrt(d_k), d_k 128",
+)
 
 VARIANTS = ("l2 + 1/sqrt(d)", "l2 + learned (init)", "rms + 1/sqrt(d)", "none + 1/sqrt(d)")
 

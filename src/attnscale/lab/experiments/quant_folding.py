@@ -26,7 +26,7 @@ import torch
 from ...dense import masked_softmax
 from ...functional import scaled_dot_product_attention
 from ...variants import int8_attention, int8_logits, quantize_int8, smooth_keys
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="quant-folding",
@@ -52,7 +52,11 @@ CLAIM = Claim(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "d177ce7e3b8d2093"),
     ),
 )
-HEADLINE = "smoothing_error_ratio_at_largest_offset"
+HEADLINE = Headline(
+    "smoothing_error_ratio_at_largest_offset",
+    "INT8 attention error with K smoothed / without, at the largest key offset",
+    "x",
+)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 import attnscale
 from attnscale.variants import apply_rope
 
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="rope-variance",
@@ -46,7 +46,7 @@ CLAIM = Claim(
 )
 
 
-HEADLINE = "worst_var_rope"
+HEADLINE = Headline("worst_var_rope", "Var(q.k) / d_k with RoPE, farthest from 1")
 """Var(q.k) / d_k with RoPE, at the d_k and offset where it is farthest from 1 (in log)."""
 
 

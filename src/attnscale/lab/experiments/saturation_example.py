@@ -20,7 +20,7 @@ import torch
 
 from attnscale import scaled_dot_product_attention
 
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="saturation-example",
@@ -43,7 +43,10 @@ CLAIM = Claim(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "dc70b514ea9bfc13"),
     ),
 )
-HEADLINE = "scaled_max_prob_median"
+HEADLINE = Headline(
+    "scaled_max_prob_median",
+    "median largest attention probability with the scale (d_k 128, 64 keys)",
+)
 
 QUOTED = {"unscaled": 0.99, "scaled": 0.05}
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)

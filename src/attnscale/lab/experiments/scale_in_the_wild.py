@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ...diagnostics import diagnose_scale, fit_logit_scale
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="scale-in-the-wild",
@@ -62,7 +62,7 @@ CLAIM = Claim(
     ),
 )
 
-HEADLINE = "conforming_share"
+HEADLINE = Headline("conforming_share", "share of probed architectures that divide by sqrt(head_dim)")
 
 _SMALL = dict(vocab_size=128, hidden_size=256, num_hidden_layers=1, num_attention_heads=4, intermediate_size=256, num_key_value_heads=2)
 

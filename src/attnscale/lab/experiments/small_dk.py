@@ -16,7 +16,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import MQAR
 from ..training import ModelConfig, TrainConfig, median_steps, train
 
@@ -40,7 +40,11 @@ CLAIM = Claim(
     ),
 )
 
-HEADLINE = "largest_diff_over_noise"
+HEADLINE = Headline(
+    "largest_diff_over_noise",
+    "largest difference in steps to 90%, scaled vs unscaled, in units of seed noise",
+    "x",
+)
 TARGET = 0.9
 
 

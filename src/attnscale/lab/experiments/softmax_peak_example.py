@@ -23,7 +23,7 @@ import torch
 
 from attnscale import scaled_dot_product_attention
 
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="softmax-peak-example",
@@ -41,7 +41,7 @@ CLAIM = Claim(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "1a5f4eb05600f99b"),
     ),
 )
-HEADLINE = "peak_prob"
+HEADLINE = Headline("peak_prob", "softmax(0, 0, 11, 0) at the 11")
 
 QUOTED = {"other": 0.00002, "peak": 0.99994}
 QUOTED_DECIMALS = 5

@@ -48,7 +48,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from ..base import Arm, Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Arm, Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import MQAR
 from ..training import ModelConfig, RunLog, TrainConfig, median_steps, train
 
@@ -126,7 +126,11 @@ CLAIM = Claim(
     ),
 )
 
-HEADLINE = "slowdown.default/128"
+HEADLINE = Headline(
+    "slowdown.default/128",
+    "steps to 90% without the scale / with it (AdamW, default init, d_k 128)",
+    "x",
+)
 INIT_GAINS = {"default": 1.0, "unit": math.sqrt(3.0), "small": 0.1, "large": 4 * math.sqrt(3.0)}
 VERDICT_INITS = ("default", "unit")
 MUCH_SLOWER = 2.0

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from attnscale import scaled_dot_product_attention
 
-from ..base import Claim, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 
 CLAIM = Claim(
     id="variance-law",
@@ -55,7 +55,7 @@ CLAIM = Claim(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "a24a945fcb075f67"),
     ),
 )
-HEADLINE = "max_deviation_iid"
+HEADLINE = Headline("max_deviation_iid", "largest |Var(q.k) / d_k - 1| over d_k and iid distributions")
 
 COMPONENTS = ("gaussian", "uniform", "rademacher")
 MIN_SAMPLES = 1000
