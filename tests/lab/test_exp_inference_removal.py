@@ -36,6 +36,18 @@ def test_judge_returns_every_verdict(measured, verdict):
     assert exp.judge(measured).verdict is verdict
 
 
+def test_each_model_keeps_its_verdict_and_the_claim_gets_the_least_supportive():
+    judgement = exp.judge(synthetic(0.3, 0.7, minilm=minilm(0.99, 0.99)))
+    assert [(a.name, a.verdict) for a in judgement.arms] == [
+        ("lab model", Verdict.HOLDS),
+        ("all-MiniLM-L6-v2", Verdict.DOES_NOT_HOLD),
+    ]
+    assert judgement.verdict is Verdict.DOES_NOT_HOLD  # not softened into holds-approximately
+    assert judgement.reason.startswith("the models disagree (lab model: holds; all-MiniLM-L6-v2: does-not-hold)")
+    assert judgement.arms[1].reason.startswith("neither replacement degrades it: divisor 1: embedding cosine 0.990")
+    assert exp.judge(synthetic(0.3, 0.7)).arms == ()  # one model measured: one verdict
+
+
 def test_run_tiny(tmp_path):
     cfg = exp.Config.for_profile("tiny")
     measured = exp.run(cfg, seed=0, progress=no_progress)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from matplotlib.figure import Figure
 
-from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Arm, Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import MQAR
 from ..training import ModelConfig, TrainConfig, evaluate, train
 
@@ -45,13 +45,21 @@ CLAIM = Claim(
     ),
     rule=(
         "Lab model: a replacement degrades it if the median over seeds of the accuracy drop is >= 0.02 or of "
-        "the loss increase is >= 0.1 nats. inconclusive if the trained model's median accuracy with the scale "
-        "is below 0.9; holds if both removal (divisor 1) and 1/d_k degrade; holds-approximately if exactly "
-        "one does, or if both do but all-MiniLM-L6-v2 (when measured; degraded = mean embedding cosine to the "
-        "original < 0.95) disagrees for one of them; does-not-hold if neither degrades."
+        "the loss increase is >= 0.1 nats; all-MiniLM-L6-v2 (when measured): if the mean embedding cosine to "
+        "the original is < 0.95. inconclusive if the trained lab model's median accuracy with the scale is below "
+        "0.9. Per model: holds if both removal (divisor 1) and 1/d_k degrade it; holds-approximately if exactly "
+        "one does; does-not-hold if neither does. Each model's verdict is reported; the claim's is the least "
+        "supportive of the two (does-not-hold < holds-approximately < holds)."
     ),
     rule_history=(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "087b215b6fd68049"),
+        RuleVersion(
+            2,
+            "2026-12-01",
+            "the lab model and all-MiniLM-L6-v2 each get a verdict by the same rule, and the claim the least "
+            "supportive one, instead of holds-approximately whenever all-MiniLM-L6-v2 disagreed",
+            "3428df3ef2abfd2c",
+        ),
     ),
 )
 
@@ -236,6 +244,27 @@ def _mean_entropy(attentions: tuple[torch.Tensor, ...], mask: torch.Tensor) -> f
     return torch.cat(values).mean().item()
 
 
+# How far each verdict supports the claim: where the two models disagree, the claim gets the least
+# supportive verdict, and each model's verdict is reported beside it.
+_SUPPORT = {Verdict.DOES_NOT_HOLD: 0, Verdict.HOLDS_APPROXIMATELY: 1, Verdict.HOLDS: 2}
+
+
+def _verdict(degraded: dict[str, bool]) -> Verdict:
+    """holds if both replacements degrade the model, does-not-hold if neither does, else holds-approximately."""
+    n = sum(degraded.values())
+    if len(degraded) == 2 and n == 2:
+        return Verdict.HOLDS
+    return Verdict.DOES_NOT_HOLD if n == 0 else Verdict.HOLDS_APPROXIMATELY
+
+
+def _says(verdict: Verdict) -> str:
+    return {
+        Verdict.HOLDS: "both replacements degrade it",
+        Verdict.HOLDS_APPROXIMATELY: "only one replacement degrades it",
+        Verdict.DOES_NOT_HOLD: "neither replacement degrades it",
+    }[verdict]
+
+
 def judge(measured: dict) -> Judgement:
     summary = measured["lab_summary"]
     if not summary:
@@ -251,29 +280,32 @@ def judge(measured: dict) -> Judgement:
         rows = [s for key, s in summary.items() if key.endswith(f"/{div}")]
         if rows:
             degraded[div] = any(s["accuracy_drop"] >= ACC_DROP or s["loss_increase"] >= LOSS_RISE for s in rows)
-    shown = "; ".join(
+    lab_shown = "; ".join(
         f"d_k={key.split('/')[0]} divisor {key.split('/')[1]}: accuracy {s['accuracy_trained']:.3f} -> "
         f"{s['accuracy_trained'] - s['accuracy_drop']:.3f}, loss {s['loss_increase']:+.3f}, entropy {s['entropy_change']:+.2f} nats"
         for key, s in summary.items()
     )
+    lab = Arm("lab model", _verdict(degraded), f"{_says(_verdict(degraded))}: {lab_shown}")
     minilm = measured["minilm"]
-    if minilm.get("status") == "measured":
-        by = minilm["by_divisor"]
-        shown += "; all-MiniLM-L6-v2: " + ", ".join(
-            f"divisor {d}: embedding cosine {by[d]['mean_cosine']:.3f}, entropy {by[d]['entropy'] - by['sqrt']['entropy']:+.2f} nats"
-            for d in ("1", "dk")
-            if d in by
-        )
-        disagree = [d for d in degraded if d in by and (by[d]["mean_cosine"] < COSINE_CHANGED) != degraded[d]]
-    else:
-        shown += f"; all-MiniLM-L6-v2: {minilm.get('status')}"
-        disagree = []
-    n = sum(degraded.values())
-    if len(degraded) == 2 and n == 2 and not disagree:
-        return Judgement(Verdict.HOLDS, f"both replacements degrade the trained model: {shown}")
-    if n == 0:
-        return Judgement(Verdict.DOES_NOT_HOLD, f"neither replacement degrades the trained model: {shown}")
-    return Judgement(Verdict.HOLDS_APPROXIMATELY, f"only part of the claim is borne out: {shown}")
+    if minilm.get("status") != "measured":
+        return Judgement(lab.verdict, f"{lab.reason}; all-MiniLM-L6-v2: {minilm.get('status')}")
+    by = minilm["by_divisor"]
+    changed = {d: by[d]["mean_cosine"] < COSINE_CHANGED for d in ("1", "dk") if d in by}
+    minilm_shown = ", ".join(
+        f"divisor {d}: embedding cosine {by[d]['mean_cosine']:.3f}, entropy {by[d]['entropy'] - by['sqrt']['entropy']:+.2f} nats"
+        for d in changed
+    )
+    pretrained = Arm("all-MiniLM-L6-v2", _verdict(changed), f"{_says(_verdict(changed))}: {minilm_shown}")
+    arms = (lab, pretrained)
+    least = min(arms, key=lambda a: _SUPPORT[a.verdict])
+    each = "; ".join(f"{a.name}: {a.verdict.value}" for a in arms)
+    if lab.verdict is pretrained.verdict:
+        return Judgement(least.verdict, f"both models agree ({each})", arms)
+    return Judgement(
+        least.verdict,
+        f"the models disagree ({each}); the claim, stated for any trained model, gets the least supportive verdict",
+        arms,
+    )
 
 
 def plot(measured: dict, outdir: Path) -> list[str]:
