@@ -328,6 +328,18 @@ def test_nan_pattern_in_every_dtype(backend, dtype):
     assert_matches(out, oracle(q, k, v, **options), atol={torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float64: 1e-12}[dtype])
 
 
+@pytest.mark.parametrize("backend", ["auto", "math", "torch"])
+def test_nan_pattern_with_dropout(backend):
+    # Dropout may zero a weight, but the key stays visible: its NaN still reaches the row.
+    q, k, v = poisoned(where=POISON["k-and-v-and-q"])
+    options = dict(attn_mask=bool_mask())
+    torch.manual_seed(0)
+    out = sdpa(q, k, v, dropout_p=0.5, backend=backend, **options)
+    ref = oracle(q, k, v, **options)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert torch.isfinite(out[~ref.isnan()]).all()
+
+
 @pytest.mark.parametrize("backend", OWN_BACKENDS)
 def test_nan_rows_have_nan_statistics_and_sinks_change_nothing_else(backend):
     q, k, v = poisoned(where=POISON["k-and-v-and-q"])
