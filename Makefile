@@ -12,7 +12,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# Pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,hf,ray]'
+	$(BIN)/pip install --quiet -e '.[test,hf,ray,trainer,tensorboard]'
+	# Build the fused CPU kernel now (about a minute), not at the first attention call; without
+	# a compiler this says why and attnscale runs its eager tiled kernel.
+	$(BIN)/python -m attnscale.kernels
 	touch $@
 
 test: $(STAMP)

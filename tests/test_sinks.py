@@ -81,24 +81,26 @@ def test_every_backend_matches_the_reference_fp64(case):
     mask = make_mask(mask_kind, H=H, L=L, S=S, seed=case)
     sinks = torch.tensor(SINKS, dtype=torch.float64)
     expected = run_reference(q, k, v, mask, sinks, **opts)
-    backends = ["math", "tiled", "auto"] + ([] if opts["softcap"] else ["torch"])
+    backends = ["math", "tiled", "auto"] + ([] if opts["softcap"] else ["torch"]) + (["fused"] if attnscale.kernels.available() else [])
     for backend in backends:
         out = sdpa(q, k, v, mask, sinks, backend, **opts)
         np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=1e-12, err_msg=backend)
-    assert attnscale.last_backend() in ("torch", "tiled")
+    assert attnscale.last_backend() in ("torch", "tiled", "fused")
 
 
-def test_auto_sends_sinks_to_the_tiled_kernel():
+def test_auto_sends_sinks_to_the_online_softmax_kernel():
     q, k, v = make_inputs()
     sdpa(q, k, v, None, torch.zeros(4, dtype=torch.float64), "auto")
-    assert attnscale.last_backend() == "tiled"
+    assert attnscale.last_backend() == ("fused" if attnscale.kernels.available() else "tiled")
     sdpa(q, k, v, None, torch.zeros(4, dtype=torch.float64), "auto", dropout_p=0.5)
     assert attnscale.last_backend() == "math"
 
 
 @pytest.mark.parametrize("case", [0, 17, 35, 46, 71])
-@pytest.mark.parametrize("backend", ["math", "tiled"])
+@pytest.mark.parametrize("backend", ["math", "tiled", "fused"])
 def test_statistics_count_the_sink_as_one_more_outcome(case, backend):
+    if backend == "fused" and not attnscale.kernels.available():
+        pytest.skip(f"the compiled kernel is unavailable: {attnscale.kernels.unavailable_reason()}")
     (H, Hkv, L, S), mask_kind, opts = options(case)
     q, k, v = make_inputs(H=H, Hkv=Hkv, L=L, S=S, seed=case)
     mask = make_mask(mask_kind, H=H, L=L, S=S, seed=case)

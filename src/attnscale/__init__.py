@@ -17,7 +17,7 @@ from .score import ScorePath
 from .stats import AttentionStats, HeadSummary, normalized_entropy, share_above, summarize
 from .tiled import attention_partial, merge_partials
 from .varlen import varlen_attention
-from . import variants
+from . import kernels, variants
 
 try:
     __version__ = version("attnscale")
@@ -48,6 +48,7 @@ __all__ = [
     "alibi_slopes",
     "attention_partial",
     "causal_mask",
+    "kernels",
     "last_backend",
     "merge_partials",
     "monitor",

@@ -34,6 +34,7 @@ class Backend(StrEnum):
     TORCH = "torch"
     MATH = "math"
     TILED = "tiled"
+    FUSED = "fused"
 
 
 def fail(arg: str, expected: str, got: object, fix: str, *, exc: type[Exception] = ValueError) -> NoReturn:

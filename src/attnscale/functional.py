@@ -18,6 +18,8 @@ from ._validate import AttentionCall, Backend, check_attention_call, fail
 from .dense import accumulation_dtype, dense_attention
 from .masks import CausalAlignment, add_bias, alibi_bias
 from .stats import AttentionStats
+from .kernels.fused import fused_attention
+from .kernels.fused import supports as fused_supports
 from .tiled import tiled_attention
 
 __all__ = ["Backend", "last_backend", "scaled_dot_product_attention"]
@@ -93,7 +95,15 @@ def _tiled_feature(call: AttentionCall) -> str | None:
     return None
 
 
-def _choose(call: AttentionCall, *, slopes_need_grad: bool = False) -> tuple[Backend, str]:
+def _kernel(call: AttentionCall, query: Tensor, attn_mask: Tensor | None) -> tuple[Backend, str]:
+    """The compiled kernel where it can run this call, else the eager tiled kernel (and why)."""
+    reason = fused_supports(query, attn_mask)
+    return (Backend.FUSED, "compiled kernel") if reason is None else (Backend.TILED, reason)
+
+
+def _choose(
+    call: AttentionCall, query: Tensor, attn_mask: Tensor | None, *, slopes_need_grad: bool = False
+) -> tuple[Backend, str]:
     if call.backend is Backend.AUTO:
         reason = _fused_cannot(call)
         if reason is None:
@@ -103,19 +113,23 @@ def _choose(call: AttentionCall, *, slopes_need_grad: bool = False) -> tuple[Bac
         if slopes_need_grad:
             return Backend.MATH, f"auto: {reason}; alibi_slopes require grad (tiled treats them as constants)"
         feature = _tiled_feature(call)
-        if feature is not None:
-            return Backend.TILED, f"auto: {feature}"
         scores = math.prod(call.batch) * call.H * call.L * call.S
-        if scores > MATH_MAX_SCORES:
-            return Backend.TILED, f"auto: {reason}; {scores} scores > MATH_MAX_SCORES"
-        return Backend.MATH, f"auto: {reason}"
-    if call.backend is Backend.TILED and call.dropout_p > 0.0:
+        if feature is None and scores <= MATH_MAX_SCORES:
+            return Backend.MATH, f"auto: {reason}"
+        why = feature if feature is not None else f"{reason}; {scores} scores > MATH_MAX_SCORES"
+        kernel, how = _kernel(call, query, attn_mask)
+        return kernel, f"auto: {why}; {how}"
+    if call.backend in (Backend.TILED, Backend.FUSED) and call.dropout_p > 0.0:
         fail(
             "dropout_p",
-            "0.0 with backend='tiled' (the tiled kernel has no dropout)",
+            f"0.0 with backend={call.backend.value!r} (the {call.backend.value} kernel has no dropout)",
             repr(call.dropout_p),
             "use backend='math' (or 'auto') for dropout",
         )
+    if call.backend is Backend.FUSED:
+        kernel, how = _kernel(call, query, attn_mask)
+        if kernel is not Backend.FUSED:
+            fail("backend", "a call the compiled kernel can run", f"'fused' with {how}", "use backend='tiled' (same semantics, eager) or 'auto'")
     if call.backend is Backend.TORCH:
         reason = _torch_cannot(call)
         if reason is not None:
@@ -226,6 +240,10 @@ def _run_backend(
     def run(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, AttentionStats | None]:
         if chosen is Backend.TORCH:
             return _torch_attention(query, key, value, call, attn_mask, alibi_slopes, sinks), None
+        if chosen is Backend.FUSED:
+            return fused_attention(
+                query, key, value, path=call.path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=call.return_stats
+            )
         if chosen is Backend.TILED:
             return tiled_attention(
                 query, key, value, path=call.path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=call.return_stats
@@ -536,7 +554,7 @@ def scaled_dot_product_attention(
     if attn_mask is not None and attn_mask.ndim < 2:
         attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.ndim) + tuple(attn_mask.shape))  # (S,) -> (1, S), as torch broadcasts
     slopes_need_grad = alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled()
-    chosen, why = _choose(call, slopes_need_grad=slopes_need_grad)
+    chosen, why = _choose(call, query, attn_mask, slopes_need_grad=slopes_need_grad)
     run = _run_backend(chosen, call, attn_mask, alibi_slopes, sinks)
     out, stats = run(query, key, value)
     peaks = _row_peaks(out)

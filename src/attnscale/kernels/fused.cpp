@@ -1,0 +1,516 @@
+// attnscale's fused CPU attention kernel: the score path of attnscale/score.py, fused per tile.
+//
+// Per (batch, query head, query block) the forward pass runs FlashAttention-2's online softmax
+// over key tiles: one BLAS product q k^T per tile, then one pass over the tile that applies the
+// score path (scale folded into the product; softcap; ALiBi; float mask; causal / window /
+// bool-mask visibility), the running max, exp, the row sum and the statistics, then one BLAS
+// product p v. Tiles that causality or the window hide are never computed, and each query block
+// only visits the key range its rows can see. The backward pass recomputes each tile exactly as
+// the forward did (same tiles, same products, same order of operations) and normalises with the
+// forward's own (m, l), so the weights it differentiates are the forward's.
+//
+// Shapes (attnscale's legend): q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), last dims
+// contiguous; masks (B, H, L, S) and slopes (B, H) as strided views (stride 0 broadcasts).
+// Arithmetic is in the inputs' dtype: float32 (half inputs are converted by the caller) or float64.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+extern "C" {
+#if defined(CPU_CAPABILITY_AVX2)
+__m256 Sleef_tanhf8_u35avx2(__m256);  // in libtorch_cpu, as ATen's own Vectorized<float>::tanh (u10)
+#endif
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c, const int* ldc);
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+            const int* ldc);
+}
+
+namespace {
+
+using at::vec::Vectorized;
+
+// Column-major BLAS, as Fortran: C (m x n) = alpha op(A) op(B) + beta C.
+inline void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  int im = m, in = n, ik = k, ilda = lda, ildb = ldb, ildc = ldc;
+  sgemm_(&ta, &tb, &im, &in, &ik, &alpha, a, &ilda, b, &ildb, &beta, c, &ildc);
+}
+
+inline void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
+                 const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  int im = m, in = n, ik = k, ilda = lda, ildb = ldb, ildc = ldc;
+  dgemm_(&ta, &tb, &im, &in, &ik, &alpha, a, &ilda, b, &ildb, &beta, c, &ildc);
+}
+
+// Weights below exp(floor) times the row maximum's are set to 0: a matmul whose products fall
+// below the normal range runs ~100x slower on x86, and such a weight is far below the precision of
+// the row's sum (float32: exp(-69) = 1e-30; float64: exp(-690)).
+template <typename T>
+constexpr T exp_floor() {
+  return std::is_same_v<T, float> ? T(-69.0) : T(-690.0);
+}
+
+// tanh on a vector: for float Sleef's 3.5-ulp AVX2 tanh (a third cheaper than the 1-ulp one, and
+// its error is measured against the plain formula in the tests); for double the 1-ulp one.
+inline Vectorized<float> vtanh(const Vectorized<float>& x) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return Vectorized<float>(Sleef_tanhf8_u35avx2(x));
+#else
+  return x.tanh();
+#endif
+}
+inline Vectorized<double> vtanh(const Vectorized<double>& x) { return x.tanh(); }
+
+// exp on a vector: for float ATen's exp_u20 (a degree-5 polynomial after range reduction, what
+// torch's own CPU flash kernel uses: its error is measured against the plain formula in the tests);
+// for double Sleef's 1-ulp exp, as the float64 oracle tests need.
+inline Vectorized<float> vexp(const Vectorized<float>& x) { return x.exp_u20(); }
+inline Vectorized<double> vexp(const Vectorized<double>& x) { return x.exp(); }
+
+template <typename T>
+struct Problem {
+  const T* q;
+  int64_t q_sb, q_sh, q_sl;
+  const T* k;
+  int64_t k_sb, k_sh, k_sl;
+  const T* v;
+  int64_t v_sb, v_sh, v_sl;
+  int64_t B, H, Hkv, L, S, D, Dv;
+  T scale, softcap;  // softcap 0: none
+  bool causal;
+  int64_t q_offset, left, right;  // aligned position of query row 0; window sides, -1 = unlimited
+  int64_t q_start, k_start;       // global positions of this call's first query row and key
+  const T* alibi;                 // (B, H) strided, or null
+  int64_t al_sb, al_sh;
+  const bool* bmask;  // (B, H, L, S) strided, or null
+  const T* fmask;
+  int64_t m_sb, m_sh, m_sl, m_ss;
+  int64_t block_q, block_k;
+
+  int64_t G() const { return H / Hkv; }
+  int64_t q_blocks() const { return (L + block_q - 1) / block_q; }
+
+  // Keys [lo, hi) (local) that causal / window leave visible to query row i; hi <= lo if none.
+  void row_span(int64_t i, int64_t* lo, int64_t* hi) const {
+    const int64_t p = q_start + i + q_offset;  // aligned position (global key coordinates)
+    int64_t first = std::numeric_limits<int64_t>::min() / 4, last = std::numeric_limits<int64_t>::max() / 4;
+    if (causal) last = p;
+    if (left >= 0) first = p - left;
+    if (right >= 0) last = std::min(last, p + right);
+    *lo = std::max<int64_t>(first - k_start, 0);
+    *hi = std::min<int64_t>(last - k_start + 1, S);
+  }
+
+  // The key tiles [j0, j1) of query block i0:i1: fixed blocks of block_k, cut to the keys some
+  // row of the block can see (the same list in the forward and the backward pass).
+  std::vector<std::pair<int64_t, int64_t>> key_tiles(int64_t i0, int64_t i1) const {
+    int64_t lo0, hi0, lo1, hi1;
+    row_span(i0, &lo0, &hi0);
+    row_span(i1 - 1, &lo1, &hi1);
+    const int64_t lo = std::min(lo0, lo1), hi = std::max(hi0, hi1);  // spans move right with i
+    std::vector<std::pair<int64_t, int64_t>> tiles;
+    for (int64_t b0 = 0; b0 < S; b0 += block_k) {
+      const int64_t j0 = std::max(b0, lo), j1 = std::min(b0 + block_k, hi);
+      if (j0 < j1) tiles.emplace_back(j0, j1);
+    }
+    return tiles;
+  }
+};
+
+// Logits of one tile, in place: on entry x (rows x width, row stride width) holds the raw products
+// times (scale, or scale / softcap with softcap); on exit the score path's logits, -inf where a key
+// is hidden. With softcap, t (if not null) receives tanh of the products, for the backward pass.
+template <typename T>
+void score_tile(const Problem<T>& P, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t width, T* x,
+                T* t) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  const T cap = P.softcap;
+  const T slope = P.alibi ? P.alibi[b * P.al_sb + h * P.al_sh] : T(0);
+  for (int64_t r = 0; r < rows; ++r) {
+    T* xr = x + r * width;
+    const int64_t i = i0 + r;
+    if (cap != T(0)) {
+      int64_t c = 0;
+      const Vec vcap(cap);
+      for (; c + n <= width; c += n) {
+        Vec th = vtanh(Vec::loadu(xr + c));
+        if (t) th.store(t + r * width + c);
+        (th * vcap).store(xr + c);
+      }
+      for (; c < width; ++c) {
+        const T th = std::tanh(xr[c]);
+        if (t) t[r * width + c] = th;
+        xr[c] = cap * th;
+      }
+    }
+    if (P.alibi) {
+      const int64_t p = P.q_start + i + P.q_offset - P.k_start - j0;  // i' - j = p - c
+      for (int64_t c = 0; c < width; ++c) xr[c] -= slope * static_cast<T>(std::abs(p - c));
+    }
+    if (P.fmask) {
+      const T* mr = P.fmask + b * P.m_sb + h * P.m_sh + i * P.m_sl + j0 * P.m_ss;
+      if (P.m_ss == 1) {
+        for (int64_t c = 0; c < width; ++c) xr[c] += mr[c];
+      } else {
+        for (int64_t c = 0; c < width; ++c) xr[c] += mr[c * P.m_ss];
+      }
+    }
+    if (P.bmask) {
+      const bool* mr = P.bmask + b * P.m_sb + h * P.m_sh + i * P.m_sl + j0 * P.m_ss;
+      for (int64_t c = 0; c < width; ++c) xr[c] = mr[c * P.m_ss] ? xr[c] : neg_inf;
+    }
+    int64_t lo, hi;
+    P.row_span(i, &lo, &hi);
+    lo = std::clamp<int64_t>(lo - j0, 0, width);
+    hi = std::clamp<int64_t>(hi - j0, lo, width);
+    std::fill(xr, xr + lo, neg_inf);
+    std::fill(xr + hi, xr + width, neg_inf);
+  }
+}
+
+// p = exp(x - m) for one row, 0 where x - m < floor (hidden keys, -inf, included); returns sum p.
+template <typename T>
+T exp_row(T* x, int64_t width, T m) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  const Vec vm(m), vfloor(exp_floor<T>()), zero(T(0));
+  Vec acc(T(0));
+  int64_t c = 0;
+  for (; c + n <= width; c += n) {
+    const Vec centred = Vec::loadu(x + c) - vm;
+    const Vec p = Vec::blendv(vexp(centred), zero, centred < vfloor);  // NaN stays NaN
+    p.store(x + c);
+    acc = acc + p;
+  }
+  T sum = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return a + b; }, acc);
+  for (; c < width; ++c) {
+    const T centred = x[c] - m;
+    const T p = centred < exp_floor<T>() ? T(0) : std::exp(centred);
+    x[c] = p;
+    sum += p;
+  }
+  return sum;
+}
+
+// As exp_row, and also returns sum p (s - m) in *weighted (hidden keys contribute 0), for the entropy.
+template <typename T>
+T exp_row_weighted(T* x, int64_t width, T m, T* weighted) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  const Vec vm(m), vfloor(exp_floor<T>()), zero(T(0));
+  Vec acc(T(0)), wacc(T(0));
+  int64_t c = 0;
+  for (; c + n <= width; c += n) {
+    const Vec centred = Vec::loadu(x + c) - vm;
+    const Vec drop = centred < vfloor;  // NaN is kept: NaN in, NaN out
+    const Vec p = Vec::blendv(vexp(centred), zero, drop);
+    p.store(x + c);
+    acc = acc + p;
+    wacc = wacc + p * Vec::blendv(centred, zero, drop);
+  }
+  auto add = [](const Vec& a, const Vec& b) { return a + b; };
+  T sum = at::vec::vec_reduce_all<T>(add, acc), w = at::vec::vec_reduce_all<T>(add, wacc);
+  for (; c < width; ++c) {
+    const T centred = x[c] - m;
+    const T p = centred < exp_floor<T>() ? T(0) : std::exp(centred);
+    x[c] = p;
+    sum += p;
+    w += centred < exp_floor<T>() ? T(0) : p * centred;
+  }
+  *weighted = w;
+  return sum;
+}
+
+template <typename T>
+T row_max(const T* x, int64_t width) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  Vec vmax(neg_inf);
+  int64_t c = 0;
+  for (; c + n <= width; c += n) vmax = at::vec::maximum(vmax, Vec::loadu(x + c));
+  T m = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, vmax);
+  for (; c < width; ++c)
+    if (std::isnan(x[c]) || x[c] > m) m = x[c];  // NaN propagates, as in at::vec::maximum
+  return m;
+}
+
+template <typename T>
+struct ForwardOut {
+  T* out;   // (B, H, L, Dv) contiguous
+  T* lse;   // (B, H, L)
+  T* m;     // (B, H, L): the offset the row's weights were last taken against
+  T* l;     // (B, H, L): sum exp(s - m), 1 for rows without a visible key
+  T* max_logit;  // stats (null without)
+  T* max_prob;
+  T* entropy;
+  int64_t* visible;
+};
+
+template <typename T>
+void forward_kernel(const Problem<T>& P, const ForwardOut<T>& O) {
+  const int64_t nqb = P.q_blocks(), G = P.G();
+  const bool stats = O.max_logit != nullptr;
+  const T alpha = P.softcap != T(0) ? P.scale / P.softcap : P.scale;
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  at::parallel_for(0, P.B * P.H * nqb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> sbuf(P.block_q * P.block_k), acc(P.block_q * P.Dv);
+    std::vector<T> m(P.block_q), l(P.block_q), w(P.block_q);
+    std::vector<int64_t> seen(P.block_q);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t qb = task % nqb, h = (task / nqb) % P.H, b = task / (nqb * P.H), hk = h / G;
+      const int64_t i0 = qb * P.block_q, i1 = std::min(i0 + P.block_q, P.L), rows = i1 - i0;
+      const T* q = P.q + b * P.q_sb + h * P.q_sh + i0 * P.q_sl;
+      const T* k = P.k + b * P.k_sb + hk * P.k_sh;
+      const T* v = P.v + b * P.v_sb + hk * P.v_sh;
+      std::fill(acc.begin(), acc.begin() + rows * P.Dv, T(0));
+      std::fill(m.begin(), m.end(), neg_inf);
+      std::fill(l.begin(), l.end(), T(0));
+      std::fill(w.begin(), w.end(), T(0));
+      std::fill(seen.begin(), seen.end(), 0);
+      for (auto [j0, j1] : P.key_tiles(i0, i1)) {
+        const int64_t width = j1 - j0;
+        T* x = sbuf.data();
+        gemm('T', 'N', width, rows, P.D, alpha, k + j0 * P.k_sl, P.k_sl, q, P.q_sl, T(0), x, width);
+        score_tile(P, b, h, i0, rows, j0, width, x, static_cast<T*>(nullptr));
+        for (int64_t r = 0; r < rows; ++r) {
+          T* xr = x + r * width;
+          const T tile_max = row_max(xr, width);
+          // NaN (from NaN inputs, or products that overflowed to inf - inf) must reach the output.
+          const T m_new = std::isnan(tile_max) ? tile_max : std::max(m[r], tile_max);
+          if (m_new == neg_inf) {  // nothing visible to this row yet
+            std::fill(xr, xr + width, T(0));
+            continue;
+          }
+          if (stats) {
+            int64_t count = 0;
+            for (int64_t c = 0; c < width; ++c) count += xr[c] != neg_inf;
+            seen[r] += count;
+          }
+          const T rescale = std::exp(m[r] - m_new);  // 0 while m = -inf
+          if (stats) {
+            T weighted;
+            const T sum = exp_row_weighted(xr, width, m_new, &weighted);
+            // Re-centre the running sum of p (s - m) on the new max, then add this tile's.
+            w[r] = l[r] > T(0) ? rescale * (w[r] + l[r] * (m[r] - m_new)) + weighted : weighted;
+            l[r] = rescale * l[r] + sum;
+          } else {
+            l[r] = rescale * l[r] + exp_row(xr, width, m_new);
+          }
+          if (rescale != T(1)) {
+            T* ar = acc.data() + r * P.Dv;
+            for (int64_t c = 0; c < P.Dv; ++c) ar[c] *= rescale;
+          }
+          m[r] = m_new;
+        }
+        gemm('N', 'N', P.Dv, rows, width, T(1), v + j0 * P.v_sl, P.v_sl, x, width, T(1), acc.data(), P.Dv);
+      }
+      const int64_t row0 = (b * P.H + h) * P.L + i0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool has = l[r] != T(0);  // a NaN sum (NaN inputs) is no empty row: NaN reaches the output
+        const T safe = has ? l[r] : T(1);
+        T* dst = O.out + (row0 + r) * P.Dv;
+        const T* ar = acc.data() + r * P.Dv;
+        for (int64_t c = 0; c < P.Dv; ++c) dst[c] = has ? ar[c] / safe : T(0);
+        O.lse[row0 + r] = has ? m[r] + std::log(safe) : neg_inf;
+        O.m[row0 + r] = has ? m[r] : T(0);
+        O.l[row0 + r] = safe;
+        if (stats) {
+          O.max_logit[row0 + r] = has ? m[r] : neg_inf;
+          O.max_prob[row0 + r] = has ? T(1) / safe : T(0);
+          O.entropy[row0 + r] = has ? std::max(T(0), std::log(safe) - w[r] / safe) : T(0);
+          O.visible[row0 + r] = seen[r];
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+struct BackwardIO {
+  const T* dout;   // (B, H, L, Dv) contiguous
+  const T* delta;  // (B, H, L): rowsum(dO * O) - dlse
+  const T* m;      // the forward's normaliser
+  const T* l;
+  T* dq;  // (B, H, L, D), written
+  T* dk;  // (B, H, S, D) per query head, accumulated (the caller sums each group)
+  T* dv;  // (B, H, S, Dv) per query head, accumulated
+};
+
+template <typename T>
+void backward_kernel(const Problem<T>& P, const BackwardIO<T>& IO) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  const int64_t nqb = P.q_blocks(), G = P.G();
+  const bool capped = P.softcap != T(0);
+  const T alpha = capped ? P.scale / P.softcap : P.scale;
+  at::parallel_for(0, P.B * P.H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> sbuf(P.block_q * P.block_k), tbuf(capped ? P.block_q * P.block_k : 0),
+        dpbuf(P.block_q * P.block_k), dqb(P.block_q * P.D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task % P.H, b = task / P.H, hk = h / G;
+      const T* k = P.k + b * P.k_sb + hk * P.k_sh;
+      const T* v = P.v + b * P.v_sb + hk * P.v_sh;
+      T* dk = IO.dk + (b * P.H + h) * P.S * P.D;
+      T* dv = IO.dv + (b * P.H + h) * P.S * P.Dv;
+      for (int64_t qb = 0; qb < nqb; ++qb) {
+        const int64_t i0 = qb * P.block_q, i1 = std::min(i0 + P.block_q, P.L), rows = i1 - i0;
+        const T* q = P.q + b * P.q_sb + h * P.q_sh + i0 * P.q_sl;
+        const int64_t row0 = (b * P.H + h) * P.L + i0;
+        const T* dout = IO.dout + row0 * P.Dv;
+        std::fill(dqb.begin(), dqb.begin() + rows * P.D, T(0));
+        for (auto [j0, j1] : P.key_tiles(i0, i1)) {
+          const int64_t width = j1 - j0;
+          T* x = sbuf.data();
+          T* t = capped ? tbuf.data() : nullptr;
+          gemm('T', 'N', width, rows, P.D, alpha, k + j0 * P.k_sl, P.k_sl, q, P.q_sl, T(0), x, width);
+          score_tile(P, b, h, i0, rows, j0, width, x, t);
+          for (int64_t r = 0; r < rows; ++r) {  // p = exp(s - m) / l: the forward's weights
+            T* xr = x + r * width;
+            exp_row(xr, width, IO.m[row0 + r]);
+            const Vec vl(IO.l[row0 + r]);
+            int64_t c = 0;
+            for (; c + n <= width; c += n) (Vec::loadu(xr + c) / vl).store(xr + c);
+            for (; c < width; ++c) xr[c] /= IO.l[row0 + r];
+          }
+          // dV += P^T dO ; dP = dO V^T
+          gemm('N', 'T', P.Dv, width, rows, T(1), dout, P.Dv, x, width, T(1), dv + j0 * P.Dv, P.Dv);
+          T* dp = dpbuf.data();
+          gemm('T', 'N', width, rows, P.Dv, T(1), v + j0 * P.v_sl, P.v_sl, dout, P.Dv, T(0), dp, width);
+          for (int64_t r = 0; r < rows; ++r) {  // dS = P (dP - delta), times (1 - t^2) with softcap
+            const T* pr = x + r * width;
+            T* dr = dp + r * width;
+            const Vec vd(IO.delta[row0 + r]), one(T(1));
+            int64_t c = 0;
+            if (capped) {
+              const T* tr = t + r * width;
+              for (; c + n <= width; c += n) {
+                const Vec tv = Vec::loadu(tr + c);
+                ((Vec::loadu(dr + c) - vd) * Vec::loadu(pr + c) * (one - tv * tv)).store(dr + c);
+              }
+              for (; c < width; ++c) dr[c] = (dr[c] - IO.delta[row0 + r]) * pr[c] * (T(1) - tr[c] * tr[c]);
+            } else {
+              for (; c + n <= width; c += n) ((Vec::loadu(dr + c) - vd) * Vec::loadu(pr + c)).store(dr + c);
+              for (; c < width; ++c) dr[c] = (dr[c] - IO.delta[row0 + r]) * pr[c];
+            }
+          }
+          // dQ += dS K ; dK += dS^T Q (the scale multiplies both at the end)
+          gemm('N', 'N', P.D, rows, width, T(1), k + j0 * P.k_sl, P.k_sl, dp, width, T(1), dqb.data(), P.D);
+          gemm('N', 'T', P.D, width, rows, T(1), q, P.q_sl, dp, width, T(1), dk + j0 * P.D, P.D);
+        }
+        T* dq = IO.dq + row0 * P.D;
+        for (int64_t e = 0; e < rows * P.D; ++e) dq[e] = dqb[e] * P.scale;
+      }
+      for (int64_t e = 0; e < P.S * P.D; ++e) dk[e] *= P.scale;
+    }
+  });
+}
+
+template <typename T>
+Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
+                        double softcap, bool causal, int64_t q_offset, int64_t left, int64_t right, int64_t q_start,
+                        int64_t k_start, const c10::optional<torch::Tensor>& alibi,
+                        const c10::optional<torch::Tensor>& mask, int64_t block_q, int64_t block_k) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attnscale fused kernel: q, k, v must be 4-d");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "attnscale fused kernel: last dims must be contiguous");
+  Problem<T> P{};
+  P.q = q.data_ptr<T>();
+  P.q_sb = q.stride(0), P.q_sh = q.stride(1), P.q_sl = q.stride(2);
+  P.k = k.data_ptr<T>();
+  P.k_sb = k.stride(0), P.k_sh = k.stride(1), P.k_sl = k.stride(2);
+  P.v = v.data_ptr<T>();
+  P.v_sb = v.stride(0), P.v_sh = v.stride(1), P.v_sl = v.stride(2);
+  P.B = q.size(0), P.H = q.size(1), P.L = q.size(2), P.D = q.size(3);
+  P.Hkv = k.size(1), P.S = k.size(2), P.Dv = v.size(3);
+  P.scale = static_cast<T>(scale), P.softcap = static_cast<T>(softcap);
+  P.causal = causal, P.q_offset = q_offset, P.left = left, P.right = right;
+  P.q_start = q_start, P.k_start = k_start;
+  P.block_q = block_q, P.block_k = block_k;
+  if (alibi.has_value()) {
+    TORCH_CHECK(alibi->dim() == 2 && alibi->scalar_type() == q.scalar_type(), "attnscale fused kernel: slopes (B, H)");
+    P.alibi = alibi->data_ptr<T>();
+    P.al_sb = alibi->stride(0), P.al_sh = alibi->stride(1);
+  }
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->dim() == 4, "attnscale fused kernel: mask (B, H, L, S)");
+    if (mask->scalar_type() == torch::kBool) {
+      P.bmask = mask->data_ptr<bool>();
+    } else {
+      TORCH_CHECK(mask->scalar_type() == q.scalar_type(), "attnscale fused kernel: float mask in the compute dtype");
+      P.fmask = mask->data_ptr<T>();
+    }
+    P.m_sb = mask->stride(0), P.m_sh = mask->stride(1), P.m_sl = mask->stride(2), P.m_ss = mask->stride(3);
+  }
+  return P;
+}
+
+std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
+                                   double softcap, bool causal, int64_t q_offset, int64_t left, int64_t right,
+                                   int64_t q_start, int64_t k_start, const c10::optional<torch::Tensor>& alibi,
+                                   const c10::optional<torch::Tensor>& mask, bool with_stats, int64_t block_q,
+                                   int64_t block_k) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
+  auto out = torch::empty({B, H, L, Dv}, q.options());
+  auto rows = torch::empty({B, H, L}, q.options());
+  auto lse = torch::empty_like(rows), m = torch::empty_like(rows), l = torch::empty_like(rows);
+  std::vector<torch::Tensor> result{out, lse, m, l};
+  if (with_stats) {
+    for (int s = 0; s < 3; ++s) result.push_back(torch::empty_like(rows));
+    result.push_back(torch::empty({B, H, L}, q.options().dtype(torch::kInt64)));
+  }
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnscale_fused_forward", [&] {
+    auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
+                                    mask, block_q, block_k);
+    ForwardOut<scalar_t> O{out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
+                           l.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr};
+    if (with_stats) {
+      O.max_logit = result[4].data_ptr<scalar_t>();
+      O.max_prob = result[5].data_ptr<scalar_t>();
+      O.entropy = result[6].data_ptr<scalar_t>();
+      O.visible = result[7].data_ptr<int64_t>();
+    }
+    forward_kernel(P, O);
+  });
+  return result;
+}
+
+std::vector<torch::Tensor> backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                    const torch::Tensor& dout, const torch::Tensor& delta, const torch::Tensor& m,
+                                    const torch::Tensor& l, double scale, double softcap, bool causal,
+                                    int64_t q_offset, int64_t left, int64_t right, int64_t q_start, int64_t k_start,
+                                    const c10::optional<torch::Tensor>& alibi,
+                                    const c10::optional<torch::Tensor>& mask, int64_t block_q, int64_t block_k) {
+  const int64_t B = q.size(0), H = q.size(1), S = k.size(2), D = q.size(3), Dv = v.size(3);
+  TORCH_CHECK(dout.is_contiguous() && delta.is_contiguous() && m.is_contiguous() && l.is_contiguous(),
+              "attnscale fused kernel: contiguous dout, delta, m, l");
+  auto dq = torch::empty_like(q, at::MemoryFormat::Contiguous);
+  auto dk = torch::zeros({B, H, S, D}, q.options());
+  auto dv = torch::zeros({B, H, S, Dv}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnscale_fused_backward", [&] {
+    auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
+                                    mask, block_q, block_k);
+    BackwardIO<scalar_t> IO{dout.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
+                            l.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
+                            dv.data_ptr<scalar_t>()};
+    backward_kernel(P, IO);
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("forward", &forward, "attnscale fused attention forward (out, lse, m, l[, max_logit, max_prob, entropy, visible])");
+  module.def("backward", &backward, "attnscale fused attention backward (dq, per-head dk, per-head dv)");
+}

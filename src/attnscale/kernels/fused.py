@@ -1,0 +1,201 @@
+"""The Python face of the fused CPU kernel: ``backend="fused"`` of ``scaled_dot_product_attention``.
+
+Same semantics as :mod:`attnscale.tiled` (the score path of :mod:`attnscale.score`, empty rows give
+zeros and ``lse = -inf``, statistics streamed exactly), computed by ``fused.cpp``: per tile one
+BLAS product, one fused pass over the score path and the online softmax, one BLAS product; work
+parallel over batch, heads and query blocks on every core. float32 and float64 run natively;
+float16 and bfloat16 are computed in float32 (as every attnscale backend accumulates) and the output
+is cast back. Sinks enter through :func:`attnscale.tiled.merge_sinks` on the kernel's
+``(out, lse)``, as in the tiled kernel. ALiBi slopes are constants; a float mask that requires
+grad is refused (``backend="auto"`` sends it to the tiled kernel).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..dense import accumulation_dtype
+from ..score import ScorePath
+from ..stats import AttentionStats, with_sinks
+from ..tiled import merge_sinks, tiled_attention
+from . import load
+
+__all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "supports"]
+
+BLOCK_Q = 64
+BLOCK_K = 256
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Everything but the tensors: the score path and the tiling, as the kernel reads them."""
+
+    path: ScorePath
+    batch: tuple[int, ...]
+    H: int
+    Hkv: int
+    q_start: int
+    k_start: int
+    with_stats: bool
+    block_q: int
+    block_k: int
+
+    def args(self) -> tuple:
+        path = self.path
+        left, right = path.window if path.window is not None else (None, None)
+        return (
+            path.scale,
+            0.0 if path.softcap is None else path.softcap,
+            path.causal,
+            path.q_offset,
+            -1 if left is None else left,
+            -1 if right is None else right,
+            self.q_start,
+            self.k_start,
+        )
+
+
+def supports(query: Tensor, attn_mask: Tensor | None) -> str | None:
+    """Why the fused kernel cannot take this call (None if it can)."""
+    if query.device.type != "cpu":
+        return "not a CPU tensor"
+    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+        return "a float attn_mask that requires grad"
+    if load() is None:
+        return "the compiled kernel is unavailable"
+    return None
+
+
+def _flat(x: Tensor, spec: _Spec, dtype: torch.dtype) -> Tensor:
+    """(*batch, heads, n, d) in ``dtype`` as (B, heads, n, d) with a contiguous last dim."""
+    x = x.to(dtype).expand(*spec.batch, *x.shape[-3:])
+    x = x.reshape(math.prod(spec.batch), *x.shape[-3:])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _flat_mask(mask: Tensor | None, spec: _Spec, L: int, S: int, dtype: torch.dtype) -> Tensor | None:
+    """The mask as a strided (B, H, L, S) view (broadcast dims get stride 0), in ``dtype`` if float."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    mask = mask.reshape((1,) * max(0, 2 - mask.ndim) + tuple(mask.shape))
+    mask = mask.expand(*spec.batch, spec.H, L, S)
+    return mask.flatten(0, len(spec.batch) - 1) if len(spec.batch) != 1 else mask
+
+
+def _flat_slopes(alibi: Tensor | None, spec: _Spec, dtype: torch.dtype) -> Tensor | None:
+    if alibi is None:
+        return None
+    slopes = alibi.detach().to(dtype).expand(*spec.batch, spec.H)
+    return slopes.flatten(0, len(spec.batch) - 1) if len(spec.batch) != 1 else slopes
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Saves the inputs and the forward's normaliser (m, l); the backward recomputes each tile."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, alibi, spec):  # type: ignore[override]
+        acc = accumulation_dtype(query.dtype)
+        L, S = query.shape[-2], key.shape[-2]
+        q, k, v = (_flat(t, spec, acc) for t in (query, key, value))
+        m4, slopes = _flat_mask(mask, spec, L, S, acc), _flat_slopes(alibi, spec, acc)
+        with torch.no_grad():
+            out, lse, m, l, *stats = load().forward(
+                q, k, v, *spec.args(), slopes, m4, spec.with_stats, spec.block_q, spec.block_k
+            )
+        ctx.save_for_backward(query, key, value, mask, alibi, out, m, l)
+        ctx.spec = spec
+        ctx.mark_non_differentiable(*stats)
+        shape = (*spec.batch, spec.H, L)
+        return (out.view(*shape, v.shape[-1]), lse.view(shape), *(t.view(shape) for t in stats))
+
+    @staticmethod
+    def backward(ctx, dout, dlse, *unused):  # type: ignore[override]
+        query, key, value, mask, alibi, out, m, l = ctx.saved_tensors
+        spec: _Spec = ctx.spec
+        acc = out.dtype
+        L, S = query.shape[-2], key.shape[-2]
+        q, k, v = (_flat(t, spec, acc) for t in (query, key, value))
+        m4, slopes = _flat_mask(mask, spec, L, S, acc), _flat_slopes(alibi, spec, acc)
+        B = math.prod(spec.batch)
+        dout = dout.to(acc).reshape(B, spec.H, L, -1).contiguous()
+        # D_i = rowsum(dO * O) - dlse_i (FlashAttention-2; a gradient on lse adds p dlse to dS)
+        delta = ((dout * out).sum(-1) - dlse.to(acc).reshape(B, spec.H, L)).contiguous()
+        with torch.no_grad():
+            dq, dk, dv = load().backward(q, k, v, dout, delta, m, l, *spec.args(), slopes, m4, spec.block_q, spec.block_k)
+        G = spec.H // spec.Hkv
+        dk = dk.view(B, spec.Hkv, G, S, -1).sum(2).view(*spec.batch, spec.Hkv, S, -1)  # a group's heads share k
+        dv = dv.view(B, spec.Hkv, G, S, -1).sum(2).view(*spec.batch, spec.Hkv, S, -1)
+        dq = dq.view(*spec.batch, spec.H, L, -1)
+        return (
+            dq.sum_to_size(query.shape).to(query.dtype),
+            dk.sum_to_size(key.shape).to(key.dtype),
+            dv.sum_to_size(value.shape).to(value.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def fused_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    path: ScorePath,
+    attn_mask: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    return_stats: bool = False,
+    q_start: int = 0,
+    k_start: int = 0,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> tuple[Tensor, AttentionStats | None]:
+    """Fused attention on validated CPU inputs: query (..., H, L, D), key (..., Hkv, S, D),
+    value (..., Hkv, S, Dv), H a multiple of Hkv (L = 0 or S = 0 give the tiled kernel's empty or
+    zero results). Returns (out (..., H, L, Dv), stats
+    or None). Raises RuntimeError when the compiled kernel is unavailable (see :func:`supports`)."""
+    reason = supports(query, attn_mask)
+    if reason is not None:
+        raise RuntimeError(f"backend='fused' cannot run this call: {reason}")
+    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "alibi_slopes: expected constant slopes on the fused backend, got a tensor that requires grad. "
+            "Fix: pass alibi_slopes.detach(), or backend='math' to learn the slopes"
+        )
+    if query.shape[-2] == 0 or key.shape[-2] == 0:  # nothing to tile: the eager kernel's empty results
+        return tiled_attention(
+            query, key, value, path=path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=return_stats
+        )
+    batch = tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])) or (1,)
+    spec = _Spec(
+        path=path,
+        batch=batch,
+        H=query.shape[-3],
+        Hkv=key.shape[-3],
+        q_start=q_start,
+        k_start=k_start,
+        with_stats=return_stats,
+        block_q=block_q,
+        block_k=block_k,
+    )
+    squeeze = query.ndim == 3 and key.ndim == 3
+    if squeeze:  # no batch dims: the kernel's batch of one
+        query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    out, lse, *rest = _FusedAttention.apply(query, key, value, attn_mask, alibi_slopes, spec)
+    if sinks is not None:
+        out, _ = merge_sinks(out, lse, sinks)
+    out = out.to(query.dtype)
+    if squeeze:
+        out, lse, rest = out.squeeze(0), lse.squeeze(0), [t.squeeze(0) for t in rest]
+    if not return_stats:
+        return out, None
+    max_logit, max_prob, entropy, visible_keys = rest
+    stats = AttentionStats(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
+    return out, stats if sinks is None else with_sinks(stats, sinks)

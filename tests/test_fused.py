@@ -1,0 +1,238 @@
+"""The compiled CPU kernel (``backend="fused"``) against the fp64 reference, the math backend and
+the eager tiled kernel; its build, its fallback and its routing."""
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import attnscale
+from attnscale import kernels, reference
+
+pytestmark = pytest.mark.skipif(
+    not kernels.available(), reason=f"the compiled kernel is unavailable: {kernels.unavailable_reason()}"
+)
+
+NEG_INF = float("-inf")
+
+
+def make_inputs(*, B=2, H=4, Hkv=2, L=70, S=300, D=7, Dv=5, dtype=torch.float64, seed=0, mag=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, D, generator=gen, dtype=torch.float64) * mag  # (B, H, L, D)
+    k = torch.randn(B, Hkv, S, D, generator=gen, dtype=torch.float64) * mag  # (B, Hkv, S, D)
+    v = torch.randn(B, Hkv, S, Dv, generator=gen, dtype=torch.float64)  # (B, Hkv, S, Dv)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def make_mask(kind, *, H, L, S, seed=1):
+    if kind is None:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    keep = torch.rand(2, 1, L, S, generator=gen) > 0.3  # (B, 1, L, S)
+    keep[0, 0, 1] = False  # one fully masked row
+    if kind == "bool":
+        return keep
+    return torch.randn(1, H, L, S, generator=gen, dtype=torch.float64).masked_fill(~keep, NEG_INF)
+
+
+FEATURES = list(
+    itertools.product(
+        [None, 5.0],  # softcap
+        [False, True],  # alibi
+        [None, (5, 2)],  # window
+        [None, "top_left", "bottom_right"],  # causal alignment
+        [None, "bool", "float"],  # attn_mask
+    )
+)
+# (H, Hkv, L, S): MHA, GQA, MQA; several query blocks (64) and key tiles (256), L != S both ways
+SHAPES = [(4, 4, 70, 300), (4, 2, 131, 77), (4, 1, 5, 600)]
+
+
+def case_inputs(case, dtype=torch.float64):
+    softcap, alibi, window, causal, mask_kind = FEATURES[case]
+    H, Hkv, L, S = SHAPES[case % len(SHAPES)]
+    q, k, v = make_inputs(H=H, Hkv=Hkv, L=L, S=S, seed=case, dtype=dtype)
+    mask = make_mask(mask_kind, H=H, L=L, S=S, seed=case)
+    opts = {"softcap": softcap, "window": window}
+    if alibi:
+        opts["alibi_slopes"] = attnscale.alibi_slopes(H).double()
+    if causal is not None:
+        opts.update(is_causal=True, causal_alignment=causal)
+    return q, k, v, mask, opts
+
+
+def run_reference(q, k, v, mask, **opts):
+    np_opts = {key: (val.numpy() if isinstance(val, torch.Tensor) else val) for key, val in opts.items()}
+    np_mask = None if mask is None else mask.numpy()
+    return reference.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), attn_mask=np_mask, **np_opts)
+
+
+def sdpa(q, k, v, mask=None, backend="fused", **opts):
+    return attnscale.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, backend=backend, **opts)
+
+
+@pytest.mark.parametrize("case", range(len(FEATURES)))
+def test_features_match_the_reference_fp64_with_statistics_and_gradients(case):
+    q, k, v, mask, opts = case_inputs(case)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out, stats = sdpa(q, k, v, mask, return_stats=True, **opts)
+    assert attnscale.last_backend() == "fused"
+    want, want_stats = run_reference(q.detach(), k.detach(), v.detach(), mask, return_stats=True, **opts)
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=0, atol=1e-12)
+    for name in ("lse", "max_logit", "max_prob", "entropy", "visible_keys"):
+        np.testing.assert_allclose(getattr(stats, name).detach().numpy(), want_stats[name], rtol=0, atol=1e-12, err_msg=name)
+    # Gradients through the output and through lse, against the math backend's autograd.
+    expected, expected_stats = sdpa(q, k, v, mask, backend="math", return_stats=True, **opts)
+    grad_out = torch.randn_like(out)
+    finite = torch.isfinite(stats.lse)
+    got = torch.autograd.grad((out * grad_out).sum() + stats.lse[finite].sum(), (q, k, v))
+    want_grads = torch.autograd.grad((expected * grad_out).sum() + expected_stats.lse[finite].sum(), (q, k, v))
+    for name, g, w in zip("qkv", got, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("case", [0, 17, 35, 53, 71])
+def test_sinks_match_the_reference_fp64(case):
+    q, k, v, mask, opts = case_inputs(case)
+    H = q.shape[-3]
+    sinks = torch.tensor([0.5, -1.0, 2.5, NEG_INF][:H], dtype=torch.float64)
+    want = reference.attention(
+        q.numpy(), k.numpy(), v.numpy(), attn_mask=None if mask is None else mask.numpy(), sinks=sinks.numpy(),
+        **{key: (val.numpy() if isinstance(val, torch.Tensor) else val) for key, val in opts.items()},
+    )
+    np.testing.assert_allclose(sdpa(q, k, v, mask, sinks=sinks, **opts).numpy(), want, rtol=0, atol=1e-12)
+
+
+TOLERANCE_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [0, 23, 47, 58, 71])
+def test_low_precision_error_is_at_most_twice_a_plain_implementations(dtype, case):
+    """Error against fp64 at most twice the math backend's (the plain formula in the same dtype),
+    plus the floor test_tiled.py uses. The kernel's exp and tanh are fast approximations (20 and
+    3.5 ulp); this is what bounds their effect."""
+    q, k, v, mask, opts = case_inputs(case, dtype)
+    expected = run_reference(q, k, v, mask, **opts)
+    out = sdpa(q, k, v, mask, **opts)
+    assert out.dtype == dtype
+    err = np.abs(out.double().numpy() - expected).max()
+    err_math = np.abs(sdpa(q, k, v, mask, backend="math", **opts).double().numpy() - expected).max()
+    assert err <= 2 * err_math + TOLERANCE_FLOOR[dtype]
+
+
+@pytest.mark.parametrize("mag", [1.0, 3.0])
+@pytest.mark.parametrize("opts", [{}, {"is_causal": True}, {"softcap": 20.0}, {"is_causal": True, "softcap": 30.0}])
+def test_float32_error_on_long_rows_is_like_a_plain_implementations(opts, mag):
+    """Rows of 2048 keys in several tiles, at unit and at saturating logit scales."""
+    q, k, v = make_inputs(B=1, H=2, Hkv=2, L=130, S=2048, D=64, Dv=64, dtype=torch.float32, mag=mag)
+    opts = dict(opts, causal_alignment="bottom_right") if opts.get("is_causal") else opts
+    expected = run_reference(q, k, v, None, **opts)
+    err = np.abs(sdpa(q, k, v, **opts).double().numpy() - expected).max()
+    err_math = np.abs(sdpa(q, k, v, backend="math", **opts).double().numpy() - expected).max()
+    assert err <= 2 * err_math
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [{}, {"is_causal": True}, {"softcap": 2.0, "window": (2, 1)}, {"alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)}],
+)
+def test_gradcheck_float64(opts):
+    q, k, v = make_inputs(B=1, H=4, Hkv=2, L=5, S=7, D=3, Dv=2)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: sdpa(q, k, v, **opts), (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_empty_rows_give_zeros_and_finite_zero_gradients(dtype):
+    q, k, v = make_inputs(dtype=dtype)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mask = torch.ones(70, 300, dtype=torch.bool)
+    mask[3] = False
+    out, stats = sdpa(q, k, v, mask, return_stats=True, is_causal=True)
+    assert (out[..., 3, :] == 0).all() and (stats.lse[..., 3] == NEG_INF).all()
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert (grads[0][..., 3, :] == 0).all()
+
+
+def test_half_precision_products_above_65504_stay_finite():
+    q = torch.full((1, 1, 4, 64), 40.0, dtype=torch.float16)  # q.k = 102400 > fp16 max
+    k = torch.full((1, 1, 8, 64), 40.0, dtype=torch.float16)
+    v = torch.randn(1, 1, 8, 64).half()
+    out = sdpa(q, k, v, softcap=1e6)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), v.float().mean(-2, keepdim=True).expand(1, 1, 4, 64), rtol=0, atol=2e-3)
+
+
+def test_one_visible_key_per_row_gives_dv_equal_to_do_exactly():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 300, 32, generator=gen, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(1, 2, 300, 32, generator=gen)
+    for opts in ({"window": (0, 0)}, {"window": (0, 0), "softcap": 20.0}):
+        (dv,) = torch.autograd.grad((sdpa(q, k, v, **opts) * grad_out).sum(), v)
+        torch.testing.assert_close(dv, grad_out, rtol=0, atol=0)
+
+
+def test_results_are_deterministic_run_to_run():
+    q, k, v = make_inputs(B=2, H=4, Hkv=1, L=300, S=500, D=32, Dv=32, dtype=torch.float32)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    runs = []
+    for _ in range(2):
+        out = sdpa(q, k, v, softcap=10.0, is_causal=True, causal_alignment="bottom_right")
+        runs.append((out, *torch.autograd.grad(out.sum(), (q, k, v))))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_broadcast_batch_dims_3d_inputs_and_strided_projections():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 40, 4, 16, generator=gen, dtype=torch.float64)  # (B, L, H, D) as projections make it
+    q = x.transpose(1, 2)  # (B, H, L, D), strided
+    k = torch.randn(1, 3, 2, 50, 16, generator=gen, dtype=torch.float64)  # (1, B2, Hkv, S, D)
+    v = torch.randn(1, 3, 2, 50, 8, generator=gen, dtype=torch.float64)
+    q5 = q.unsqueeze(1)  # (B, 1, H, L, D): broadcast against k's (1, B2)
+    mask = torch.rand(50, generator=gen) > 0.2  # (S,)
+    got = sdpa(q5, k, v, mask, softcap=7.0)
+    want = sdpa(q5, k, v, mask, backend="math", softcap=7.0)
+    assert got.shape == (2, 3, 4, 40, 8)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    q3, k3, v3 = q[0], k[0, 0], v[0, 0]  # no batch dims at all
+    torch.testing.assert_close(sdpa(q3, k3, v3, softcap=7.0), sdpa(q3, k3, v3, backend="math", softcap=7.0), rtol=0, atol=1e-12)
+
+
+def test_routing_and_refusals():
+    q, k, v = make_inputs(B=1, H=2, Hkv=2, L=9, S=9, D=8, Dv=8, dtype=torch.float32)
+    for opts in ({"softcap": 5.0}, {"return_stats": True}, {"window": (3, 0)}, {"alibi_slopes": attnscale.alibi_slopes(2)}, {"sinks": torch.zeros(2)}):
+        sdpa(q, k, v, backend="auto", **opts)
+        assert attnscale.last_backend() == "fused", opts
+    bias = torch.zeros(9, 9, requires_grad=True)
+    sdpa(q, k, v, bias, backend="auto", softcap=5.0)
+    assert attnscale.last_backend() == "tiled"  # the compiled kernel gives no gradient to masks
+    with pytest.raises(ValueError, match="backend: expected a call the compiled kernel can run, got 'fused' with a float attn_mask that requires grad"):
+        sdpa(q, k, v, bias, softcap=5.0)
+    with pytest.raises(ValueError, match="dropout_p: expected 0.0 with backend='fused'"):
+        sdpa(q, k, v, dropout_p=0.1)
+
+
+def test_without_the_kernel_attnscale_says_why_once_and_runs_the_tiled_kernel():
+    code = textwrap.dedent(
+        """
+        import torch, attnscale
+        q = torch.randn(1, 2, 9, 8)
+        for _ in range(3):
+            attnscale.scaled_dot_product_attention(q, q, q, softcap=5.0)
+        print(attnscale.last_backend())
+        """
+    )
+    env = dict(os.environ, ATTNSCALE_NO_KERNEL="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "tiled"
+    assert done.stderr.count("fused CPU kernel is unavailable: disabled by ATTNSCALE_NO_KERNEL") == 1
