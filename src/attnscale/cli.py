@@ -115,6 +115,8 @@ def _report(args: argparse.Namespace) -> int:
     from .lab import runner
 
     console = Console()
+    if args.out is None:
+        args.out = runner.default_outdir(args.profile, args.only)
     try:
         runner.check_outdir(args.out, arg="--out")
     except ValueError as exc:  # a usage error, reported like argparse's own
@@ -131,6 +133,7 @@ def _report(args: argparse.Namespace) -> int:
             console=console,
             executor=args.executor,
             address=args.address,
+            replace=args.replace,
         )
     except ValueError as exc:
         raise SystemExit(f"attnscale report: {exc}") from exc
@@ -308,7 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="profiles: quick = whole report in under 2 minutes on 2 cores; default = under 10 minutes; "
         "full = tighter numbers, about 40 minutes on 2 cores; tiny = smoke test only.",
     )
-    report.add_argument("--out", default="attnscale-report", metavar="DIR", help="output folder (default ./attnscale-report)")
+    report.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="output folder (default ./attnscale-report; another profile or --only: ./attnscale-report-PROFILE[-only])",
+    )
     report.add_argument("--profile", choices=profiles, default="default", help="size of the experiments (default: default)")
     report.add_argument("--seed", type=int, default=0, help="random seed of every experiment (default 0)")
     report.add_argument("--only", nargs="+", metavar="ID", help="run only these claims (ids from 'attnscale list')")
@@ -316,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--jobs", type=int, default=os.cpu_count() or 1, metavar="N", help="experiments run at once (default: CPU count)"
     )
     report.add_argument("--force", action="store_true", help="recompute everything, ignoring OUT/cache")
+    report.add_argument(
+        "--replace", action="store_true", help="overwrite a report of another profile, seed or set of claims in --out"
+    )
     report.add_argument(
         "--executor",
         choices=("local", "ray"),

@@ -65,7 +65,7 @@ def test_second_run_takes_everything_from_the_cache(report_dir, capsys):
     out = capsys.readouterr().out
     assert "cached" in out and "softmax-peak-example" in out
 
-    argv = ["report", "--out", str(report_dir), "--profile", "tiny", "--jobs", "1", "--force", "--only", MINE[0]]
+    argv = ["report", "--out", str(report_dir), "--profile", "tiny", "--jobs", "1", "--force", "--replace", "--only", MINE[0]]
     assert main(argv) == 0
     results = json.loads((report_dir / "results.json").read_text())
     assert [(c["id"], c["cached"]) for c in results["claims"]] == [(MINE[0], False)]

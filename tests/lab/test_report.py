@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from attnscale.lab import report, schema
+from attnscale.lab import formatting, report, schema
 from attnscale.lab.render_html import render_html
+from attnscale.lab.render_markdown import render_markdown
 
 
 def _claim(claim_id="variance-law", verdict="holds"):
@@ -146,7 +147,7 @@ def test_html_page_has_table_badges_sections_and_escapes_text():
 
 
 def test_markdown_has_claims_table_sections_and_grids():
-    text = report.render_markdown(_results())
+    text = render_markdown(_results())
     assert "| [variance-law](#variance-law) | **holds** | Var(q.k) / d_k: 1.01x | 1.5 |" in text
     assert "## saturation-example" in text
     assert "![plot](figures/variance-law/plot.png)" in text
@@ -167,9 +168,9 @@ def test_write_report_writes_all_formats_and_rejects_bad_results(tmp_path):
 
 
 def test_format_value():
-    assert report.format_value(1.6700863991745674e-05) == "1.6701e-05"
-    assert report.format_value([1, [2, 3]]) == "[1, [2, 3]]"
-    assert report.format_value(None) == "null"
+    assert formatting.format_value(1.6700863991745674e-05) == "1.6701e-05"
+    assert formatting.format_value([1, [2, 3]]) == "[1, [2, 3]]"
+    assert formatting.format_value(None) == "null"
 
 
 def test_report_shows_the_rule_version_its_history_and_every_arm():
@@ -179,7 +180,7 @@ def test_report_shows_the_rule_version_its_history_and_every_arm():
         {"name": "SGD", "verdict": "holds", "reason": "stalls"},
     ]
     results["claims"][1]["rule_version"] = None
-    page, text = render_html(results), report.render_markdown(results)
+    page, text = render_html(results), render_markdown(results)
     for shown in (page, text):
         assert "rule v2, code 1111111111111111" in shown
         assert "v1, 2026-11-29: the rule as first committed" in shown and "v2, 2026-12-01: 4 standard errors, not 3" in shown

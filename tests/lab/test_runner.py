@@ -214,7 +214,7 @@ def test_report_survives_failures_and_caches_successes(fake_lab):
     assert sorted(counter.read_text().split()) == ["fake-a-ok", "fake-b-slow", "fake-d-bad-plot", "fake-d-bad-plot"]
 
     (out / "figures" / "fake-a-ok" / "line.svg").unlink()  # a cached entry whose figure is gone is recomputed
-    runner.run_report(out, profile="tiny", seed=1, jobs=1, only=["fake-a-ok"], console=_quiet(), package=name)
+    runner.run_report(out, profile="tiny", seed=1, jobs=1, only=["fake-a-ok"], console=_quiet(), package=name, replace=True)
     assert counter.read_text().split().count("fake-a-ok") == 2
     assert (out / "figures" / "fake-a-ok" / "line.svg").is_file()
 

@@ -6,7 +6,7 @@ CPU and one torch thread, on a local Ray instance of ``jobs`` CPUs or on the clu
 
 With Ray the driver, not the workers, writes the results: a task sends back the experiment's record
 and its figure files as bytes, and the driver writes the figures under ``OUT/figures`` and the
-record into ``OUT/cache`` (atomically, through :func:`attnscale.lab.runner.keep`) as soon as the
+record into ``OUT/cache`` (atomically, through :func:`attnscale.lab.execute.keep`) as soon as the
 task finishes. Workers therefore need no shared file system, an interrupted or partly failed sweep
 resumes without recomputing what finished, and a cache entry written by one executor is reused by
 the other. A task that fails (its worker dies, it is cancelled, its node is lost) becomes an
@@ -30,7 +30,8 @@ from typing import Any, Literal
 from rich.console import Console
 from rich.progress import Progress, TaskID
 
-from . import runner
+from .execute import Task, bare_fields, execute, inconclusive_record, keep, throttled
+from .terminal import COLOURS, progress_columns
 
 __all__ = ["EXECUTORS", "Executor", "require_ray", "run_ray", "validate"]
 
@@ -63,7 +64,7 @@ def validate(executor: str, address: str | None) -> None:
 
 
 def run_ray(
-    pending: list[runner.Task],
+    pending: list[Task],
     records: dict[str, dict[str, Any]],
     *,
     jobs: int,
@@ -89,7 +90,7 @@ def run_ray(
         # and seed); a fresh process per task nearly tripled the tiny report's wall time.
         # A streaming generator task sends progress without an extra actor or queue process.
         remote = ray.remote(num_cpus=1, max_retries=0, num_returns="streaming")(_run_in_worker)
-        with Progress(*runner._columns(), console=console) as bars:
+        with Progress(*progress_columns(), console=console) as bars:
             overall = bars.add_task("[bold]claims", total=len(records) + len(pending), completed=len(records))
             for rec in records.values():
                 if rec["cached"]:
@@ -124,11 +125,11 @@ def run_ray(
 
 
 def _announce(bars: Progress, record: dict[str, Any]) -> None:
-    colour = runner._COLOURS[record["verdict"]]
+    colour = COLOURS[record["verdict"]]
     bars.console.print(f"[{colour}]done[/]    {record['id']}: {record['verdict']} ({record['seconds']:.1f} s)")
 
 
-def _next_message(ray: ModuleType, stream: Any, task: runner.Task) -> tuple[str, Any]:
+def _next_message(ray: ModuleType, stream: Any, task: Task) -> tuple[str, Any]:
     """The task's next message; for ``"done"``, its record, with figures written and the cache entry stored.
 
     A task that failed, or ended without a result, gives ``("done", inconclusive record)``.
@@ -140,7 +141,7 @@ def _next_message(ray: ModuleType, stream: Any, task: runner.Task) -> tuple[str,
             f"the Ray task running the experiment failed before it returned a result ({type(exc).__name__}); "
             "rerun to retry"
         )
-        return "done", runner._inconclusive(runner._bare_fields(task.claim_id), reason, str(exc) or reason)
+        return "done", inconclusive_record(bare_fields(task.claim_id), reason, str(exc) or reason)
     if kind != "done":
         return kind, payload
     record, figures = payload
@@ -149,11 +150,11 @@ def _next_message(ray: ModuleType, stream: Any, task: runner.Task) -> tuple[str,
         figdir.mkdir(parents=True, exist_ok=True)
         for name, data in figures.items():
             (figdir / name).write_bytes(data)
-    runner.keep(task, record)
+    keep(task, record)
     return "done", record
 
 
-def _run_in_worker(task: runner.Task) -> Iterator[tuple[str, Any]]:
+def _run_in_worker(task: Task) -> Iterator[tuple[str, Any]]:
     """Body of an experiment's Ray task, a generator of messages for the driver.
 
     ``("started", None)``, then ``("progress", (done, total))`` as the experiment reports it, then
@@ -172,7 +173,7 @@ def _run_in_worker(task: runner.Task) -> Iterator[tuple[str, Any]]:
 
         def body() -> None:
             try:
-                record = runner.execute(here, runner.throttled(lambda d, t: messages.put(("progress", (d, t)))))
+                record = execute(here, throttled(lambda d, t: messages.put(("progress", (d, t)))))
                 figures = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
                 messages.put(("done", (record, figures)))
             except BaseException as exc:  # execute() catches the experiment's errors; this is anything else

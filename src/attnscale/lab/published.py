@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import schema
-from .report import headline_text, short_reason
+from .formatting import headline_text, short_reason
 
 __all__ = ["BEGIN", "END", "compare", "main", "readme_table", "replace_table", "summarize"]
 

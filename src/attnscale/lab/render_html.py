@@ -6,7 +6,7 @@ from html import escape
 from typing import Any
 
 from .explorer import explorer_link
-from .report import (
+from .formatting import (
     format_value,
     grid_columns,
     headline_text,

@@ -1,17 +1,18 @@
 """Run experiments (in parallel worker processes, cached, with progress) and assemble the results.
 
 :func:`run_report` is what ``attnscale report`` does: it finds the experiments, takes finished ones
-from ``OUT/cache``, runs the rest over ``jobs`` processes (each with one torch thread), records an
-experiment that raises as ``inconclusive`` with the error instead of stopping, and writes the report.
-:func:`execute` runs one experiment in the calling process; it never raises for the experiment's
-own errors.
+from ``OUT/cache``, runs the rest over ``jobs`` processes (each with one torch thread) or as Ray
+tasks (:mod:`attnscale.lab.executors`), records an experiment that raises as ``inconclusive`` with
+the error instead of stopping, and writes the report. :func:`run_single` runs one experiment in this
+process. Running one experiment and building its record is :mod:`attnscale.lab.execute`'s job;
+its names are re-exported here.
 """
 
 from __future__ import annotations
 
 import ctypes
 import difflib
-import importlib
+import json
 import multiprocessing
 import os
 import platform
@@ -24,213 +25,57 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from .. import __version__
 from .._validate import fail
-from . import cache, executors, registry, report, schema
-from .base import PROFILES, Claim, Headline, Profile, Verdict, rule_fingerprint
-from .base import Progress as ProgressFn
+from . import cache, executors, formatting, registry, report, schema
+from .base import PROFILES, Profile
+from .execute import (
+    Task,
+    bare_fields,
+    claim_fields,
+    execute,
+    headline,
+    inconclusive_record,
+    keep,
+    rule_fields,
+    throttled,
+)
 from .registry import DEFAULT_PACKAGE, Experiment
+from .terminal import COLOURS, progress_columns
 
 __all__ = [
     "Task",
     "check_outdir",
+    "check_replaces",
+    "claim_fields",
+    "default_outdir",
     "claims_table",
     "execute",
     "headline",
     "keep",
     "record_renderables",
+    "rule_fields",
     "run_report",
     "run_single",
     "select",
+    "source_commit",
     "summary_table",
     "throttled",
 ]
 
-_PROGRESS_INTERVAL_S = 0.2
 _WATCH_INTERVAL_S = 0.5
 """How often a worker without pidfds checks that the report's process is still there."""
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-
-
-@dataclass(frozen=True)
-class Task:
-    """One experiment to run; plain data, so it crosses into a worker process."""
-
-    module_name: str
-    claim_id: str
-    profile: Profile
-    seed: int
-    figdir: str | None
-    """Where ``plot`` writes; ``None`` skips the figures."""
-    fig_prefix: str
-    """The figures' folder as results.json names it, relative to the report (``figures/<id>``)."""
-    cache_file: str | None
-    """Where to store the record once it succeeds; ``None`` stores nothing."""
-
-
-def claim_fields(claim: Claim) -> dict[str, Any]:
-    return {
-        "id": claim.id,
-        "statement": claim.statement,
-        "sources": list(claim.sources),
-        "method": claim.method,
-        "rule": claim.rule,
-        "rule_history": [asdict(v) for v in claim.rule_history],
-    }
-
-
-def rule_fields(claim: Claim, module: Any) -> dict[str, Any]:
-    """The rule's fingerprint as the code stands, and the version it is: the latest one of the
-    claim's history whose fingerprint matches, or ``None`` if the code matches no recorded version."""
-    found = rule_fingerprint(module)
-    version = next((v.version for v in reversed(claim.rule_history) if v.fingerprint == found), None)
-    return {"rule_version": version, "rule_fingerprint": found}
-
-
-def headline(measured: dict[str, Any], spec: Headline | str | None) -> dict[str, Any] | None:
-    """``{"key", "value", "label", "unit"}`` for the summary, from the experiment's ``HEADLINE``.
-
-    ``spec``: a :class:`Headline` (a dotted path into measured, its label and unit) or a bare key,
-    labelled by itself. ``None`` when the experiment names no headline or the path is not in ``measured``.
-
-    >>> headline({"a": {"b": 2.0}}, Headline("a.b", "the b of a", "x"))
-    {'key': 'a.b', 'value': 2.0, 'label': 'the b of a', 'unit': 'x'}
-    """
-    if spec is None:
-        return None
-    if isinstance(spec, str):
-        spec = Headline(spec, spec)
-    value: Any = measured
-    for part in spec.key.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return None
-        value = value[part]
-    return {"key": spec.key, "value": value, "label": spec.label, "unit": spec.unit}
-
-
-def _bare_fields(claim_id: str) -> dict[str, Any]:
-    """Claim fields for a claim whose module could not tell us more."""
-    return {
-        "id": claim_id,
-        "statement": registry.statement(claim_id),
-        "sources": [],
-        "method": "",
-        "rule": "",
-        "rule_history": [],
-        "rule_version": None,
-        "rule_fingerprint": "",
-    }
-
-
-def _inconclusive(
-    fields: dict[str, Any], reason: str, error: str, seconds: float = 0.0, cpu: float = 0.0, config: Any = None
-) -> dict[str, Any]:
-    return {
-        **fields,
-        "verdict": Verdict.INCONCLUSIVE.value,
-        "reason": reason,
-        "arms": [],
-        "headline": None,
-        "measured": {},
-        "figures": [],
-        "config": config if config is not None else {},
-        "seconds": seconds,
-        "cpu_seconds": cpu,
-        "cached": False,
-        "error": error,
-    }
-
-
-def _failure(fields: dict[str, Any], stage: str, clock: tuple[float, float], config: Any) -> dict[str, Any]:
-    """The record of an experiment that raised; call it inside the ``except`` block."""
-    exc = sys.exc_info()[1]
-    reason = f"the experiment failed in {stage}: {type(exc).__name__}: {exc}"
-    wall, cpu = _elapsed(clock)
-    return _inconclusive(fields, reason, traceback.format_exc(), wall, cpu, config)
-
-
-def _elapsed(clock: tuple[float, float]) -> tuple[float, float]:
-    """Wall and CPU seconds since ``clock = (perf_counter(), process_time())``."""
-    return time.perf_counter() - clock[0], time.process_time() - clock[1]
-
-
-def execute(task: Task, progress: ProgressFn) -> dict[str, Any]:
-    """Run, judge and plot one experiment; the claim's results.json record, stored in the cache on success.
-
-    Any exception from the experiment becomes an ``inconclusive`` record with the error; a failure
-    in ``plot`` keeps the verdict and records the error. Failed records are not cached.
-    """
-    start = (time.perf_counter(), time.process_time())
-    fields = _bare_fields(task.claim_id)
-    config_json: Any = None
-    try:
-        module = importlib.import_module(task.module_name)
-        fields = {**claim_fields(module.CLAIM), **rule_fields(module.CLAIM, module)}
-        config = module.Config.for_profile(task.profile)
-        config_json = schema.to_jsonable(asdict(config))
-    except Exception:
-        return _failure(fields, "set-up", start, config_json)
-    try:
-        measured = module.run(config, task.seed, progress)
-    except Exception:
-        return _failure(fields, "run", start, config_json)
-    try:
-        judgement = module.judge(measured)
-        stored = schema.to_jsonable(measured)
-    except Exception:
-        return _failure(fields, "judge", start, config_json)
-    record = {
-        **fields,
-        "verdict": Verdict(judgement.verdict).value,
-        "reason": judgement.reason,
-        "arms": [{"name": a.name, "verdict": Verdict(a.verdict).value, "reason": a.reason} for a in judgement.arms],
-        "headline": schema.to_jsonable(headline(stored, getattr(module, "HEADLINE", None))),
-        "measured": stored,
-        "figures": [],
-        "config": config_json,
-        "seconds": 0.0,
-        "cpu_seconds": 0.0,
-        "cached": False,
-        "error": None,
-    }
-    try:
-        if task.figdir is not None:
-            record["figures"] = _plot(module, measured, Path(task.figdir), task.fig_prefix)
-    except Exception as exc:
-        record["figures"] = []
-        record["reason"] += f" (figures failed: {type(exc).__name__}: {exc})"
-        record["error"] = traceback.format_exc()
-    record["seconds"], record["cpu_seconds"] = _elapsed(start)
-    keep(task, record)
-    return record
-
-
-def keep(task: Task, record: dict[str, Any]) -> None:
-    """Store ``record`` as the task's cache entry if the experiment succeeded; a failure is retried next run."""
-    if task.cache_file is not None and record["error"] is None:
-        cache.store(Path(task.cache_file), record)
-
-
-def _plot(module: Any, measured: dict[str, Any], figdir: Path, prefix: str) -> list[dict[str, str]]:
-    entries = []
-    for name in module.plot(measured, figdir):
-        missing = [f"{name}.{ext}" for ext in ("svg", "png") if not (figdir / f"{name}.{ext}").is_file()]
-        if missing:
-            wrote = " or ".join(missing)
-            raise FileNotFoundError(f"plot() returned {name!r} but wrote no {wrote}; write figures with base.save_figure")
-        entries.append({"name": name, "svg": f"{prefix}/{name}.svg", "png": f"{prefix}/{name}.png"})
-    return entries
 
 
 def _figures_exist(record: dict[str, Any], outdir: Path) -> bool:
@@ -285,20 +130,6 @@ def _child(task: Task, messages: Any, driver: int) -> None:
         messages.put(("done", task.claim_id, execute(task, progress)))
     except KeyboardInterrupt:  # the report was interrupted; the parent says so
         pass
-
-
-def throttled(send: ProgressFn) -> ProgressFn:
-    """A ``Progress`` that passes ``(done, total)`` on to ``send`` at most every 0.2 s, and always the last one."""
-    last = 0.0
-
-    def progress(done: int, total: int) -> None:
-        nonlocal last
-        now = time.monotonic()
-        if now - last >= _PROGRESS_INTERVAL_S or done >= total:
-            last = now
-            send(done, total)
-
-    return progress
 
 
 def _context() -> multiprocessing.context.BaseContext:
@@ -370,13 +201,13 @@ def _environment(jobs: int) -> dict[str, Any]:
 def _crash_record(task: Task, exitcode: int | None) -> dict[str, Any]:
     how = f"killed by signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
     reason = f"the process running the experiment died ({how}) before it returned a result; rerun to retry"
-    return _inconclusive(_bare_fields(task.claim_id), reason, reason)
+    return inconclusive_record(bare_fields(task.claim_id), reason, reason)
 
 
 def _broken_record(module_name: str, tb: str) -> dict[str, Any]:
     last = tb.strip().splitlines()[-1] if tb.strip() else "unknown error"
     reason = f"the experiment module {module_name} failed to import: {last}"
-    return _inconclusive(_bare_fields(registry.module_claim_id(module_name)), reason, tb)
+    return inconclusive_record(bare_fields(registry.module_claim_id(module_name)), reason, tb)
 
 
 def check_outdir(outdir: Path | str, *, arg: str = "outdir") -> None:
@@ -406,6 +237,33 @@ def check_outdir(outdir: Path | str, *, arg: str = "outdir") -> None:
         fail(arg, expected, f"{str(path)!r}, in {str(parent)!r}, which this process cannot write to", "pass a writable place")
 
 
+def default_outdir(profile: str, only: Sequence[str] | None) -> str:
+    """``attnscale-report`` for the whole default report; another folder for another profile or a
+    subset (``attnscale-report-quick``, ``attnscale-report-default-only``), so that neither replaces it."""
+    if profile == "default" and not only:
+        return "attnscale-report"
+    return f"attnscale-report-{profile}" + ("-only" if only else "")
+
+
+def check_replaces(outdir: Path, profile: str, seed: int, claim_ids: Sequence[str], *, arg: str = "outdir") -> None:
+    """Raise ``ValueError`` (naming ``arg``) if ``outdir`` holds a report of another profile, seed or
+    set of claims, which this run would overwrite; a report of the same run (resumed) is fine."""
+    try:
+        old = json.loads((Path(outdir) / report.FILES["json"]).read_text(encoding="utf-8"))
+        old_run = (old["profile"], old["seed"], sorted(c["id"] for c in old["claims"]))
+    except (OSError, ValueError, KeyError, TypeError):  # no report there, or not one of ours
+        return
+    if old_run == (profile, seed, sorted(claim_ids)):
+        return
+    shown = f"{len(old_run[2])} claims" if len(old_run[2]) > 3 else ", ".join(old_run[2])
+    fail(
+        arg,
+        f"a folder without a report, or with one of the same profile, seed and claims (profile {profile}, seed {seed})",
+        f"{str(outdir)!r}, which holds the report of profile {old_run[0]}, seed {old_run[1]}, {shown}",
+        "pass another folder, or replace=True (attnscale report --replace) to overwrite that report",
+    )
+
+
 def run_report(
     outdir: Path | str = "attnscale-report",
     *,
@@ -418,11 +276,13 @@ def run_report(
     package: str = DEFAULT_PACKAGE,
     executor: executors.Executor = "local",
     address: str | None = None,
+    replace: bool = False,
 ) -> dict[str, Any]:
     """Run the lab and write ``outdir``/{index.html, report.md, results.json, figures/}; return results.json's data.
 
     Raises ``ValueError`` for a bad argument, an unusable ``outdir`` included (see
-    :func:`check_outdir`), before running anything. An experiment that raises, or whose process
+    :func:`check_outdir`), or an ``outdir`` that holds a report of another profile, seed or set of
+    claims unless ``replace`` is true (see :func:`check_replaces`), before running anything. An experiment that raises, or whose process
     dies, is reported as ``inconclusive`` with the error. ``executor="ray"`` runs
     the experiments as Ray tasks, on a local Ray instance or on the cluster at ``address``
     (see :mod:`attnscale.lab.executors`); the cache and the results are the same.
@@ -439,6 +299,10 @@ def run_report(
     started = time.perf_counter()
     found = registry.discover(package)
     chosen = select(found, only)
+    broken_ids = [registry.module_claim_id(n) for n, _ in found.broken]
+    if not replace:
+        will_hold = [e.id for e in chosen] + [i for i in broken_ids if not only or i in only]
+        check_replaces(outdir, profile, seed, will_hold)
     library_hash = cache.library_source_hash()
 
     records: dict[str, dict[str, Any]] = {}
@@ -487,10 +351,6 @@ def run_report(
     return results
 
 
-def _columns() -> tuple[Any, ...]:
-    return (TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-
-
 def _run_pending(pending: list[Task], records: dict[str, dict[str, Any]], jobs: int, console: Console) -> None:
     """Run ``pending`` in up to ``jobs`` processes at once, one process per experiment, adding to ``records``.
 
@@ -498,7 +358,7 @@ def _run_pending(pending: list[Task], records: dict[str, dict[str, Any]], jobs: 
     out-of-memory kill) loses only its own result. Workers end with this process, even when it
     is killed with SIGKILL and cannot stop them itself (see ``_end_with``).
     """
-    with Progress(*_columns(), console=console) as bars:
+    with Progress(*progress_columns(), console=console) as bars:
         overall = bars.add_task("[bold]claims", total=len(records) + len(pending), completed=len(records))
         for rec in records.values():
             if rec["cached"]:
@@ -514,7 +374,7 @@ def _run_pending(pending: list[Task], records: dict[str, dict[str, Any]], jobs: 
             records[claim_id] = record
             bars.remove_task(bar)
             bars.advance(overall)
-            colour = _COLOURS[record["verdict"]]
+            colour = COLOURS[record["verdict"]]
             bars.console.print(f"[{colour}]done[/]    {claim_id}: {record['verdict']} ({record['seconds']:.1f} s)")
 
         def read(block: bool) -> bool:
@@ -553,14 +413,6 @@ def _run_pending(pending: list[Task], records: dict[str, dict[str, Any]], jobs: 
             messages.close()
 
 
-_COLOURS = {
-    "holds": "green",
-    "holds-approximately": "yellow",
-    "does-not-hold": "red",
-    "inconclusive": "magenta",
-}
-
-
 def summary_table(results: dict[str, Any]) -> Table:
     """The terminal summary: claim, verdict, key number, seconds."""
     table = Table(title=f"attnscale lab, profile {results['profile']}, seed {results['seed']}")
@@ -569,9 +421,9 @@ def summary_table(results: dict[str, Any]) -> Table:
     table.add_column("key number")
     table.add_column("seconds", justify="right")
     for rec in results["claims"]:
-        key = report.headline_text(rec)
+        key = formatting.headline_text(rec)
         seconds = f"{rec['seconds']:.1f}" + (" (cached)" if rec["cached"] else "")
-        colour = _COLOURS[rec["verdict"]]
+        colour = COLOURS[rec["verdict"]]
         table.add_row(rec["id"], f"[{colour}]{rec['verdict']}[/]", key, seconds)
     return table
 
@@ -585,7 +437,8 @@ def run_single(
     console: Console | None = None,
     package: str = DEFAULT_PACKAGE,
 ) -> dict[str, Any]:
-    """Run one experiment in this process (no cache) and return its results.json record.
+    """Run one experiment in this process (no cache, one torch thread as in the report) and return
+    its results.json record.
 
     ``figures``: a folder for its figures; ``None`` skips them. Raises ``ValueError`` for an
     unknown claim id (suggesting the nearest one), a claim without an experiment or whose module
@@ -599,9 +452,18 @@ def run_single(
     figdir_text = None if figdir is None else str(figdir)
     task = Task(exp.module_name, exp.id, profile, seed, figdir_text, figdir_text or "", None)
     console = console or Console()
-    with Progress(*_columns(), console=console, transient=True) as bars:
-        bar = bars.add_task(claim_id, total=None)
-        return execute(task, lambda done, total: bars.update(bar, completed=done, total=total))
+    import torch
+
+    # One torch thread, as in the report's workers: these experiments are many small ops, which
+    # a thread pool slows down several times over, and the numbers then match the report's.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with Progress(*progress_columns(), console=console, transient=True) as bars:
+            bar = bars.add_task(claim_id, total=None)
+            return execute(task, lambda done, total: bars.update(bar, completed=done, total=total))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _runnable(found: registry.Discovery, claim_id: str) -> Experiment:
@@ -623,22 +485,22 @@ def _runnable(found: registry.Discovery, claim_id: str) -> Experiment:
 
 
 def _value_renderable(value: Any) -> Any:
-    grid = report.grid_columns(value)
+    grid = formatting.grid_columns(value)
     if grid is not None:
         table = Table(show_edge=False, pad_edge=False)
         table.add_column("")
         for c in grid:
             table.add_column(c, justify="right")
         for k, row in value.items():
-            table.add_row(k, *(report.format_value(row.get(c, "")) for c in grid))
+            table.add_row(k, *(formatting.format_value(row.get(c, "")) for c in grid))
         return table
-    columns = report.record_columns(value)
+    columns = formatting.record_columns(value)
     if columns is not None:
         table = Table(show_edge=False, pad_edge=False)
         for c in columns:
             table.add_column(c)
         for row in value:
-            table.add_row(*(report.format_value(row.get(c, "")) for c in columns))
+            table.add_row(*(formatting.format_value(row.get(c, "")) for c in columns))
         return table
     if isinstance(value, dict):
         table = Table(show_header=False, show_edge=False, pad_edge=False)
@@ -647,12 +509,12 @@ def _value_renderable(value: Any) -> Any:
         for k, v in value.items():
             table.add_row(str(k), _value_renderable(v))
         return table
-    return report.format_value(value)
+    return formatting.format_value(value)
 
 
 def record_renderables(record: dict[str, Any]) -> list[Any]:
     """What ``attnscale run`` prints: the measured table, then the verdict and its reason."""
-    colour = _COLOURS[record["verdict"]]
+    colour = COLOURS[record["verdict"]]
     parts: list[Any] = [Table(title=f"{record['id']}: measured", show_header=False)]
     parts[0].add_column("quantity", style="bold")
     parts[0].add_column("value")
