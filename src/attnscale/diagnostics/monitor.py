@@ -98,6 +98,7 @@ from .. import modules as _modules
 from .._validate import check_attention_call, fail
 from ..dense import accumulation_dtype
 from ..functional import MATH_MAX_SCORES, scaled_dot_product_attention
+from ..kernels.fused import supports as fused_supports
 from ..stats import AttentionStats, normalized_entropy
 
 if TYPE_CHECKING:
@@ -1119,8 +1120,12 @@ class Monitor:
             sinks=options.get("sinks"),
         )
         scores = math.prod(call.batch) * call.H * call.L * call.S
-        # With statistics, "auto" picks the tiled kernel; below the memory limit the dense one is faster.
-        backend = requested if requested != "auto" else "math" if scores <= MATH_MAX_SCORES else "auto"
+        # With statistics "auto" picks an online-softmax kernel: the compiled one is the fastest exact
+        # way where it runs; the eager tiled one loses to the dense kernel below its memory limit.
+        if requested != "auto" or fused_supports(query, options.get("attn_mask")) is None:
+            backend = requested
+        else:
+            backend = "math" if scores <= MATH_MAX_SCORES else "auto"
         _local.recording = True
         try:
             if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
