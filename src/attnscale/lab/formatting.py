@@ -99,7 +99,12 @@ def rule_history_lines(record: dict[str, Any]) -> list[str]:
 def headline_value(head: dict[str, Any]) -> str:
     """The key number to 3 significant digits with its unit: ``1.13x``, ``101 eps``, ``0.946``."""
     value, unit = head["value"], head["unit"]
-    text = f"{value:.3g}" if isinstance(value, float) else format_value(value)
+    text = format_value(value)
+    if isinstance(value, float):
+        digits = 3  # more where 3 would round to exactly 0 or +-1, which would hide the point
+        while digits < 8 and float(f"{value:.{digits}g}") in (0.0, 1.0, -1.0) and value not in (0.0, 1.0, -1.0):
+            digits += 1
+        text = f"{value:.{digits}g}"
     return f"{text}{'' if unit in ('', 'x') else ' '}{unit}"
 
 
@@ -109,22 +114,12 @@ def headline_text(record: dict[str, Any]) -> str:
     return f"{head['label']}: {headline_value(head)}" if head else ""
 
 
-def short_reason(reason: str, limit: int = 200) -> str:
-    """The plain part of a verdict's reason: what comes before its first ``": "`` outside brackets
-    (the details follow it), cut at a word before ``limit`` characters.
+def short_reason(reason: str, limit: int = 240) -> str:
+    """A verdict's reason cut at a word before ``limit`` characters, for summary tables.
 
-    >>> short_reason("slower without the scale, but not 2x (x1.1): default/64: x1.07; unit/64: x1.3")
-    'slower without the scale, but not 2x (x1.1)'
+    >>> short_reason("slower without the scale: default/64 x1.07, unit/64 x1.30", limit=40)
+    'slower without the scale: default/64 ...'
     """
-    depth = 0
-    for i, ch in enumerate(reason):
-        if ch in "([":
-            depth += 1
-        elif ch in ")]":
-            depth -= 1
-        elif depth == 0 and reason.startswith(": ", i):
-            reason = reason[:i]
-            break
     if len(reason) <= limit:
         return reason
-    return reason[: reason.rfind(" ", 0, limit - 1)] + " ..."
+    return reason[: reason.rfind(" ", 0, limit - 3)] + " ..."

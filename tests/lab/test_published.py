@@ -1,0 +1,98 @@
+"""The published run: README's verdict table is rendered from results/published.json, the committed
+summaries were judged by the rules as they stand, and a fresh quick run reaches the snapshot's verdicts."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnscale.lab import published, registry
+from attnscale.lab.base import no_progress, rule_fingerprint
+
+ROOT = Path(__file__).resolve().parents[2]
+PUBLISHED = json.loads((ROOT / "results" / "published.json").read_text(encoding="utf-8"))
+QUICK = json.loads((ROOT / "results" / "quick.json").read_text(encoding="utf-8"))
+EXPERIMENTS = registry.discover().by_id()
+
+
+def test_the_readme_verdict_table_is_the_published_runs():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = published.readme_table(PUBLISHED)
+    assert table in readme, "README's verdict table differs from results/published.json; run: " + published.BEGIN[5:-4]
+    assert published.replace_table(readme, table) == readme
+
+
+@pytest.mark.parametrize(("summary", "profile"), [(PUBLISHED, "default"), (QUICK, "quick")])
+def test_the_committed_runs_were_judged_by_the_current_rules(summary, profile):
+    assert (summary["profile"], summary["seed"]) == (profile, 0)
+    assert re.fullmatch(r"[0-9a-f]{40}", summary["commit"]), "the run must come from a committed, unchanged checkout"
+    assert [c["id"] for c in summary["claims"]] == list(EXPERIMENTS)
+    for claim in summary["claims"]:
+        exp = EXPERIMENTS[claim["id"]]
+        assert claim["rule_fingerprint"] == rule_fingerprint(exp.module), (
+            f"{claim['id']}: its rule changed since the committed {profile} run; rerun it and the summary"
+        )
+        assert claim["rule_version"] == exp.claim.rule_history[-1].version
+
+
+FAST = (
+    "softmax-peak-example", "qknorm-double-shrink", "flash-exp2", "quant-folding", "fp16-secondary", "linear-attention",
+    "alibi-order", "rope-variance", "length-scaling", "saturation-example", "jacobian-collapse", "mup-correlated",
+    "variance-law", "divisor-table",
+)
+"""The experiments whose quick profile runs in about a second or two; the five training ones are checked
+at their own small sizes in test_training_verdicts.py; scale-in-the-wild (7 s) and all of them by
+comparing a fresh quick report: python -m attnscale.lab.published compare results/quick.json OUT/results.json."""
+
+
+@pytest.mark.parametrize("claim_id", FAST)
+def test_a_fresh_quick_run_reaches_the_snapshots_verdict(claim_id):
+    exp = EXPERIMENTS[claim_id]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the report runs it
+    try:
+        judgement = exp.module.judge(exp.module.run(exp.config("quick"), QUICK["seed"], no_progress))
+    finally:
+        torch.set_num_threads(threads)
+    fresh = {**QUICK, "claims": [{"id": claim_id, "verdict": judgement.verdict.value, "reason": judgement.reason,
+                                  "arms": [{"name": a.name, "verdict": a.verdict.value} for a in judgement.arms]}]}
+    snapshot = {**QUICK, "claims": [c for c in QUICK["claims"] if c["id"] == claim_id]}
+    assert published.compare(snapshot, fresh) == []
+
+
+def _summary(verdicts, profile="quick"):
+    claims = [{"id": cid, "verdict": v, "reason": "r", "arms": arms} for cid, v, arms in verdicts]
+    return {"profile": profile, "seed": 0, "claims": claims}
+
+
+def test_compare_names_every_changed_verdict_arm_and_claim():
+    arm = [{"name": "AdamW", "verdict": "holds"}]
+    old = _summary([("a", "holds", []), ("b", "holds", arm), ("c", "holds", [])])
+    new = _summary([("a", "holds", []), ("b", "holds", [{"name": "AdamW", "verdict": "does-not-hold"}]), ("d", "holds", [])])
+    assert published.compare(old, old) == []
+    assert published.compare(old, new) == [
+        "b, AdamW: holds -> does-not-hold",
+        "c: in the snapshot, not in the results",
+        "d: not in the snapshot",
+    ]
+    assert published.compare(old, _summary([("a", "does-not-hold", [])], profile="default"))[:2] == [
+        "profile/seed: snapshot quick/0, results default/0",
+        "a: holds -> does-not-hold: r",
+    ]
+
+
+def test_main_renders_the_table_into_a_readme_and_exits_1_on_a_changed_verdict(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n\n{published.BEGIN}\nold\n{published.END}\n\nrest\n")
+    summary = tmp_path / "published.json"
+    summary.write_text(json.dumps(PUBLISHED))
+    assert published.main(["readme", str(summary), str(readme)]) == 0
+    assert readme.read_text() == f"intro\n\n{published.readme_table(PUBLISHED)}\n\nrest\n"
+    changed = {**PUBLISHED, "claims": [{**PUBLISHED["claims"][0], "verdict": "does-not-hold"}, *PUBLISHED["claims"][1:]]}
+    (tmp_path / "changed.json").write_text(json.dumps(changed))
+    assert published.main(["compare", str(summary), str(tmp_path / "changed.json")]) == 1
+    assert capsys.readouterr().out.startswith(f"{PUBLISHED['claims'][0]['id']}: {PUBLISHED['claims'][0]['verdict']} -> does-not-hold")
+    with pytest.raises(ValueError, match="README: expected one verdict table"):
+        published.replace_table("no table here", "x")
