@@ -1,4 +1,9 @@
-"""The report as one HTML page, readable offline: inline CSS, no scripts, figures as relative links."""
+"""The report as one HTML page, readable offline: inline CSS, no scripts, figures as relative links.
+
+The summary comes first; each claim's section shows its statement, verdict, key number, main
+figure and method, and folds away (``<details>``) the further figures, the full reason, the raw
+measured data, the rule and its history, the sources and the config.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from .formatting import (
     record_columns,
     rule_history_lines,
     rule_label,
+    short_reason,
     verdict_counts,
 )
 
@@ -37,10 +43,16 @@ td table { margin: 0; font-size: 0.95em; }
 .holds { background: #1e8e3e; } .holds-approximately { background: #b26a00; }
 .does-not-hold { background: #c5221f; } .inconclusive { background: #6b4fa0; }
 .statement { font-size: 1.05em; border-left: 4px solid #8ab4f8; padding-left: 0.8em; margin-left: 0; }
-figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
+figure { margin: 1em 0; } figure img { max-width: min(100%, 760px); max-height: 560px; border: 1px solid #eee; }
 figcaption { color: #555; font-size: 0.85em; }
 pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 0.85em; }
 .rule { color: #333; background: #fafafa; border: 1px dashed #ccc; padding: 0.5em 0.8em; }
+table.summary { table-layout: fixed; width: 100%; } table.summary td { overflow-wrap: anywhere; }
+col.c-id { width: 13em; } col.c-verdict { width: 12em; } col.c-key { width: 17em; }
+.arms .arm { color: #555; font-size: 0.8em; margin-left: 0.4em; } .arms { white-space: normal; }
+details { margin: 0.4em 0; } summary { cursor: pointer; color: #1a4f9c; }
+.key { font-weight: 600; }
+section { overflow-wrap: anywhere; }
 """
 
 
@@ -75,66 +87,99 @@ def _table(value: Any) -> str:
     return escape(format_value(value))
 
 
+def _verdicts(rec: dict[str, Any]) -> str:
+    """The claim's verdict badge, and each arm's beside it where arms were judged on their own."""
+    arms = "".join(f" <span class=\"arm\">{escape(a['name'].split(' ')[0])}</span> {_badge(a['verdict'])}" for a in rec["arms"])
+    return _badge(rec["verdict"]) + (f'<span class="arms">{arms}</span>' if arms else "")
+
+
+def _fold(summary: str, body: str) -> str:
+    return f"<details><summary>{escape(summary)}</summary>{body}</details>"
+
+
+def _figure(fig: dict[str, str]) -> str:
+    return (
+        f'<figure><a href="{escape(fig["svg"])}"><img src="{escape(fig["svg"])}" alt="{escape(fig["name"])}"></a>'
+        f'<figcaption>{escape(fig["name"])} (<a href="{escape(fig["png"])}">PNG</a>)</figcaption></figure>'
+    )
+
+
 def _section(rec: dict[str, Any]) -> str:
+    """One claim: statement, verdict and its plain reason, the main figure, method; the rest folded."""
     cid = escape(rec["id"])
+    reason = short_reason(rec["reason"])
     parts = [
         f'<section id="{cid}">',
-        f"<h2>{cid} {_badge(rec['verdict'])}</h2>",
+        f"<h2>{cid} {_verdicts(rec)}</h2>",
         f'<blockquote class="statement">{escape(rec["statement"])}</blockquote>',
-        f"<p><strong>Verdict: {escape(rec['verdict'])}.</strong> {escape(rec['reason'])}</p>",
+        f"<p><strong>Verdict: {escape(rec['verdict'])}.</strong> {escape(reason)}</p>",
     ]
-    if view := explorer_link(rec["id"]):
-        parts.append(f'<p><a class="explore" href="{escape(view)}">See it in the explorer</a>: move d_k and the divisor.</p>')
     if rec["arms"]:
         parts.append(
             '<ul class="arms">'
-            + "".join(f"<li><strong>{escape(a['name'])}</strong> {_badge(a['verdict'])} {escape(a['reason'])}</li>" for a in rec["arms"])
+            + "".join(
+                f"<li><strong>{escape(a['name'])}</strong> {_badge(a['verdict'])} {escape(short_reason(a['reason']))}</li>"
+                for a in rec["arms"]
+            )
             + "</ul>"
         )
-    if rec["sources"]:
-        parts.append("<p><strong>Sources.</strong></p><ul>" + "".join(f"<li>{escape(s)}</li>" for s in rec["sources"]) + "</ul>")
+    if rec["headline"]:
+        parts.append(f'<p class="key">{escape(headline_text(rec))}</p>')
+    if view := explorer_link(rec["id"]):
+        parts.append(f'<p><a class="explore" href="{escape(view)}">See it in the explorer</a>: move d_k and the divisor.</p>')
+    if rec["figures"]:
+        parts.append(_figure(rec["figures"][0]))
     if rec["method"]:
         parts.append(f"<p><strong>Method.</strong> {escape(rec['method'])}</p>")
-    for fig in rec["figures"]:
-        parts.append(
-            f'<figure><img src="{escape(fig["svg"])}" alt="{escape(fig["name"])}">'
-            f'<figcaption>{escape(fig["name"])} (<a href="{escape(fig["png"])}">PNG</a>)</figcaption></figure>'
+    if len(rec["figures"]) > 1:
+        parts.append(_fold(f"More figures ({len(rec['figures']) - 1})", "".join(_figure(f) for f in rec["figures"][1:])))
+    if reason != rec["reason"] or any(short_reason(a["reason"]) != a["reason"] for a in rec["arms"]):
+        full = f"<p>{escape(rec['reason'])}</p>" + "".join(
+            f"<p><strong>{escape(a['name'])}:</strong> {escape(a['reason'])}</p>" for a in rec["arms"]
         )
+        parts.append(_fold("The verdict's full reason", full))
     if rec["measured"]:
-        parts.append('<h3>Measured</h3><div class="scroll">' + _table(rec["measured"]) + "</div>")
-    if rec["rule"]:
-        parts.append(f'<p class="rule"><strong>Verdict rule ({escape(rule_label(rec))}).</strong> {escape(rec["rule"])}</p>')
+        parts.append(_fold("Measured data (complete in results.json)", '<div class="scroll">' + _table(rec["measured"]) + "</div>"))
+    rule = f'<p class="rule">{escape(rec["rule"])}</p>' if rec["rule"] else ""
     if rec["rule_history"]:
-        history = "".join(f"<li>{escape(line)}</li>" for line in rule_history_lines(rec))
-        parts.append(f'<p class="meta">Rule history:</p><ul class="meta">{history}</ul>')
+        rule += "<p>History:</p><ul>" + "".join(f"<li>{escape(line)}</li>" for line in rule_history_lines(rec)) + "</ul>"
+    if rule:
+        parts.append(_fold(f"Verdict rule ({rule_label(rec)})", rule))
+    if rec["sources"]:
+        items = "".join(f"<li>{escape(s)}</li>" for s in rec["sources"])
+        parts.append(_fold("Where the claim is stated (docs/claims.md)", f"<ul>{items}</ul>"))
     if rec["config"]:
-        parts.append('<h3>Config</h3><div class="scroll">' + _table(rec["config"]) + "</div>")
-    cached = " (from the cache)" if rec["cached"] else ""
-    parts.append(f'<p class="meta">{rec["seconds"]:.1f} s wall, {rec["cpu_seconds"]:.1f} s CPU{cached}</p>')
+        parts.append(_fold("Config", '<div class="scroll">' + _table(rec["config"]) + "</div>"))
     if rec["error"]:
-        parts.append(f"<details><summary>Error</summary><pre>{escape(rec['error'])}</pre></details>")
+        parts.append(_fold("Error", f"<pre>{escape(rec['error'])}</pre>"))
+    cached = " (from the cache)" if rec["cached"] else ""
+    parts.append(
+        f'<p class="meta">{rec["seconds"]:.1f} s wall, {rec["cpu_seconds"]:.1f} s CPU{cached} &middot; '
+        '<a href="#top">back to the summary</a></p>'
+    )
     parts.append("</section>")
     return "\n".join(parts)
 
 
 def render_html(results: dict[str, Any]) -> str:
-    """The whole page: a claims table with verdict badges, then one section per claim."""
+    """The whole page: the summary (one row per claim: verdict, what was found, key number), then one
+    section per claim with its figure and method, the raw data folded away."""
     env = results["environment"]
     rows = "".join(
-        f'<tr><td class="id"><a href="#{escape(r["id"])}">{escape(r["id"])}</a></td><td>{escape(r["statement"])}</td>'
-        f"<td>{_badge(r['verdict'])}</td><td>{escape(headline_text(r))}</td>"
-        f'<td class="secs">{r["seconds"]:.1f}</td></tr>'
+        f'<tr><td class="id"><a href="#{escape(r["id"])}">{escape(r["id"])}</a></td><td>{_verdicts(r)}</td>'
+        f"<td>{escape(short_reason(r['reason'], 160))}</td><td>{escape(headline_text(r))}</td></tr>"
         for r in results["claims"]
     )
     missing = ""
     if results["not_measured"]:
         items = "".join(f"<li><code>{escape(c['id'])}</code>: {escape(c['statement'])}</li>" for c in results["not_measured"])
         missing = f"<p>Claims without an experiment yet:</p><ul>{items}</ul>"
+    commit = env.get("commit") or "not recorded"
     meta = (
-        f"attnscale {escape(results['attnscale_version'])} &middot; {escape(results['created'])} &middot; "
-        f"profile <code>{escape(results['profile'])}</code> &middot; seed {results['seed']} &middot; "
-        f"Python {escape(env['python'])}, torch {escape(env['torch'])}, {escape(env['cpu'])} &middot; "
-        f"{results['seconds']:.1f} s"
+        f"attnscale {escape(results['attnscale_version'])} &middot; commit {escape(commit)} &middot; "
+        f"{escape(results['created'])} &middot; profile <code>{escape(results['profile'])}</code> &middot; "
+        f"seed {results['seed']} &middot; Python {escape(env['python'])}, torch {escape(env['torch'])}, "
+        f"{escape(env['cpu'])} &middot; {results['seconds']:.1f} s"
     )
     return "\n".join(
         [
@@ -142,18 +187,19 @@ def render_html(results: dict[str, Any]) -> str:
             '<html lang="en"><head><meta charset="utf-8">',
             '<meta name="viewport" content="width=device-width, initial-scale=1">',
             "<title>attnscale lab report</title>",
-            f"<style>{_CSS}</style></head><body>",
+            f'<style>{_CSS}</style></head><body id="top">',
             "<h1>attnscale lab report</h1>",
             f'<p class="meta">{meta}</p>',
-            "<p>Each claim about the 1/sqrt(d_k) scale is measured by an experiment and judged by a rule written "
-            "before the numbers were seen: <em>holds</em>, <em>holds-approximately</em>, <em>does-not-hold</em> "
-            "or <em>inconclusive</em>.</p>",
+            "<p>Each claim about the 1/sqrt(d_k) scale is measured by an experiment and judged by a versioned rule "
+            "(its history is in each section): <em>holds</em>, <em>holds-approximately</em>, <em>does-not-hold</em> "
+            "or <em>inconclusive</em>. Where an experiment has arms judged on their own (two optimizers, two "
+            "models), each arm's verdict is shown beside the claim's.</p>",
             f"<p>Reproduce: <code>attnscale report --profile {escape(results['profile'])} --seed {results['seed']}</code></p>",
-            "<h2>Claims</h2>",
-            "<table><tr><th>claim</th><th>statement</th><th>verdict</th><th>key number</th><th>seconds</th></tr>",
+            f"<h2>Summary</h2><p>Verdicts: {escape(verdict_counts(results))}.</p>",
+            '<table class="summary"><colgroup><col class="c-id"><col class="c-verdict"><col><col class="c-key"></colgroup>',
+            "<tr><th>claim</th><th>verdict</th><th>what was found</th><th>key number</th></tr>",
             rows,
             "</table>",
-            f"<p>Verdicts: {escape(verdict_counts(results))}.</p>",
             missing,
             *(_section(r) for r in results["claims"]),
             "</body></html>",
