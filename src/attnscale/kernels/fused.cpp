@@ -126,57 +126,88 @@ struct Problem {
   }
 };
 
-// Logits of one tile, in place: on entry x (rows x width, row stride width) holds the raw products
-// times (scale, or scale / softcap with softcap); on exit the score path's logits, -inf where a key
-// is hidden. With softcap, t (if not null) receives tanh of the products, for the backward pass.
 template <typename T>
-void score_tile(const Problem<T>& P, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0, int64_t width, T* x,
-                T* t) {
+T row_max(const T* x, int64_t width) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  Vec vmax(neg_inf);
+  int64_t c = 0;
+  for (; c + n <= width; c += n) vmax = at::vec::maximum(vmax, Vec::loadu(x + c));
+  T m = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, vmax);
+  for (; c < width; ++c)
+    if (std::isnan(x[c]) || x[c] > m) m = x[c];  // NaN propagates, as in at::vec::maximum
+  return m;
+}
+
+// Logits of one row of a tile, in place, and their maximum (NaN if any is NaN): on entry x (width
+// entries) holds the raw products times (scale, or scale / softcap with softcap); on exit the score
+// path's logits, -inf where a key is hidden. One pass over the keys causal / window leave visible
+// (the rest is filled). With softcap, t (if not null) receives tanh of the products (0 at keys
+// outside the span), for the backward pass, which calls this with the same arguments as the
+// forward: both see bit-identical logits.
+template <typename T>
+T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t width, T* x, T* t,
+            int64_t* visible = nullptr) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const T cap = P.softcap;
-  const T slope = P.alibi ? P.alibi[b * P.al_sb + h * P.al_sh] : T(0);
-  for (int64_t r = 0; r < rows; ++r) {
-    T* xr = x + r * width;
-    const int64_t i = i0 + r;
-    if (cap != T(0)) {
-      int64_t c = 0;
-      const Vec vcap(cap);
-      for (; c + n <= width; c += n) {
-        Vec th = vtanh(Vec::loadu(xr + c));
-        if (t) th.store(t + r * width + c);
-        (th * vcap).store(xr + c);
-      }
-      for (; c < width; ++c) {
-        const T th = std::tanh(xr[c]);
-        if (t) t[r * width + c] = th;
-        xr[c] = cap * th;
-      }
-    }
-    if (P.alibi) {
-      const int64_t p = P.q_start + i + P.q_offset - P.k_start - j0;  // i' - j = p - c
-      for (int64_t c = 0; c < width; ++c) xr[c] -= slope * static_cast<T>(std::abs(p - c));
-    }
-    if (P.fmask) {
-      const T* mr = P.fmask + b * P.m_sb + h * P.m_sh + i * P.m_sl + j0 * P.m_ss;
-      if (P.m_ss == 1) {
-        for (int64_t c = 0; c < width; ++c) xr[c] += mr[c];
-      } else {
-        for (int64_t c = 0; c < width; ++c) xr[c] += mr[c * P.m_ss];
-      }
-    }
-    if (P.bmask) {
-      const bool* mr = P.bmask + b * P.m_sb + h * P.m_sh + i * P.m_sl + j0 * P.m_ss;
-      for (int64_t c = 0; c < width; ++c) xr[c] = mr[c * P.m_ss] ? xr[c] : neg_inf;
-    }
-    int64_t lo, hi;
-    P.row_span(i, &lo, &hi);
-    lo = std::clamp<int64_t>(lo - j0, 0, width);
-    hi = std::clamp<int64_t>(hi - j0, lo, width);
-    std::fill(xr, xr + lo, neg_inf);
-    std::fill(xr + hi, xr + width, neg_inf);
+  int64_t lo, hi;
+  P.row_span(i, &lo, &hi);
+  lo = std::clamp<int64_t>(lo - j0, 0, width);
+  hi = std::clamp<int64_t>(hi - j0, lo, width);
+  std::fill(x, x + lo, neg_inf);
+  std::fill(x + hi, x + width, neg_inf);
+  if (t) {
+    std::fill(t, t + lo, T(0));
+    std::fill(t + hi, t + width, T(0));
   }
+  const T slope = P.alibi ? P.alibi[b * P.al_sb + h * P.al_sh] : T(0);
+  const int64_t p = P.q_start + i + P.q_offset - P.k_start - j0;  // i' - j = p - c at column c
+  const T* fm = P.fmask ? P.fmask + b * P.m_sb + h * P.m_sh + i * P.m_sl + j0 * P.m_ss : nullptr;
+  const Vec vcap(cap), vslope(slope), iota = Vec::arange(T(0), T(1));
+  Vec vmax(neg_inf);
+  int64_t c = lo;
+  if (!fm || P.m_ss == 1) {
+    for (; c + n <= hi; c += n) {
+      Vec xv = Vec::loadu(x + c);
+      if (cap != T(0)) {
+        const Vec th = vtanh(xv);
+        if (t) th.store(t + c);
+        xv = th * vcap;
+      }
+      if (P.alibi) xv = xv - vslope * (Vec(static_cast<T>(p - c)) - iota).abs();  // exact below 2^24 keys
+      if (fm) xv = xv + Vec::loadu(fm + c);
+      xv.store(x + c);
+      vmax = at::vec::maximum(vmax, xv);
+    }
+  }
+  T m = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& v) { return at::vec::maximum(a, v); }, vmax);
+  for (; c < hi; ++c) {
+    T xc = x[c];
+    if (cap != T(0)) {
+      const T th = std::tanh(xc);
+      if (t) t[c] = th;
+      xc = cap * th;
+    }
+    if (P.alibi) xc -= slope * static_cast<T>(std::abs(p - c));
+    if (fm) xc += fm[c * P.m_ss];
+    x[c] = xc;
+    if (std::isnan(xc) || xc > m) m = xc;  // NaN propagates, as in at::vec::maximum
+  }
+  if (P.bmask) {
+    const bool* mr = P.bmask + b * P.m_sb + h * P.m_sh + i * P.m_sl + j0 * P.m_ss;
+    for (c = lo; c < hi; ++c) x[c] = mr[c * P.m_ss] ? x[c] : neg_inf;
+    m = row_max(x + lo, hi - lo);
+  }
+  if (visible) {  // the keys in the span, less those a mask hides (-inf)
+    int64_t count = hi - lo;
+    if (P.bmask || P.fmask)
+      for (c = lo; c < hi; ++c) count -= x[c] == neg_inf;
+    *visible = count;
+  }
+  return m;
 }
 
 // p = exp(x - m) for one row, 0 where x - m < floor (hidden keys, -inf, included); returns sum p.
@@ -232,19 +263,6 @@ T exp_row_weighted(T* x, int64_t width, T m, T* weighted) {
   return sum;
 }
 
-template <typename T>
-T row_max(const T* x, int64_t width) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t n = Vec::size();
-  const T neg_inf = -std::numeric_limits<T>::infinity();
-  Vec vmax(neg_inf);
-  int64_t c = 0;
-  for (; c + n <= width; c += n) vmax = at::vec::maximum(vmax, Vec::loadu(x + c));
-  T m = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, vmax);
-  for (; c < width; ++c)
-    if (std::isnan(x[c]) || x[c] > m) m = x[c];  // NaN propagates, as in at::vec::maximum
-  return m;
-}
 
 template <typename T>
 struct ForwardOut {
@@ -283,20 +301,16 @@ void forward_kernel(const Problem<T>& P, const ForwardOut<T>& O) {
         const int64_t width = j1 - j0;
         T* x = sbuf.data();
         gemm('T', 'N', width, rows, P.D, alpha, k + j0 * P.k_sl, P.k_sl, q, P.q_sl, T(0), x, width);
-        score_tile(P, b, h, i0, rows, j0, width, x, static_cast<T*>(nullptr));
         for (int64_t r = 0; r < rows; ++r) {
           T* xr = x + r * width;
-          const T tile_max = row_max(xr, width);
+          int64_t visible = 0;
+          const T tile_max = score_row(P, b, h, i0 + r, j0, width, xr, static_cast<T*>(nullptr), stats ? &visible : nullptr);
+          seen[r] += visible;
           // NaN (from NaN inputs, or products that overflowed to inf - inf) must reach the output.
           const T m_new = std::isnan(tile_max) ? tile_max : std::max(m[r], tile_max);
           if (m_new == neg_inf) {  // nothing visible to this row yet
             std::fill(xr, xr + width, T(0));
             continue;
-          }
-          if (stats) {
-            int64_t count = 0;
-            for (int64_t c = 0; c < width; ++c) count += xr[c] != neg_inf;
-            seen[r] += count;
           }
           const T rescale = std::exp(m[r] - m_new);  // 0 while m = -inf
           if (stats) {
@@ -375,9 +389,9 @@ void backward_kernel(const Problem<T>& P, const BackwardIO<T>& IO) {
           T* x = sbuf.data();
           T* t = capped ? tbuf.data() : nullptr;
           gemm('T', 'N', width, rows, P.D, alpha, k + j0 * P.k_sl, P.k_sl, q, P.q_sl, T(0), x, width);
-          score_tile(P, b, h, i0, rows, j0, width, x, t);
           for (int64_t r = 0; r < rows; ++r) {  // p = exp(s - m) / l: the forward's weights
             T* xr = x + r * width;
+            score_row(P, b, h, i0 + r, j0, width, xr, capped ? t + r * width : nullptr);
             exp_row(xr, width, IO.m[row0 + r]);
             const Vec vl(IO.l[row0 + r]);
             int64_t c = 0;

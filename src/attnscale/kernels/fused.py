@@ -28,6 +28,10 @@ __all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "supports"]
 
 BLOCK_Q = 64
 BLOCK_K = 256
+# With few query rows (decoding) each tile's products are matrix-vector ones: wider key tiles
+# mean fewer BLAS calls per row.
+BLOCK_K_FEW_ROWS = 2048
+FEW_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,7 @@ def fused_attention(
     q_start: int = 0,
     k_start: int = 0,
     block_q: int = BLOCK_Q,
-    block_k: int = BLOCK_K,
+    block_k: int | None = None,
 ) -> tuple[Tensor, AttentionStats | None]:
     """Fused attention on validated CPU inputs: query (..., H, L, D), key (..., Hkv, S, D),
     value (..., Hkv, S, Dv), H a multiple of Hkv (L = 0 or S = 0 give the tiled kernel's empty or
@@ -174,6 +178,8 @@ def fused_attention(
             query, key, value, path=path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=return_stats
         )
     batch = tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])) or (1,)
+    if block_k is None:
+        block_k = BLOCK_K_FEW_ROWS if query.shape[-2] <= FEW_ROWS else BLOCK_K
     spec = _Spec(
         path=path,
         batch=batch,
