@@ -2,9 +2,9 @@
 
 Each runs its ``tiny`` profile trained for a few hundred steps (so that the models learn the task,
 which ``tiny``'s 30-40 steps do not) with AdamW, seed 0 and one torch thread, and asserts the verdict
-and the measured directions behind it, not only that ``judge`` returns something. The sizes are the
-smallest at which the verdict is the one the ``quick`` and ``default`` profiles reach (see
-results/published.json), apart from hard-routing, whose gap sits at the noise floor at this size.
+and the measured directions behind it, not only that ``judge`` returns something. At these sizes each
+verdict is the one the ``quick`` and ``default`` profiles reach (results/quick.json,
+results/published.json), except that logit-growth's QK-Clip sits at its bound (see its test).
 """
 
 import dataclasses
@@ -76,7 +76,11 @@ def test_inference_removal_one_over_d_k_degrades_and_removing_the_scale_barely_d
 
 def test_logit_growth_logits_grow_without_a_guard_and_qk_norm_bounds_them():
     measured, judgement = _run(logit_growth, lrs=(3e-3, 5e-2), steps=100)
-    assert judgement.verdict is Verdict.HOLDS_APPROXIMATELY
+    # At this size QK-Clip's peak sits at its bound (1.25 tau), just above or below it as the kernel's
+    # rounding changes: holds or holds-approximately, and the peak within 10% of tau's bound either way.
+    assert judgement.verdict in (Verdict.HOLDS, Verdict.HOLDS_APPROXIMATELY)
+    tau, high = measured["config"]["tau"], f"{max(measured['config']['lrs']):g}"
+    assert abs(measured["table"]["qk-clip"][high]["peak_max_logit"] / (logit_growth.CLIP_SLACK * tau) - 1) < 0.1
     over = measured["over_reference"]
     assert over["none"] > logit_growth.GROWTH
     assert over["qk-norm"] <= logit_growth.QKNORM_BOUND
