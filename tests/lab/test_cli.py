@@ -116,14 +116,15 @@ def test_run_prints_measurements_and_verdict(capsys, tmp_path):
     ("argv", "message"),
     [
         (["run", "no-such-claim", "--profile", "tiny"], "no-such-claim"),
-        (["report", "--only", "no-such-claim", "--profile", "tiny"], "--only expects claim ids"),
+        (["report", "--only", "no-such-claim", "--profile", "tiny"], "--only: expected claim ids"),
         (["report", "--jobs", "0", "--profile", "tiny"], "jobs must be >= 1"),
     ],
 )
 def test_bad_arguments_say_what_to_do(argv, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(SystemExit, match=message) as info:
         main(argv)
+    assert info.value.code == 2
     assert not (tmp_path / "attnscale-report").exists()
 
 
@@ -134,10 +135,55 @@ def test_bad_arguments_say_what_to_do(argv, message, tmp_path, monkeypatch):
 def test_run_with_an_unknown_claim_names_the_argument_and_the_nearest_claim(claim, suggestion):
     with pytest.raises(SystemExit) as info:
         main(["run", claim, "--profile", "tiny"])
-    message = str(info.value.code)
+    assert info.value.code == 2
+    message = str(info.value)
     assert message.startswith("attnscale run: claim_id: expected ") and repr(claim) in message
     assert "attnscale list" in message and suggestion in message
     assert "--only" not in message
+
+
+def test_report_with_a_misspelt_claim_suggests_the_nearest(tmp_path, capsys, no_experiment_runs):
+    with pytest.raises(SystemExit) as info:
+        main(["report", "--out", str(tmp_path / "r"), "--profile", "tiny", "--only", "variance-law", "saturation-exampel"])
+    assert info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("attnscale report: error: --only: expected claim ids that have an experiment, got 'saturation-exampel'")
+    assert "did you mean 'saturation-example'?" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_list_json_names_every_claim_with_its_status(capsys):
+    assert main(["list", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["schema"] == "attnscale.claims/1"
+    rows = {row["id"]: row for row in data["claims"]}
+    assert list(rows)[: len(registry.CLAIM_IDS)] == list(registry.CLAIM_IDS)
+    found = registry.discover().by_id()
+    for cid, row in rows.items():
+        assert row["statement"]
+        assert (row["status"] == "experiment") == (cid in found)
+        assert row["module"] == (found[cid].module_name if cid in found else row["module"])
+
+
+def test_list_quiet_prints_only_the_summary(capsys):
+    assert main(["list", "--quiet"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    experiments = len(registry.discover().by_id())
+    assert lines == [f"{len(registry.CLAIM_IDS)} claims, {experiments} with an experiment: attnscale run ID runs one, attnscale report all"]
+
+
+def test_run_json_prints_the_record_alone(capsys):
+    assert main(["run", "softmax-peak-example", "--profile", "tiny", "--json"]) == 0
+    captured = capsys.readouterr()
+    record = json.loads(captured.out)  # nothing but the JSON on stdout
+    assert record["id"] == "softmax-peak-example" and record["verdict"] in schema.VERDICTS
+    assert record["measured"]["peak_prob"] == pytest.approx(0.99995, abs=5e-6)
+
+
+def test_run_prints_a_one_line_summary_last(capsys):
+    assert main(["run", "softmax-peak-example", "--profile", "tiny", "--quiet"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("softmax-peak-example: holds")
 
 
 @pytest.fixture

@@ -11,6 +11,12 @@ query's dtype, and finite wherever a correct implementation is finite; a check w
 not fails with what arrived instead. A callable that raises fails the check with the error in one
 line. Each check has a time limit; a call that exceeds it cannot be stopped (it keeps running in a
 daemon thread), so the callable is taken to be hung and the remaining checks are not run.
+
+Checks are of two kinds. *Semantics* checks (the scale, softmax axis, V, mask polarity, causal
+alignment, fully masked rows, GQA mapping) fail when the callable computes something other than
+attention: :attr:`ConformanceReport.ok` is False. *Robustness* checks (large logits, fp16
+overflow) fail when a correct formula breaks down numerically; they are listed in
+:attr:`ConformanceReport.warnings` and leave ``ok`` True.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -26,22 +33,51 @@ from torch import Tensor
 from .._validate import fail
 from .probe import CallTimedOut, ScaleFit, call_with_timeout, diagnose_scale, fit_logit_scale
 
-__all__ = ["CheckResult", "ConformanceReport", "check_attention"]
+__all__ = ["CheckKind", "CheckResult", "ConformanceReport", "SCHEMA", "check_attention", "scale_fix"]
 
 AttentionFn = Callable[..., Tensor]
+CheckKind = Literal["semantics", "robustness"]
+SCHEMA = "attnscale.check/1"
+
+# Numerical robustness, not the definition of attention: a failure here is a warning.
+_ROBUSTNESS = frozenset({"large logits", "fp16 overflow"})
+
+
+def scale_fix(diagnosis: str) -> str | None:
+    """How to repair an implementation whose fitted scale was diagnosed as ``diagnosis`` (None if correct).
+
+    >>> scale_fix("no scale")
+    'divide q.k by sqrt(q.size(-1)) before the softmax'
+    """
+    if diagnosis == "1/sqrt(head_dim)":
+        return None
+    if diagnosis.startswith("1/head_dim"):
+        return "divide q.k by sqrt(q.size(-1)) once (it is divided twice, or by q.size(-1))"
+    if diagnosis.startswith("1/sqrt(d_model)") or diagnosis == "1/sqrt(num_heads)":
+        return "divide q.k by sqrt(q.size(-1)), the per-head dim, not by the model width or the head count"
+    return "divide q.k by sqrt(q.size(-1)) before the softmax"
 
 
 @dataclass(frozen=True)
 class CheckResult:
-    """One check: ``passed`` is True, False, or None when the callable does not support it."""
+    """One check: ``passed`` is True, False, or None when the callable does not support it.
+
+    ``kind`` is "semantics" (a failure means the callable is not attention as specified) or
+    "robustness" (a failure is a numerical weakness, reported as a warning); ``fix`` says how to
+    repair a failure where the check knows it.
+    """
 
     name: str
     passed: bool | None
     detail: str
+    kind: CheckKind = "semantics"
+    fix: str | None = None
 
 
 @dataclass(frozen=True)
 class ConformanceReport:
+    """The fitted scale, its diagnosis and every check's result, in the order they ran."""
+
     head_dim: int
     scale: ScaleFit
     diagnosis: str
@@ -49,8 +85,37 @@ class ConformanceReport:
 
     @property
     def ok(self) -> bool:
-        """True when no check failed (unsupported checks do not count as failures)."""
-        return all(c.passed is not False for c in self.checks)
+        """True when no semantics check failed (unsupported checks and robustness warnings do not count)."""
+        return all(c.passed is not False for c in self.checks if c.kind == "semantics")
+
+    @property
+    def failures(self) -> tuple[CheckResult, ...]:
+        """The semantics checks that failed."""
+        return tuple(c for c in self.checks if c.kind == "semantics" and c.passed is False)
+
+    @property
+    def warnings(self) -> tuple[CheckResult, ...]:
+        """The robustness checks that failed."""
+        return tuple(c for c in self.checks if c.kind == "robustness" and c.passed is False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stable JSON form (``schema`` = "attnscale.check/1").
+
+        >>> import attnscale
+        >>> data = check_attention(attnscale.scaled_dot_product_attention).to_dict()
+        >>> data["schema"], data["ok"], data["warnings"], data["checks"][0]["name"]
+        ('attnscale.check/1', True, [], 'scale')
+        """
+        return {
+            "schema": SCHEMA,
+            "head_dim": self.head_dim,
+            "diagnosis": self.diagnosis,
+            "scale": asdict(self.scale),
+            "ok": self.ok,
+            "failures": [c.name for c in self.failures],
+            "warnings": [c.name for c in self.warnings],
+            "checks": [asdict(c) for c in self.checks],
+        }
 
 
 def _inputs(H: int, Hkv: int, L: int, S: int, D: int, seed: int, dtype=torch.float64) -> tuple[Tensor, Tensor]:
@@ -105,18 +170,19 @@ def _require_distribution(w: Tensor, where: str = "") -> None:
 
 def _run(name: str, body: Callable[[], tuple[bool, str]], timeout: float | None) -> tuple[CheckResult, bool]:
     """The check's one-line result, and whether it timed out."""
+    kind: CheckKind = "robustness" if name in _ROBUSTNESS else "semantics"
     try:
         passed, detail = call_with_timeout(body, timeout)
     except CallTimedOut as exc:
-        return CheckResult(name, False, str(exc)), True
+        return CheckResult(name, False, str(exc), kind), True
     except _Unsupported as exc:
-        return CheckResult(name, None, str(exc)), False
+        return CheckResult(name, None, str(exc), kind), False
     except _Unjudgeable as exc:
-        return CheckResult(name, False, str(exc)), False
+        return CheckResult(name, False, str(exc), kind), False
     except (Exception, SystemExit) as exc:  # a crash on valid input is a failed check, reported in one line
         text = " ".join(str(exc).split())
-        return CheckResult(name, False, f"raised {type(exc).__name__}: {text[:160]}"), False
-    return CheckResult(name, passed, detail), False
+        return CheckResult(name, False, f"raised {type(exc).__name__}: {text[:160]}", kind), False
+    return CheckResult(name, passed, detail, kind), False
 
 
 def check_attention(
@@ -276,12 +342,15 @@ def check_attention(
     checks: list[CheckResult] = []
     hung = False
     for name, body in bodies.items():
+        kind: CheckKind = "robustness" if name in _ROBUSTNESS else "semantics"
         if unfit is not None:
-            checks.append(CheckResult(name, False, unfit))
+            checks.append(CheckResult(name, False, unfit, kind))
             continue
         if hung:
-            checks.append(CheckResult(name, False, f"not run: an earlier check timed out after {timeout:g} s (fn looks hung)"))
+            checks.append(CheckResult(name, False, f"not run: an earlier check timed out after {timeout:g} s (fn looks hung)", kind))
             continue
         result, hung = _run(name, body, timeout)
+        if name == "scale" and result.passed is False and fit.rows:
+            result = replace(result, fix=scale_fix(diagnosis))
         checks.append(result)
     return ConformanceReport(head_dim=D, scale=fit, diagnosis=diagnosis, checks=tuple(checks))
