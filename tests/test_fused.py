@@ -236,3 +236,10 @@ def test_without_the_kernel_attnscale_says_why_once_and_runs_the_tiled_kernel():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "tiled"
     assert done.stderr.count("fused CPU kernel is unavailable: disabled by ATTNSCALE_NO_KERNEL") == 1
+
+
+def test_only_out_and_lse_carry_gradients():
+    q, k, v = (t.requires_grad_() for t in make_inputs(B=1, L=9, S=9, dtype=torch.float32))
+    out, stats = sdpa(q, k, v, softcap=5.0, return_stats=True)
+    assert out.requires_grad and stats.lse.requires_grad
+    assert not any(getattr(stats, name).requires_grad for name in ("max_logit", "max_prob", "entropy", "visible_keys"))

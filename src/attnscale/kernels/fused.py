@@ -114,9 +114,10 @@ class _FusedAttention(torch.autograd.Function):
             )
         ctx.save_for_backward(query, key, value, mask, alibi, out, m, l)
         ctx.spec = spec
-        ctx.mark_non_differentiable(*stats)
         shape = (*spec.batch, spec.H, L)
-        return (out.view(*shape, v.shape[-1]), lse.view(shape), *(t.view(shape) for t in stats))
+        stats = [t.view(shape) for t in stats]
+        ctx.mark_non_differentiable(*stats)  # the outputs themselves: only out and lse carry gradients
+        return (out.view(*shape, v.shape[-1]), lse.view(shape), *stats)
 
     @staticmethod
     def backward(ctx, dout, dlse, *unused):  # type: ignore[override]
