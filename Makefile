@@ -5,14 +5,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test report demo bench clean
+.PHONY: test report demo bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# Pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,hf,ray,trainer,tensorboard]'
+	$(BIN)/pip install --quiet -e '.[test,hf,ray,trainer,tensorboard,docs]'
 	# Build the fused CPU kernel now (about a minute), not at the first attention call; without
 	# a compiler this says why and attnscale runs its eager tiled kernel.
 	$(BIN)/python -m attnscale.kernels
@@ -26,6 +26,10 @@ report: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_sdpa.py
+
+# The documentation site, offline and strict (a broken link or reference fails), into build/site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .hypothesis

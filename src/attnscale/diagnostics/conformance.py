@@ -103,7 +103,7 @@ class ConformanceReport:
 
         >>> import attnscale
         >>> data = check_attention(attnscale.scaled_dot_product_attention).to_dict()
-        >>> data["schema"], data["ok"], data["warnings"], data["checks"][0]["name"]
+        >>> data["schema"], data["ok"], data["warnings"], next(c["name"] for c in data["checks"])
         ('attnscale.check/1', True, [], 'scale')
         """
         return {
