@@ -31,7 +31,7 @@ def test_runs_at_tiny_and_plots(module, tiny, tmp_path):
         assert (tmp_path / f"{name}.svg").stat().st_size > 1000
         assert (tmp_path / f"{name}.png").stat().st_size > 1000
     if module.HEADLINE:
-        assert isinstance(measured[module.HEADLINE], float)
+        assert isinstance(measured[module.HEADLINE.key], float)
 
 
 @pytest.mark.parametrize("module", EXPERIMENTS, ids=lambda m: m.CLAIM.id)

@@ -239,7 +239,9 @@ def _query_rows(out: AttentionOutput, context: int) -> AttentionOutput:
     """Keep the query positions' rows of a block that computed every row."""
     stats = None
     if out.stats is not None:
-        stats = AttentionStats(**{f.name: getattr(out.stats, f.name)[..., context:] for f in fields(AttentionStats)})
+        stats = AttentionStats(
+            **{f.name: getattr(out.stats, f.name)[..., context:] for f in fields(AttentionStats) if getattr(out.stats, f.name) is not None}
+        )
     weights = out.weights[:, :, context:] if out.weights is not None else None
     return AttentionOutput(output=out.output[:, context:], weights=weights, stats=stats)
 
