@@ -234,6 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             w = window_row(t, repeats)
             result["windows"].append(w)
             print(f"threads={t} window {WINDOW} at L = {w['L']}: {w['ratio']:.2f}x torch's causal time, seeing {w['key_share']:.2f} of its keys")
+    if args.json:  # before the memory run, which a crash of its subprocess must not cost
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
     if not (args.quick or args.no_memory):
         m = memory_row(16384, 64, default_threads)
         result["memory"] = m
