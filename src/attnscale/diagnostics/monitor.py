@@ -336,8 +336,17 @@ class MonitorReport:
             writer.writerow([*row, ";".join(kinds.get((h.layer, h.head), []))])
         return buf.getvalue()
 
+    def __str__(self) -> str:
+        """The :meth:`table` as plain text, so that ``print(report)`` shows it."""
+        from rich.console import Console
+
+        console = Console(width=100, record=True, file=io.StringIO(), color_system=None)
+        console.print(self.table())
+        return console.export_text()
+
     def table(self, *, title: str | None = None) -> Table:
-        """A rich table, one row per (layer, head), flagged heads marked; fits 80 columns."""
+        """A rich table, one row per (layer, head), flagged heads marked; fits 80 columns.
+        Show it with ``rich.print(report.table())``, or ``print(report)`` for plain text."""
         from rich import box
         from rich.table import Table
 
