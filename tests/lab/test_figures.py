@@ -1,0 +1,139 @@
+"""Every experiment's figures are legible at the size the report page shows them.
+
+Each experiment runs at profile tiny and its ``plot`` is called with ``save_figure`` wrapped so the
+test sees every figure as it is saved. For each figure: no two texts overlap (tick labels, axis labels,
+titles, legend texts, annotations, of any axes), every axes with data has a title, and no text is
+smaller than ``MIN_PT`` at display size. Display size: the page shows a figure's SVG at its natural
+size (96 px per inch) capped at ``PAGE_MAX_PX`` wide and ``PAGE_MAX_PY`` tall (render_html's CSS),
+so a font of ``s`` pt shows at ``s * min(1, cap / natural)`` pt.
+"""
+
+import importlib
+import itertools
+
+import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.text import Text
+from matplotlib.transforms import Bbox
+
+from attnscale.lab.base import no_progress
+from attnscale.lab.registry import CLAIM_IDS
+
+MODULES = {cid: importlib.import_module(f"attnscale.lab.experiments.{cid.replace('-', '_')}") for cid in CLAIM_IDS}
+MIN_PT = 7.0
+PAGE_MAX_PX, PAGE_MAX_PY = 760, 560
+TOUCH_PX = 1.0  # boxes that merely touch (shared edge, rounding) are not an overlap
+
+# Figures known to fail a check; strict, so a fixed figure must leave this list.
+NOT_YET = {
+    "overlaps": {"linear-attention", "logit-growth", "quant-folding"},
+    "titles": {
+        "divisor-table", "jacobian-collapse", "inference-removal", "qknorm-double-shrink", "linear-attention",
+        "hard-routing", "logit-growth", "rope-variance", "quant-folding",
+    },
+    "fonts": {
+        "variance-law", "divisor-table", "jacobian-collapse", "training-stall", "inference-removal", "hard-routing",
+        "mup-correlated", "logit-growth", "length-scaling", "rope-variance",
+    },
+}
+
+
+def _expect(request, check, cid):
+    if cid in NOT_YET[check]:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=f"{cid}'s figures do not pass the {check} check yet"))
+
+
+@pytest.fixture(scope="module", params=CLAIM_IDS)
+def figures(request):
+    """(claim id, [(name, Figure)]) for one experiment at profile tiny, drawn once."""
+    module = MODULES[request.param]
+    measured = module.run(module.Config.for_profile("tiny"), 0, no_progress)
+    saved = []
+
+    def record(fig, outdir, name):
+        FigureCanvasAgg(fig).draw()
+        saved.append((name, fig))
+        return name
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(module, "save_figure", record)
+    try:
+        names = module.plot(measured, None)
+    finally:
+        mp.undo()
+    assert names == [name for name, _ in saved]
+    return request.param, saved
+
+
+def _in_view(axis, loc):
+    lo, hi = sorted(axis.get_view_interval())
+    tol = 1e-9 * max(abs(lo), abs(hi), 1.0)
+    return lo - tol <= loc <= hi + tol
+
+
+def _texts(fig):
+    """Every text the figure draws: (label for messages, Text)."""
+    found = [("figure text", t) for t in fig.texts]
+    for legend in fig.legends:
+        found += [("figure legend", t) for t in [legend.get_title(), *legend.get_texts()]]
+    for i, ax in enumerate(fig.axes):
+        where = f"axes {i} ({ax.get_title() or ax.get_label()!r})"
+        found += [(f"{where} title", ax.title), (f"{where} left title", ax._left_title), (f"{where} right title", ax._right_title)]
+        found += [(f"{where} {a.axis_name}label", a.label) for a in (ax.xaxis, ax.yaxis)]
+        found += [(f"{where} {a.axis_name} offset", a.get_offset_text()) for a in (ax.xaxis, ax.yaxis)]
+        for axis in (ax.xaxis, ax.yaxis):
+            for tick in [*axis.get_major_ticks(), *axis.get_minor_ticks()]:
+                if tick.get_visible() and _in_view(axis, tick.get_loc()):
+                    found += [(f"{where} {axis.axis_name} tick", lab) for lab in (tick.label1, tick.label2)]
+        found += [(f"{where} text", t) for t in ax.texts]
+        legend = ax.get_legend()
+        if legend is not None:
+            found += [(f"{where} legend", t) for t in [legend.get_title(), *legend.get_texts()]]
+    return [(label, t) for label, t in found if isinstance(t, Text) and t.get_visible() and t.get_text().strip()]
+
+
+def _display_scale(fig):
+    """How much the page shrinks the figure: its natural size is the tight bbox at 96 px per inch."""
+    box = fig.get_tightbbox(fig.canvas.get_renderer())
+    return min(1.0, PAGE_MAX_PX / (box.width * 96), PAGE_MAX_PY / (box.height * 96))
+
+
+def test_no_text_overlaps(figures, request):
+    cid, saved = figures
+    _expect(request, "overlaps", cid)
+    bad = []
+    for name, fig in saved:
+        renderer = fig.canvas.get_renderer()
+        boxes = [(label, t.get_text(), t.get_window_extent(renderer)) for label, t in _texts(fig)]
+        for (la, ta, a), (lb, tb, b) in itertools.combinations(boxes, 2):
+            shrunk = Bbox.from_extents(a.x0 + TOUCH_PX, a.y0 + TOUCH_PX, a.x1 - TOUCH_PX, a.y1 - TOUCH_PX)
+            if shrunk.width > 0 and shrunk.height > 0 and shrunk.overlaps(b):
+                bad.append(f"{name}: {la} {ta!r} overlaps {lb} {tb!r}")
+    assert not bad, f"{cid}: overlapping text:\n" + "\n".join(bad)
+
+
+def test_every_panel_has_a_title(figures, request):
+    cid, saved = figures
+    _expect(request, "titles", cid)
+    bad = [
+        f"{name}: axes {i}"
+        for name, fig in saved
+        for i, ax in enumerate(fig.axes)
+        if ax.get_label() != "<colorbar>"
+        and ax.has_data()
+        and not any(ax.get_title(loc).strip() for loc in ("left", "center", "right"))
+    ]
+    assert not bad, f"{cid}: panels without a title: {bad}"
+
+
+def test_text_readable_at_display_size(figures, request):
+    cid, saved = figures
+    _expect(request, "fonts", cid)
+    bad = []
+    for name, fig in saved:
+        scale = _display_scale(fig)
+        for label, t in _texts(fig):
+            shown = t.get_fontsize() * scale
+            if shown < MIN_PT:
+                bad.append(f"{name}: {label} {t.get_text()!r} shows at {shown:.1f} pt")
+    assert not bad, f"{cid}: text below {MIN_PT} pt at display size:\n" + "\n".join(bad)
