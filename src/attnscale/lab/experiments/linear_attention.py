@@ -172,7 +172,7 @@ def judge(measured: dict[str, Any]) -> Judgement:
 def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 3.4))
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
     ax1, ax2, ax3 = fig.subplots(1, 3)
     c = measured["multipliers"]
     for kind, label in (("softmax", "softmax"), ("relu", "linear, ReLU"), ("elu", "linear, elu+1")):
@@ -183,7 +183,10 @@ def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
         ax.set_xlabel("q and k multiplied by c")
         ax.set_ylabel(ylabel)
     ax2.set_yscale("log")
-    ax1.legend(fontsize=8)
+    ax1.set_title("saturation")
+    ax2.set_title("gradient flow")
+    ax3.set_title("Performer (FAVOR+) error")
+    ax1.legend(fontsize=9, framealpha=0.8)
     favor = measured["favor_relative_error"]
     ax3.bar(list(favor), list(favor.values()), color=["tab:red", "tab:green", "tab:blue"])
     ax3.set_yscale("log")

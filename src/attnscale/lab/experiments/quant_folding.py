@@ -164,7 +164,7 @@ def judge(measured: dict[str, Any]) -> Judgement:
 def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(9, 3.4))
+    fig = Figure(figsize=(9, 3.8), layout="constrained")
     ax1, ax2 = fig.subplots(1, 2)
     folding = measured["folding"]
     dims = list(folding)
@@ -173,7 +173,10 @@ def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
     ax1.bar([i + 0.2 for i in x], [folding[d]["mean_abs_error_scale_after"] for d in dims], width=0.4, label="scale after dequantisation")
     ax1.set_xticks(list(x), [f"D={d}" + (" (2^k)" if folding[d]["power_of_two"] else "") for d in dims])
     ax1.set_ylabel("mean |INT8 attention - float64|")
-    ax1.legend(fontsize=8)
+    ax1.set_title("folding the scale into q")
+    tallest = max(max(folding[d]["mean_abs_error_folded"], folding[d]["mean_abs_error_scale_after"]) for d in dims)
+    ax1.set_ylim(0, 1.5 * tallest)  # headroom so the legend sits above the bars
+    ax1.legend(fontsize=9, framealpha=0.8, loc="upper left")
     smoothing = measured["smoothing"]
     offsets = list(smoothing)
     ax2.plot([float(o) for o in offsets], [smoothing[o]["mean_abs_error_int8"] for o in offsets], marker="o", label="INT8")
@@ -181,6 +184,7 @@ def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
     ax2.set_xlabel("shared key channel offset (x noise std)")
     ax2.set_ylabel("mean |INT8 attention - float64|")
     ax2.set_yscale("log")
-    ax2.legend(fontsize=8)
+    ax2.set_title("smoothing K against a shared offset")
+    ax2.legend(fontsize=9, framealpha=0.8)
     fig.suptitle("Folding the scale into q and smoothing K")
     return [save_figure(fig, outdir, "quant_folding")]
