@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 
 from ...config import AttentionConfig
 from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
@@ -267,7 +268,7 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     high = _lr_key(measured["highest_lr"])
     curves = measured["curves"]
 
-    fig = Figure(figsize=(9.0, 3.4), layout="constrained")
+    fig = Figure(figsize=(9.0, 3.8), layout="constrained")
     ax_logit, ax_sat = fig.subplots(1, 2)
     for guard, by_lr in curves.items():
         for i, curve in enumerate(by_lr.get(high, [])):
@@ -281,13 +282,15 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     ax_logit.set_ylabel("held-out max attention logit")
     ax_sat.set_ylabel("share of rows with max prob > 0.99")
     ax_sat.set_ylim(-0.03, 1.03)
+    ax_logit.set_title(f"max logit, lr {high}")
+    ax_sat.set_title(f"saturated rows, lr {high}")
     for ax in (ax_logit, ax_sat):
         ax.set_xlabel("step")
-        ax.set_title(f"lr {high}", fontsize=9)
-        ax.legend(fontsize=7)
+    # one legend beside the panels: inside, it hides the curves
+    fig.legend(*ax_logit.get_legend_handles_labels(), loc="outside right upper", fontsize=9)
     names = [save_figure(fig, outdir, "logit_growth_curves")]
 
-    fig = Figure(figsize=(4.6, 3.4), layout="constrained")
+    fig = Figure(figsize=(6.4, 3.8), layout="constrained")
     ax = fig.subplots()
     for guard, by_lr in measured["table"].items():
         lrs = sorted(by_lr, key=float)
@@ -295,7 +298,9 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("AdamW learning rate")
-    ax.set_ylabel("final max attention logit (median over seeds)")
-    ax.legend(fontsize=7)
+    ax.set_ylabel("final max logit (median over seeds)")
+    ax.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks collide on a short log axis
+    ax.set_title("final max logit against learning rate")
+    fig.legend(loc="outside right upper", fontsize=9)
     names.append(save_figure(fig, outdir, "logit_growth_vs_lr"))
     return names
