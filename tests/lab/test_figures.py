@@ -28,11 +28,11 @@ TOUCH_PX = 1.0  # boxes that merely touch (shared edge, rounding) are not an ove
 NOT_YET = {
     "overlaps": set(),
     "titles": {
-        "divisor-table", "jacobian-collapse", "inference-removal", "qknorm-double-shrink", "hard-routing",
+        "inference-removal", "qknorm-double-shrink", "hard-routing",
         "rope-variance",
     },
     "fonts": {
-        "variance-law", "divisor-table", "jacobian-collapse", "training-stall", "inference-removal", "hard-routing",
+        "variance-law", "training-stall", "inference-removal", "hard-routing",
         "mup-correlated", "length-scaling", "rope-variance",
     },
 }

@@ -221,7 +221,7 @@ PANELS = (
 def plot(measured: dict, outdir: Path) -> list[str]:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(13, 8), layout="constrained")
+    fig = Figure(figsize=(9.5, 6.8), layout="constrained")
     axes = fig.subplots(2, 3).ravel()
     for ax, (key, label, log_y) in zip(axes, PANELS, strict=False):
         for name in DIVISORS:
@@ -233,6 +233,7 @@ def plot(measured: dict, outdir: Path) -> list[str]:
             ax.set_yscale("log")
         ax.set_xlabel("d_k (per-head key dimension)")
         ax.set_ylabel(label)
+        ax.set_title(label)
         ax.grid(True, alpha=0.3)
     axes[0].axhspan(*measured["band"], color="green", alpha=0.15, label="band")
     rows = [r for r in measured["rows"] if r["divisor"] == LEARNED]
@@ -242,8 +243,9 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("d_k (per-head key dimension)")
     ax.set_ylabel("learned divisor / sqrt(d_k)")
+    ax.set_title("learned divisor against sqrt(d_k)")
     ax.grid(True, alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8)
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=9)
     fig.suptitle(f"Divisors of q.k, iid N(0,1) q and k, {measured['keys']} keys, {measured['num_heads']} heads")
     return [save_figure(fig, outdir, "divisor_table")]

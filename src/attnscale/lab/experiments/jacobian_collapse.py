@@ -228,14 +228,14 @@ def judge(measured: dict) -> Judgement:
 def plot(measured: dict, outdir: Path) -> list[str]:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(14, 4.2), layout="constrained")
+    fig = Figure(figsize=(10, 4.0), layout="constrained")
     axes = fig.subplots(1, 3)
     panels = (
-        (axes[0], "alpha", "offpeak_mass", "alpha (logits = alpha * q.k)", "mean off-peak Jacobian mass"),
-        (axes[1], "logit_std", "spectral_norm", "logit std", "mean spectral norm of J"),
-        (axes[2], "logit_std", "offpeak_max", "logit std", "mean largest off-peak |J_ij|"),
+        (axes[0], "alpha", "offpeak_mass", "alpha (logits = alpha * q.k)", "mean off-peak Jacobian mass", "off-peak mass"),
+        (axes[1], "logit_std", "spectral_norm", "logit std", "mean spectral norm of J", "spectral norm"),
+        (axes[2], "logit_std", "offpeak_max", "logit std", "mean largest off-peak |J_ij|", "largest off-peak entry"),
     )
-    for ax, x_key, y_key, x_label, y_label in panels:
+    for ax, x_key, y_key, x_label, y_label, title in panels:
         for curve in measured["curves"]:
             d_k, pts = curve["d_k"], curve["points"]
             (line,) = ax.plot([p[x_key] for p in pts], [p[y_key] for p in pts], label=f"d_k={d_k}")
@@ -248,7 +248,8 @@ def plot(measured: dict, outdir: Path) -> list[str]:
         ax.set_yscale("log")
         ax.set_xlabel(x_label)
         ax.set_ylabel(y_label)
+        ax.set_title(title)
         ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=7, title="o scaled, x unscaled", title_fontsize=7)
+    axes[0].legend(fontsize=9, title="o scaled, x unscaled", title_fontsize=9, framealpha=0.8)
     fig.suptitle(f"Softmax Jacobian off the peak, {measured['keys']} keys, iid N(0,1) q and k")
     return [save_figure(fig, outdir, "jacobian_collapse")]
