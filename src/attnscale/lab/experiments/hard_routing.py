@@ -169,12 +169,13 @@ _NAMES = {"fixed": "fixed 1/sqrt(d_k)", "learned": "learned temperature", "none"
 
 
 def plot(measured: dict, outdir: Path) -> list[str]:
-    fig = Figure(figsize=(11, 3.2), layout="constrained")
+    fig = Figure(figsize=(10, 3.6), layout="constrained")
     axes = fig.subplots(1, 3)
-    for ax, metric, ylabel in zip(
+    for ax, metric, ylabel, title in zip(
         axes,
         ("accuracy", "max_prob", "source_prob"),
         ("held-out accuracy", "mean max attention probability", "attention on the pointed-to position"),
+        ("accuracy", "peakedness", "routing to the source"),
     ):
         for arm, runs in measured["curves"].items():
             for i, curve in enumerate(runs):
@@ -183,5 +184,6 @@ def plot(measured: dict, outdir: Path) -> list[str]:
             ax.axhline(measured["saturated_threshold"], color="grey", ls=":", lw=1)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
-        ax.legend(fontsize=7)
+        ax.set_title(title)
+        ax.legend(fontsize=9, framealpha=0.8)
     return [save_figure(fig, outdir, "hard_routing_curves")]

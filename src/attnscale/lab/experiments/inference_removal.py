@@ -310,7 +310,7 @@ def judge(measured: dict) -> Judgement:
 
 def plot(measured: dict, outdir: Path) -> list[str]:
     exponent = measured["exponents"]
-    fig = Figure(figsize=(11, 3.2), layout="constrained")
+    fig = Figure(figsize=(10, 3.6), layout="constrained")
     axes = fig.subplots(1, 3)
     for dk, by_div in measured["lab"].items():
         keys = sorted(by_div, key=exponent.__getitem__)
@@ -323,11 +323,13 @@ def plot(measured: dict, outdir: Path) -> list[str]:
         by = minilm["by_divisor"]
         keys = sorted(by, key=exponent.__getitem__)
         axes[2].plot([exponent[k] for k in keys], [by[k]["entropy"] for k in keys], marker="s", color="k", label="all-MiniLM-L6-v2")
-    for ax, ylabel in zip(axes, ("held-out accuracy", "held-out loss (nats)", "mean attention entropy (nats)")):
+    panels = (("accuracy", "held-out accuracy"), ("loss", "held-out loss (nats)"), ("attention entropy", "mean attention entropy (nats)"))
+    for ax, (title, ylabel) in zip(axes, panels):
         ax.axvline(0.5, color="grey", ls=":", lw=1)
         ax.set_xlabel("inference divisor d_k^e: e (trained at 0.5)")
         ax.set_ylabel(ylabel)
-        ax.legend(fontsize=7)
+        ax.set_title(title)
+        ax.legend(fontsize=9, framealpha=0.8)
     names = [save_figure(fig, outdir, "inference_removal_lab")]
     if measured_minilm:
         fig = Figure(figsize=(4.5, 3.2), layout="constrained")

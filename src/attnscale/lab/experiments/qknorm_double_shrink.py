@@ -156,7 +156,7 @@ def judge(measured: dict[str, Any]) -> Judgement:
 def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(9, 3.4))
+    fig = Figure(figsize=(9, 3.8), layout="constrained")
     ax1, ax2 = fig.subplots(1, 2)
     for variant, rows in measured["variants"].items():
         dims = [int(d) for d in rows]
@@ -167,6 +167,8 @@ def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("d_k")
         ax.set_ylabel(ylabel)
-    ax1.legend(fontsize=7)
+    ax1.set_title("best case: one aligned key")
+    ax2.set_title("random q and k")
+    ax1.legend(fontsize=9, framealpha=0.8)
     fig.suptitle(f"QK normalisation with and without a second 1/sqrt(d_k), {measured['keys']} keys")
     return [save_figure(fig, outdir, "qknorm_double_shrink")]

@@ -137,7 +137,7 @@ def judge(measured: dict) -> Judgement:
 def plot(measured: dict, outdir: Path) -> list[str]:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    fig = Figure(figsize=(10, 4.4), layout="constrained")
     axes = fig.subplots(1, 2)
     rows = measured["rows"]
     for d_k in sorted({r["d_k"] for r in rows}):
@@ -154,7 +154,9 @@ def plot(measured: dict, outdir: Path) -> list[str]:
         ax.set_xscale("log")
         ax.set_xlabel("relative offset n - m, plus 1")
         ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=6, ncol=2)
-    axes[1].legend(fontsize=7)
+    axes[0].set_title("independent q and k")
+    axes[1].set_title("correlated: k = q")
+    axes[0].legend(fontsize=9, ncol=2, framealpha=0.8)
+    axes[1].legend(fontsize=9, framealpha=0.8)
     fig.suptitle("RoPE keeps the variance law for independent q, k; it reshapes correlated ones")
     return [save_figure(fig, outdir, "rope_variance")]
