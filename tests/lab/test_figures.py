@@ -24,20 +24,6 @@ MIN_PT = 7.0
 PAGE_MAX_PX, PAGE_MAX_PY = 760, 560
 TOUCH_PX = 1.0  # boxes that merely touch (shared edge, rounding) are not an overlap
 
-# Figures known to fail a check; strict, so a fixed figure must leave this list.
-NOT_YET = {
-    "overlaps": set(),
-    "titles": set(),
-    "fonts": {
-        "variance-law", "training-stall", "mup-correlated", "length-scaling",
-    },
-}
-
-
-def _expect(request, check, cid):
-    if cid in NOT_YET[check]:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"{cid}'s figures do not pass the {check} check yet"))
-
 
 @pytest.fixture(scope="module", params=CLAIM_IDS)
 def figures(request):
@@ -94,9 +80,8 @@ def _display_scale(fig):
     return min(1.0, PAGE_MAX_PX / (box.width * 96), PAGE_MAX_PY / (box.height * 96))
 
 
-def test_no_text_overlaps(figures, request):
+def test_no_text_overlaps(figures):
     cid, saved = figures
-    _expect(request, "overlaps", cid)
     bad = []
     for name, fig in saved:
         renderer = fig.canvas.get_renderer()
@@ -108,9 +93,8 @@ def test_no_text_overlaps(figures, request):
     assert not bad, f"{cid}: overlapping text:\n" + "\n".join(bad)
 
 
-def test_every_panel_has_a_title(figures, request):
+def test_every_panel_has_a_title(figures):
     cid, saved = figures
-    _expect(request, "titles", cid)
     bad = [
         f"{name}: axes {i}"
         for name, fig in saved
@@ -122,9 +106,8 @@ def test_every_panel_has_a_title(figures, request):
     assert not bad, f"{cid}: panels without a title: {bad}"
 
 
-def test_text_readable_at_display_size(figures, request):
+def test_text_readable_at_display_size(figures):
     cid, saved = figures
-    _expect(request, "fonts", cid)
     bad = []
     for name, fig in saved:
         scale = _display_scale(fig)

@@ -186,7 +186,7 @@ def noisy_note(measured: dict) -> str:
 def plot(measured: dict, outdir: Path) -> list[str]:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(13, 5), layout="constrained")
+    fig = Figure(figsize=(10, 5.0), layout="constrained")
     axes = fig.subplots(1, 2)
     panels = ((axes[0], "", "n - 1 equal distractors"), (axes[1], "_noisy", "n - 1 distractors with N(0, 1) logits"))
     for ax, suffix, title in panels:
@@ -199,9 +199,9 @@ def plot(measured: dict, outdir: Path) -> list[str]:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("number of keys n")
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title)
         ax.grid(True, alpha=0.3)
-        ax.set_ylabel("probability of the leading key (mean over draws)")
-    axes[0].legend(fontsize=7, ncol=2)
+        ax.set_ylabel("probability of the leading key (mean)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=9)
     fig.suptitle(f"One key g logits above the others (s = {measured['s']:g})")
     return [save_figure(fig, outdir, "length_scaling")]

@@ -175,7 +175,7 @@ def judge(measured: dict) -> Judgement:
 def plot(measured: dict, outdir: Path) -> list[str]:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(14, 4.5), layout="constrained")
+    fig = Figure(figsize=(10, 4.0), layout="constrained")
     axes = fig.subplots(1, 3)
     for case, label in measured["cases"].items():
         rows = sorted((r for r in measured["rows"] if r["case"] == case), key=lambda r: r["d_k"])
@@ -196,8 +196,8 @@ def plot(measured: dict, outdir: Path) -> list[str]:
         ax.set_yscale("log")
         ax.set_xlabel("d_k (per-head key dimension)")
         ax.set_ylabel(y_label)
-        ax.set_title(title, fontsize=9)
+        ax.set_title(title)
         ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=9, framealpha=0.8)
     fig.suptitle(f"Correlated queries and keys, {measured['keys']} keys per row")
     return [save_figure(fig, outdir, "mup_correlated")]

@@ -591,7 +591,7 @@ def plot(measured: dict, outdir: Path) -> list[str]:
                     ax.axhline(measured["target_accuracy"], color="grey", ls=":", lw=1)
                 ax.set_title(f"{title} q/k init, d_k = {dk}", fontsize=9)
                 ax.set_xlabel("step")
-                ax.set_ylabel(ylabel, fontsize=8)
-                ax.legend(fontsize=7)
+                ax.set_ylabel(ylabel, fontsize=9)
+                ax.legend(fontsize=9, framealpha=0.8)
         names.append(save_figure(fig, outdir, name))
     return names

@@ -264,7 +264,7 @@ def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
     def series(by_dk: dict[str, float]) -> list[float]:
         return [by_dk[k] for k in keys]
 
-    fig = Figure(figsize=(10, 4), layout="constrained")
+    fig = Figure(figsize=(10, 5.2), layout="constrained")
     left, right = fig.subplots(1, 2)
     left.plot(dks, dks, color="black", lw=1, label="Var = d_k")
     right.axhline(1.0, color="black", lw=1)
@@ -283,7 +283,7 @@ def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
         ax.set_xlabel("d_k")
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.15))  # below: inside, it hides the points
     left.set_ylabel("Var(q.k)")
     left.set_title("variance of the unscaled score")
     right.set_ylabel("std (or rms) of q.k / sqrt(d_k)")
