@@ -24,12 +24,23 @@ MIN_PT = 7.0
 PAGE_MAX_PX, PAGE_MAX_PY = 760, 560
 TOUCH_PX = 1.0  # boxes that merely touch (shared edge, rounding) are not an overlap
 
+# Figures whose layout depends on how much was measured, also drawn at a larger profile's count
+# (flash-exp2: the default profile's 4 x 3 x 2 cases, at short lengths so it stays fast).
+LARGER = {
+    "flash-exp2 (24 cases)": (
+        "flash-exp2",
+        MODULES["flash-exp2"].Config(d_ks=(32, 64, 128, 256), lengths=(100, 200, 300), queries=4, heads=1, block=64),
+    ),
+}
+CASES = {**{cid: (cid, None) for cid in CLAIM_IDS}, **LARGER}
 
-@pytest.fixture(scope="module", params=CLAIM_IDS)
+
+@pytest.fixture(scope="module", params=list(CASES))
 def figures(request):
-    """(claim id, [(name, Figure)]) for one experiment at profile tiny, drawn once."""
-    module = MODULES[request.param]
-    measured = module.run(module.Config.for_profile("tiny"), 0, no_progress)
+    """(case, [(name, Figure)]) for one experiment at profile tiny (or its LARGER config), drawn once."""
+    cid, config = CASES[request.param]
+    module = MODULES[cid]
+    measured = module.run(config or module.Config.for_profile("tiny"), 0, no_progress)
     saved = []
 
     def record(fig, outdir, name):

@@ -156,9 +156,10 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     from matplotlib.figure import Figure
 
     cases = measured["cases"]
-    fig = Figure(figsize=(max(7.0, 0.7 * len(cases) + 2), 4.8), layout="constrained")
-    axes = fig.subplots(1, 2, sharey=False)
-    labels = [f"d{c['d_k']} S{c['keys']}\n{c['scale']}" for c in cases]
+    # a fixed size: a figure that widens with the cases is shrunk by the page until its text is unreadable
+    fig = Figure(figsize=(10, 5.8), layout="constrained")
+    axes = fig.subplots(2, 1, sharex=True)
+    labels = [f"d{c['d_k']} S{c['keys']} {c['scale']}" for c in cases]
     xs = range(len(cases))
     width = 0.38
     for ax, dtype in zip(axes, ("fp32", "fp64"), strict=True):
@@ -166,10 +167,10 @@ def plot(measured: dict, outdir: Path) -> list[str]:
             heights = [c[f"{impl}_{dtype}_eps"] or 0.0 for c in cases]
             label = "exp2 online softmax" if impl == "exp2" else "attnscale (plain)"
             ax.bar([x + offset for x in xs], heights, width, label=label)
-        ax.set_xticks(list(xs), labels, fontsize=7)
-        ax.set_ylabel(f"max |out - fp64 reference| / max |reference|, in {dtype} eps")
-        ax.set_title(dtype)
+        ax.set_xticks(list(xs), labels, rotation=90, fontsize=9)
+        ax.set_ylabel(f"max rel. error ({dtype} eps)")
+        ax.set_title(f"{dtype}: max |out - fp64 reference| / max |reference|")
         ax.grid(True, axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=9, framealpha=0.8)
     fig.suptitle(f"Scale folded into exp2 (block {measured['block']}) vs the plain formula")
     return [save_figure(fig, outdir, "flash_exp2")]
