@@ -24,23 +24,37 @@ MIN_PT = 7.0
 PAGE_MAX_PX, PAGE_MAX_PY = 760, 560
 TOUCH_PX = 1.0  # boxes that merely touch (shared edge, rounding) are not an overlap
 
-# Figures whose layout depends on how much was measured, also drawn at a larger profile's count
-# (flash-exp2: the default profile's 4 x 3 x 2 cases, at short lengths so it stays fast).
+
+
+def _28_architectures(measured):
+    """The tiny probe's rows repeated under new names to the full profile's 28 architectures, 3 not probed."""
+    rows = [dict(r, architecture=f"{r['architecture']} {i}") for i in range(10) for r in measured["rows"]]
+    failed = [{"architecture": r["architecture"], "error": "not probed"} for r in rows[25:28]]
+    return dict(measured, rows=rows[:25], not_probed=failed)
+
+
+# Figures whose layout depends on how much was measured, also drawn at a larger profile's count:
+# flash-exp2 at the default profile's 4 x 3 x 2 cases (short lengths, so it stays fast), and
+# scale-in-the-wild with as many bars as the full profile's architectures.
 LARGER = {
     "flash-exp2 (24 cases)": (
         "flash-exp2",
         MODULES["flash-exp2"].Config(d_ks=(32, 64, 128, 256), lengths=(100, 200, 300), queries=4, heads=1, block=64),
+        None,
     ),
+    "scale-in-the-wild (28 rows)": ("scale-in-the-wild", None, _28_architectures),
 }
-CASES = {**{cid: (cid, None) for cid in CLAIM_IDS}, **LARGER}
+CASES = {**{cid: (cid, None, None) for cid in CLAIM_IDS}, **LARGER}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def figures(request):
     """(case, [(name, Figure)]) for one experiment at profile tiny (or its LARGER config), drawn once."""
-    cid, config = CASES[request.param]
+    cid, config, widen = CASES[request.param]
     module = MODULES[cid]
     measured = module.run(config or module.Config.for_profile("tiny"), 0, no_progress)
+    if widen is not None:
+        measured = widen(measured)
     saved = []
 
     def record(fig, outdir, name):
