@@ -395,6 +395,7 @@ class MonitorReport:
         between layer names (``encoder.layer.3.attention.self`` -> ``3``); the shared part is the title.
         """
         import numpy as np
+        from matplotlib.colors import LogNorm
         from matplotlib.figure import Figure
 
         layers = self.layers
@@ -406,12 +407,17 @@ class MonitorReport:
             for name, grid in grids.items():
                 value = getattr(h, name)
                 grid[row[h.layer], h.head] = np.nan if value is None else value
-        fig = Figure(figsize=(4.0 + 0.45 * width, 1.5 + 0.45 * len(layers)), layout="constrained")
+        fig = Figure(figsize=(max(8.0, 4.0 + 0.45 * width), 1.5 + 0.45 * len(layers)), layout="constrained")  # both titles fit
         fig.suptitle(title or (f"{shared}, per head" if shared else "attention per layer and head"))
         axes = fig.subplots(1, 2)
+        logits = grids["max_logit"][np.isfinite(grids["max_logit"])]
+        # Max logits that span orders of magnitude (one large-logit head among ordinary ones) would
+        # turn every other cell of a linear scale black: a log colour scale keeps them apart.
+        log_scale = logits.size > 0 and logits.min() > 0 and logits.max() > 10 * logits.min()
+        logit_limits = dict(norm=LogNorm(vmin=logits.min(), vmax=logits.max())) if log_scale else {}
         panels = (
             ("normalized_entropy", "entropy / log(visible keys)", "viridis", dict(vmin=0.0, vmax=1.0)),
-            ("max_logit", "max logit (after scale)", "magma", {}),
+            ("max_logit", "max logit (after scale" + (", log colours)" if log_scale else ")"), "magma", logit_limits),
         )
         for ax, (name, title, cmap, limits) in zip(axes, panels):
             image = ax.imshow(grids[name], aspect="auto", cmap=cmap, **limits)
