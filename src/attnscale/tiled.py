@@ -132,11 +132,6 @@ class _Plan:
         hi = self.S if last is None else min(max(last - self.k_start + 1, lo), self.S)
         return lo, hi
 
-    def hidden(self, i0: int, i1: int, j0: int, j1: int) -> bool:
-        return self.path.block_is_hidden(
-            self.q_start + i0, self.q_start + i1 - 1, self.k_start + j0, self.k_start + j1 - 1
-        )
-
 
 def _check_block(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
