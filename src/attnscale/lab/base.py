@@ -11,7 +11,10 @@ An experiment is one module under ``attnscale.lab.experiments`` that defines:
   tables), deterministic for a given config and seed, using attnscale's own attention;
 * ``judge(measured) -> Judgement`` - the verdict rule; it can return every verdict;
 * ``plot(measured, outdir) -> list[str]`` - writes figures (``name.svg`` and ``name.png``) into
-  ``outdir`` and returns their file names without extension.
+  ``outdir`` and returns their file names without extension;
+* ``captions(measured) -> dict[str, str]`` - for each name ``plot`` returns, the caption the report
+  shows under that figure: what it shows and what to look at. A number in a caption is formatted from
+  ``measured``, never typed in.
 
 and may define ``HEADLINE: Headline``: the key of ``measured`` (dotted for nested dicts, e.g.
 ``"slowdown.default/128"``) whose value the report shows as the claim's key number, with what that

@@ -194,13 +194,18 @@ def keep(task: Task, record: dict[str, Any]) -> None:
 
 
 def _plot(module: Any, measured: dict[str, Any], figdir: Path, prefix: str) -> list[dict[str, str]]:
+    """The figures ``plot`` wrote, each with its caption from ``captions`` (``""`` where it gives none)."""
     entries = []
-    for name in module.plot(measured, figdir):
+    names = module.plot(measured, figdir)
+    captions = module.captions(measured) if hasattr(module, "captions") else {}
+    for name in names:
         missing = [f"{name}.{ext}" for ext in ("svg", "png") if not (figdir / f"{name}.{ext}").is_file()]
         if missing:
             wrote = " or ".join(missing)
             raise FileNotFoundError(f"plot() returned {name!r} but wrote no {wrote}; write figures with base.save_figure")
-        entries.append({"name": name, "svg": f"{prefix}/{name}.svg", "png": f"{prefix}/{name}.png"})
+        entries.append(
+            {"name": name, "svg": f"{prefix}/{name}.svg", "png": f"{prefix}/{name}.png", "caption": captions.get(name, "")}
+        )
     return entries
 
 

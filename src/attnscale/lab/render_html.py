@@ -98,9 +98,11 @@ def _fold(summary: str, body: str) -> str:
 
 
 def _figure(fig: dict[str, str]) -> str:
+    """The figure and its caption; a results file from before captions shows the figure's name instead."""
+    caption = fig.get("caption") or fig["name"]
     return (
-        f'<figure><a href="{escape(fig["svg"])}"><img src="{escape(fig["svg"])}" alt="{escape(fig["name"])}"></a>'
-        f'<figcaption>{escape(fig["name"])} (<a href="{escape(fig["png"])}">PNG</a>)</figcaption></figure>'
+        f'<figure><a href="{escape(fig["svg"])}"><img src="{escape(fig["svg"])}" alt="{escape(caption)}"></a>'
+        f'<figcaption>{escape(caption)} (<a href="{escape(fig["png"])}">PNG</a>)</figcaption></figure>'
     )
 
 

@@ -96,9 +96,10 @@ def render_markdown(results: dict[str, Any]) -> str:
             lines += ["Sources: " + "; ".join(rec["sources"]) + ".", ""]
         if rec["method"]:
             lines += [f"Method: {rec['method']}", ""]
-        lines += [f"![{f['name']}]({f['png']})" for f in rec["figures"]]
-        if rec["figures"]:
-            lines.append("")
+        for fig in rec["figures"]:
+            lines += [f"![{fig['name']}]({fig['png']})", ""]
+            if fig.get("caption"):  # absent in results files from before captions
+                lines += [fig["caption"], ""]
         if rec["measured"]:
             lines += ["### Measured", ""] + _md_value_tables(rec["measured"])
         if rec["rule"]:

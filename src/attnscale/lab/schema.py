@@ -1,6 +1,6 @@
 """The stable form of ``results.json``, a validator for it, and the conversion of results to JSON.
 
-``results.json`` (every key below is always present; ``null`` where noted)::
+``results.json`` (every key below is always present, except a figure's ``caption``; ``null`` where noted)::
 
     {
       "schema_version": 1,
@@ -32,7 +32,8 @@
                        "label": "Var(q.k) / d_k at d_k = 64", "unit": ""} | null,
           "measured": {...},                       the experiment's own JSON (named numbers, tables)
           "figures": [{"name": "variance", "svg": "figures/variance-law/variance.svg",
-                       "png": "figures/variance-law/variance.png"}],
+                       "png": "figures/variance-law/variance.png",
+                       "caption": "what it shows and what to look at"}],   caption: absent in older files
           "config": {...},                         the experiment's Config, as a dict
           "seconds": 3.1,                          run + judge + plot, wall time, when it was computed
           "cpu_seconds": 2.9,                      the same, CPU time of its process (load-independent)
@@ -73,7 +74,7 @@ _STRING = {"type": "string"}
 _FIGURE = {
     "type": "object",
     "required": ["name", "svg", "png"],
-    "properties": {"name": _STRING, "svg": _STRING, "png": _STRING},
+    "properties": {"name": _STRING, "svg": _STRING, "png": _STRING, "caption": _STRING},
 }
 _RULE_VERSION = {
     "type": "object",

@@ -174,3 +174,15 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     return [save_figure(fig, outdir, "alibi_order")]
+
+
+def captions(measured: dict) -> dict[str, str]:
+    d_ks = ", ".join(str(d) for d in sorted({r["d_k"] for r in measured["rows"]}))
+    return {
+        "alibi_order": (
+            "The slope fitted from each head's attention against the ALiBi slope m it was given, on log axes. "
+            "The black diagonal is the penalty added after the scale: the head keeps its slope. Each coloured "
+            f"line adds it before the scale (d_k = {d_ks}): a line parallel to the diagonal and lower by a factor "
+            "sqrt(d_k) is the shrink the claim describes. The x and + marks repeat the fits with random q and k."
+        )
+    }

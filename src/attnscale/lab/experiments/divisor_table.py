@@ -249,3 +249,16 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=9)
     fig.suptitle(f"Divisors of q.k, iid N(0,1) q and k, {measured['keys']} keys, {measured['num_heads']} heads")
     return [save_figure(fig, outdir, "divisor_table")]
+
+
+def captions(measured: dict) -> dict[str, str]:
+    low, high = measured["band"]
+    return {
+        "divisor_table": (
+            "Each panel is one property of softmax(q.k / divisor) against the head size d_k, one line per divisor "
+            f"(the learned one dashed). In the score-variance panel the shaded band ({low:g} to {high:g}) is what the "
+            "rule counts as keeping the variance: look for the divisors whose line stays inside it at every d_k; the "
+            "other panels show what leaving it does (a peaked or flat softmax, a vanishing gradient). The last panel "
+            "divides the learned divisor by sqrt(d_k): a flat line on the grey reference means learning finds sqrt(d_k)."
+        )
+    }

@@ -249,3 +249,20 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     ax.legend(fontsize=7)
     ax.set_title(f"Gradient vanishing vs overflow, d_k = {measured['d_k']}, {measured['keys']} keys")
     return [save_figure(fig, outdir, "fp16_secondary")]
+
+
+def captions(measured: dict) -> dict[str, str]:
+    overflow = (
+        "the red dashed line is where an fp16 q.k product overflows"
+        if measured["fp16_product_overflow"]
+        else "no fp16 q.k product overflowed on the measured grid"
+    )
+    return {
+        "fp16_secondary": (
+            "How the gradient that could move attention off its peak shrinks as the unscaled logits grow (log axes), "
+            f"relative to its value at unit logit std; the dotted line is the rule's threshold ({measured['threshold']:g}), "
+            f"and {overflow} (the other dashed lines: a naive exp overflowing). Look at the distance along the x axis "
+            "between where the curves cross the dotted line and the overflow line: the claim needs the gradient to "
+            "vanish far to the left of the overflow."
+        )
+    }

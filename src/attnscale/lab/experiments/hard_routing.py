@@ -187,3 +187,15 @@ def plot(measured: dict, outdir: Path) -> list[str]:
         ax.set_title(title)
         ax.legend(fontsize=9, framealpha=0.8)
     return [save_figure(fig, outdir, "hard_routing_curves")]
+
+
+def captions(measured: dict) -> dict[str, str]:
+    arms = ", ".join(_NAMES[arm] for arm in measured["curves"])
+    return {
+        "hard_routing_curves": (
+            f"Training curves of every seed for each arm ({arms}): held-out accuracy, how peaked attention is (the "
+            "mean largest probability) and how much of it lands on the position the task points to. The dotted line "
+            f"is the near one-hot level ({measured['saturated_threshold']:g}): the claim holds if the learned "
+            "temperature climbs to it while the fixed scale stays below, at the same accuracy."
+        )
+    }

@@ -343,3 +343,24 @@ def plot(measured: dict, outdir: Path) -> list[str]:
         ax.legend(fontsize=7)
         names.append(save_figure(fig, outdir, "inference_removal_minilm"))
     return names
+
+
+def captions(measured: dict) -> dict[str, str]:
+    e = measured["exponents"]
+    found = {
+        "inference_removal_lab": (
+            f"A small model trained with 1/sqrt(d_k) and evaluated with the divisor d_k^e instead: e = {e['sqrt']:g} "
+            f"(dotted line) is how it was trained, e = {e['1']:g} removes the scale, e = {e['dk']:g} divides by d_k. "
+            "Look at how far held-out accuracy falls and loss and attention entropy move at the two replacements, "
+            "against their values on the dotted line."
+            + (" The black squares are the attention entropy of all-MiniLM-L6-v2." if measured["minilm"].get("status") == "measured" else "")
+        )
+    }
+    if measured["minilm"].get("status") == "measured":
+        found["inference_removal_minilm"] = (
+            "all-MiniLM-L6-v2 with its scale replaced at inference by d_k^e: the cosine between each sentence's "
+            f"embedding and the original one, mean and worst over the sentences. At e = {e['sqrt']:g} (dotted) the "
+            f"model is unchanged; how far the curves drop at e = {e['1']:g} and e = {e['dk']:g} is how much the "
+            "replacement changes what the model outputs."
+        )
+    return found

@@ -253,3 +253,14 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     axes[0].legend(fontsize=9, title="o scaled, x unscaled", title_fontsize=9, framealpha=0.8)
     fig.suptitle(f"Softmax Jacobian off the peak, {measured['keys']} keys, iid N(0,1) q and k")
     return [save_figure(fig, outdir, "jacobian_collapse")]
+
+
+def captions(measured: dict) -> dict[str, str]:
+    return {
+        "jacobian_collapse": (
+            "How large the softmax Jacobian stays away from the peak as the logits alpha * q.k grow, one line per "
+            "head size d_k, on log axes; the dotted line is uniform attention (alpha = 0). On each line the circle "
+            "marks the scaled logits (alpha = 1/sqrt(d_k)) and the cross the unscaled ones (logits = q.k). Look at "
+            "the left panel: a cross far below its circle means the unscaled Jacobian has collapsed off the peak."
+        )
+    }

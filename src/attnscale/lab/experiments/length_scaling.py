@@ -205,3 +205,15 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=9)
     fig.suptitle(f"One key g logits above the others (s = {measured['s']:g})")
     return [save_figure(fig, outdir, "length_scaling")]
+
+
+def captions(measured: dict) -> dict[str, str]:
+    return {
+        "length_scaling": (
+            "The probability of a key that leads the others by g logits as the number of keys n grows from "
+            f"{measured['n_min']} to {measured['n_max']}, one colour per gap g: dashed with the fixed scale, solid "
+            f"with the logits multiplied by s log n (s = {measured['s']:g}); left with equal distractors, right with "
+            "noisy ones. Look for dashed lines that fall as n grows and solid lines that stay above the dotted line, "
+            "where the leading key holds half the mass."
+        )
+    }

@@ -304,3 +304,21 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     fig.legend(loc="outside right upper", fontsize=9)
     names.append(save_figure(fig, outdir, "logit_growth_vs_lr"))
     return names
+
+
+def captions(measured: dict) -> dict[str, str]:
+    cfg = measured["config"]
+    return {
+        "logit_growth_curves": (
+            f"Training at the highest learning rate ({_lr_key(measured['highest_lr'])}), every seed a line coloured by "
+            "guard: the largest attention logit on held-out data (left, log scale) and the share of saturated rows "
+            "(right). The dashed line R is the unguarded model at the lowest learning rate: what the task needs. "
+            "Look for the unguarded logits climbing far above R, QK-norm staying near R, softcap under its cap "
+            f"({cfg['cap']:g}) while its rows saturate, and QK-Clip held near tau ({cfg['tau']:g})."
+        ),
+        "logit_growth_vs_lr": (
+            "The final max logit (median over seeds) against the learning rate, one line per guard, on log axes: "
+            "growth shows as the unguarded line rising with the learning rate while a guard keeps its line flat "
+            "or bounded."
+        ),
+    }

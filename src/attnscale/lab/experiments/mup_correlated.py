@@ -201,3 +201,15 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     axes[0].legend(fontsize=9, framealpha=0.8)
     fig.suptitle(f"Correlated queries and keys, {measured['keys']} keys per row")
     return [save_figure(fig, outdir, "mup_correlated")]
+
+
+def captions(measured: dict) -> dict[str, str]:
+    return {
+        "mup_correlated": (
+            "One colour per way of correlating q and k, against the head size d_k on log axes. Left: the RMS of q.k, "
+            "with its fitted log-log slope in the legend; a slope like d_k's means q.k grows in proportion to d_k, "
+            "one like sqrt(d_k)'s is the independent case. Middle and right: the largest probability and the spread "
+            "of the logits within a row, with 1/sqrt(d_k) (solid) and 1/d_k (dashed): the scaling whose lines stay "
+            "flat across d_k is the one that keeps the logits constant."
+        )
+    }

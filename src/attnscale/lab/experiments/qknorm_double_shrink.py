@@ -172,3 +172,16 @@ def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
     ax1.legend(fontsize=9, framealpha=0.8)
     fig.suptitle(f"QK normalisation with and without a second 1/sqrt(d_k), {measured['keys']} keys")
     return [save_figure(fig, outdir, "qknorm_double_shrink")]
+
+
+def captions(measured: dict[str, Any]) -> dict[str, str]:
+    variants = ", ".join(measured["variants"])
+    return {
+        "qknorm_double_shrink": (
+            f"Each line is one normalisation and scale of q and k ({variants}), against d_k, with "
+            f"{measured['keys']} keys. Left: the largest probability attention can reach when one key is aligned with "
+            "the query; below the dotted line (half the mass) attention cannot concentrate even in this best case. "
+            "Right: the entropy of attention on random q and k over log n, where the top of the axis is uniform "
+            "attention."
+        )
+    }

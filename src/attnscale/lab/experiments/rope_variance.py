@@ -160,3 +160,14 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     axes[1].legend(fontsize=9, framealpha=0.8)
     fig.suptitle("RoPE keeps the variance law for independent q, k; it reshapes correlated ones")
     return [save_figure(fig, outdir, "rope_variance")]
+
+
+def captions(measured: dict) -> dict[str, str]:
+    return {
+        "rope_variance": (
+            "Left: Var(q.k) / d_k for independent q and k at each relative offset, with RoPE (circles) and without "
+            "(crosses), one colour per d_k; points inside the green band mean RoPE keeps the variance law at every "
+            "offset. Right: the mean of q.k / d_k when k = q: for correlated q and k, RoPE makes the score depend "
+            "on the offset."
+        )
+    }

@@ -174,3 +174,15 @@ def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
     axes[0].set_ylabel("share of draws")
     fig.suptitle(f"d_k = {measured['d_k']}, {measured['keys']} keys, {measured['draws']} draws", fontsize=10)
     return [save_figure(fig, outdir, "max_prob_histograms")]
+
+
+def captions(measured: dict[str, Any]) -> dict[str, str]:
+    return {
+        "max_prob_histograms": (
+            f"The largest attention probability in each of {measured['draws']} draws of d_k = {measured['d_k']}, "
+            f"{measured['keys']} keys, unscaled (left) and scaled by 1/sqrt(d_k) (right). The solid line is the "
+            f"measured median ({measured['unscaled_max_prob_median']:.3g} unscaled, "
+            f"{measured['scaled_max_prob_median']:.3g} scaled), the dashed line the value the claim quotes: look at "
+            "whether each dashed line falls inside its histogram's bulk."
+        )
+    }

@@ -355,3 +355,19 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     ax.set_xlabel("measured scale x sqrt(head_dim)   (1 = divides by sqrt(head_dim))")
     ax.set_title("Effective attention scale of transformers architectures (probed)")
     return [save_figure(fig, outdir, "scale_in_the_wild")]
+
+
+def captions(measured: dict) -> dict[str, str]:
+    rows = measured.get("rows", [])
+    if not rows:
+        return {}
+    conforming = sum(1 for r in rows if r["conforms"])
+    failed = len(measured.get("not_probed", []))
+    return {
+        "scale_in_the_wild": (
+            "The attention scale measured in each architecture of the transformers library, times sqrt(head_dim), "
+            "on a log axis: a bar that ends on the dashed line divides by sqrt(head_dim). Green bars conform, red "
+            "ones do not "
+            f"({conforming} of {len(rows)} probed conform); the {failed} hatched rows could not be probed."
+        )
+    }

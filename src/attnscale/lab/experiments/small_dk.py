@@ -172,3 +172,14 @@ def plot(measured: dict, outdir: Path) -> list[str]:
         ax.set_ylabel("held-out accuracy")
         ax.legend(fontsize=7)
     return [save_figure(fig, outdir, "small_dk_curves")]
+
+
+def captions(measured: dict) -> dict[str, str]:
+    dks = ", ".join(str(d) for d in measured["config"]["dks"])
+    return {
+        "small_dk_curves": (
+            f"Held-out accuracy during training at each small head size (d_k = {dks}), every seed a line: red "
+            f"without the scale, blue with 1/sqrt(d_k). The dotted line is the target ({measured['target_accuracy']:.0%}): "
+            "where the red and blue curves cross it at about the same step, the scale does not matter."
+        )
+    }

@@ -136,3 +136,13 @@ def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
         ax.annotate(f"{p:.6g}", (i, p), textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
     ax.legend(loc="center right", fontsize=8)
     return [save_figure(fig, outdir, "softmax_peak")]
+
+
+def captions(measured: dict[str, Any]) -> dict[str, str]:
+    logits = ", ".join(f"{x:g}" for x in measured["logits"])
+    return {
+        "softmax_peak": (
+            f"The probabilities attnscale computes for softmax({logits}) (bars, log scale, values above them) and the "
+            "values the claim quotes (orange dashes): a dash at the top of its bar means the quoted value is right."
+        )
+    }

@@ -50,7 +50,7 @@ from matplotlib.figure import Figure
 
 from ..base import Arm, Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import MQAR
-from ..training import ModelConfig, RunLog, TrainConfig, median_steps, train
+from ..training import SATURATED, ModelConfig, RunLog, TrainConfig, median_steps, train
 
 CLAIM = Claim(
     id="training-stall",
@@ -595,3 +595,22 @@ def plot(measured: dict, outdir: Path) -> list[str]:
                 ax.legend(fontsize=9, framealpha=0.8)
         names.append(save_figure(fig, outdir, name))
     return names
+
+
+def captions(measured: dict) -> dict[str, str]:
+    panels = "one panel per optimizer, q/k initialisation and d_k, every seed a line coloured by divisor"
+    return {
+        "training_stall_curves": (
+            f"Held-out accuracy during training, {panels}. The dotted line is the target "
+            f"({measured['target_accuracy']:.0%}); the verdict compares the steps each colour needs to cross it: "
+            "a red curve that crosses far later than the blue one, or never, is the slowdown or stall of the claim."
+        ),
+        "training_stall_saturation": (
+            f"The share of attention rows whose largest probability exceeds {SATURATED:g} during the same runs ({panels}): "
+            "whether attention without the scale starts or ends saturated."
+        ),
+        "training_stall_max_logit": (
+            f"The largest attention logit during the same runs ({panels}), on a symmetric log scale: how large the "
+            "logits become without the scale compared with the scaled runs."
+        ),
+    }

@@ -289,3 +289,15 @@ def plot(measured: dict[str, Any], outdir: Path) -> list[str]:
     right.set_ylabel("std (or rms) of q.k / sqrt(d_k)")
     right.set_title("size of the scaled score")
     return [save_figure(fig, outdir, "variance_vs_dk")]
+
+
+def captions(measured: dict[str, Any]) -> dict[str, str]:
+    return {
+        "variance_vs_dk": (
+            "Left: the variance of the unscaled score q.k against d_k (log axes); the iid points should sit on the "
+            "black line Var = d_k, and the LayerNorm + nn.Linear (d_model "
+            f"{measured['linear_d_model']}) and correlated cases show how far real projections depart from the "
+            "premise. Right: the same scores divided by sqrt(d_k): for iid components they should stay on the black line at "
+            "every d_k, which is what the scale is for."
+        )
+    }
