@@ -83,7 +83,7 @@ def test_compare_names_every_changed_verdict_arm_and_claim():
     ]
 
 
-def test_main_renders_the_table_into_a_readme_and_exits_1_on_a_changed_verdict(tmp_path, capsys):
+def test_main_renders_the_table_into_a_readme_and_compare_exits_1_on_a_changed_verdict_0_on_none(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n\n{published.BEGIN}\nold\n{published.END}\n\nrest\n")
     summary = tmp_path / "published.json"
@@ -92,6 +92,8 @@ def test_main_renders_the_table_into_a_readme_and_exits_1_on_a_changed_verdict(t
     assert readme.read_text() == f"intro\n\n{published.readme_table(PUBLISHED)}\n\nrest\n"
     changed = {**PUBLISHED, "claims": [{**PUBLISHED["claims"][0], "verdict": "does-not-hold"}, *PUBLISHED["claims"][1:]]}
     (tmp_path / "changed.json").write_text(json.dumps(changed))
+    assert published.main(["compare", str(summary), str(summary)]) == 0
+    assert capsys.readouterr().out == ""
     assert published.main(["compare", str(summary), str(tmp_path / "changed.json")]) == 1
     assert capsys.readouterr().out.startswith(f"{PUBLISHED['claims'][0]['id']}: {PUBLISHED['claims'][0]['verdict']} -> does-not-hold")
     with pytest.raises(ValueError, match="README: expected one verdict table"):
