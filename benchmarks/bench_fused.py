@@ -11,6 +11,7 @@ cells meet them.
     python benchmarks/bench_fused.py                    # L 2048/4096/8192, D 64/128, both thread counts
     python benchmarks/bench_fused.py --quick            # L = 2048, D = 64
     python benchmarks/bench_fused.py --json out.json    # also write every time and ratio
+    python benchmarks/bench_fused.py --tanh             # only the softcap's tanh against torch.tanh
 
 It also measures forward+backward memory at L = S = 16384 with softcap and a (1024, 0) window (a
 fresh process), the kernel's GFLOP/s against this machine's single-thread GEMM peak, and the window
@@ -199,6 +200,27 @@ def memory_row(L: int, D: int, threads: int) -> dict:
     return {"L": L, "D": D, "window": list(WINDOW), **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
+def tanh_row(repeats: int) -> dict:
+    """Nanoseconds per element of the kernel's float32 tanh (the softcap's) and of torch.tanh, one
+    thread, on 2^16 values inside |x| < 0.625 (the polynomial piece) and in [0.7, 3] (the exp piece)."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    n, inner = 1 << 16, 200
+    inputs = {"near": torch.rand(n, generator=gen) * 1.2 - 0.6, "far": torch.rand(n, generator=gen) * 2.3 + 0.7}
+    ext = kernels.load()
+
+    def loop(fn: Callable, x: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(inner):
+                fn(x)
+
+        return run
+
+    fns = {f"{name} {label}": loop(fn, x) for label, x in inputs.items() for name, fn in (("kernel", ext.tanh), ("torch", torch.tanh))}
+    times = interleaved(fns, repeats)
+    return {name: statistics.median(t) / inner / n * 1e9 for name, t in times.items()}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="L = 2048, D = 64 only, 3 repeats, no memory run")
@@ -208,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--tanh", action="store_true", help="only time the kernel's tanh against torch.tanh")
     args = parser.parse_args(argv)
     if not kernels.available():
         print(f"bench_fused: the compiled kernel is unavailable ({kernels.unavailable_reason()})", file=sys.stderr)
@@ -216,6 +239,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     threads = args.threads or sorted({default_threads, 1}, reverse=True)
     lengths, dims, repeats = ([2048], [64], 3) if args.quick else (args.lengths, args.dims, args.repeats)
     result: dict = {"schema": SCHEMA, "default_threads": default_threads, "rows": [], "windows": [], "peaks": {}}
+    r = result["tanh"] = tanh_row(repeats)
+    print(f"threads=1 tanh, ns per float32: |x| < 0.625 kernel {r['kernel near']:.2f}, torch {r['torch near']:.2f}; "
+          f"|x| in [0.7, 3] kernel {r['kernel far']:.2f}, torch {r['torch far']:.2f}", flush=True)
+    if args.tanh:
+        return 0
     for t in threads:
         result["peaks"][t] = gemm_peak(t)
         for L in lengths:
