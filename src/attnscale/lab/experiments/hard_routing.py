@@ -34,7 +34,7 @@ CLAIM = Claim(
         "When near one-hot attention is wanted (hard routing), the fixed 1/sqrt(d_k) scale works against it "
         "and a learned temperature reaches it."
     ),
-    sources=("Henry et al. 2020, sec. 3", "Vaswani et al. 2017, sec. 3.2.1 and footnote 4"),
+    sources=("Henry et al. 2020", "Vaswani et al. 2017, sec. 3.2.1 and footnote 4"),
     method=(
         "Pointer-copy task (copy the value at the position a pointer names); one-layer transformer with "
         "attnscale.MultiHeadAttention trained for a fixed budget with the fixed scale, with a learned per-head "

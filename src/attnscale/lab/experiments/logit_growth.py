@@ -49,7 +49,7 @@ CLAIM = Claim(
         "Dehghani et al. 2023, sec. 2 (QK normalization)",
         "Wortsman et al. 2024, sec. 3.1.1",
         "Gemma Team 2024, sec. 2 (logit soft-capping)",
-        "Kimi Team 2025, sec. 2.1 (MuonClip and QK-Clip)",
+        "Kimi Team 2025 (MuonClip and QK-Clip)",
     ),
     method=(
         "One-layer transformer (attnscale.MultiHeadAttention, 2 heads, d_k = 64) trained by AdamW on multi-query "

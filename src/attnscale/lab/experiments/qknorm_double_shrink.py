@@ -33,7 +33,7 @@ CLAIM = Claim(
         "Applying 1/sqrt(d_k) on top of QK normalisation shrinks the scores twice, into a near-uniform regime "
         "where attention cannot concentrate."
     ),
-    sources=("Henry et al. 2020, sec. 3", "Dehghani et al. 2023, sec. 2 (QK normalization)"),
+    sources=("Henry et al. 2020", "Dehghani et al. 2023, sec. 2 (QK normalization)"),
     method=(
         "For d_k in {16, 32, 64, 128, 256} and n = 64 keys: the largest achievable probability (one key aligned "
         "with the query, the rest opposite) and, on random Gaussian q, k, the mean max probability and entropy / "
