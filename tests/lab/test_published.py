@@ -98,3 +98,22 @@ def test_main_renders_the_table_into_a_readme_and_compare_exits_1_on_a_changed_v
     assert capsys.readouterr().out.startswith(f"{PUBLISHED['claims'][0]['id']}: {PUBLISHED['claims'][0]['verdict']} -> does-not-hold")
     with pytest.raises(ValueError, match="README: expected one verdict table"):
         published.replace_table("no table here", "x")
+
+
+def _readme_paragraph(starts: str) -> str:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = readme.index(starts)
+    return " ".join(readme[start : readme.index("\n\n", start)].split())
+
+
+def test_the_readmes_lab_text_cites_only_numbers_of_the_published_run():
+    """The lab's opening paragraph quotes the published run: each decimal and each ratio in it is in
+    results/published.json (reasons, arms, key numbers), and the wall times are its `seconds`."""
+    text = _readme_paragraph("`d_k` is the **per-head** key dimension")
+    published_text = json.dumps(PUBLISHED)
+    cited = re.findall(r"\d+\.\d+|\d+(?=x)", text)
+    assert cited, "the README's lab paragraph cites no number of the run"
+    assert [n for n in cited if n not in published_text] == [], "README's lab paragraph cites numbers not in results/published.json"
+    times = _readme_paragraph("Wall time of these runs")
+    assert f"`default` {PUBLISHED['seconds'] / 60:.1f} min" in times
+    assert f"`--profile quick` (CI's size) {QUICK['seconds'] / 60:.1f} min" in times
