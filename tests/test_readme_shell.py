@@ -157,7 +157,11 @@ def test_every_readme_command_is_run_or_skipped_with_a_reason():
     assert not gone, f"commands no longer in README.md: {gone}"
 
 
-@pytest.mark.parametrize("block", [b for b in SHELL_BLOCKS if any(c in CHECKS for c in b)], ids=lambda b: b[0].split(">")[0][:40])
+def _block_id(block: list[str]) -> str:
+    return " ".join(next(c for c in block if c.startswith("attnscale")).split()[:2])
+
+
+@pytest.mark.parametrize("block", [b for b in SHELL_BLOCKS if any(c in CHECKS for c in b)], ids=_block_id)
 def test_readme_shell_block_runs_as_written(block, tmp_path):
     assert (BIN / "attnscale").is_file(), f"no attnscale command beside {sys.executable}: pip install -e ."
     (tmp_path / "examples").symlink_to(ROOT / "examples")  # the README's commands run from the checkout
