@@ -12,6 +12,7 @@ cells meet them.
     python benchmarks/bench_fused.py --quick            # L = 2048, D = 64
     python benchmarks/bench_fused.py --json out.json    # also write every time and ratio
     python benchmarks/bench_fused.py --tanh             # only the softcap's tanh against torch.tanh
+    python benchmarks/bench_fused.py --varlen           # the tanh, then packed sequences only
 
 It also measures forward+backward memory at L = S = 16384 with softcap and a (1024, 0) window (a
 fresh process), the kernel's GFLOP/s against this machine's single-thread GEMM peak, and the window
@@ -221,6 +222,35 @@ def tanh_row(repeats: int) -> dict:
     return {name: statistics.median(t) / inner / n * 1e9 for name, t in times.items()}
 
 
+VARLEN_LENGTHS = (32, 1024)  # sequence lengths drawn uniformly in this range
+
+
+def varlen_row(threads: int, repeats: int, n_seq: int = 32) -> dict:
+    """Packed causal attention over ``n_seq`` sequences of random lengths (H = 8, D = 64, float32,
+    forward): varlen_attention's one kernel call and its per-sequence path (backend="tiled", the
+    eager fallback), against torch's SDPA called once per sequence (the plain problem, causal)."""
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(VARLEN_LENGTHS[0], VARLEN_LENGTHS[1] + 1, (n_seq,), generator=gen).tolist()
+    total, H, D = sum(lengths), 8, 64
+    q, k, v = (torch.randn(total, H, D, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+    def per_sequence_torch() -> None:
+        for b in range(n_seq):
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            F.scaled_dot_product_attention(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True)
+
+    fns = {
+        "packed kernel": lambda: attnscale.varlen_attention(q, k, v, cu, cu, is_causal=True),
+        "per-sequence tiled": lambda: attnscale.varlen_attention(q, k, v, cu, cu, is_causal=True, backend="tiled"),
+        "torch per sequence": per_sequence_torch,
+    }
+    times = {name: statistics.median(t) for name, t in interleaved(fns, repeats).items()}
+    return {"threads": threads, "sequences": n_seq, "tokens": total, "seconds": times,
+            "ratio": {name: times[name] / times["torch per sequence"] for name in fns}}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="L = 2048, D = 64 only, 3 repeats, no memory run")
@@ -231,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--tanh", action="store_true", help="only time the kernel's tanh against torch.tanh")
+    parser.add_argument("--varlen", action="store_true", help="only time packed sequences (varlen_attention)")
     args = parser.parse_args(argv)
     if not kernels.available():
         print(f"bench_fused: the compiled kernel is unavailable ({kernels.unavailable_reason()})", file=sys.stderr)
@@ -243,6 +274,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"threads=1 tanh, ns per float32: |x| < 0.625 kernel {r['kernel near']:.2f}, torch {r['torch near']:.2f}; "
           f"|x| in [0.7, 3] kernel {r['kernel far']:.2f}, torch {r['torch far']:.2f}", flush=True)
     if args.tanh:
+        return 0
+    result["varlen"] = []
+    for t in threads:
+        r = varlen_row(t, repeats)
+        result["varlen"].append(r)
+        print(f"threads={t} varlen, {r['sequences']} causal sequences of {VARLEN_LENGTHS[0]}-{VARLEN_LENGTHS[1]} tokens ({r['tokens']} in all), "
+              f"against torch's SDPA once per sequence: packed kernel {r['ratio']['packed kernel']:.2f}x, "
+              f"per-sequence tiled path {r['ratio']['per-sequence tiled']:.2f}x", flush=True)
+    if args.varlen:
         return 0
     for t in threads:
         result["peaks"][t] = gemm_peak(t)

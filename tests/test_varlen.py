@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import attnscale
+from attnscale import kernels
 from attnscale import reference
 
 # Awkward lengths: 1, 17 (L < S), 113, empty queries, empty keys, both empty, L > S under causality.
@@ -31,7 +32,7 @@ FEATURES = {
     "sinks": dict(sinks=True),
     "all": dict(is_causal=True, scale=0.2, softcap=2.0, alibi="per_head", window=(20, 0), sinks=True),
 }
-BACKENDS = ["auto", "torch", "math", "tiled"]
+BACKENDS = ["auto", "torch", "math", "tiled", "fused"]
 
 
 def cumulative(lengths: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -133,6 +134,8 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def can_run(backend: str, options: dict) -> bool:
+    if backend == "fused":
+        return kernels.available()
     return backend != "torch" or not options.get("softcap")
 
 
@@ -353,6 +356,7 @@ def test_max_seqlen_hints_are_optional_and_may_exceed_the_longest():
 
 
 def test_each_sequence_runs_on_views_of_the_packed_tensors(monkeypatch):
+    """Off the compiled kernel (here backend="tiled"): one call per sequence on views, no copy."""
     (q, k, v, cu_q, cu_k), _ = packed_case("gqa-dv-differs", "plain")
     seen = []
     real = attnscale.varlen.scaled_dot_product_attention
@@ -363,9 +367,29 @@ def test_each_sequence_runs_on_views_of_the_packed_tensors(monkeypatch):
         return real(query, key, value, **kwargs)
 
     monkeypatch.setattr(attnscale.varlen, "scaled_dot_product_attention", spy)
-    attnscale.varlen_attention(q, k, v, cu_q, cu_k)
+    attnscale.varlen_attention(q, k, v, cu_q, cu_k, backend="tiled")
     storages = (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())
     assert seen == [storages] * len(LQ)  # one call per sequence, no copy of q, k or v
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the compiled kernel is unavailable")
+def test_auto_runs_every_finite_sequence_in_one_kernel_call(monkeypatch):
+    """On CPU, auto hands all sequences to the compiled kernel at once; a sequence with a NaN
+    takes the per-sequence path (its NaN rule), the others stay in the one kernel call."""
+    (q, k, v, cu_q, cu_k), _ = packed_case("gqa-dv-differs", "causal-window")
+    calls, per_sequence = [], []
+    real_kernel, real_sdpa = attnscale.varlen.fused_varlen_attention, attnscale.varlen.scaled_dot_product_attention
+    monkeypatch.setattr(attnscale.varlen, "fused_varlen_attention", lambda *a, **kw: calls.append(a[3]) or real_kernel(*a, **kw))
+    monkeypatch.setattr(attnscale.varlen, "scaled_dot_product_attention", lambda *a, **kw: per_sequence.append(1) or real_sdpa(*a, **kw))
+    attnscale.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True)
+    spans = [((int(cu_q[b]), int(cu_q[b + 1])), (int(cu_k[b]), int(cu_k[b + 1]))) for b in range(len(LQ))]
+    assert calls == [spans] and per_sequence == []
+    bad = k.clone()
+    bad[int(cu_k[1])] = math.nan  # a key row of sequence 1
+    calls.clear()
+    out = attnscale.varlen_attention(q, bad, v, cu_q, cu_k, is_causal=True)
+    assert calls == [spans[:1] + spans[2:]] and per_sequence == [1]
+    assert torch.isnan(out[int(cu_q[1]) : int(cu_q[2])]).any()
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,23 +22,29 @@ from .kernels.fused import fused_attention
 from .kernels.fused import supports as fused_supports
 from .tiled import tiled_attention
 
-__all__ = ["Backend", "last_backend", "scaled_dot_product_attention"]
+__all__ = ["Backend", "last_backend", "record_backend", "scaled_dot_product_attention"]
 
 log = logging.getLogger("attnscale")
 _state = threading.local()
 
 
 def last_backend() -> str | None:
-    """Name of the backend that computed this thread's most recent attention call ("torch", "math", "tiled").
+    """Name of the backend that computed this thread's most recent attention call ("torch", "math",
+    "tiled", "fused").
 
     Also logged at DEBUG level on the ``attnscale`` logger for every call.
     """
     return getattr(_state, "backend", None)
 
 
-def _record(backend: Backend, why: str) -> None:
+def record_backend(backend: Backend, why: str) -> None:
+    """Make ``backend`` this thread's :func:`last_backend` and log why it ran; for entry points that
+    run a backend themselves (:func:`attnscale.varlen_attention`'s one kernel call)."""
     _state.backend = backend.value
     log.debug("attnscale attention ran backend=%s (%s)", backend.value, why)
+
+
+_record = record_backend
 
 
 def _torch_cannot(call: AttentionCall) -> str | None:

@@ -8,11 +8,16 @@ starts. Sequence b owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and k
     cu_seqlens_q = [0, 2, 2, 5]                   cu_seqlens_k = [0, 3, 4, 6]
     q rows  | a0 a1 | (empty) | c0 c1 c2 |        k rows  | a0 a1 a2 | b0 | c0 c1 |
 
-Every sequence runs through :func:`attnscale.scaled_dot_product_attention` on views of the packed
-tensors (no copy of the batch), so every score-path feature means exactly what it means there.
+Every sequence means what :func:`attnscale.scaled_dot_product_attention` computes on its views of
+the packed tensors, so every score-path feature means exactly what it means there. On CPU the
+compiled kernel runs all of them in one call, parallel over heads and every sequence's query blocks;
+otherwise (another backend asked for, CUDA tensors, no kernel, or inputs whose logits could
+overflow float32) each sequence is one ``scaled_dot_product_attention`` call on views (no copy).
 """
 
 from __future__ import annotations
+
+import math
 
 from dataclasses import fields
 from numbers import Integral
@@ -30,8 +35,11 @@ from ._validate import (
     check_window,
     fail,
 )
-from .functional import scaled_dot_product_attention
+from .functional import record_backend, scaled_dot_product_attention
+from .kernels.fused import fused_varlen_attention
+from .kernels.fused import supports as fused_supports
 from .masks import CausalAlignment
+from .score import ScorePath
 from .stats import AttentionStats
 
 __all__ = ["varlen_attention"]
@@ -122,6 +130,11 @@ def _spans(cu_q: list[int], cu_k: list[int]) -> list[tuple[_Span, _Span]]:
     return [((cu_q[b], cu_q[b + 1]), (cu_k[b], cu_k[b + 1])) for b in range(len(cu_q) - 1)]
 
 
+def _slice_stats(stats: AttentionStats, q0: int, q1: int) -> AttentionStats:
+    """Rows q0:q1 of packed (H, total_q) statistics, in the per-sequence (1, H, L_b) layout."""
+    return AttentionStats(**{f.name: None if getattr(stats, f.name) is None else getattr(stats, f.name)[None, :, q0:q1] for f in fields(AttentionStats)})
+
+
 def _cat_stats(parts: list[AttentionStats]) -> AttentionStats:
     """Per-sequence statistics (1, H, L_b) joined along the rows: (H, total_q)."""
     joined = {}
@@ -192,7 +205,11 @@ def varlen_attention(
             with the packed query rows as L, in the order of ``out``'s rows (``stats.lse[h, t]``
             belongs to ``out[t, h]``), so :func:`~attnscale.summarize` and the other reductions
             apply unchanged. This is also FlashAttention's ``softmax_lse`` layout.
-        backend: as in :func:`~attnscale.scaled_dot_product_attention`, chosen per sequence.
+        backend: ``"auto"`` and ``"fused"`` run every sequence in one call of the compiled CPU
+            kernel where it runs (CPU tensors, kernel built; ``"auto"`` also needs finite inputs
+            whose logits cannot overflow float32, else it takes the per-sequence path, which
+            handles those); any other backend runs as in
+            :func:`~attnscale.scaled_dot_product_attention`, one call per sequence.
 
     Memory: the packed tensors are never padded or copied (each sequence runs on views of them)
     and GQA never repeats K/V, so memory is O(total tokens) plus one sequence's working set
@@ -239,11 +256,29 @@ def varlen_attention(
     if alibi_slopes is not None:
         _check_alibi_slopes(alibi_slopes, H, len(spans), q.device)
     check_sinks(sinks, H, q.device)
+    clean = _packed_kernel_spans(backend, q, k, v, spans, scale, softcap, alibi_slopes)
+    if clean:
+        path = ScorePath(scale=q.shape[-1] ** -0.5 if scale is None else scale, softcap=softcap, causal=is_causal, window=window)
+        slopes = alibi_slopes[clean] if alibi_slopes is not None and alibi_slopes.ndim == 2 else alibi_slopes
+        out_k, stats_k = fused_varlen_attention(
+            q, k, v, [spans[b] for b in clean], path=path, alibi_slopes=slopes, sinks=sinks, return_stats=return_stats
+        )
+        record_backend(Backend.FUSED, f"varlen: {len(clean)} of {len(spans)} sequences in one call")
+        if len(clean) == len(spans):
+            return (out_k, stats_k) if return_stats else out_k
+    else:
+        out_k = stats_k = None
     # No sequence at all: one empty call still returns outputs of the right dtype and layout.
     spans = spans or [((0, 0), (0, 0))]
 
     outs, parts = [], []
+    done = set(clean)
     for b, ((q0, q1), (k0, k1)) in enumerate(spans):
+        if b in done:  # the compiled kernel's rows for this sequence
+            outs.append(out_k[q0:q1])
+            if stats_k is not None:
+                parts.append(_slice_stats(stats_k, q0, q1))
+            continue
         slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.ndim == 2 else alibi_slopes
         result = scaled_dot_product_attention(
             q[q0:q1].transpose(0, 1).unsqueeze(0),  # (1, H, L_b, D), a view
@@ -268,3 +303,73 @@ def varlen_attention(
     if return_stats:
         return out, _cat_stats(parts)
     return out
+
+
+# Logits bounded by this stay finite in float32 q.k products and sums (float32 max 3.4e38).
+_SAFE_LOGIT = 1e30
+
+
+def _abs_max(x: Tensor) -> float:
+    """max |x| (NaN if x holds a NaN, 0 if empty): one pass."""
+    if x.numel() == 0:
+        return 0.0
+    lo, hi = (float(t) for t in torch.aminmax(x.detach()))
+    return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
+
+
+def _finite_abs_max(x: Tensor) -> float:
+    """max |x| over x's finite entries (0 if none)."""
+    x = x.detach().abs()
+    x = torch.where(torch.isfinite(x), x, 0.0)
+    return float(x.max()) if x.numel() else 0.0
+
+
+def _bad_rows(x: Tensor) -> list[int]:
+    """Running count of rows (dim 0) holding a non-finite entry: entry t counts rows < t."""
+    bad = ~torch.isfinite(x.detach()).flatten(1).all(1) if x.numel() else torch.zeros(x.shape[0], dtype=torch.bool)
+    return [0, *torch.cumsum(bad.to(torch.int64), 0).tolist()]
+
+
+def _packed_kernel_spans(
+    backend: Backend,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spans: list[tuple[_Span, _Span]],
+    scale: float | None,
+    softcap: float | None,
+    alibi_slopes: Tensor | None,
+) -> list[int]:
+    """The sequences the compiled kernel runs in one call: all of them for ``backend="fused"``;
+    for ``"auto"`` on a CPU kernel those whose q, k and v rows are all finite, when a bound on every
+    logit (|q.k| <= D max|q| max|k| over finite entries, times the scale, or the softcap, plus the
+    largest ALiBi bias) stays below float32 overflow. The others (and every sequence for other
+    backends) take one scaled_dot_product_attention call each, whose checks handle non-finite
+    inputs and overflowing products; a sequence's result never depends on the path its neighbours take."""
+    if backend not in (Backend.AUTO, Backend.FUSED) or not spans:
+        return []
+    reason = fused_supports(q, None)
+    if reason is not None:
+        if backend is Backend.FUSED:
+            raise RuntimeError(f"backend='fused' cannot run this call: {reason}")
+        return []
+    if backend is Backend.FUSED:
+        return list(range(len(spans)))
+    D = q.shape[-1]
+    peaks = [_abs_max(t) for t in (q, k, v)]  # one pass each; NaN or inf: some entry is not finite
+    finite = all(math.isfinite(p) for p in peaks)
+    q_max, k_max = peaks[:2] if finite else (_finite_abs_max(q), _finite_abs_max(k))
+    bound = (D**-0.5 if scale is None else scale) * D * q_max * k_max if softcap is None else softcap
+    if alibi_slopes is not None:
+        longest = max(max(q1 - q0, k1 - k0) for (q0, q1), (k0, k1) in spans)
+        bound += _finite_abs_max(alibi_slopes) * longest
+    if not bound < _SAFE_LOGIT:
+        return []
+    if finite:
+        return list(range(len(spans)))
+    bad_q, bad_k, bad_v = _bad_rows(q), _bad_rows(k), _bad_rows(v)
+    return [
+        b
+        for b, ((q0, q1), (k0, k1)) in enumerate(spans)
+        if bad_q[q1] == bad_q[q0] and bad_k[k1] == bad_k[k0] and bad_v[k1] == bad_v[k0]
+    ]

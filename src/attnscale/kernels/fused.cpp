@@ -124,8 +124,34 @@ struct Problem {
   const T* fmask;
   int64_t m_sb, m_sh, m_sl, m_ss;
   int64_t block_q, block_k;
+  // Where this problem's rows sit in the outputs: query-side outputs (out, lse, m, l, stats, dq,
+  // dout, delta) are (B, H, o_rows) rows with this problem's at o_start..; dk, dv are
+  // (B, H, k_rows) rows with its keys at k_out_start... A plain call: o_rows = L, k_rows = S, 0.
+  int64_t o_rows, o_start, k_rows, k_out_start;
+  // Packed sequences (FlashAttention's varlen layout; null otherwise): q (1, H, total_q, D) and
+  // k, v (1, Hkv, total_k, .) hold sequences end to end; spans (nseq, 4) gives sequence s's query
+  // rows [q0, q1) and key rows [k0, k1). Each is a problem of its own (sequence(s)), bottom-right
+  // aligned; rows no span names are not visited (the caller's fill values stay).
+  const int64_t* spans = nullptr;
+  int64_t nseq = 0;
 
   int64_t G() const { return H / Hkv; }
+
+  // Sequence s of a packed problem as a plain one of batch 1 on views of the packed tensors; its
+  // ALiBi slopes are row s of the (nseq, H) slopes.
+  Problem sequence(int64_t s) const {
+    Problem P = *this;
+    const int64_t* span = spans + 4 * s;
+    const int64_t q0 = span[0], k0 = span[2];
+    P.spans = nullptr;
+    P.nseq = 0;
+    P.q += q0 * q_sl, P.k += k0 * k_sl, P.v += k0 * v_sl;
+    P.L = span[1] - q0, P.S = span[3] - k0;
+    P.q_offset = P.S - P.L, P.q_start = 0, P.k_start = 0;
+    if (alibi) P.alibi += s * al_sb;
+    P.o_start = q0, P.k_out_start = k0;
+    return P;
+  }
   int64_t q_blocks() const { return (L + block_q - 1) / block_q; }
 
   // Keys [lo, hi) (local) that causal / window leave visible to query row i; hi <= lo if none.
@@ -305,18 +331,28 @@ struct ForwardOut {
   int64_t* visible;
 };
 
+// One thread's buffers for forward blocks.
 template <typename T>
-void forward_kernel(const Problem<T>& P, const ForwardOut<T>& O) {
-  const int64_t nqb = P.q_blocks(), G = P.G();
+struct ForwardScratch {
+  std::vector<T> sbuf, acc, m, l, w;
+  std::vector<int64_t> seen;
+  explicit ForwardScratch(const Problem<T>& P)
+      : sbuf(P.block_q * P.block_k), acc(P.block_q * P.Dv), m(P.block_q), l(P.block_q), w(P.block_q),
+        seen(P.block_q) {}
+};
+
+// Query block qb of head h, batch b: the online softmax over its key tiles, written to O.
+template <typename T>
+void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64_t h, int64_t qb, ForwardScratch<T>& W) {
+  const int64_t G = P.G();
   const bool stats = O.max_logit != nullptr;
   const T alpha = P.softcap != T(0) ? P.scale / P.softcap : P.scale;
   const T neg_inf = -std::numeric_limits<T>::infinity();
-  at::parallel_for(0, P.B * P.H * nqb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> sbuf(P.block_q * P.block_k), acc(P.block_q * P.Dv);
-    std::vector<T> m(P.block_q), l(P.block_q), w(P.block_q);
-    std::vector<int64_t> seen(P.block_q);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t qb = task % nqb, h = (task / nqb) % P.H, b = task / (nqb * P.H), hk = h / G;
+  std::vector<T>&sbuf = W.sbuf, &acc = W.acc, &m = W.m, &l = W.l, &w = W.w;
+  std::vector<int64_t>& seen = W.seen;
+  {
+    {
+      const int64_t hk = h / G;
       const int64_t i0 = qb * P.block_q, i1 = std::min(i0 + P.block_q, P.L), rows = i1 - i0;
       const T* q = P.q + b * P.q_sb + h * P.q_sh + i0 * P.q_sl;
       const T* k = P.k + b * P.k_sb + hk * P.k_sh;
@@ -359,7 +395,7 @@ void forward_kernel(const Problem<T>& P, const ForwardOut<T>& O) {
         }
         gemm('N', 'N', P.Dv, rows, width, T(1), v + j0 * P.v_sl, P.v_sl, x, width, T(1), acc.data(), P.Dv);
       }
-      const int64_t row0 = (b * P.H + h) * P.L + i0;
+      const int64_t row0 = (b * P.H + h) * P.o_rows + P.o_start + i0;
       for (int64_t r = 0; r < rows; ++r) {
         const bool has = l[r] != T(0);  // a NaN sum (NaN inputs) is no empty row: NaN reaches the output
         const T safe = has ? l[r] : T(1);
@@ -377,6 +413,42 @@ void forward_kernel(const Problem<T>& P, const ForwardOut<T>& O) {
         }
       }
     }
+  }
+}
+
+// Query blocks of packed sequences, (sequence, block) pairs in order: the unit of parallel work.
+template <typename T>
+std::vector<std::pair<int64_t, int64_t>> sequence_blocks(const Problem<T>& P) {
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  for (int64_t s = 0; s < P.nseq; ++s) {
+    const int64_t* span = P.spans + 4 * s;
+    const int64_t L = span[1] - span[0], S = span[3] - span[2];
+    if (S == 0) continue;  // rows without keys: the caller's zeros
+    for (int64_t qb = 0; qb * P.block_q < L; ++qb) blocks.emplace_back(s, qb);
+  }
+  return blocks;
+}
+
+// Parallel over batch, heads and query blocks (packed: heads and every sequence's query blocks).
+template <typename T>
+void forward_kernel(const Problem<T>& P, const ForwardOut<T>& O) {
+  if (P.spans) {
+    const auto blocks = sequence_blocks(P);
+    const int64_t nb = static_cast<int64_t>(blocks.size());
+    at::parallel_for(0, P.H * nb, 1, [&](int64_t begin, int64_t end) {
+      ForwardScratch<T> W(P);
+      for (int64_t task = begin; task < end; ++task) {
+        const auto [s, qb] = blocks[task % nb];
+        forward_block(P.sequence(s), O, 0, task / nb, qb, W);
+      }
+    });
+    return;
+  }
+  const int64_t nqb = P.q_blocks();
+  at::parallel_for(0, P.B * P.H * nqb, 1, [&](int64_t begin, int64_t end) {
+    ForwardScratch<T> W(P);
+    for (int64_t task = begin; task < end; ++task)
+      forward_block(P, O, task / (nqb * P.H), (task / nqb) % P.H, task % nqb, W);
   });
 }
 
@@ -391,26 +463,35 @@ struct BackwardIO {
   T* dv;  // (B, H, S, Dv) per query head, accumulated
 };
 
+// One thread's buffers for backward tasks.
 template <typename T>
-void backward_kernel(const Problem<T>& P, const BackwardIO<T>& IO) {
+struct BackwardScratch {
+  std::vector<T> sbuf, tbuf, dpbuf, dqb;
+  explicit BackwardScratch(const Problem<T>& P)
+      : sbuf(P.block_q * P.block_k), tbuf(P.softcap != T(0) ? P.block_q * P.block_k : 0),
+        dpbuf(P.block_q * P.block_k), dqb(P.block_q * P.D) {}
+};
+
+// Head h of batch b: every query block, accumulating that head's dk, dv rows.
+template <typename T>
+void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int64_t h, BackwardScratch<T>& W) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
   const int64_t nqb = P.q_blocks(), G = P.G();
   const bool capped = P.softcap != T(0);
   const T alpha = capped ? P.scale / P.softcap : P.scale;
-  at::parallel_for(0, P.B * P.H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> sbuf(P.block_q * P.block_k), tbuf(capped ? P.block_q * P.block_k : 0),
-        dpbuf(P.block_q * P.block_k), dqb(P.block_q * P.D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task % P.H, b = task / P.H, hk = h / G;
+  std::vector<T>&sbuf = W.sbuf, &tbuf = W.tbuf, &dpbuf = W.dpbuf, &dqb = W.dqb;
+  {
+    {
+      const int64_t hk = h / G;
       const T* k = P.k + b * P.k_sb + hk * P.k_sh;
       const T* v = P.v + b * P.v_sb + hk * P.v_sh;
-      T* dk = IO.dk + (b * P.H + h) * P.S * P.D;
-      T* dv = IO.dv + (b * P.H + h) * P.S * P.Dv;
+      T* dk = IO.dk + ((b * P.H + h) * P.k_rows + P.k_out_start) * P.D;
+      T* dv = IO.dv + ((b * P.H + h) * P.k_rows + P.k_out_start) * P.Dv;
       for (int64_t qb = 0; qb < nqb; ++qb) {
         const int64_t i0 = qb * P.block_q, i1 = std::min(i0 + P.block_q, P.L), rows = i1 - i0;
         const T* q = P.q + b * P.q_sb + h * P.q_sh + i0 * P.q_sl;
-        const int64_t row0 = (b * P.H + h) * P.L + i0;
+        const int64_t row0 = (b * P.H + h) * P.o_rows + P.o_start + i0;
         const T* dout = IO.dout + row0 * P.Dv;
         std::fill(dqb.begin(), dqb.begin() + rows * P.D, T(0));
         for (auto [j0, j1] : P.key_tiles(i0, i1)) {
@@ -457,6 +538,27 @@ void backward_kernel(const Problem<T>& P, const BackwardIO<T>& IO) {
       }
       for (int64_t e = 0; e < P.S * P.D; ++e) dk[e] *= P.scale;
     }
+  }
+}
+
+// Parallel over batch and heads (packed: heads and sequences; a sequence's rows of dq, dk, dv are
+// its own, so tasks never write the same memory).
+template <typename T>
+void backward_kernel(const Problem<T>& P, const BackwardIO<T>& IO) {
+  if (P.spans) {
+    std::vector<int64_t> seqs;
+    for (int64_t s = 0; s < P.nseq; ++s)
+      if (P.spans[4 * s + 1] > P.spans[4 * s] && P.spans[4 * s + 3] > P.spans[4 * s + 2]) seqs.push_back(s);
+    const int64_t ns = static_cast<int64_t>(seqs.size());
+    at::parallel_for(0, P.H * ns, 1, [&](int64_t begin, int64_t end) {
+      BackwardScratch<T> W(P);
+      for (int64_t task = begin; task < end; ++task) backward_head(P.sequence(seqs[task % ns]), IO, 0, task / ns, W);
+    });
+    return;
+  }
+  at::parallel_for(0, P.B * P.H, 1, [&](int64_t begin, int64_t end) {
+    BackwardScratch<T> W(P);
+    for (int64_t task = begin; task < end; ++task) backward_head(P, IO, task / P.H, task % P.H, W);
   });
 }
 
@@ -464,7 +566,8 @@ template <typename T>
 Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                         double softcap, bool causal, int64_t q_offset, int64_t left, int64_t right, int64_t q_start,
                         int64_t k_start, const c10::optional<torch::Tensor>& alibi,
-                        const c10::optional<torch::Tensor>& mask, int64_t block_q, int64_t block_k) {
+                        const c10::optional<torch::Tensor>& mask, int64_t block_q, int64_t block_k,
+                        const c10::optional<torch::Tensor>& spans) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attnscale fused kernel: q, k, v must be 4-d");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "attnscale fused kernel: last dims must be contiguous");
   Problem<T> P{};
@@ -480,6 +583,7 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
   P.causal = causal, P.q_offset = q_offset, P.left = left, P.right = right;
   P.q_start = q_start, P.k_start = k_start;
   P.block_q = block_q, P.block_k = block_k;
+  P.o_rows = P.L, P.o_start = 0, P.k_rows = P.S, P.k_out_start = 0;
   if (alibi.has_value()) {
     TORCH_CHECK(alibi->dim() == 2 && alibi->scalar_type() == q.scalar_type(), "attnscale fused kernel: slopes (B, H)");
     P.alibi = alibi->data_ptr<T>();
@@ -495,6 +599,18 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
     }
     P.m_sb = mask->stride(0), P.m_sh = mask->stride(1), P.m_sl = mask->stride(2), P.m_ss = mask->stride(3);
   }
+  if (spans.has_value()) {
+    TORCH_CHECK(P.B == 1 && !mask.has_value(), "attnscale fused kernel: packed sequences take batch 1 and no mask");
+    TORCH_CHECK(spans->scalar_type() == torch::kInt64 && spans->is_contiguous() && spans->dim() == 2 && spans->size(1) == 4,
+                "attnscale fused kernel: spans (nseq, 4) contiguous int64");
+    P.spans = spans->data_ptr<int64_t>(), P.nseq = spans->size(0);
+    for (int64_t s = 0; s < P.nseq; ++s) {
+      const int64_t* span = P.spans + 4 * s;
+      TORCH_CHECK(0 <= span[0] && span[0] <= span[1] && span[1] <= P.L && 0 <= span[2] && span[2] <= span[3] &&
+                      span[3] <= P.S && (!alibi.has_value() || s < alibi->size(0)),
+                  "attnscale fused kernel: spans inside the packed tensors, one slope row per span");
+    }
+  }
   return P;
 }
 
@@ -502,19 +618,28 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
                                    double softcap, bool causal, int64_t q_offset, int64_t left, int64_t right,
                                    int64_t q_start, int64_t k_start, const c10::optional<torch::Tensor>& alibi,
                                    const c10::optional<torch::Tensor>& mask, bool with_stats, int64_t block_q,
-                                   int64_t block_k) {
+                                   int64_t block_k, const c10::optional<torch::Tensor>& spans) {
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
-  auto out = torch::empty({B, H, L, Dv}, q.options());
-  auto rows = torch::empty({B, H, L}, q.options());
-  auto lse = torch::empty_like(rows), m = torch::empty_like(rows), l = torch::empty_like(rows);
+  // Packed: rows of sequences without keys are not visited; they keep an empty row's values.
+  const bool packed = spans.has_value();
+  const double inf = std::numeric_limits<double>::infinity();
+  auto make = [&](at::IntArrayRef shape, double fill, at::ScalarType dtype) {
+    auto options = q.options().dtype(dtype);
+    return packed ? torch::full(shape, fill, options) : torch::empty(shape, options);
+  };
+  const auto dt = q.scalar_type();
+  auto out = make({B, H, L, Dv}, 0.0, dt);
+  auto lse = make({B, H, L}, -inf, dt), m = make({B, H, L}, 0.0, dt), l = make({B, H, L}, 1.0, dt);
   std::vector<torch::Tensor> result{out, lse, m, l};
   if (with_stats) {
-    for (int s = 0; s < 3; ++s) result.push_back(torch::empty_like(rows));
-    result.push_back(torch::empty({B, H, L}, q.options().dtype(torch::kInt64)));
+    result.push_back(make({B, H, L}, -inf, dt));  // max_logit
+    result.push_back(make({B, H, L}, 0.0, dt));   // max_prob
+    result.push_back(make({B, H, L}, 0.0, dt));   // entropy
+    result.push_back(make({B, H, L}, 0.0, torch::kInt64));  // visible
   }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnscale_fused_forward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
-                                    mask, block_q, block_k);
+                                    mask, block_q, block_k, spans);
     ForwardOut<scalar_t> O{out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
                            l.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr};
     if (with_stats) {
@@ -533,16 +658,19 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q, const torch::Tensor&
                                     const torch::Tensor& l, double scale, double softcap, bool causal,
                                     int64_t q_offset, int64_t left, int64_t right, int64_t q_start, int64_t k_start,
                                     const c10::optional<torch::Tensor>& alibi,
-                                    const c10::optional<torch::Tensor>& mask, int64_t block_q, int64_t block_k) {
+                                    const c10::optional<torch::Tensor>& mask, int64_t block_q, int64_t block_k,
+                                    const c10::optional<torch::Tensor>& spans) {
   const int64_t B = q.size(0), H = q.size(1), S = k.size(2), D = q.size(3), Dv = v.size(3);
   TORCH_CHECK(dout.is_contiguous() && delta.is_contiguous() && m.is_contiguous() && l.is_contiguous(),
               "attnscale fused kernel: contiguous dout, delta, m, l");
-  auto dq = torch::empty_like(q, at::MemoryFormat::Contiguous);
+  // Packed: rows of sequences without keys are not visited; their gradient is 0.
+  auto dq = spans.has_value() ? torch::zeros_like(q, at::MemoryFormat::Contiguous)
+                             : torch::empty_like(q, at::MemoryFormat::Contiguous);
   auto dk = torch::zeros({B, H, S, D}, q.options());
   auto dv = torch::zeros({B, H, S, Dv}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnscale_fused_backward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
-                                    mask, block_q, block_k);
+                                    mask, block_q, block_k, spans);
     BackwardIO<scalar_t> IO{dout.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
                             l.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
                             dv.data_ptr<scalar_t>()};

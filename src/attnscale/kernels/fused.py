@@ -24,7 +24,7 @@ from ..stats import AttentionStats, with_sinks
 from ..tiled import merge_sinks, tiled_attention
 from . import load
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "supports"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "fused_varlen_attention", "supports"]
 
 BLOCK_Q = 64
 BLOCK_K = 256
@@ -110,7 +110,7 @@ class _FusedAttention(torch.autograd.Function):
         m4, slopes = _flat_mask(mask, spec, L, S, acc), _flat_slopes(alibi, spec, acc)
         with torch.no_grad():
             out, lse, m, l, *stats = load().forward(
-                q, k, v, *spec.args(), slopes, m4, spec.with_stats, spec.block_q, spec.block_k
+                q, k, v, *spec.args(), slopes, m4, spec.with_stats, spec.block_q, spec.block_k, None
             )
         ctx.save_for_backward(query, key, value, mask, alibi, out, m, l)
         ctx.spec = spec
@@ -132,7 +132,7 @@ class _FusedAttention(torch.autograd.Function):
         # D_i = rowsum(dO * O) - dlse_i (FlashAttention-2; a gradient on lse adds p dlse to dS)
         delta = ((dout * out).sum(-1) - dlse.to(acc).reshape(B, spec.H, L)).contiguous()
         with torch.no_grad():
-            dq, dk, dv = load().backward(q, k, v, dout, delta, m, l, *spec.args(), slopes, m4, spec.block_q, spec.block_k)
+            dq, dk, dv = load().backward(q, k, v, dout, delta, m, l, *spec.args(), slopes, m4, spec.block_q, spec.block_k, None)
         G = spec.H // spec.Hkv
         dk = dk.view(B, spec.Hkv, G, S, -1).sum(2).view(*spec.batch, spec.Hkv, S, -1)  # a group's heads share k
         dv = dv.view(B, spec.Hkv, G, S, -1).sum(2).view(*spec.batch, spec.Hkv, S, -1)
@@ -201,6 +201,102 @@ def fused_attention(
     out = out.to(query.dtype)
     if squeeze:
         out, lse, rest = out.squeeze(0), lse.squeeze(0), [t.squeeze(0) for t in rest]
+    if not return_stats:
+        return out, None
+    max_logit, max_prob, entropy, visible_keys = rest
+    stats = AttentionStats(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
+    return out, stats if sinks is None else with_sinks(stats, sinks)
+
+
+class _FusedVarlen(torch.autograd.Function):
+    """Packed sequences in one kernel call: q (total_q, H, D), k (total_k, Hkv, D), v (total_k,
+    Hkv, Dv); saves the inputs and the forward's (m, l) like :class:`_FusedAttention`."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, alibi, spans, path, with_stats):  # type: ignore[override]
+        acc = accumulation_dtype(query.dtype)
+        q, k, v = (_packed(t, acc) for t in (query, key, value))
+        with torch.no_grad():
+            out, lse, m, l, *stats = load().forward(q, k, v, *_packed_args(path), alibi, None, with_stats, BLOCK_Q, BLOCK_K, spans)
+        ctx.save_for_backward(query, key, value, alibi, spans, out, m, l)
+        ctx.path = path
+        ctx.mark_non_differentiable(*stats)
+        return (out[0].transpose(0, 1), lse[0], *(t[0] for t in stats))  # (total_q, H, Dv), (H, total_q)
+
+    @staticmethod
+    def backward(ctx, dout, dlse, *unused):  # type: ignore[override]
+        query, key, value, alibi, spans, out, m, l = ctx.saved_tensors
+        acc = out.dtype
+        q, k, v = (_packed(t, acc) for t in (query, key, value))
+        dout = dout.to(acc).transpose(0, 1).unsqueeze(0).contiguous()  # (1, H, total_q, Dv)
+        delta = ((dout * out).sum(-1) - dlse.to(acc).unsqueeze(0)).contiguous()  # (1, H, total_q)
+        with torch.no_grad():
+            dq, dk, dv = load().backward(q, k, v, dout, delta, m, l, *_packed_args(ctx.path), alibi, None, BLOCK_Q, BLOCK_K, spans)
+        H, Hkv = query.shape[1], key.shape[1]
+        total_k = key.shape[0]
+        dk = dk[0].view(Hkv, H // Hkv, total_k, -1).sum(1)  # a group's heads share k: (Hkv, total_k, D)
+        dv = dv[0].view(Hkv, H // Hkv, total_k, -1).sum(1)
+        return (
+            dq[0].transpose(0, 1).to(query.dtype),
+            dk.transpose(0, 1).to(key.dtype),
+            dv.transpose(0, 1).to(value.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _packed(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """(total, heads, d) in ``dtype`` as the kernel's (1, heads, total, d) view, last dim contiguous."""
+    x = x.to(dtype)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _packed_args(path: ScorePath) -> tuple:
+    # q_offset is each sequence's own (S_b - L_b, bottom-right), set by the kernel; starts are 0.
+    left, right = path.window if path.window is not None else (None, None)
+    return (path.scale, 0.0 if path.softcap is None else path.softcap, path.causal, 0, -1 if left is None else left, -1 if right is None else right, 0, 0)
+
+
+def fused_varlen_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    spans: list[tuple[tuple[int, int], tuple[int, int]]],
+    *,
+    path: ScorePath,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    return_stats: bool = False,
+) -> tuple[Tensor, AttentionStats | None]:
+    """:func:`attnscale.varlen_attention` on validated CPU inputs in one kernel call, parallel over
+    heads and every sequence's query blocks: query (total_q, H, D), key (total_k, Hkv, D), value
+    (total_k, Hkv, Dv); ``spans`` the sequences, ``((q0, q1), (k0, k1))`` each, their query and key
+    rows (disjoint; rows that no span names come back as rows without keys: zeros, ``lse = -inf``);
+    ``alibi_slopes`` (H,), or (len(spans), H) one row per span. Returns (out (total_q, H, Dv), stats
+    with (H, total_q) tensors, or None). ``path.q_offset`` is ignored: each sequence is aligned
+    bottom-right. Raises RuntimeError when the compiled kernel is unavailable (see :func:`supports`)."""
+    reason = supports(query, None)
+    if reason is not None:
+        raise RuntimeError(f"backend='fused' cannot run this call: {reason}")
+    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "alibi_slopes: expected constant slopes on the fused backend, got a tensor that requires grad. "
+            "Fix: pass alibi_slopes.detach(), or backend='math' to learn the slopes"
+        )
+    B, H = len(spans), query.shape[1]
+    table = torch.tensor([[q0, q1, k0, k1] for (q0, q1), (k0, k1) in spans], dtype=torch.int64).reshape(B, 4)
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.detach().to(accumulation_dtype(query.dtype)).expand(B, H)
+    out, lse, *rest = _FusedVarlen.apply(query, key, value, slopes, table, path, return_stats)
+    if sinks is not None:
+        # merge_sinks takes (..., H, L, Dv) and (..., H, L): the packed rows as L.
+        merged, _ = merge_sinks(out.transpose(0, 1), lse, sinks)
+        out = merged.transpose(0, 1)
+    out = out.to(query.dtype)
     if not return_stats:
         return out, None
     max_logit, max_prob, entropy, visible_keys = rest
