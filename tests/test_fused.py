@@ -156,6 +156,29 @@ def test_float32_error_on_long_rows_is_like_a_plain_implementations(opts, mag):
     assert err <= 2 * err_math
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("B, Hkv", [(1, 1), (1, 2), (2, 4)])
+def test_gqa_gradients_with_and_without_per_query_head_scratch(B, Hkv, threads):
+    """The backward runs a key head's whole group in one task (dk, dv straight into the key head's
+    rows) when there are at least as many (batch, key head) tasks as threads, and per query head
+    (summed per group afterwards) when there are fewer: (1, 1) and (1, 2) at 4 threads take the
+    second, everything else the first. Both give the math backend's gradients to 1e-12."""
+    q, k, v = make_inputs(B=B, H=4, Hkv=Hkv, L=70, S=300, D=7, Dv=5, seed=3)
+    dout = torch.randn(B, 4, 70, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        grads = {}
+        for backend in ("fused", "math"):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            sdpa(*leaves, backend=backend, is_causal=True, softcap=5.0).backward(dout)
+            grads[backend] = [t.grad for t in leaves]
+    finally:
+        torch.set_num_threads(before)
+    for ours, want in zip(grads["fused"], grads["math"]):
+        assert (ours - want).abs().max().item() < 1e-12
+
+
 @pytest.mark.parametrize(
     "opts",
     [{}, {"is_causal": True}, {"softcap": 2.0, "window": (2, 1)}, {"alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)}],

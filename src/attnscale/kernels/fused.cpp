@@ -459,8 +459,9 @@ struct BackwardIO {
   const T* m;      // the forward's normaliser
   const T* l;
   T* dq;  // (B, H, L, D), written
-  T* dk;  // (B, H, S, D) per query head, accumulated (the caller sums each group)
-  T* dv;  // (B, H, S, Dv) per query head, accumulated
+  T* dk;  // (B, H, S, D) per query head, accumulated (the caller sums each group); grouped: (B, Hkv, S, D)
+  T* dv;  // (B, H, S, Dv) per query head, accumulated; grouped: (B, Hkv, S, Dv)
+  bool grouped;  // one task per key head runs its whole group: dk, dv per key head, no scratch
 };
 
 // One thread's buffers for backward tasks.
@@ -472,7 +473,8 @@ struct BackwardScratch {
         dpbuf(P.block_q * P.block_k), dqb(P.block_q * P.D) {}
 };
 
-// Head h of batch b: every query block, accumulating that head's dk, dv rows.
+// Head h of batch b: every query block, accumulating its dk, dv rows (the query head's own, or its
+// key head's when grouped); dk is not yet multiplied by the scale (the caller does, once per row).
 template <typename T>
 void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int64_t h, BackwardScratch<T>& W) {
   using Vec = Vectorized<T>;
@@ -486,8 +488,9 @@ void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int6
       const int64_t hk = h / G;
       const T* k = P.k + b * P.k_sb + hk * P.k_sh;
       const T* v = P.v + b * P.v_sb + hk * P.v_sh;
-      T* dk = IO.dk + ((b * P.H + h) * P.k_rows + P.k_out_start) * P.D;
-      T* dv = IO.dv + ((b * P.H + h) * P.k_rows + P.k_out_start) * P.Dv;
+      const int64_t kv_head = IO.grouped ? b * P.Hkv + hk : b * P.H + h;
+      T* dk = IO.dk + (kv_head * P.k_rows + P.k_out_start) * P.D;
+      T* dv = IO.dv + (kv_head * P.k_rows + P.k_out_start) * P.Dv;
       for (int64_t qb = 0; qb < nqb; ++qb) {
         const int64_t i0 = qb * P.block_q, i1 = std::min(i0 + P.block_q, P.L), rows = i1 - i0;
         const T* q = P.q + b * P.q_sb + h * P.q_sh + i0 * P.q_sl;
@@ -536,29 +539,45 @@ void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int6
         T* dq = IO.dq + row0 * P.D;
         for (int64_t e = 0; e < rows * P.D; ++e) dq[e] = dqb[e] * P.scale;
       }
-      for (int64_t e = 0; e < P.S * P.D; ++e) dk[e] *= P.scale;
     }
   }
+}
+
+// dk rows of (batch-and-head index) kv_head, this problem's keys, times the scale.
+template <typename T>
+void scale_dk(const Problem<T>& P, const BackwardIO<T>& IO, int64_t kv_head) {
+  T* dk = IO.dk + (kv_head * P.k_rows + P.k_out_start) * P.D;
+  for (int64_t e = 0; e < P.S * P.D; ++e) dk[e] *= P.scale;
 }
 
 // Parallel over batch and heads (packed: heads and sequences; a sequence's rows of dq, dk, dv are
 // its own, so tasks never write the same memory).
 template <typename T>
 void backward_kernel(const Problem<T>& P, const BackwardIO<T>& IO) {
+  const int64_t G = P.G(), heads = IO.grouped ? P.Hkv : P.H;  // one task per (sequence or batch, heads)
+  auto run = [&](const Problem<T>& Q, int64_t b, int64_t head, BackwardScratch<T>& W) {
+    if (IO.grouped) {
+      for (int64_t h = head * G; h < (head + 1) * G; ++h) backward_head(Q, IO, b, h, W);
+      scale_dk(Q, IO, b * Q.Hkv + head);
+    } else {
+      backward_head(Q, IO, b, head, W);
+      scale_dk(Q, IO, b * Q.H + head);
+    }
+  };
   if (P.spans) {
     std::vector<int64_t> seqs;
     for (int64_t s = 0; s < P.nseq; ++s)
       if (P.spans[4 * s + 1] > P.spans[4 * s] && P.spans[4 * s + 3] > P.spans[4 * s + 2]) seqs.push_back(s);
     const int64_t ns = static_cast<int64_t>(seqs.size());
-    at::parallel_for(0, P.H * ns, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, heads * ns, 1, [&](int64_t begin, int64_t end) {
       BackwardScratch<T> W(P);
-      for (int64_t task = begin; task < end; ++task) backward_head(P.sequence(seqs[task % ns]), IO, 0, task / ns, W);
+      for (int64_t task = begin; task < end; ++task) run(P.sequence(seqs[task % ns]), 0, task / ns, W);
     });
     return;
   }
-  at::parallel_for(0, P.B * P.H, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, P.B * heads, 1, [&](int64_t begin, int64_t end) {
     BackwardScratch<T> W(P);
-    for (int64_t task = begin; task < end; ++task) backward_head(P, IO, task / P.H, task % P.H, W);
+    for (int64_t task = begin; task < end; ++task) run(P, task / heads, task % heads, W);
   });
 }
 
@@ -666,14 +685,19 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q, const torch::Tensor&
   // Packed: rows of sequences without keys are not visited; their gradient is 0.
   auto dq = spans.has_value() ? torch::zeros_like(q, at::MemoryFormat::Contiguous)
                              : torch::empty_like(q, at::MemoryFormat::Contiguous);
-  auto dk = torch::zeros({B, H, S, D}, q.options());
-  auto dv = torch::zeros({B, H, S, Dv}, q.options());
+  // Per-query-head dk, dv (summed per group by the caller) only when there are fewer (batch or
+  // sequence, key head) tasks than threads: otherwise each task runs a whole group into its key
+  // head's rows, with no O(H S D) scratch.
+  const int64_t Hkv = k.size(1), units = spans.has_value() ? spans->size(0) : B;
+  const bool grouped = Hkv == H || units * Hkv >= at::get_num_threads();
+  auto dk = torch::zeros({B, grouped ? Hkv : H, S, D}, q.options());
+  auto dv = torch::zeros({B, grouped ? Hkv : H, S, Dv}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnscale_fused_backward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
                                     mask, block_q, block_k, spans);
     BackwardIO<scalar_t> IO{dout.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
                             l.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
-                            dv.data_ptr<scalar_t>()};
+                            dv.data_ptr<scalar_t>(), grouped};
     backward_kernel(P, IO);
   });
   return {dq, dk, dv};
@@ -700,5 +724,5 @@ torch::Tensor tanh_op(const torch::Tensor& x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "attnscale fused attention forward (out, lse, m, l[, max_logit, max_prob, entropy, visible])");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");
-  module.def("backward", &backward, "attnscale fused attention backward (dq, per-head dk, per-head dv)");
+  module.def("backward", &backward, "attnscale fused attention backward (dq, dk, dv; dk, dv per key head, or per query head for the caller to sum per group)");
 }

@@ -134,8 +134,9 @@ class _FusedAttention(torch.autograd.Function):
         with torch.no_grad():
             dq, dk, dv = load().backward(q, k, v, dout, delta, m, l, *spec.args(), slopes, m4, spec.block_q, spec.block_k, None)
         G = spec.H // spec.Hkv
-        dk = dk.view(B, spec.Hkv, G, S, -1).sum(2).view(*spec.batch, spec.Hkv, S, -1)  # a group's heads share k
-        dv = dv.view(B, spec.Hkv, G, S, -1).sum(2).view(*spec.batch, spec.Hkv, S, -1)
+        if dk.shape[1] != spec.Hkv:  # per query head: a group's heads share k
+            dk, dv = (t.view(B, spec.Hkv, G, S, -1).sum(2) for t in (dk, dv))
+        dk, dv = dk.view(*spec.batch, spec.Hkv, S, -1), dv.view(*spec.batch, spec.Hkv, S, -1)
         dq = dq.view(*spec.batch, spec.H, L, -1)
         return (
             dq.sum_to_size(query.shape).to(query.dtype),
@@ -234,8 +235,9 @@ class _FusedVarlen(torch.autograd.Function):
             dq, dk, dv = load().backward(q, k, v, dout, delta, m, l, *_packed_args(ctx.path), alibi, None, BLOCK_Q, BLOCK_K, spans)
         H, Hkv = query.shape[1], key.shape[1]
         total_k = key.shape[0]
-        dk = dk[0].view(Hkv, H // Hkv, total_k, -1).sum(1)  # a group's heads share k: (Hkv, total_k, D)
-        dv = dv[0].view(Hkv, H // Hkv, total_k, -1).sum(1)
+        dk, dv = dk[0], dv[0]
+        if dk.shape[0] != Hkv:  # per query head: a group's heads share k, (Hkv, total_k, D)
+            dk, dv = (t.view(Hkv, H // Hkv, total_k, -1).sum(1) for t in (dk, dv))
         return (
             dq[0].transpose(0, 1).to(query.dtype),
             dk.transpose(0, 1).to(key.dtype),
