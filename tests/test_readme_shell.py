@@ -161,6 +161,7 @@ def _block_id(block: list[str]) -> str:
     return " ".join(next(c for c in block if c.startswith("attnscale")).split()[:2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [b for b in SHELL_BLOCKS if any(c in CHECKS for c in b)], ids=_block_id)
 def test_readme_shell_block_runs_as_written(block, tmp_path):
     assert (BIN / "attnscale").is_file(), f"no attnscale command beside {sys.executable}: pip install -e ."
