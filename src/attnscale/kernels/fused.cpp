@@ -24,6 +24,9 @@
 #include <vector>
 
 extern "C" {
+// MKL's per-thread thread count, its Fortran-style entry (the argument by reference), in libtorch_cpu
+// on x86; weak, so that a torch without MKL still loads the kernel (the call is then skipped).
+__attribute__((weak)) int mkl_set_num_threads_local(const int* n);
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
             const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c, const int* ldc);
 void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
@@ -34,6 +37,24 @@ void dgemm_(const char* transa, const char* transb, const int* m, const int* n, 
 namespace {
 
 using at::vec::Vectorized;
+
+// Inside the kernel's parallel loops each BLAS call runs on its own thread: MKL is told so for the
+// scope (restored after), so its products never start threads of their own on cores the loop
+// already fills.
+struct SerialBlas {
+  SerialBlas() {
+    if (mkl_set_num_threads_local) {
+      const int one = 1;
+      mkl_set_num_threads_local(&one);
+    }
+  }
+  ~SerialBlas() {
+    if (mkl_set_num_threads_local) {
+      const int global = 0;  // 0: back to the global setting
+      mkl_set_num_threads_local(&global);
+    }
+  }
+};
 
 // Column-major BLAS, as Fortran: C (m x n) = alpha op(A) op(B) + beta C.
 inline void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
@@ -436,6 +457,7 @@ void forward_kernel(const Problem<T>& P, const ForwardOut<T>& O) {
     const auto blocks = sequence_blocks(P);
     const int64_t nb = static_cast<int64_t>(blocks.size());
     at::parallel_for(0, P.H * nb, 1, [&](int64_t begin, int64_t end) {
+      SerialBlas serial;
       ForwardScratch<T> W(P);
       for (int64_t task = begin; task < end; ++task) {
         const auto [s, qb] = blocks[task % nb];
@@ -446,6 +468,7 @@ void forward_kernel(const Problem<T>& P, const ForwardOut<T>& O) {
   }
   const int64_t nqb = P.q_blocks();
   at::parallel_for(0, P.B * P.H * nqb, 1, [&](int64_t begin, int64_t end) {
+    SerialBlas serial;
     ForwardScratch<T> W(P);
     for (int64_t task = begin; task < end; ++task)
       forward_block(P, O, task / (nqb * P.H), (task / nqb) % P.H, task % nqb, W);
@@ -570,12 +593,14 @@ void backward_kernel(const Problem<T>& P, const BackwardIO<T>& IO) {
       if (P.spans[4 * s + 1] > P.spans[4 * s] && P.spans[4 * s + 3] > P.spans[4 * s + 2]) seqs.push_back(s);
     const int64_t ns = static_cast<int64_t>(seqs.size());
     at::parallel_for(0, heads * ns, 1, [&](int64_t begin, int64_t end) {
+      SerialBlas serial;
       BackwardScratch<T> W(P);
       for (int64_t task = begin; task < end; ++task) run(P.sequence(seqs[task % ns]), 0, task / ns, W);
     });
     return;
   }
   at::parallel_for(0, P.B * heads, 1, [&](int64_t begin, int64_t end) {
+    SerialBlas serial;
     BackwardScratch<T> W(P);
     for (int64_t task = begin; task < end; ++task) run(P, task / heads, task % heads, W);
   });
