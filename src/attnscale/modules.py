@@ -230,7 +230,8 @@ class MultiHeadAttention(nn.Module):
             as ``config.with_fixed_scale(scale)``; rejected when ``config.scale`` is not the
             default ``"inverse_sqrt"``.
         config: the attention variant; ``None`` means ``AttentionConfig()``, standard attention.
-        kdim, vdim: widths of ``key`` and ``value`` for cross-attention (default ``d_model``).
+        kdim: width of ``key`` for cross-attention (default ``d_model``).
+        vdim: width of ``value`` for cross-attention (default ``d_model``).
 
     Projections are ``nn.Linear`` with its default initialisation. ``self.scale`` is the float
     multiplier the kernel receives (learned and length-dependent factors are folded into q; see
@@ -399,7 +400,8 @@ class MultiHeadAttention(nn.Module):
 
         Args:
             query: (B, L, E), or (L, B, E) when ``batch_first=False``; E = d_model.
-            key, value: (B, S, kdim) and (B, S, vdim) (seq-first likewise), or both None.
+            key: (B, S, kdim) (seq-first likewise), or None with ``value`` None.
+            value: (B, S, vdim) (seq-first likewise), or None with ``key`` None.
             key_mask: bool (B, S), **True = real token** (attend). The opposite of torch's
                 ``key_padding_mask``: convert with ``key_mask=~key_padding_mask``.
             attn_mask: bool (**True = attend**; torch's MHA uses True = ignore) or float (added to

@@ -189,8 +189,9 @@ def varlen_attention(
     With L > S the first L - S rows of that sequence see no key and return zeros.
 
     Args:
-        max_seqlen_q, max_seqlen_k: optional hints (FlashAttention sizes its grid with them);
-            when given, each must be at least the longest query / key length, else a ValueError.
+        max_seqlen_q: optional hint (FlashAttention sizes its grid with it); when given, at least
+            the longest query length, else a ValueError.
+        max_seqlen_k: the same for the longest key length.
         scale: multiplier of q.k; ``None`` means ``1/sqrt(D)``, D the per-head dim.
         is_causal: hide keys after each query's bottom-right-aligned position (drawn above).
         softcap: logits become ``softcap * tanh(logits / softcap)``, after the scale.
