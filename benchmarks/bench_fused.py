@@ -13,6 +13,7 @@ cells meet them.
     python benchmarks/bench_fused.py --json out.json    # also write every time and ratio
     python benchmarks/bench_fused.py --tanh             # only the softcap's tanh against torch.tanh
     python benchmarks/bench_fused.py --varlen           # the tanh, then packed sequences only
+    python benchmarks/bench_fused.py --markdown out.json  # the README's table from a --json run
 
 It also measures forward+backward memory at L = S = 16384 with softcap and a (1024, 0) window (a
 fresh process), the kernel's GFLOP/s against this machine's single-thread GEMM peak, and the window
@@ -251,6 +252,44 @@ def varlen_row(threads: int, repeats: int, n_seq: int = 32) -> dict:
             "ratio": {name: times[name] / times["torch per sequence"] for name in fns}}
 
 
+def markdown(result: dict) -> str:
+    """The README's table from a ``--json`` file: per case, the range of the ratios over the cells
+    and how many meet the target, at one thread and at the default thread count; then the window,
+    varlen, memory and GFLOP/s lines."""
+    default = result["default_threads"]
+    counts = sorted({r["threads"] for r in result["rows"]})
+    label = {t: ("one thread" if t == 1 else f"{t} threads") + (" (the default)" if t == default else "") for t in counts}
+    lines = ["| case | target | " + " | ".join(label[t] for t in counts) + " |", "|---|---|" + "---|" * len(counts)]
+    for case, target in TARGETS.items():
+        cells = []
+        for t in counts:
+            ratios = [r["ratio"] for r in result["rows"] if r["case"] == case and r["threads"] == t]
+            met = sum(x <= target for x in ratios)
+            span = f"{min(ratios):.2f}x" if len(ratios) == 1 else f"{min(ratios):.2f}-{max(ratios):.2f}x"
+            cells.append(f"{span} ({met} of {len(ratios)})")
+        lines.append(f"| {case} | {target:.2f}x | " + " | ".join(cells) + " |")
+    out = ["\n".join(lines), ""]
+    for w in result.get("windows", []):
+        out.append(f"- window {tuple(w['window'] if 'window' in w else WINDOW)} at L = {w['L']}, {w['threads']} thread{'s' * (w['threads'] != 1)}: "
+                   f"{w['ratio']:.2f}x torch's causal time, seeing {w['key_share']:.2f} of its keys")
+    for r in result.get("varlen", []):
+        out.append(f"- varlen, {r['threads']} thread{'s' * (r['threads'] != 1)}, {r['sequences']} causal sequences ({r['tokens']} tokens): packed kernel "
+                   f"{r['ratio']['packed kernel']:.2f}x torch's SDPA once per sequence, per-sequence tiled path {r['ratio']['per-sequence tiled']:.2f}x")
+    for t in counts:
+        g = [r for r in result["rows"] if r["threads"] == t and "gflops" in r]
+        if g:
+            out.append(f"- causal GFLOP/s at {t} thread{'s' * (t != 1)}: fused {min(r['gflops'] for r in g):.0f}-{max(r['gflops'] for r in g):.0f}, "
+                       f"torch {min(r['torch_gflops'] for r in g):.0f}-{max(r['torch_gflops'] for r in g):.0f}, GEMM peak {result['peaks'][str(t)] if str(t) in result['peaks'] else result['peaks'][t]:.0f}")
+    if "memory" in result:
+        m = result["memory"]
+        out.append(f"- memory: forward+backward at L = S = {m['L']}, D = {m['D']}, softcap, window {tuple(m['window'])}: {m['growth_mib']:.0f} MiB")
+    if "tanh" in result:
+        r = result["tanh"]
+        out.append(f"- tanh, one thread, ns per float32: |x| < 0.625 {r['kernel near']:.2f} (torch.tanh {r['torch near']:.2f}), "
+                   f"|x| in [0.7, 3] {r['kernel far']:.2f} (torch.tanh {r['torch far']:.2f})")
+    return "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="L = 2048, D = 64 only, 3 repeats, no memory run")
@@ -262,7 +301,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--tanh", action="store_true", help="only time the kernel's tanh against torch.tanh")
     parser.add_argument("--varlen", action="store_true", help="only time packed sequences (varlen_attention)")
+    parser.add_argument("--markdown", metavar="JSON", help="print the README's table from a --json file and exit")
     args = parser.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)))
+        return 0
     if not kernels.available():
         print(f"bench_fused: the compiled kernel is unavailable ({kernels.unavailable_reason()})", file=sys.stderr)
         return 1

@@ -76,6 +76,8 @@ def supports(query: Tensor, attn_mask: Tensor | None) -> str | None:
 
 def _flat(x: Tensor, spec: _Spec, dtype: torch.dtype) -> Tensor:
     """(*batch, heads, n, d) in ``dtype`` as (B, heads, n, d) with a contiguous last dim."""
+    if x.dtype == dtype and x.ndim == 4 and x.shape[0] == spec.batch[0] and len(spec.batch) == 1 and x.stride(-1) == 1:
+        return x  # already the kernel's layout (the common case: no copy, no views to build)
     x = x.to(dtype).expand(*spec.batch, *x.shape[-3:])
     x = x.reshape(math.prod(spec.batch), *x.shape[-3:])
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -99,25 +101,29 @@ def _flat_slopes(alibi: Tensor | None, spec: _Spec, dtype: torch.dtype) -> Tenso
     return slopes.flatten(0, len(spec.batch) - 1) if len(spec.batch) != 1 else slopes
 
 
+def _forward(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, alibi: Tensor | None, spec: _Spec) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    """The kernel's forward: ([out, lse, *stats] in the caller's batch shape, out, m, l as the kernel
+    returned them, for the backward)."""
+    acc = accumulation_dtype(query.dtype)
+    L, S = query.shape[-2], key.shape[-2]
+    q, k, v = (_flat(t, spec, acc) for t in (query, key, value))
+    m4, slopes = _flat_mask(mask, spec, L, S, acc), _flat_slopes(alibi, spec, acc)
+    with torch.no_grad():
+        out, lse, m, l, *stats = load().forward(q, k, v, *spec.args(), slopes, m4, spec.with_stats, spec.block_q, spec.block_k, None)
+    shape = (*spec.batch, spec.H, L)
+    return [out.view(*shape, v.shape[-1]), lse.view(shape), *(t.view(shape) for t in stats)], out, m, l
+
+
 class _FusedAttention(torch.autograd.Function):
     """Saves the inputs and the forward's normaliser (m, l); the backward recomputes each tile."""
 
     @staticmethod
     def forward(ctx, query, key, value, mask, alibi, spec):  # type: ignore[override]
-        acc = accumulation_dtype(query.dtype)
-        L, S = query.shape[-2], key.shape[-2]
-        q, k, v = (_flat(t, spec, acc) for t in (query, key, value))
-        m4, slopes = _flat_mask(mask, spec, L, S, acc), _flat_slopes(alibi, spec, acc)
-        with torch.no_grad():
-            out, lse, m, l, *stats = load().forward(
-                q, k, v, *spec.args(), slopes, m4, spec.with_stats, spec.block_q, spec.block_k, None
-            )
+        outputs, out, m, l = _forward(query, key, value, mask, alibi, spec)
         ctx.save_for_backward(query, key, value, mask, alibi, out, m, l)
         ctx.spec = spec
-        shape = (*spec.batch, spec.H, L)
-        stats = [t.view(shape) for t in stats]
-        ctx.mark_non_differentiable(*stats)  # the outputs themselves: only out and lse carry gradients
-        return (out.view(*shape, v.shape[-1]), lse.view(shape), *stats)
+        ctx.mark_non_differentiable(*outputs[2:])  # the statistics: only out and lse carry gradients
+        return tuple(outputs)
 
     @staticmethod
     def backward(ctx, dout, dlse, *unused):  # type: ignore[override]
@@ -179,7 +185,10 @@ def fused_attention(
         return tiled_attention(
             query, key, value, path=path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=return_stats
         )
-    batch = tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])) or (1,)
+    if query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+        batch = tuple(query.shape[:-3]) or (1,)
+    else:
+        batch = tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])) or (1,)
     if block_k is None:
         block_k = BLOCK_K_FEW_ROWS if query.shape[-2] <= FEW_ROWS else BLOCK_K
     spec = _Spec(
@@ -196,7 +205,10 @@ def fused_attention(
     squeeze = query.ndim == 3 and key.ndim == 3
     if squeeze:  # no batch dims: the kernel's batch of one
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    out, lse, *rest = _FusedAttention.apply(query, key, value, attn_mask, alibi_slopes, spec)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask)):
+        out, lse, *rest = _FusedAttention.apply(query, key, value, attn_mask, alibi_slopes, spec)
+    else:  # nothing to differentiate: no autograd node to build
+        (out, lse, *rest), *_ = _forward(query, key, value, attn_mask, alibi_slopes, spec)
     if sinks is not None:
         out, _ = merge_sinks(out, lse, sinks)
     out = out.to(query.dtype)
