@@ -11,8 +11,8 @@ d_k = 64, AdamW) on multi-query associative recall twice from the same initialis
   heads whose max logit in that step exceeded ``--tau``.
 
 Writes OUT/plain.jsonl and OUT/qk-clip.jsonl (``attnscale monitor --run OUT/plain.jsonl`` plots
-either), OUT/summary.json, and OUT/monitor_qk_clip.png, the figure of docs/monitor.md. About a
-minute on two cores at the defaults.
+either), OUT/summary.json, and OUT/monitor_qk_clip.png, the figure of docs/monitor.md. One to two
+minutes on two cores at the defaults.
 """
 
 from __future__ import annotations
