@@ -14,6 +14,7 @@ cells meet them.
     python benchmarks/bench_fused.py --tanh             # only the softcap's tanh against torch.tanh
     python benchmarks/bench_fused.py --varlen           # the tanh, then packed sequences only
     python benchmarks/bench_fused.py --markdown out.json  # the README's table from a --json run
+    python benchmarks/bench_fused.py --blocks           # the kernel's tile shapes compared
 
 It also measures forward+backward memory at L = S = 16384 with softcap and a (1024, 0) window (a
 fresh process), the kernel's GFLOP/s against this machine's single-thread GEMM peak, and the window
@@ -252,6 +253,32 @@ def varlen_row(threads: int, repeats: int, n_seq: int = 32) -> dict:
             "ratio": {name: times[name] / times["torch per sequence"] for name in fns}}
 
 
+BLOCK_SHAPES = ((64, 256), (128, 256), (256, 256), (128, 512), (256, 512))
+
+
+def blocks_rows(threads: int, repeats: int) -> list[dict]:
+    """The kernel's forward at several (query rows x keys) tile shapes, against torch's SDPA on the
+    same problem: causal at L = 8192, D = 128 and L = 4096, D = 64; non-causal with statistics at
+    L = 2048, D = 128 and L = 4096, D = 64."""
+    from attnscale.kernels.fused import fused_attention
+    from attnscale.score import ScorePath
+
+    torch.set_num_threads(threads)
+    rows = []
+    for L, D, causal in ((8192, 128, True), (4096, 64, True), (2048, 128, False), (4096, 64, False)):
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 8, L, D, generator=gen) for _ in range(3))
+        path = ScorePath(scale=D**-0.5, causal=causal)
+        fns: dict[str, Callable[[], object]] = {"torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
+        for bq, bk in BLOCK_SHAPES:
+            fns[f"{bq}x{bk}"] = lambda bq=bq, bk=bk: fused_attention(q, k, v, path=path, return_stats=not causal, block_q=bq, block_k=bk)
+        with torch.no_grad():
+            times = interleaved(fns, repeats)
+        rows.append({"threads": threads, "L": L, "D": D, "causal": causal,
+                     "ratio": {name: ratio(times, name, "torch") for name in fns if name != "torch"}})
+    return rows
+
+
 def markdown(result: dict) -> str:
     """The README's table from a ``--json`` file: per case, the range of the ratios over the cells
     and how many meet the target, at one thread and at the default thread count; then the window,
@@ -302,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tanh", action="store_true", help="only time the kernel's tanh against torch.tanh")
     parser.add_argument("--varlen", action="store_true", help="only time packed sequences (varlen_attention)")
     parser.add_argument("--markdown", metavar="JSON", help="print the README's table from a --json file and exit")
+    parser.add_argument("--blocks", action="store_true", help="only compare the kernel's tile shapes")
     args = parser.parse_args(argv)
     if args.markdown:
         with open(args.markdown) as f:
@@ -314,6 +342,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     threads = args.threads or sorted({default_threads, 1}, reverse=True)
     lengths, dims, repeats = ([2048], [64], 3) if args.quick else (args.lengths, args.dims, args.repeats)
     result: dict = {"schema": SCHEMA, "default_threads": default_threads, "rows": [], "windows": [], "peaks": {}}
+    if args.blocks:
+        for t in threads:
+            for r in blocks_rows(t, repeats):
+                what = "causal" if r["causal"] else "non-causal + statistics"
+                cells = ", ".join(f"{name} {x:.2f}x" for name, x in r["ratio"].items())
+                print(f"threads={t} L={r['L']:5d} D={r['D']:3d} {what}: {cells}", flush=True)
+        return 0
     r = result["tanh"] = tanh_row(repeats)
     print(f"threads=1 tanh, ns per float32: |x| < 0.625 kernel {r['kernel near']:.2f}, torch {r['torch near']:.2f}; "
           f"|x| in [0.7, 3] kernel {r['kernel far']:.2f}, torch {r['torch far']:.2f}", flush=True)

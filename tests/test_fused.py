@@ -13,6 +13,7 @@ import torch
 
 import attnscale
 from attnscale import kernels, reference
+from attnscale.kernels import fused
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason=f"the compiled kernel is unavailable: {kernels.unavailable_reason()}"
@@ -49,7 +50,7 @@ FEATURES = list(
         [None, "bool", "float"],  # attn_mask
     )
 )
-# (H, Hkv, L, S): MHA, GQA, MQA; several query blocks (64) and key tiles (256), L != S both ways
+# (H, Hkv, L, S): MHA, GQA, MQA; two query blocks (128) or key tiles (512) in some, L != S both ways
 SHAPES = [(4, 4, 70, 300), (4, 2, 131, 77), (4, 1, 5, 600)]
 
 
@@ -95,6 +96,36 @@ def test_features_match_the_reference_fp64_with_statistics_and_gradients(case):
     want_grads = torch.autograd.grad((expected * grad_out).sum() + expected_stats.lse[finite].sum(), (q, k, v))
     for name, g, w in zip("qkv", got, want_grads):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("case", range(0, len(FEATURES), 5))
+def test_small_tiles_match_the_reference_fp64(case, monkeypatch):
+    """The default tiles (128 x 512) cover these shapes in one or two tiles; 16 x 32 ones make every
+    case span many query blocks and key tiles (diagonal, window-edge and hidden tiles): the output
+    against the reference and the gradients against the math backend, packed too."""
+    monkeypatch.setattr(fused, "BLOCK_Q", 16)
+    monkeypatch.setattr(fused, "BLOCK_K", 32)
+    q, k, v, mask, opts = case_inputs(case)
+    expected = run_reference(q, k, v, mask, **opts)
+    grads = {}
+    for backend in ("fused", "math"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = sdpa(*leaves, mask, backend=backend, **opts)
+        out.backward(torch.ones_like(out))
+        grads[backend] = [t.grad for t in leaves]
+        if backend == "fused":
+            np.testing.assert_allclose(out.detach().numpy(), expected, rtol=0, atol=1e-12)
+    for ours, want in zip(grads["fused"], grads["math"]):
+        assert (ours - want).abs().max().item() < 1e-12
+    aligned = opts.get("causal_alignment") == "bottom_right" or (opts["window"] is None and "is_causal" not in opts)
+    if mask is None and aligned:  # the same problem as packed sequences, one per batch row (varlen aligns bottom-right)
+        packed = [t.transpose(1, 2).flatten(0, 1) for t in (q, k, v)]  # (B * L, H, D)
+        cu_q = torch.arange(0, q.shape[0] + 1) * q.shape[2]
+        cu_k = torch.arange(0, k.shape[0] + 1) * k.shape[2]
+        vopts = {key: val for key, val in opts.items() if key != "causal_alignment"}
+        out = attnscale.varlen_attention(*packed, cu_q, cu_k, backend="fused", **vopts)
+        got = out.unflatten(0, (q.shape[0], q.shape[2])).transpose(1, 2)  # (B, H, L, Dv)
+        np.testing.assert_allclose(got.numpy(), expected, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("case", [0, 17, 35, 53, 71])

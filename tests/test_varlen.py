@@ -158,6 +158,23 @@ def test_float64_matches_the_oracle_per_sequence(feature, heads, backend):
         assert attnscale.last_backend() == backend
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the compiled kernel is unavailable")
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_packed_kernel_with_small_tiles_matches_the_oracle(feature, heads, monkeypatch):
+    """16 x 32 tiles: every sequence spans several query blocks and key tiles, statistics too."""
+    monkeypatch.setattr(attnscale.kernels.fused, "BLOCK_Q", 16)
+    monkeypatch.setattr(attnscale.kernels.fused, "BLOCK_K", 32)
+    (q, k, v, cu_q, cu_k), options = packed_case(heads, feature)
+    out, stats = attnscale.varlen_attention(q, k, v, cu_q, cu_k, return_stats=True, backend="fused", **options)
+    ref_out, ref = oracle_loop(q, k, v, cu_q, cu_k, return_stats=True, **options)
+    assert max_err(out, ref_out) < 1e-12
+    for name, expected in ref.items():
+        got = getattr(stats, name).to(expected.dtype)
+        finite = torch.isfinite(expected)
+        assert torch.equal(torch.isfinite(got), finite) and max_err(got[finite], expected[finite]) < 1e-12, name
+
+
 @pytest.mark.parametrize("backend", ["auto", "math", "tiled"])
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("feature", list(FEATURES))

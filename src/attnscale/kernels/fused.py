@@ -26,8 +26,10 @@ from . import load
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "fused_varlen_attention", "supports"]
 
-BLOCK_Q = 64
-BLOCK_K = 256
+# 128 query rows x 512 keys per tile: each K/V tile serves twice the rows of 64 x 256 (half the K/V
+# traffic at long L), and the BLAS products are larger; `benchmarks/bench_fused.py --blocks` compares.
+BLOCK_Q = 128
+BLOCK_K = 512
 # With few query rows (decoding) each tile's products are matrix-vector ones: wider key tiles
 # mean fewer BLAS calls per row.
 BLOCK_K_FEW_ROWS = 2048
@@ -166,7 +168,7 @@ def fused_attention(
     return_stats: bool = False,
     q_start: int = 0,
     k_start: int = 0,
-    block_q: int = BLOCK_Q,
+    block_q: int | None = None,
     block_k: int | None = None,
 ) -> tuple[Tensor, AttentionStats | None]:
     """Fused attention on validated CPU inputs: query (..., H, L, D), key (..., Hkv, S, D),
@@ -189,6 +191,8 @@ def fused_attention(
         batch = tuple(query.shape[:-3]) or (1,)
     else:
         batch = tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])) or (1,)
+    if block_q is None:
+        block_q = BLOCK_Q
     if block_k is None:
         block_k = BLOCK_K_FEW_ROWS if query.shape[-2] <= FEW_ROWS else BLOCK_K
     spec = _Spec(
@@ -230,9 +234,10 @@ class _FusedVarlen(torch.autograd.Function):
         acc = accumulation_dtype(query.dtype)
         q, k, v = (_packed(t, acc) for t in (query, key, value))
         with torch.no_grad():
-            out, lse, m, l, *stats = load().forward(q, k, v, *_packed_args(path), alibi, None, with_stats, BLOCK_Q, BLOCK_K, spans)
+            out, lse, m, l, *stats = load().forward(q, k, v, *_packed_args(path), alibi, None, with_stats, *_packed_blocks(), spans)
         ctx.save_for_backward(query, key, value, alibi, spans, out, m, l)
         ctx.path = path
+        ctx.blocks = _packed_blocks()  # the backward recomputes the forward's own tiles
         ctx.mark_non_differentiable(*stats)
         return (out[0].transpose(0, 1), lse[0], *(t[0] for t in stats))  # (total_q, H, Dv), (H, total_q)
 
@@ -244,7 +249,7 @@ class _FusedVarlen(torch.autograd.Function):
         dout = dout.to(acc).transpose(0, 1).unsqueeze(0).contiguous()  # (1, H, total_q, Dv)
         delta = ((dout * out).sum(-1) - dlse.to(acc).unsqueeze(0)).contiguous()  # (1, H, total_q)
         with torch.no_grad():
-            dq, dk, dv = load().backward(q, k, v, dout, delta, m, l, *_packed_args(ctx.path), alibi, None, BLOCK_Q, BLOCK_K, spans)
+            dq, dk, dv = load().backward(q, k, v, dout, delta, m, l, *_packed_args(ctx.path), alibi, None, *ctx.blocks, spans)
         H, Hkv = query.shape[1], key.shape[1]
         total_k = key.shape[0]
         dk, dv = dk[0], dv[0]
@@ -266,6 +271,10 @@ def _packed(x: Tensor, dtype: torch.dtype) -> Tensor:
     x = x.to(dtype)
     x = x if x.stride(-1) == 1 else x.contiguous()
     return x.transpose(0, 1).unsqueeze(0)
+
+
+def _packed_blocks() -> tuple[int, int]:
+    return BLOCK_Q, BLOCK_K
 
 
 def _packed_args(path: ScorePath) -> tuple:
