@@ -98,10 +98,7 @@ def test_every_nav_page_renders_a_titled_non_empty_page(site):
 
 
 # Known rendering faults in files the site includes but docs/ does not hold; strict, so a fix shows.
-KNOWN = {
-    "benchmarks": "benchmarks/README.md: after the 'exp floor' item's table, the list's last three items "
-    "render as one paragraph (the items need blank lines between them)",
-}
+KNOWN: dict[str, str] = {}  # page -> why it is known to fail (a strict xfail)
 
 
 @pytest.mark.parametrize(
