@@ -389,6 +389,13 @@ def test_each_sequence_runs_on_views_of_the_packed_tensors(monkeypatch):
     assert seen == [storages] * len(LQ)  # one call per sequence, no copy of q, k or v
 
 
+def test_auto_learns_alibi_slopes_through_the_per_sequence_path():
+    (q, k, v, cu_q, cu_k), _ = packed_case("gqa-dv-differs", "plain")
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64, requires_grad=True)
+    attnscale.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True, alibi_slopes=slopes).sum().backward()
+    assert slopes.grad is not None and torch.isfinite(slopes.grad).all() and slopes.grad.abs().sum() > 0
+
+
 @pytest.mark.skipif(not kernels.available(), reason="the compiled kernel is unavailable")
 def test_auto_runs_every_finite_sequence_in_one_kernel_call(monkeypatch):
     """On CPU, auto hands all sequences to the compiled kernel at once; a sequence with a NaN

@@ -18,7 +18,6 @@ overflow float32) each sequence is one ``scaled_dot_product_attention`` call on 
 from __future__ import annotations
 
 import math
-
 from dataclasses import fields
 from numbers import Integral
 
@@ -356,6 +355,8 @@ def _packed_kernel_spans(
         return []
     if backend is Backend.FUSED:
         return list(range(len(spans)))
+    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+        return []  # learned slopes: the per-sequence path sends them to a backend that differentiates them
     D = q.shape[-1]
     peaks = [_abs_max(t) for t in (q, k, v)]  # one pass each; NaN or inf: some entry is not finite
     finite = all(math.isfinite(p) for p in peaks)
