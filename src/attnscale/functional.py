@@ -22,7 +22,7 @@ from .kernels.fused import fused_attention
 from .kernels.fused import supports as fused_supports
 from .tiled import tiled_attention
 
-__all__ = ["Backend", "last_backend", "record_backend", "scaled_dot_product_attention"]
+__all__ = ["Backend", "abs_max", "last_backend", "may_overflow", "record_backend", "scaled_dot_product_attention"]
 
 log = logging.getLogger("attnscale")
 _state = threading.local()
@@ -310,7 +310,7 @@ def _nan_rows(chosen: Backend, call: AttentionCall, bad_q: Tensor, bad_kv: Tenso
     return ((seen[..., 1] > 0) & bad_q) | (seen[..., 0] > 0)
 
 
-def _abs_max(x: Tensor) -> float:
+def abs_max(x: Tensor) -> float:
     """max |x| as a Python float, NaN if x holds a NaN, 0 if it is empty: one pass, no temporary."""
     if x.numel() == 0:
         return 0.0
@@ -324,11 +324,11 @@ def _logit_bound(call: AttentionCall, q_max: float, k_max: float, attn_mask: Ten
     plus the largest ALiBi bias and the largest finite float-mask value."""
     bound = call.path.scale * call.D * q_max * k_max if call.path.softcap is None else call.path.softcap
     if alibi_slopes is not None:
-        bound += _abs_max(alibi_slopes) * max(call.L, call.S)  # |i' - j| < max(L, S)
+        bound += abs_max(alibi_slopes) * max(call.L, call.S)  # |i' - j| < max(L, S)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
-        peak = _abs_max(attn_mask)
+        peak = abs_max(attn_mask)
         if peak == math.inf:  # -inf hides a key, it is no logit
-            peak = _abs_max(attn_mask.detach().nan_to_num(neginf=0.0))
+            peak = abs_max(attn_mask.detach().nan_to_num(neginf=0.0))
         bound += peak
     return bound
 
@@ -364,7 +364,7 @@ def _careful(
     acc = accumulation_dtype(query.dtype)
     out, stats = fast
     nan_rows = None
-    q_max, k_max, v_max = (_abs_max(x) for x in (query, key, value))
+    q_max, k_max, v_max = (abs_max(x) for x in (query, key, value))
     if not all(math.isfinite(m) for m in (q_max, k_max, v_max)):  # a cheap pass before the per-row test
         with torch.no_grad():
             bad_q = ~torch.isfinite(query).all(dim=-1)  # (..., H, L)
@@ -373,14 +373,14 @@ def _careful(
         query, key, value = (torch.where(torch.isfinite(x), x, 0.0) for x in (query, key, value))
         out, stats = run(query, key, value)
         peaks = _row_peaks(out)
-        q_max, k_max = _abs_max(query), _abs_max(key)
+        q_max, k_max = abs_max(query), abs_max(key)
     bound = functools.cache(lambda: _logit_bound(call, q_max, k_max, attn_mask, alibi_slopes))  # only when needed, once
     trust_finite = chosen is not Backend.TILED
-    if _misfit(peaks, nan_rows, lambda: _may_overflow(bound(), acc), trust_finite):
+    if _misfit(peaks, nan_rows, lambda: may_overflow(bound(), acc), trust_finite):
         if acc == torch.float64:
             _refuse_overflow(call, query, key, value, acc, bound())
         out, stats = run(query.double(), key.double(), value.double())
-        if _misfit(_row_peaks(out), nan_rows, lambda: _may_overflow(bound(), torch.float64), trust_finite):
+        if _misfit(_row_peaks(out), nan_rows, lambda: may_overflow(bound(), torch.float64), trust_finite):
             _refuse_overflow(call, query, key, value, acc, bound())
         # A convex combination of values (weights summing to at most 1) fits the values' dtype.
         out, stats = out.to(query.dtype), _cast_stats(stats, acc)
@@ -393,7 +393,7 @@ def _careful(
     return out, stats
 
 
-def _may_overflow(bound: float, dtype: torch.dtype) -> bool:
+def may_overflow(bound: float, dtype: torch.dtype) -> bool:
     """Whether logits bounded by ``bound`` may leave the range of ``dtype`` (with room for rounding)."""
     return bound >= torch.finfo(dtype).max / 2
 
@@ -417,13 +417,13 @@ def _refuse_overflow(call: AttentionCall, query: Tensor, key: Tensor, value: Ten
         fail(
             "value",
             "values whose weighted sums fit float64",
-            f"{value.dtype} values up to |v| = {_abs_max(value):.3g}",
+            f"{value.dtype} values up to |v| = {abs_max(value):.3g}",
             "rescale value before attention (and the output after it)",
         )
     fail(
         "query/key",
         f"products q.k * scale (plus ALiBi and float-mask values) that fit {acc}, or float64 after a recompute",
-        f"{query.dtype} inputs with entries up to |q| = {_abs_max(query):.3g}, |k| = {_abs_max(key):.3g}, scale = {call.path.scale:.3g}",
+        f"{query.dtype} inputs with entries up to |q| = {abs_max(query):.3g}, |k| = {abs_max(key):.3g}, scale = {call.path.scale:.3g}",
         "rescale query or key (e.g. normalise them, as QK-norm does) or pass a smaller scale",
     )
 
@@ -569,7 +569,7 @@ def scaled_dot_product_attention(
     # NaN inputs, is no overflow: the output check sees those.)
     if not _rows_look_right(peaks) or (
         chosen is Backend.TILED
-        and _may_overflow(_logit_bound(call, _abs_max(query), _abs_max(key), attn_mask, alibi_slopes), accumulation_dtype(query.dtype))
+        and may_overflow(_logit_bound(call, abs_max(query), abs_max(key), attn_mask, alibi_slopes), accumulation_dtype(query.dtype))
     ):
         out, stats = _careful(run, chosen, call, query, key, value, attn_mask, alibi_slopes, (out, stats), peaks)
     _record(chosen, why)

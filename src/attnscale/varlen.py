@@ -34,7 +34,8 @@ from ._validate import (
     check_window,
     fail,
 )
-from .functional import record_backend, scaled_dot_product_attention
+from .dense import accumulation_dtype
+from .functional import abs_max, may_overflow, record_backend, scaled_dot_product_attention
 from .kernels.fused import fused_varlen_attention
 from .kernels.fused import supports as fused_supports
 from .masks import CausalAlignment
@@ -305,18 +306,6 @@ def varlen_attention(
     return out
 
 
-# Logits bounded by this stay finite in float32 q.k products and sums (float32 max 3.4e38).
-_SAFE_LOGIT = 1e30
-
-
-def _abs_max(x: Tensor) -> float:
-    """max |x| (NaN if x holds a NaN, 0 if empty): one pass."""
-    if x.numel() == 0:
-        return 0.0
-    lo, hi = (float(t) for t in torch.aminmax(x.detach()))
-    return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
-
-
 def _finite_abs_max(x: Tensor) -> float:
     """max |x| over x's finite entries (0 if none)."""
     x = x.detach().abs()
@@ -341,31 +330,27 @@ def _packed_kernel_spans(
     alibi_slopes: Tensor | None,
 ) -> list[int]:
     """The sequences the compiled kernel runs in one call: all of them for ``backend="fused"``;
-    for ``"auto"`` on a CPU kernel those whose q, k and v rows are all finite, when a bound on every
-    logit (|q.k| <= D max|q| max|k| over finite entries, times the scale, or the softcap, plus the
-    largest ALiBi bias) stays below float32 overflow. The others (and every sequence for other
+    for ``"auto"`` on a CPU kernel those whose q, k and v rows are all finite, when neither the raw
+    products (|q.k| <= D max|q| max|k| over finite entries) nor the logits (that times the scale, or
+    the softcap, plus the largest ALiBi bias) may overflow the accumulation dtype. The others (and every sequence for other
     backends) take one scaled_dot_product_attention call each, whose checks handle non-finite
     inputs and overflowing products; a sequence's result never depends on the path its neighbours take."""
-    if backend not in (Backend.AUTO, Backend.FUSED) or not spans:
-        return []
-    reason = fused_supports(q, None)
-    if reason is not None:
-        if backend is Backend.FUSED:
-            raise RuntimeError(f"backend='fused' cannot run this call: {reason}")
-        return []
     if backend is Backend.FUSED:
-        return list(range(len(spans)))
+        return list(range(len(spans)))  # the kernel call itself says why, where it cannot run
+    if backend is not Backend.AUTO or not spans or fused_supports(q, None) is not None:
+        return []
     if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
         return []  # learned slopes: the per-sequence path sends them to a backend that differentiates them
     D = q.shape[-1]
-    peaks = [_abs_max(t) for t in (q, k, v)]  # one pass each; NaN or inf: some entry is not finite
+    peaks = [abs_max(t) for t in (q, k, v)]  # one pass each; NaN or inf: some entry is not finite
     finite = all(math.isfinite(p) for p in peaks)
     q_max, k_max = peaks[:2] if finite else (_finite_abs_max(q), _finite_abs_max(k))
-    bound = (D**-0.5 if scale is None else scale) * D * q_max * k_max if softcap is None else softcap
+    raw = D * q_max * k_max  # |q.k| before the scale, as the kernel's products accumulate it
+    bound = (D**-0.5 if scale is None else scale) * raw if softcap is None else softcap
     if alibi_slopes is not None:
         longest = max(max(q1 - q0, k1 - k0) for (q0, q1), (k0, k1) in spans)
         bound += _finite_abs_max(alibi_slopes) * longest
-    if not bound < _SAFE_LOGIT:
+    if may_overflow(max(raw, bound), accumulation_dtype(q.dtype)):
         return []
     if finite:
         return list(range(len(spans)))

@@ -76,6 +76,18 @@ def supports(query: Tensor, attn_mask: Tensor | None) -> str | None:
     return None
 
 
+def _check_runnable(query: Tensor, attn_mask: Tensor | None, alibi_slopes: Tensor | None) -> None:
+    """RuntimeError where the kernel cannot run (see :func:`supports`), ValueError for learned slopes."""
+    reason = supports(query, attn_mask)
+    if reason is not None:
+        raise RuntimeError(f"backend='fused' cannot run this call: {reason}")
+    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "alibi_slopes: expected constant slopes on the fused backend, got a tensor that requires grad. "
+            "Fix: pass alibi_slopes.detach(), or backend='math' to learn the slopes"
+        )
+
+
 def _flat(x: Tensor, spec: _Spec, dtype: torch.dtype) -> Tensor:
     """(*batch, heads, n, d) in ``dtype`` as (B, heads, n, d) with a contiguous last dim."""
     if x.dtype == dtype and x.ndim == 4 and x.shape[0] == spec.batch[0] and len(spec.batch) == 1 and x.stride(-1) == 1:
@@ -175,14 +187,7 @@ def fused_attention(
     value (..., Hkv, S, Dv), H a multiple of Hkv (L = 0 or S = 0 give the tiled kernel's empty or
     zero results). Returns (out (..., H, L, Dv), stats
     or None). Raises RuntimeError when the compiled kernel is unavailable (see :func:`supports`)."""
-    reason = supports(query, attn_mask)
-    if reason is not None:
-        raise RuntimeError(f"backend='fused' cannot run this call: {reason}")
-    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
-            "alibi_slopes: expected constant slopes on the fused backend, got a tensor that requires grad. "
-            "Fix: pass alibi_slopes.detach(), or backend='math' to learn the slopes"
-        )
+    _check_runnable(query, attn_mask, alibi_slopes)
     if query.shape[-2] == 0 or key.shape[-2] == 0:  # nothing to tile: the eager kernel's empty results
         return tiled_attention(
             query, key, value, path=path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=return_stats
@@ -301,14 +306,7 @@ def fused_varlen_attention(
     ``alibi_slopes`` (H,), or (len(spans), H) one row per span. Returns (out (total_q, H, Dv), stats
     with (H, total_q) tensors, or None). ``path.q_offset`` is ignored: each sequence is aligned
     bottom-right. Raises RuntimeError when the compiled kernel is unavailable (see :func:`supports`)."""
-    reason = supports(query, None)
-    if reason is not None:
-        raise RuntimeError(f"backend='fused' cannot run this call: {reason}")
-    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
-            "alibi_slopes: expected constant slopes on the fused backend, got a tensor that requires grad. "
-            "Fix: pass alibi_slopes.detach(), or backend='math' to learn the slopes"
-        )
+    _check_runnable(query, None, alibi_slopes)
     B, H = len(spans), query.shape[1]
     table = torch.tensor([[q0, q1, k0, k1] for (q0, q1), (k0, k1) in spans], dtype=torch.int64).reshape(B, 4)
     slopes = None
