@@ -251,6 +251,22 @@ def test_one_visible_key_per_row_gives_dv_equal_to_do_exactly():
         torch.testing.assert_close(dv, grad_out, rtol=0, atol=0)
 
 
+def test_values_of_width_zero_give_empty_outputs_the_same_statistics_and_no_blas_error(capfd):
+    # Dv = 0 (statistics only): every product with V is empty, which BLAS must never see (it
+    # rejects a leading dimension of 0, printing an error), and the statistics are the full call's.
+    q, k, v = make_inputs(B=2, H=4, Hkv=2, L=300, S=500, D=32, Dv=32, dtype=torch.float32)
+    q, k = q.requires_grad_(), k.requires_grad_()
+    for opts in ({}, {"is_causal": True, "softcap": 20.0}):
+        _, full = sdpa(q, k, v, return_stats=True, **opts)
+        out, stats = sdpa(q, k, v[..., :0], return_stats=True, **opts)
+        assert out.shape == (2, 4, 300, 0)
+        for name in ("lse", "max_logit", "max_prob", "entropy", "visible_keys"):
+            assert torch.equal(getattr(stats, name), getattr(full, name)), name
+        dq, dk = torch.autograd.grad((out.sum(), stats.lse.sum()), (q, k))
+        assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and dq.abs().sum() > 0
+    assert "ERROR" not in "".join(capfd.readouterr())
+
+
 def test_results_are_deterministic_run_to_run():
     q, k, v = make_inputs(B=2, H=4, Hkv=1, L=300, S=500, D=32, Dv=32, dtype=torch.float32)
     q, k, v = (t.requires_grad_() for t in (q, k, v))

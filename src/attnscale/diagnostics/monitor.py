@@ -1149,9 +1149,12 @@ class Monitor:
                 # without autograd, far cheaper than differentiating the statistics' path.
                 out = scaled_dot_product_attention(query, key, value, backend=requested, **options)
                 # No dropout there: statistics describe the softmax before dropout, and drawing a second
-                # dropout mask would move the random stream the training run sees.
+                # dropout mask would move the random stream the training run sees. Values of width 0:
+                # the statistics need no output, and the kernel then skips every product with V.
                 with torch.no_grad():
-                    _, stats = scaled_dot_product_attention(query, key, value, return_stats=True, backend=backend, **{**options, "dropout_p": 0.0})
+                    _, stats = scaled_dot_product_attention(
+                        query, key, value[..., :0], return_stats=True, backend=backend, **{**options, "dropout_p": 0.0}
+                    )
             else:
                 out, stats = scaled_dot_product_attention(query, key, value, return_stats=True, backend=backend, **options)
         finally:

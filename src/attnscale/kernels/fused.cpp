@@ -56,17 +56,24 @@ struct SerialBlas {
   }
 };
 
-// Column-major BLAS, as Fortran: C (m x n) = alpha op(A) op(B) + beta C.
-inline void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-                 const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  int im = m, in = n, ik = k, ilda = lda, ildb = ldb, ildc = ldc;
-  sgemm_(&ta, &tb, &im, &in, &ik, &alpha, a, &ilda, b, &ildb, &beta, c, &ildc);
+// Column-major BLAS, as Fortran: C (m x n) = alpha op(A) op(B) + beta C. An empty C (m or n = 0,
+// e.g. values with Dv = 0) is no call: BLAS rejects a leading dimension of 0 and prints an error.
+inline void blas(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
+                 float beta, float* c, int ldc) {
+  sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
 }
 
-inline void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
-                 const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
-  int im = m, in = n, ik = k, ilda = lda, ildb = ldb, ildc = ldc;
-  dgemm_(&ta, &tb, &im, &in, &ik, &alpha, a, &ilda, b, &ildb, &beta, c, &ildc);
+inline void blas(char ta, char tb, int m, int n, int k, double alpha, const double* a, int lda, const double* b, int ldb,
+                 double beta, double* c, int ldc) {
+  dgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+template <typename T>
+inline void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+                 int64_t ldb, T beta, T* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  auto ld = [](int64_t x) { return static_cast<int>(std::max<int64_t>(x, 1)); };
+  blas(ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a, ld(lda), b, ld(ldb), beta, c, ld(ldc));
 }
 
 // Weights below exp(floor) times the row maximum's are set to 0: a matmul whose products fall
