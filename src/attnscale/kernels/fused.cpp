@@ -252,7 +252,9 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
   const Vec vcap(cap), vslope(slope), iota = Vec::arange(T(0), T(1));
   Vec vmax(neg_inf);
   int64_t c = lo;
-  if (!fm || P.m_ss == 1) {
+  if (cap == T(0) && !P.alibi && !fm) {  // the products are the logits: only their maximum
+    for (; c + n <= hi; c += n) vmax = at::vec::maximum(vmax, Vec::loadu(x + c));
+  } else if (!fm || P.m_ss == 1) {
     for (; c + n <= hi; c += n) {
       Vec xv = Vec::loadu(x + c);
       if (cap != T(0)) {
