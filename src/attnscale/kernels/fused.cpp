@@ -91,7 +91,7 @@ constexpr T exp_floor() {
 // when one of its lanes needs it: softcapped logits mostly lie well inside the cap, where this
 // costs a fraction of Sleef's vector tanh. Within 1.9 ulp of tanh over float32
 // (tests/test_fused.py); NaN stays NaN.
-inline bool any_lane(const Vectorized<float>& mask) {
+__attribute__((always_inline)) inline bool any_lane(const Vectorized<float>& mask) {
 #if defined(CPU_CAPABILITY_AVX2)
   return _mm256_movemask_ps(mask) != 0;
 #else
@@ -102,7 +102,9 @@ inline bool any_lane(const Vectorized<float>& mask) {
   return false;
 #endif
 }
-inline Vectorized<float> vtanh(const Vectorized<float>& x) {
+// Always inlined: as a call, the argument and result pass through memory and the constants are
+// reloaded for every vector (perf showed the call, not the arithmetic, dominating the softcap path).
+__attribute__((always_inline)) inline Vectorized<float> vtanh(const Vectorized<float>& x) {
   using V = Vectorized<float>;
   const V y = x * x;
   V p = at::vec::fmadd(V(-5.705085100e-03f), y, V(2.063917333e-02f));
@@ -164,6 +166,10 @@ struct Problem {
   int64_t nseq = 0;
 
   int64_t G() const { return H / Hkv; }
+  // The largest tile this problem has: scratch is sized by it, not by the block sizes (one query
+  // row against 2048-key tiles needs 8 KiB, not the 1 MiB that zeroing cost ~40 us per call).
+  int64_t tile_rows() const { return std::max<int64_t>(1, std::min(block_q, L)); }
+  int64_t tile_width() const { return std::max<int64_t>(1, std::min(block_k, S)); }
 
   // Sequence s of a packed problem as a plain one of batch 1 on views of the packed tensors; its
   // ALiBi slopes are row s of the (nseq, H) slopes.
@@ -252,8 +258,17 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
   const Vec vcap(cap), vslope(slope), iota = Vec::arange(T(0), T(1));
   Vec vmax(neg_inf);
   int64_t c = lo;
-  if (cap == T(0) && !P.alibi && !fm) {  // the products are the logits: only their maximum
+  const bool alibi = P.alibi != nullptr;  // a local: the loops below test it in a register
+  if (cap == T(0) && !alibi && !fm) {  // the products are the logits: only their maximum
     for (; c + n <= hi; c += n) vmax = at::vec::maximum(vmax, Vec::loadu(x + c));
+  } else if (!alibi && !fm) {  // softcap only, the common case: its own loop, nothing else tested
+    for (; c + n <= hi; c += n) {
+      const Vec th = vtanh(Vec::loadu(x + c));
+      if (t) th.store(t + c);
+      const Vec xv = th * vcap;
+      xv.store(x + c);
+      vmax = at::vec::maximum(vmax, xv);
+    }
   } else if (!fm || P.m_ss == 1) {
     for (; c + n <= hi; c += n) {
       Vec xv = Vec::loadu(x + c);
@@ -262,7 +277,7 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
         if (t) th.store(t + c);
         xv = th * vcap;
       }
-      if (P.alibi) xv = xv - vslope * (Vec(static_cast<T>(p - c)) - iota).abs();  // exact below 2^24 keys
+      if (alibi) xv = xv - vslope * (Vec(static_cast<T>(p - c)) - iota).abs();  // exact below 2^24 keys
       if (fm) xv = xv + Vec::loadu(fm + c);
       xv.store(x + c);
       vmax = at::vec::maximum(vmax, xv);
@@ -276,7 +291,7 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
       if (t) t[c] = th;
       xc = cap * th;
     }
-    if (P.alibi) xc -= slope * static_cast<T>(std::abs(p - c));
+    if (alibi) xc -= slope * static_cast<T>(std::abs(p - c));
     if (fm) xc += fm[c * P.m_ss];
     x[c] = xc;
     if (std::isnan(xc) || xc > m) m = xc;  // NaN propagates, as in at::vec::maximum
@@ -367,8 +382,8 @@ struct ForwardScratch {
   std::vector<T> sbuf, acc, m, l, w;
   std::vector<int64_t> seen;
   explicit ForwardScratch(const Problem<T>& P)
-      : sbuf(P.block_q * P.block_k), acc(P.block_q * P.Dv), m(P.block_q), l(P.block_q), w(P.block_q),
-        seen(P.block_q) {}
+      : sbuf(P.tile_rows() * P.tile_width()), acc(P.tile_rows() * P.Dv), m(P.tile_rows()), l(P.tile_rows()),
+        w(P.tile_rows()), seen(P.tile_rows()) {}
 };
 
 // Query block qb of head h, batch b: the online softmax over its key tiles, written to O.
@@ -501,8 +516,8 @@ template <typename T>
 struct BackwardScratch {
   std::vector<T> sbuf, tbuf, dpbuf, dqb;
   explicit BackwardScratch(const Problem<T>& P)
-      : sbuf(P.block_q * P.block_k), tbuf(P.softcap != T(0) ? P.block_q * P.block_k : 0),
-        dpbuf(P.block_q * P.block_k), dqb(P.block_q * P.D) {}
+      : sbuf(P.tile_rows() * P.tile_width()), tbuf(P.softcap != T(0) ? P.tile_rows() * P.tile_width() : 0),
+        dpbuf(P.tile_rows() * P.tile_width()), dqb(P.tile_rows() * P.D) {}
 };
 
 // Head h of batch b: every query block, accumulating its dk, dv rows (the query head's own, or its
