@@ -17,7 +17,7 @@ from torch import Tensor
 from ._validate import AttentionCall, Backend, check_attention_call, fail
 from .dense import accumulation_dtype, dense_attention
 from .masks import CausalAlignment, add_bias, alibi_bias
-from .stats import AttentionStats
+from .stats import AttentionStats, with_nan_rows
 from .kernels.fused import fused_attention
 from .kernels.fused import supports as fused_supports
 from .tiled import tiled_attention
@@ -387,9 +387,7 @@ def _careful(
     if nan_rows is not None:
         out = out.masked_fill(nan_rows[..., None], math.nan)
         if stats is not None:
-            stats = dataclasses.replace(
-                stats, **{f.name: getattr(stats, f.name).masked_fill(nan_rows, math.nan) for f in dataclasses.fields(stats) if f.name != "visible_keys" and getattr(stats, f.name) is not None}
-            )
+            stats = with_nan_rows(stats, nan_rows)
     return out, stats
 
 

@@ -30,12 +30,12 @@ rows and batch) and :func:`share_above` (per-head share of rows whose statistic 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionStats", "HeadSummary", "normalized_entropy", "share_above", "summarize", "with_sinks"]
+__all__ = ["AttentionStats", "HeadSummary", "normalized_entropy", "share_above", "summarize", "with_nan_rows", "with_sinks"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,15 @@ def with_sinks(stats: AttentionStats, sinks: Tensor) -> AttentionStats:
         entropy=entropy,
         visible_keys=stats.visible_keys,
         sink_share=share,
+    )
+
+
+def with_nan_rows(stats: AttentionStats, rows: Tensor) -> AttentionStats:
+    """``stats`` with NaN in every statistic of the rows ``rows`` (..., H, L) marks, ``visible_keys``
+    kept: the statistics of rows whose output the NaN semantics make NaN."""
+    return replace(
+        stats,
+        **{f.name: getattr(stats, f.name).masked_fill(rows, math.nan) for f in fields(stats) if f.name != "visible_keys" and getattr(stats, f.name) is not None},
     )
 
 

@@ -185,6 +185,24 @@ def test_training_loop_api_keeps_gradients_and_accumulates_calls():
     assert report.heads[0].calls == 1
 
 
+def test_training_statistics_see_non_finite_values_as_inference_does():
+    # In a training step the statistics come from a call without v (width 0); the rows a NaN or
+    # inf value makes NaN must still get NaN statistics, as in one call with v.
+    from attnscale.diagnostics.monitor import ROUTE_SDPA
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    v[0, 1, 3, 2] = math.nan  # seen by rows 3.. of batch 0, head 1 (causal)
+    v[1, 2, 6, 0] = math.inf
+    mon = attnscale.monitor(Block())
+    with torch.no_grad():
+        _, expected = mon.attend("x", ROUTE_SDPA, q, k, v, is_causal=True)
+    _, got = mon.attend("x", ROUTE_SDPA, q.requires_grad_(), k, v, is_causal=True)
+    assert expected.lse.isnan().sum() == 6 + 3  # the rows that see a non-finite value
+    for name in ("lse", "max_logit", "max_prob", "entropy", "visible_keys"):
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=0, atol=0, equal_nan=True, msg=name)
+
+
 def test_forwards_in_several_threads_are_attributed_to_their_own_layers():
     model = Block()
     x = torch.randn(2, 6, 48)

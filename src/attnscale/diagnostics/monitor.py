@@ -97,9 +97,9 @@ from torch import Tensor, nn
 from .. import modules as _modules
 from .._validate import check_attention_call, fail
 from ..dense import accumulation_dtype
-from ..functional import MATH_MAX_SCORES, scaled_dot_product_attention
+from ..functional import MATH_MAX_SCORES, abs_max, scaled_dot_product_attention
 from ..kernels.fused import supports as fused_supports
-from ..stats import AttentionStats, normalized_entropy
+from ..stats import AttentionStats, normalized_entropy, with_nan_rows
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -1155,6 +1155,10 @@ class Monitor:
                     _, stats = scaled_dot_product_attention(
                         query, key, value[..., :0], return_stats=True, backend=backend, **{**options, "dropout_p": 0.0}
                     )
+                    if not math.isfinite(abs_max(value)):
+                        # That call never saw v: the rows a non-finite value makes NaN are the NaN
+                        # rows of the output, whose statistics are NaN as in a call with v.
+                        stats = with_nan_rows(stats, ~torch.isfinite(out.detach()).all(dim=-1))
             else:
                 out, stats = scaled_dot_product_attention(query, key, value, return_stats=True, backend=backend, **options)
         finally:
