@@ -267,6 +267,41 @@ def test_values_of_width_zero_give_empty_outputs_the_same_statistics_and_no_blas
     assert "ERROR" not in "".join(capfd.readouterr())
 
 
+def test_the_kernels_row_verdict_is_the_output_check_it_replaces():
+    # scaled_dot_product_attention trusts the kernel's rows_ok in place of its own check of the
+    # output (every row finite and not all zeros): both must agree on rows that are fine, NaN,
+    # inf, all zeros (no visible key, or zero values), and on values of width 0.
+    from attnscale.functional import _row_peaks, _rows_look_right
+    from attnscale.score import ScorePath
+
+    path = ScorePath(scale=0.5)
+    q, k, v = make_inputs(B=2, H=4, Hkv=2, L=40, S=70, D=8, Dv=6, dtype=torch.float32)
+    mask = torch.ones(2, 1, 40, 70, dtype=torch.bool)
+    mask[1, 0, 7] = False  # a row without a visible key: zeros
+    nan_q, inf_v, zero_v = q.clone(), v.clone(), torch.zeros_like(v)
+    nan_q[0, 2, 3, 1] = float("nan")
+    inf_v[1, 1, 5, 0] = float("inf")
+    cases = {
+        "fine": (q, k, v, None),
+        "no visible key": (q, k, v, mask),
+        "NaN query row": (nan_q, k, v, None),
+        "inf value": (q, k, inf_v, None),
+        "zero values": (q, k, zero_v, None),
+        "width 0": (q, k, v[..., :0], None),
+    }
+    verdicts = {}
+    for name, (qq, kk, vv, m) in cases.items():
+        for grad in (False, True):
+            leaves = [t.clone().requires_grad_(grad) for t in (qq, kk, vv)]
+            out, _, rows_ok = fused.fused_attention_checked(*leaves, path=path, attn_mask=m)
+            assert rows_ok == _rows_look_right(_row_peaks(out)), (name, grad)
+        verdicts[name] = rows_ok
+    assert verdicts == {"fine": True, "no visible key": False, "NaN query row": False, "inf value": False, "zero values": False, "width 0": True}
+    # Where the kernel's rows are not the returned ones, the caller is told to check itself.
+    assert fused.fused_attention_checked(q, k, v, path=path, sinks=torch.zeros(4))[2] is None
+    assert fused.fused_attention_checked(q.bfloat16(), k.bfloat16(), v.bfloat16(), path=path)[2] is None
+
+
 def test_results_are_deterministic_run_to_run():
     q, k, v = make_inputs(B=2, H=4, Hkv=1, L=300, S=500, D=32, Dv=32, dtype=torch.float32)
     q, k, v = (t.requires_grad_() for t in (q, k, v))

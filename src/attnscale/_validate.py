@@ -60,6 +60,8 @@ def check_choice(arg: str, value: object, enum: type[StrEnum]) -> StrEnum:
 def check_positive_finite(arg: str, value: object, *, allow_none: bool = True) -> float | None:
     if value is None and allow_none:
         return None
+    if type(value) is float and 0.0 < value < math.inf:  # the common case, without the ABC check below
+        return value
     if isinstance(value, bool) or not isinstance(value, Real):
         fail(arg, "a finite positive float", repr(value), f"pass a float, e.g. {arg}=0.125", exc=TypeError)
     value = float(value)
@@ -226,7 +228,7 @@ def check_attention_call(
             fail("attn_mask", f"a shape broadcastable to (..., H, L, S) = {target}", _shape(attn_mask), "use (L, S), (B, 1, L, S) or (B, 1, 1, S) for padding")
         if attn_mask.dtype != torch.bool and (torch.isnan(attn_mask).any() or (attn_mask == float("inf")).any()):
             fail("attn_mask", "float values that are finite or -inf", "NaN or +inf entries", "use -inf (or a bool mask) for hidden keys")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real):
+    if type(dropout_p) is not float and (isinstance(dropout_p, bool) or not isinstance(dropout_p, Real)):
         fail("dropout_p", "a float in [0, 1)", repr(dropout_p), "pass e.g. dropout_p=0.1, or 0.0 at inference", exc=TypeError)
     if not 0.0 <= float(dropout_p) < 1.0:
         fail("dropout_p", "a float in [0, 1)", repr(dropout_p), "pass e.g. dropout_p=0.1, or 0.0 at inference")

@@ -18,7 +18,7 @@ from ._validate import AttentionCall, Backend, check_attention_call, fail
 from .dense import accumulation_dtype, dense_attention
 from .masks import CausalAlignment, add_bias, alibi_bias
 from .stats import AttentionStats, with_nan_rows
-from .kernels.fused import fused_attention
+from .kernels.fused import fused_attention, fused_attention_checked
 from .kernels.fused import supports as fused_supports
 from .tiled import tiled_attention
 
@@ -560,15 +560,22 @@ def scaled_dot_product_attention(
     slopes_need_grad = alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled()
     chosen, why = _choose(call, query, attn_mask, slopes_need_grad=slopes_need_grad)
     run = _run_backend(chosen, call, attn_mask, alibi_slopes, sinks)
-    out, stats = run(query, key, value)
-    peaks = _row_peaks(out)
+    rows_ok: bool | None = None
+    if chosen is Backend.FUSED:  # the kernel checks its rows as it writes them
+        out, stats, rows_ok = fused_attention_checked(
+            query, key, value, path=call.path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=call.return_stats
+        )
+    else:
+        out, stats = run(query, key, value)
+    peaks = _row_peaks(out) if rows_ok is None else None
     # The tiled kernel turns a row whose logits all overflow to -inf into a finite one, so it needs
     # a bound on the logits too: O((L + S) * D), small next to its O(L * S * D). (A NaN bound, from
     # NaN inputs, is no overflow: the output check sees those.)
-    if not _rows_look_right(peaks) or (
+    if not (_rows_look_right(peaks) if rows_ok is None else rows_ok) or (
         chosen is Backend.TILED
         and may_overflow(_logit_bound(call, abs_max(query), abs_max(key), attn_mask, alibi_slopes), accumulation_dtype(query.dtype))
     ):
+        peaks = _row_peaks(out) if peaks is None else peaks
         out, stats = _careful(run, chosen, call, query, key, value, attn_mask, alibi_slopes, (out, stats), peaks)
     _record(chosen, why)
     if call.return_stats:

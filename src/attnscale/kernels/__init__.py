@@ -97,6 +97,8 @@ def build(*, verbose: bool = False) -> ModuleType:
 def load() -> ModuleType | None:
     """The kernel module, building it on first use; None (with the reason printed once) if it
     cannot be had."""
+    if "module" in _state:  # loaded (or refused) already: no lock on every attention call
+        return _state["module"]  # type: ignore[return-value]
     with _lock:
         if "module" in _state:
             return _state["module"]  # type: ignore[return-value]

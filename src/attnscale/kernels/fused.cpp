@@ -19,8 +19,10 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 extern "C" {
@@ -374,6 +376,9 @@ struct ForwardOut {
   T* max_prob;
   T* entropy;
   int64_t* visible;
+  // Set when some output row is non-finite or all zeros (Dv > 0): the caller's one check of the
+  // output, made here while the rows are written instead of in further passes over them.
+  std::atomic<bool>* suspect;
 };
 
 // One thread's buffers for forward blocks.
@@ -441,12 +446,20 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
         gemm('N', 'N', P.Dv, rows, width, T(1), v + j0 * P.v_sl, P.v_sl, x, width, T(1), acc.data(), P.Dv);
       }
       const int64_t row0 = (b * P.H + h) * P.o_rows + P.o_start + i0;
+      bool suspect = false;
       for (int64_t r = 0; r < rows; ++r) {
         const bool has = l[r] != T(0);  // a NaN sum (NaN inputs) is no empty row: NaN reaches the output
         const T safe = has ? l[r] : T(1);
         T* dst = O.out + (row0 + r) * P.Dv;
         const T* ar = acc.data() + r * P.Dv;
-        for (int64_t c = 0; c < P.Dv; ++c) dst[c] = has ? ar[c] / safe : T(0);
+        bool finite = true, nonzero = false;
+        for (int64_t c = 0; c < P.Dv; ++c) {
+          const T value = has ? ar[c] / safe : T(0);
+          dst[c] = value;
+          finite = finite && std::isfinite(value);
+          nonzero = nonzero || value != T(0);
+        }
+        suspect = suspect || (P.Dv > 0 && !(finite && nonzero));
         O.lse[row0 + r] = has ? m[r] + std::log(safe) : neg_inf;
         O.m[row0 + r] = has ? m[r] : T(0);
         O.l[row0 + r] = safe;
@@ -457,8 +470,27 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
           O.visible[row0 + r] = seen[r];
         }
       }
+      if (suspect) O.suspect->store(true, std::memory_order_relaxed);
     }
   }
+}
+
+// Tasks [0, n) on every thread, handed out one at a time from a shared counter (dynamic, in
+// order) rather than split into equal ranges up front: a thread that starts late, or loses its
+// core for a while, leaves its share to the others instead of making everyone wait for it. Each
+// thread makes its scratch once (make()) and runs run(task, scratch) under SerialBlas.
+template <typename Make, typename Run>
+void parallel_tasks(int64_t n, Make make, Run run) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    SerialBlas serial;
+    auto W = make();
+    for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < n;
+         task = next.fetch_add(1, std::memory_order_relaxed))
+      run(task, W);
+  });
 }
 
 // Query blocks of packed sequences, (sequence, block) pairs in order: the unit of parallel work.
@@ -477,25 +509,21 @@ std::vector<std::pair<int64_t, int64_t>> sequence_blocks(const Problem<T>& P) {
 // Parallel over batch, heads and query blocks (packed: heads and every sequence's query blocks).
 template <typename T>
 void forward_kernel(const Problem<T>& P, const ForwardOut<T>& O) {
+  auto make = [&] { return ForwardScratch<T>(P); };
   if (P.spans) {
     const auto blocks = sequence_blocks(P);
     const int64_t nb = static_cast<int64_t>(blocks.size());
-    at::parallel_for(0, P.H * nb, 1, [&](int64_t begin, int64_t end) {
-      SerialBlas serial;
-      ForwardScratch<T> W(P);
-      for (int64_t task = begin; task < end; ++task) {
-        const auto [s, qb] = blocks[task % nb];
-        forward_block(P.sequence(s), O, 0, task / nb, qb, W);
-      }
+    parallel_tasks(P.H * nb, make, [&](int64_t task, ForwardScratch<T>& W) {
+      const auto [s, qb] = blocks[task % nb];
+      forward_block(P.sequence(s), O, 0, task / nb, qb, W);
     });
     return;
   }
+  // Head by head, each head's query blocks last to first: under causality the last see the most
+  // keys, so the work left at the end, when threads run out of tasks, is the smallest.
   const int64_t nqb = P.q_blocks();
-  at::parallel_for(0, P.B * P.H * nqb, 1, [&](int64_t begin, int64_t end) {
-    SerialBlas serial;
-    ForwardScratch<T> W(P);
-    for (int64_t task = begin; task < end; ++task)
-      forward_block(P, O, task / (nqb * P.H), (task / nqb) % P.H, task % nqb, W);
+  parallel_tasks(P.B * P.H * nqb, make, [&](int64_t task, ForwardScratch<T>& W) {
+    forward_block(P, O, task / (nqb * P.H), (task / nqb) % P.H, nqb - 1 - task % nqb, W);
   });
 }
 
@@ -611,23 +639,16 @@ void backward_kernel(const Problem<T>& P, const BackwardIO<T>& IO) {
       scale_dk(Q, IO, b * Q.H + head);
     }
   };
+  auto make = [&] { return BackwardScratch<T>(P); };
   if (P.spans) {
     std::vector<int64_t> seqs;
     for (int64_t s = 0; s < P.nseq; ++s)
       if (P.spans[4 * s + 1] > P.spans[4 * s] && P.spans[4 * s + 3] > P.spans[4 * s + 2]) seqs.push_back(s);
     const int64_t ns = static_cast<int64_t>(seqs.size());
-    at::parallel_for(0, heads * ns, 1, [&](int64_t begin, int64_t end) {
-      SerialBlas serial;
-      BackwardScratch<T> W(P);
-      for (int64_t task = begin; task < end; ++task) run(P.sequence(seqs[task % ns]), 0, task / ns, W);
-    });
+    parallel_tasks(heads * ns, make, [&](int64_t task, BackwardScratch<T>& W) { run(P.sequence(seqs[task % ns]), 0, task / ns, W); });
     return;
   }
-  at::parallel_for(0, P.B * heads, 1, [&](int64_t begin, int64_t end) {
-    SerialBlas serial;
-    BackwardScratch<T> W(P);
-    for (int64_t task = begin; task < end; ++task) run(P, task / heads, task % heads, W);
-  });
+  parallel_tasks(P.B * heads, make, [&](int64_t task, BackwardScratch<T>& W) { run(P, task / heads, task % heads, W); });
 }
 
 template <typename T>
@@ -682,7 +703,9 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
   return P;
 }
 
-std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
+// Returns the outputs and whether every output row is finite and not all zeros (rows of packed
+// sequences without keys are not visited and not counted).
+std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                                    double softcap, bool causal, int64_t q_offset, int64_t left, int64_t right,
                                    int64_t q_start, int64_t k_start, const c10::optional<torch::Tensor>& alibi,
                                    const c10::optional<torch::Tensor>& mask, bool with_stats, int64_t block_q,
@@ -705,11 +728,12 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
     result.push_back(make({B, H, L}, 0.0, dt));   // entropy
     result.push_back(make({B, H, L}, 0.0, torch::kInt64));  // visible
   }
+  std::atomic<bool> suspect{false};
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnscale_fused_forward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
                                     mask, block_q, block_k, spans);
     ForwardOut<scalar_t> O{out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
-                           l.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr};
+                           l.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr, &suspect};
     if (with_stats) {
       O.max_logit = result[4].data_ptr<scalar_t>();
       O.max_prob = result[5].data_ptr<scalar_t>();
@@ -718,7 +742,7 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
     }
     forward_kernel(P, O);
   });
-  return result;
+  return {result, !suspect.load()};
 }
 
 std::vector<torch::Tensor> backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -771,7 +795,7 @@ torch::Tensor tanh_op(const torch::Tensor& x) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("forward", &forward, "attnscale fused attention forward (out, lse, m, l[, max_logit, max_prob, entropy, visible])");
+  module.def("forward", &forward, "attnscale fused attention forward: ([out, lse, m, l[, max_logit, max_prob, entropy, visible]], rows_ok)");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");
   module.def("backward", &backward, "attnscale fused attention backward (dq, dk, dv; dk, dv per key head, or per query head for the caller to sum per group)");
 }

@@ -13,7 +13,7 @@ grad is refused (``backend="auto"`` sends it to the tiled kernel).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,7 +24,7 @@ from ..stats import AttentionStats, with_sinks
 from ..tiled import merge_sinks, tiled_attention
 from . import load
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "fused_varlen_attention", "supports"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "fused_attention_checked", "fused_varlen_attention", "supports"]
 
 # 128 query rows x 512 keys per tile: each K/V tile serves twice the rows of 64 x 256 (half the K/V
 # traffic at long L), and the BLAS products are larger; `benchmarks/bench_fused.py --blocks` compares.
@@ -36,9 +36,9 @@ BLOCK_K_FEW_ROWS = 2048
 FEW_ROWS = 16
 
 
-@dataclass(frozen=True)
-class _Spec:
-    """Everything but the tensors: the score path and the tiling, as the kernel reads them."""
+class _Spec(NamedTuple):
+    """Everything but the tensors: the score path and the tiling, as the kernel reads them (a
+    NamedTuple: made on every call, and a frozen dataclass costs several times as much to make)."""
 
     path: ScorePath
     batch: tuple[int, ...]
@@ -115,25 +115,29 @@ def _flat_slopes(alibi: Tensor | None, spec: _Spec, dtype: torch.dtype) -> Tenso
     return slopes.flatten(0, len(spec.batch) - 1) if len(spec.batch) != 1 else slopes
 
 
-def _forward(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, alibi: Tensor | None, spec: _Spec) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+def _forward(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, alibi: Tensor | None, spec: _Spec
+) -> tuple[list[Tensor], Tensor, Tensor, Tensor, bool]:
     """The kernel's forward: ([out, lse, *stats] in the caller's batch shape, out, m, l as the kernel
-    returned them, for the backward)."""
+    returned them, for the backward, and whether every output row is finite and not all zeros)."""
     acc = accumulation_dtype(query.dtype)
     L, S = query.shape[-2], key.shape[-2]
     q, k, v = (_flat(t, spec, acc) for t in (query, key, value))
     m4, slopes = _flat_mask(mask, spec, L, S, acc), _flat_slopes(alibi, spec, acc)
-    with torch.no_grad():
-        out, lse, m, l, *stats = load().forward(q, k, v, *spec.args(), slopes, m4, spec.with_stats, spec.block_q, spec.block_k, None)
+    # No autograd context needed: the kernel writes into tensors it makes, which never require grad.
+    (out, lse, m, l, *stats), rows_ok = load().forward(q, k, v, *spec.args(), slopes, m4, spec.with_stats, spec.block_q, spec.block_k, None)
+    if len(spec.batch) == 1:  # the kernel's (B, H, L, .) is the caller's shape already
+        return [out, lse, *stats], out, m, l, rows_ok
     shape = (*spec.batch, spec.H, L)
-    return [out.view(*shape, v.shape[-1]), lse.view(shape), *(t.view(shape) for t in stats)], out, m, l
+    return [out.view(*shape, v.shape[-1]), lse.view(shape), *(t.view(shape) for t in stats)], out, m, l, rows_ok
 
 
 class _FusedAttention(torch.autograd.Function):
     """Saves the inputs and the forward's normaliser (m, l); the backward recomputes each tile."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, alibi, spec):  # type: ignore[override]
-        outputs, out, m, l = _forward(query, key, value, mask, alibi, spec)
+    def forward(ctx, query, key, value, mask, alibi, spec, check):  # type: ignore[override]
+        outputs, out, m, l, check.rows_ok = _forward(query, key, value, mask, alibi, spec)
         ctx.save_for_backward(query, key, value, mask, alibi, out, m, l)
         ctx.spec = spec
         ctx.mark_non_differentiable(*outputs[2:])  # the statistics: only out and lse carry gradients
@@ -165,6 +169,7 @@ class _FusedAttention(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -187,11 +192,55 @@ def fused_attention(
     value (..., Hkv, S, Dv), H a multiple of Hkv (L = 0 or S = 0 give the tiled kernel's empty or
     zero results). Returns (out (..., H, L, Dv), stats
     or None). Raises RuntimeError when the compiled kernel is unavailable (see :func:`supports`)."""
+    out, stats, _ = fused_attention_checked(
+        query,
+        key,
+        value,
+        path=path,
+        attn_mask=attn_mask,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+        return_stats=return_stats,
+        q_start=q_start,
+        k_start=k_start,
+        block_q=block_q,
+        block_k=block_k,
+    )
+    return out, stats
+
+
+class _RowCheck:
+    """Where the autograd function leaves the kernel's verdict on the output rows."""
+
+    rows_ok: bool = False
+
+
+def fused_attention_checked(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    path: ScorePath,
+    attn_mask: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    return_stats: bool = False,
+    q_start: int = 0,
+    k_start: int = 0,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> tuple[Tensor, AttentionStats | None, bool | None]:
+    """:func:`fused_attention`, and whether every row of the returned output is finite and not all
+    zeros, as the kernel saw while writing it (Dv = 0: True): the check
+    :func:`attnscale.scaled_dot_product_attention` makes of every output, without passes of its
+    own. None where the kernel's rows are not the returned ones (sinks rescale them; half inputs
+    are rounded after) or no kernel ran: the caller checks the output itself."""
     _check_runnable(query, attn_mask, alibi_slopes)
     if query.shape[-2] == 0 or key.shape[-2] == 0:  # nothing to tile: the eager kernel's empty results
-        return tiled_attention(
+        out, stats = tiled_attention(
             query, key, value, path=path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=return_stats
         )
+        return out, stats, None
     if query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
         batch = tuple(query.shape[:-3]) or (1,)
     else:
@@ -215,19 +264,24 @@ def fused_attention(
     if squeeze:  # no batch dims: the kernel's batch of one
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask)):
-        out, lse, *rest = _FusedAttention.apply(query, key, value, attn_mask, alibi_slopes, spec)
+        check = _RowCheck()
+        out, lse, *rest = _FusedAttention.apply(query, key, value, attn_mask, alibi_slopes, spec, check)
+        rows_ok: bool | None = check.rows_ok
     else:  # nothing to differentiate: no autograd node to build
-        (out, lse, *rest), *_ = _forward(query, key, value, attn_mask, alibi_slopes, spec)
+        (out, lse, *rest), *_, rows_ok = _forward(query, key, value, attn_mask, alibi_slopes, spec)
+    if sinks is not None or out.dtype != query.dtype:
+        rows_ok = None
     if sinks is not None:
         out, _ = merge_sinks(out, lse, sinks)
-    out = out.to(query.dtype)
+    if out.dtype != query.dtype:
+        out = out.to(query.dtype)
     if squeeze:
         out, lse, rest = out.squeeze(0), lse.squeeze(0), [t.squeeze(0) for t in rest]
     if not return_stats:
-        return out, None
+        return out, None, rows_ok
     max_logit, max_prob, entropy, visible_keys = rest
     stats = AttentionStats(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
-    return out, stats if sinks is None else with_sinks(stats, sinks)
+    return out, stats if sinks is None else with_sinks(stats, sinks), rows_ok
 
 
 class _FusedVarlen(torch.autograd.Function):
@@ -239,7 +293,7 @@ class _FusedVarlen(torch.autograd.Function):
         acc = accumulation_dtype(query.dtype)
         q, k, v = (_packed(t, acc) for t in (query, key, value))
         with torch.no_grad():
-            out, lse, m, l, *stats = load().forward(q, k, v, *_packed_args(path), alibi, None, with_stats, *_packed_blocks(), spans)
+            (out, lse, m, l, *stats), _ = load().forward(q, k, v, *_packed_args(path), alibi, None, with_stats, *_packed_blocks(), spans)
         ctx.save_for_backward(query, key, value, alibi, spans, out, m, l)
         ctx.path = path
         ctx.blocks = _packed_blocks()  # the backward recomputes the forward's own tiles
