@@ -50,8 +50,8 @@ FEATURES = list(
         [None, "bool", "float"],  # attn_mask
     )
 )
-# (H, Hkv, L, S): MHA, GQA, MQA; two query blocks (128) or key tiles (512) in some, L != S both ways
-SHAPES = [(4, 4, 70, 300), (4, 2, 131, 77), (4, 1, 5, 600)]
+# (H, Hkv, L, S): MHA, GQA, MQA; two query blocks (256) or key tiles (512) in some, L != S both ways
+SHAPES = [(4, 4, 70, 300), (4, 2, 259, 77), (4, 1, 5, 600)]
 
 
 def case_inputs(case, dtype=torch.float64):
@@ -100,7 +100,7 @@ def test_features_match_the_reference_fp64_with_statistics_and_gradients(case):
 
 @pytest.mark.parametrize("case", range(0, len(FEATURES), 5))
 def test_small_tiles_match_the_reference_fp64(case, monkeypatch):
-    """The default tiles (128 x 512) cover these shapes in one or two tiles; 16 x 32 ones make every
+    """The default tiles (256 x 512) cover these shapes in one or two tiles; 16 x 32 ones make every
     case span many query blocks and key tiles (diagonal, window-edge and hidden tiles): the output
     against the reference and the gradients against the math backend, packed too."""
     monkeypatch.setattr(fused, "BLOCK_Q", 16)

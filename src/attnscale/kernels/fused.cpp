@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <new>
 #include <tuple>
 #include <vector>
 
@@ -366,6 +367,24 @@ T exp_row_weighted(T* x, int64_t width, T m, T* weighted) {
 }
 
 
+// Scratch on 64-byte (cache-line) boundaries, as torch's own buffers are: BLAS reads and writes
+// the tiles row by row, and rows that straddle cache lines cost it loads.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using Scratch = std::vector<T, CacheLineAllocator<T>>;
+
 template <typename T>
 struct ForwardOut {
   T* out;   // (B, H, L, Dv) contiguous
@@ -384,7 +403,7 @@ struct ForwardOut {
 // One thread's buffers for forward blocks.
 template <typename T>
 struct ForwardScratch {
-  std::vector<T> sbuf, acc, m, l, w;
+  Scratch<T> sbuf, acc, m, l, w;
   std::vector<int64_t> seen;
   explicit ForwardScratch(const Problem<T>& P)
       : sbuf(P.tile_rows() * P.tile_width()), acc(P.tile_rows() * P.Dv), m(P.tile_rows()), l(P.tile_rows()),
@@ -398,7 +417,7 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
   const bool stats = O.max_logit != nullptr;
   const T alpha = P.softcap != T(0) ? P.scale / P.softcap : P.scale;
   const T neg_inf = -std::numeric_limits<T>::infinity();
-  std::vector<T>&sbuf = W.sbuf, &acc = W.acc, &m = W.m, &l = W.l, &w = W.w;
+  Scratch<T>&sbuf = W.sbuf, &acc = W.acc, &m = W.m, &l = W.l, &w = W.w;
   std::vector<int64_t>& seen = W.seen;
   {
     {
@@ -452,14 +471,30 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
         const T safe = has ? l[r] : T(1);
         T* dst = O.out + (row0 + r) * P.Dv;
         const T* ar = acc.data() + r * P.Dv;
-        bool finite = true, nonzero = false;
-        for (int64_t c = 0; c < P.Dv; ++c) {
-          const T value = has ? ar[c] / safe : T(0);
-          dst[c] = value;
-          finite = finite && std::isfinite(value);
-          nonzero = nonzero || value != T(0);
+        // The row, and its largest |entry| (NaN if any is NaN), vectorised.
+        T peak = T(0);
+        if (has) {
+          using Vec = Vectorized<T>;
+          constexpr int64_t n = Vec::size();
+          const Vec vsafe(safe);
+          Vec vpeak(T(0));
+          int64_t c = 0;
+          for (; c + n <= P.Dv; c += n) {
+            const Vec value = Vec::loadu(ar + c) / vsafe;
+            value.store(dst + c);
+            vpeak = at::vec::maximum(vpeak, value.abs());  // NaN propagates
+          }
+          peak = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& v) { return at::vec::maximum(a, v); }, vpeak);
+          for (; c < P.Dv; ++c) {
+            dst[c] = ar[c] / safe;
+            const T a = std::abs(dst[c]);
+            if (std::isnan(a) || a > peak) peak = a;  // a NaN peak stays NaN
+          }
+        } else {
+          std::fill(dst, dst + P.Dv, T(0));
         }
-        suspect = suspect || (P.Dv > 0 && !(finite && nonzero));
+        // Finite and not all zeros: 0 < peak < inf, false for NaN.
+        suspect = suspect || (P.Dv > 0 && !(peak > T(0) && peak < std::numeric_limits<T>::infinity()));
         O.lse[row0 + r] = has ? m[r] + std::log(safe) : neg_inf;
         O.m[row0 + r] = has ? m[r] : T(0);
         O.l[row0 + r] = safe;
@@ -542,7 +577,7 @@ struct BackwardIO {
 // One thread's buffers for backward tasks.
 template <typename T>
 struct BackwardScratch {
-  std::vector<T> sbuf, tbuf, dpbuf, dqb;
+  Scratch<T> sbuf, tbuf, dpbuf, dqb;
   explicit BackwardScratch(const Problem<T>& P)
       : sbuf(P.tile_rows() * P.tile_width()), tbuf(P.softcap != T(0) ? P.tile_rows() * P.tile_width() : 0),
         dpbuf(P.tile_rows() * P.tile_width()), dqb(P.tile_rows() * P.D) {}
@@ -557,7 +592,7 @@ void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int6
   const int64_t nqb = P.q_blocks(), G = P.G();
   const bool capped = P.softcap != T(0);
   const T alpha = capped ? P.scale / P.softcap : P.scale;
-  std::vector<T>&sbuf = W.sbuf, &tbuf = W.tbuf, &dpbuf = W.dpbuf, &dqb = W.dqb;
+  Scratch<T>&sbuf = W.sbuf, &tbuf = W.tbuf, &dpbuf = W.dpbuf, &dqb = W.dqb;
   {
     {
       const int64_t hk = h / G;

@@ -26,9 +26,10 @@ from . import load
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "fused_attention_checked", "fused_varlen_attention", "supports"]
 
-# 128 query rows x 512 keys per tile: each K/V tile serves twice the rows of 64 x 256 (half the K/V
-# traffic at long L), and the BLAS products are larger; `benchmarks/bench_fused.py --blocks` compares.
-BLOCK_Q = 128
+# 256 query rows x 512 keys per tile, as torch's CPU flash kernel: each K/V tile, which BLAS packs
+# anew for every product, serves twice the rows of a 128 x 512 tile; `benchmarks/bench_fused.py
+# --blocks` compares the shapes.
+BLOCK_Q = 256
 BLOCK_K = 512
 # With few query rows (decoding) each tile's products are matrix-vector ones: wider key tiles
 # mean fewer BLAS calls per row.
