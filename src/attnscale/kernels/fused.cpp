@@ -170,7 +170,8 @@ struct Problem {
 
   int64_t G() const { return H / Hkv; }
   // The largest tile this problem has: scratch is sized by it, not by the block sizes (one query
-  // row against 2048-key tiles needs 8 KiB, not 1 MiB zeroed per thread on every call).
+  // row against 2048-key tiles needs 8 KiB, not the 2 MiB of a 256 x 2048 block, zeroed per
+  // thread on every call).
   int64_t tile_rows() const { return std::max<int64_t>(1, std::min(block_q, L)); }
   int64_t tile_width() const { return std::max<int64_t>(1, std::min(block_k, S)); }
 
