@@ -30,6 +30,10 @@ __all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "fused_attention_checked", "
 # anew for every product, serves twice the rows of a 128 x 512 tile; `benchmarks/bench_fused.py
 # --blocks` compares the shapes.
 BLOCK_Q = 256
+# Under causality (or a window) a query block also multiplies the keys its rows cannot see, up to
+# the block's diagonal: a share of about BLOCK_Q / L of the work. Below SHORT query rows such
+# calls take blocks of BLOCK_Q // 2 rows (`benchmarks/bench_monitor.py --train` times L = 512).
+SHORT = 2048
 BLOCK_K = 512
 # With few query rows (decoding) each tile's products are matrix-vector ones: wider key tiles
 # mean fewer BLAS calls per row.
@@ -247,7 +251,7 @@ def fused_attention_checked(
     else:
         batch = tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])) or (1,)
     if block_q is None:
-        block_q = BLOCK_Q
+        block_q = _block_q(path, query.shape[-2])
     if block_k is None:
         block_k = BLOCK_K_FEW_ROWS if query.shape[-2] <= FEW_ROWS else BLOCK_K
     spec = _Spec(
@@ -294,10 +298,11 @@ class _FusedVarlen(torch.autograd.Function):
         acc = accumulation_dtype(query.dtype)
         q, k, v = (_packed(t, acc) for t in (query, key, value))
         with torch.no_grad():
-            (out, lse, m, l, *stats), _ = load().forward(q, k, v, *_packed_args(path), alibi, None, with_stats, *_packed_blocks(), spans)
+            blocks = _packed_blocks(path, spans)
+            (out, lse, m, l, *stats), _ = load().forward(q, k, v, *_packed_args(path), alibi, None, with_stats, *blocks, spans)
         ctx.save_for_backward(query, key, value, alibi, spans, out, m, l)
         ctx.path = path
-        ctx.blocks = _packed_blocks()  # the backward recomputes the forward's own tiles
+        ctx.blocks = blocks  # the backward recomputes the forward's own tiles
         ctx.mark_non_differentiable(*stats)
         return (out[0].transpose(0, 1), lse[0], *(t[0] for t in stats))  # (total_q, H, Dv), (H, total_q)
 
@@ -333,8 +338,15 @@ def _packed(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-def _packed_blocks() -> tuple[int, int]:
-    return BLOCK_Q, BLOCK_K
+def _block_q(path: ScorePath, rows: int) -> int:
+    """Query rows per block for a call with ``rows`` query rows (or, packed, its longest sequence's)."""
+    diagonal = path.causal or path.window is not None
+    return BLOCK_Q // 2 if diagonal and rows < SHORT else BLOCK_Q
+
+
+def _packed_blocks(path: ScorePath, spans: Tensor) -> tuple[int, int]:
+    longest = int((spans[:, 1] - spans[:, 0]).max()) if spans.numel() else 0
+    return _block_q(path, longest), BLOCK_K
 
 
 def _packed_args(path: ScorePath) -> tuple:
