@@ -175,6 +175,24 @@ def test_float32_tanh_is_within_2_ulp_odd_and_keeps_nan():
     assert torch.equal(kernels.load().tanh(special.double()[1:]), torch.tanh(special.double()[1:]))
 
 
+def test_float32_softmax_weights_are_exp_u20_bit_for_bit_zero_below_the_floor_and_keep_nan():
+    """The softmax's exp of centred scores (x = s - m <= 0), specialised from ATen's exp_u20, on
+    every 127th float32 bit pattern in [-69, 0] (8.8 million values): the same bits as exp_u20
+    with the same floor applied after it, and 3.24e-7 at most in relative error from float64 exp
+    (measured). Below the floor and at -inf the weight is 0; NaN stays NaN (exp_u20 gives inf)."""
+    bits = torch.arange(0, 0x428A0000 + 1, 127, dtype=torch.int32)  # 0x428A0000 is 69.0
+    x = -bits.view(torch.float32)
+    got, exp_u20 = kernels.load().weights(x)
+    assert got.numel() == x.numel() // 8 * 8 and torch.equal(got, exp_u20)
+    want = x[: got.numel()].double().exp()
+    assert ((got.double() - want).abs() / want).max().item() <= 3.3e-7
+    special = torch.tensor([float("nan"), float("-inf"), 0.0, -0.0, -69.0, -69.00001, -100.0, -3e38])
+    out, exp_u20 = kernels.load().weights(special)
+    assert out[0].isnan() and exp_u20[0].isinf()
+    assert out[1:4].tolist() == [0.0, 1.0, 1.0] and out[4] > 0 and out[5:].tolist() == [0.0] * 3
+    assert torch.equal(out[1:], exp_u20[1:])
+
+
 @pytest.mark.parametrize("mag", [1.0, 3.0])
 @pytest.mark.parametrize("opts", [{}, {"is_causal": True}, {"softcap": 20.0}, {"is_causal": True, "softcap": 30.0}])
 def test_float32_error_on_long_rows_is_like_a_plain_implementations(opts, mag):

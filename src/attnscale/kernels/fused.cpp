@@ -138,6 +138,34 @@ inline double stanh(double x) { return std::tanh(x); }
 inline Vectorized<float> vexp(const Vectorized<float>& x) { return x.exp_u20(); }
 inline Vectorized<double> vexp(const Vectorized<double>& x) { return x.exp(); }
 
+// The softmax's weights: exp(x) for x = s - m <= 0, 0 where x < floor (-inf included), NaN for NaN.
+// For float on AVX2 this is exp_u20 specialised to that range, with the same bits on [floor, 0]:
+// exp_u20 clamps x to [ln FLT_MIN, ln FLT_MAX], zeroes below ln FLT_MIN and forms 2^(n-1) * 2
+// (for n = 128 near ln FLT_MAX); here the only bound x can cross is the floor, so one max (NaN
+// passes: max_ps returns its second operand then) and one blend replace the clamp, exp_u20's own
+// zeroing and ours, and n <= 0 lets 2^n be formed directly. Scaling by a power of two is exact on
+// this range (exp(floor) = 1e-30 is a normal float), so the product is exp_u20's, bit for bit.
+template <typename T>
+inline Vectorized<T> vexp_weights(const Vectorized<T>& x, const Vectorized<T>& floor) {
+  return Vectorized<T>::blendv(vexp(x), Vectorized<T>(T(0)), x < floor);
+}
+#if defined(CPU_CAPABILITY_AVX2)
+template <>
+inline Vectorized<float> vexp_weights(const Vectorized<float>& x, const Vectorized<float>& floor) {
+  const __m256 drop = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);  // false for NaN
+  const __m256 src = _mm256_max_ps(floor, x);               // x for NaN
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(src, _mm256_castsi256_ps(_mm256_set1_epi32(0x3fb8aa3b)), _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_fnmadd_ps(fx, _mm256_castsi256_ps(_mm256_set1_epi32(0x3f317218)), src);
+  __m256 poly = _mm256_fmadd_ps(r, _mm256_set1_ps(0.00828929059f), _mm256_set1_ps(0.0418978221f));
+  poly = _mm256_fmadd_ps(r, poly, _mm256_set1_ps(0.166676521f));
+  poly = _mm256_fmadd_ps(r, poly, _mm256_set1_ps(0.499991506f));
+  poly = _mm256_fmadd_ps(r, poly, _mm256_set1_ps(0.999999701f));
+  poly = _mm256_fmadd_ps(r, poly, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_blendv_ps(_mm256_mul_ps(poly, _mm256_castsi256_ps(bits)), _mm256_setzero_ps(), drop);
+}
+#endif
+
 template <typename T>
 struct Problem {
   const T* q;
@@ -324,7 +352,7 @@ T exp_row(T* x, int64_t width, T m) {
   int64_t c = 0;
   for (; c + n <= width; c += n) {
     const Vec centred = Vec::loadu(x + c) - vm;
-    const Vec p = Vec::blendv(vexp(centred), zero, centred < vfloor);  // NaN stays NaN
+    const Vec p = vexp_weights(centred, vfloor);
     p.store(x + c);
     acc = acc + p;
   }
@@ -349,7 +377,7 @@ T exp_row_weighted(T* x, int64_t width, T m, T* weighted) {
   for (; c + n <= width; c += n) {
     const Vec centred = Vec::loadu(x + c) - vm;
     const Vec drop = centred < vfloor;  // NaN is kept: NaN in, NaN out
-    const Vec p = Vec::blendv(vexp(centred), zero, drop);
+    const Vec p = vexp_weights(centred, vfloor);
     p.store(x + c);
     acc = acc + p;
     wacc = wacc + p * Vec::blendv(centred, zero, drop);
@@ -830,8 +858,28 @@ torch::Tensor tanh_op(const torch::Tensor& x) {
   return out;
 }
 
+// The softmax's weights elementwise (vexp_weights, x = s - m), and ATen's exp_u20 with the same
+// floor applied after it, on one thread, for the tests: float32 only.
+std::tuple<torch::Tensor, torch::Tensor> weights_op(const torch::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "attnscale fused kernel: weights takes a contiguous float32 tensor");
+  using Vec = Vectorized<float>;
+  auto out = torch::empty_like(x), ref = torch::empty_like(x);
+  const float* src = x.data_ptr<float>();
+  float *dst = out.data_ptr<float>(), *alt = ref.data_ptr<float>();
+  const Vec vfloor(exp_floor<float>());
+  const int64_t n = x.numel() / Vec::size() * Vec::size();  // whole vectors only: the tail is std::exp's
+  for (int64_t i = 0; i < n; i += Vec::size()) {
+    const Vec xv = Vec::loadu(src + i);
+    vexp_weights(xv, vfloor).store(dst + i);
+    Vec::blendv(xv.exp_u20(), Vec(0.0f), xv < vfloor).store(alt + i);
+  }
+  return {out.narrow(0, 0, n), ref.narrow(0, 0, n)};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "attnscale fused attention forward: ([out, lse, m, l[, max_logit, max_prob, entropy, visible]], rows_ok)");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");
+  module.def("weights", &weights_op, "the softmax's exp of centred scores, and exp_u20 floored the same way (float32, 1-D, whole vectors)");
   module.def("backward", &backward, "attnscale fused attention backward (dq, dk, dv; dk, dv per key head, or per query head for the caller to sum per group)");
 }
