@@ -5,9 +5,12 @@
 // score path (scale folded into the product; softcap; ALiBi; float mask; causal / window /
 // bool-mask visibility), the running max, exp, the row sum and the statistics, then one BLAS
 // product p v. Tiles that causality or the window hide are never computed, and each query block
-// only visits the key range its rows can see. The backward pass recomputes each tile exactly as
-// the forward did (same tiles, same products, same order of operations) and normalises with the
-// forward's own (m, l), so the weights it differentiates are the forward's.
+// only visits the key range its rows can see. Where every logit is bounded in advance (no ALiBi,
+// float mask or statistics), a row whose running max comes close enough to its bound keeps that
+// max from then on, and its later tiles skip the max pass and the rescaling (forward_block). The
+// backward pass recomputes each tile exactly as the forward did (same tiles, same products, same
+// order of operations) and normalises with the forward's own (m, l), so the weights it
+// differentiates are the forward's.
 //
 // Shapes (attnscale's legend): q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), last dims
 // contiguous; masks (B, H, L, S) and slopes (B, H) as strided views (stride 0 broadcasts).
@@ -195,6 +198,9 @@ struct Problem {
   // aligned; rows no span names are not visited (the caller's fill values stay).
   const int64_t* spans = nullptr;
   int64_t nseq = 0;
+  // The largest |k_j| of each key head, (B, Hkv), where the forward's rows may settle on an
+  // offset (see forward_block); null where they may not (ALiBi, a float mask, statistics, few rows).
+  const T* kmax = nullptr;
 
   int64_t G() const { return H / Hkv; }
   // The largest tile this problem has: scratch is sized by it, not by the block sizes (one query
@@ -269,7 +275,7 @@ T row_max(const T* x, int64_t width) {
 // forward: both see bit-identical logits.
 template <typename T>
 T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t width, T* x, T* t,
-            int64_t* visible = nullptr) {
+            int64_t* visible = nullptr, bool want_max = true) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
   const T neg_inf = -std::numeric_limits<T>::infinity();
@@ -291,8 +297,11 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
   Vec vmax(neg_inf);
   int64_t c = lo;
   const bool alibi = P.alibi != nullptr;  // a local: the loops below test it in a register
-  if (cap == T(0) && !alibi && !fm) {  // the products are the logits: only their maximum
-    for (; c + n <= hi; c += n) vmax = at::vec::maximum(vmax, Vec::loadu(x + c));
+  if (cap == T(0) && !alibi && !fm) {  // the products are the logits: only their maximum, if wanted
+    if (want_max)
+      for (; c + n <= hi; c += n) vmax = at::vec::maximum(vmax, Vec::loadu(x + c));
+    else
+      c = hi;  // nothing to compute: the span's logits are the products as they stand
   } else if (!alibi && !fm) {  // softcap only, the common case: its own loop, nothing else tested
     for (; c + n <= hi; c += n) {
       const Vec th = vtanh(Vec::loadu(x + c));
@@ -331,7 +340,7 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
   if (P.bmask) {
     const bool* mr = P.bmask + b * P.m_sb + h * P.m_sh + i * P.m_sl + j0 * P.m_ss;
     for (c = lo; c < hi; ++c) x[c] = mr[c * P.m_ss] ? x[c] : neg_inf;
-    m = row_max(x + lo, hi - lo);
+    if (want_max) m = row_max(x + lo, hi - lo);
   }
   if (visible) {  // the keys in the span, less those a mask hides (-inf)
     int64_t count = hi - lo;
@@ -432,11 +441,12 @@ struct ForwardOut {
 // One thread's buffers for forward blocks.
 template <typename T>
 struct ForwardScratch {
-  Scratch<T> sbuf, acc, m, l, w;
+  Scratch<T> sbuf, acc, m, l, w, bound;
   std::vector<int64_t> seen;
+  std::vector<char> settled;
   explicit ForwardScratch(const Problem<T>& P)
       : sbuf(P.tile_rows() * P.tile_width()), acc(P.tile_rows() * P.Dv), m(P.tile_rows()), l(P.tile_rows()),
-        w(P.tile_rows()), seen(P.tile_rows()) {}
+        w(P.tile_rows()), bound(P.tile_rows()), seen(P.tile_rows()), settled(P.tile_rows()) {}
 };
 
 // Query block qb of head h, batch b: the online softmax over its key tiles, written to O.
@@ -446,8 +456,9 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
   const bool stats = O.max_logit != nullptr;
   const T alpha = P.softcap != T(0) ? P.scale / P.softcap : P.scale;
   const T neg_inf = -std::numeric_limits<T>::infinity();
-  Scratch<T>&sbuf = W.sbuf, &acc = W.acc, &m = W.m, &l = W.l, &w = W.w;
+  Scratch<T>&sbuf = W.sbuf, &acc = W.acc, &m = W.m, &l = W.l, &w = W.w, &bound = W.bound;
   std::vector<int64_t>& seen = W.seen;
+  std::vector<char>& settled = W.settled;
   {
     {
       const int64_t hk = h / G;
@@ -455,6 +466,34 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
       const T* q = P.q + b * P.q_sb + h * P.q_sh + i0 * P.q_sl;
       const T* k = P.k + b * P.k_sb + hk * P.k_sh;
       const T* v = P.v + b * P.v_sb + hk * P.v_sh;
+      // A settled offset: Cauchy-Schwarz bounds every logit of row i, s_ij <= u_i = alpha |q_i|
+      // max_j |k_j| (with softcap, softcap tanh of that). Once the row's running max m has reached
+      // u_i - 34.5 (float32; -floor / 2), no later weight exp(s - m) can exceed exp(34.5) = 1e15, so
+      // the row keeps m as its offset from then on: its later tiles need no max pass and no
+      // rescaling of the sum or the accumulator. m is an actual logit of the row, so the row's
+      // largest weight is at least 1 and precision is the running max's. (key_norms refuses the
+      // bound where values are so large that 1e15 times their sum could overflow.)
+      const bool settles = P.kmax != nullptr && !stats;
+      const T limit = -exp_floor<T>() / 2;
+      std::fill(settled.begin(), settled.end(), 0);
+      if (settles) {
+        using Vec = Vectorized<T>;
+        constexpr int64_t n = Vec::size();
+        const T kn = P.kmax[b * P.Hkv + hk];
+        for (int64_t r = 0; r < rows; ++r) {
+          const T* qr = q + r * P.q_sl;
+          Vec sq(T(0));
+          int64_t c = 0;
+          for (; c + n <= P.D; c += n) {
+            const Vec e = Vec::loadu(qr + c);
+            sq = at::vec::fmadd(e, e, sq);
+          }
+          T ss = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& v) { return a + v; }, sq);
+          for (; c < P.D; ++c) ss += qr[c] * qr[c];
+          const T u = std::abs(alpha) * std::sqrt(ss) * kn;
+          bound[r] = P.softcap != T(0) ? P.softcap * std::tanh(u) : u;  // NaN or inf: never settles
+        }
+      }
       std::fill(acc.begin(), acc.begin() + rows * P.Dv, T(0));
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), T(0));
@@ -466,6 +505,11 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
         gemm('T', 'N', width, rows, P.D, alpha, k + j0 * P.k_sl, P.k_sl, q, P.q_sl, T(0), x, width);
         for (int64_t r = 0; r < rows; ++r) {
           T* xr = x + r * width;
+          if (settled[r]) {  // hidden keys are -inf, so weight 0
+            score_row(P, b, h, i0 + r, j0, width, xr, static_cast<T*>(nullptr), nullptr, false);
+            l[r] += exp_row(xr, width, m[r]);
+            continue;
+          }
           int64_t visible = 0;
           const T tile_max = score_row(P, b, h, i0 + r, j0, width, xr, static_cast<T*>(nullptr), stats ? &visible : nullptr);
           seen[r] += visible;
@@ -490,6 +534,7 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
             for (int64_t c = 0; c < P.Dv; ++c) ar[c] *= rescale;
           }
           m[r] = m_new;
+          settled[r] = settles && bound[r] - m_new <= limit;  // false for NaN
         }
         gemm('N', 'N', P.Dv, rows, width, T(1), v + j0 * P.v_sl, P.v_sl, x, width, T(1), acc.data(), P.Dv);
       }
@@ -568,6 +613,52 @@ std::vector<std::pair<int64_t, int64_t>> sequence_blocks(const Problem<T>& P) {
     for (int64_t qb = 0; qb * P.block_q < L; ++qb) blocks.emplace_back(s, qb);
   }
   return blocks;
+}
+
+// max_j |k_j| per key head, (B, Hkv) (NaN if some |k_j| is NaN): the settled offset's key side
+// (forward_block). Inf where the head's values are so large (max |v| above max / (256 S e^limit))
+// that weights up to e^limit could overflow the accumulator: such heads keep the running max.
+template <typename T>
+std::vector<T> key_norms(const Problem<T>& P) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  std::vector<T> out(P.B * P.Hkv);
+  at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const T* k = P.k + (bh / P.Hkv) * P.k_sb + (bh % P.Hkv) * P.k_sh;
+      T best = T(0);
+      for (int64_t j = 0; j < P.S; ++j) {
+        const T* kr = k + j * P.k_sl;
+        Vec sq(T(0));
+        int64_t c = 0;
+        for (; c + n <= P.D; c += n) {
+          const Vec e = Vec::loadu(kr + c);
+          sq = at::vec::fmadd(e, e, sq);
+        }
+        T ss = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& v) { return a + v; }, sq);
+        for (; c < P.D; ++c) ss += kr[c] * kr[c];
+        if (std::isnan(ss)) {
+          best = ss;
+          break;
+        }
+        best = std::max(best, ss);
+      }
+      const T* v = P.v + (bh / P.Hkv) * P.v_sb + (bh % P.Hkv) * P.v_sh;
+      Vec vpeak(T(0));
+      T vmax = T(0);
+      for (int64_t j = 0; j < P.S; ++j) {
+        const T* vr = v + j * P.v_sl;
+        int64_t c = 0;
+        for (; c + n <= P.Dv; c += n) vpeak = at::vec::maximum(vpeak, Vec::loadu(vr + c).abs());  // NaN stays
+        for (; c < P.Dv; ++c) vmax = std::isnan(vr[c]) ? vr[c] : std::max(vmax, std::abs(vr[c]));
+      }
+      const T peak = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, vpeak);
+      if (std::isnan(peak) || peak > vmax) vmax = peak;  // a NaN (in either) stays, and fails the test below
+      const T room = std::numeric_limits<T>::max() / (T(256) * static_cast<T>(P.S) * std::exp(-exp_floor<T>() / 2));
+      out[bh] = vmax <= room ? std::sqrt(best) : std::numeric_limits<T>::infinity();
+    }
+  });
+  return out;
 }
 
 // Parallel over batch, heads and query blocks (packed: heads and every sequence's query blocks).
@@ -796,6 +887,14 @@ std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, con
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnscale_fused_forward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
                                     mask, block_q, block_k, spans);
+    // The settled offset needs a bound on every logit (no ALiBi, no float mask) and no exact
+    // maximum (no statistics); its pass over k and v costs about one query row's products, so
+    // calls with few rows (decoding) go without.
+    std::vector<scalar_t> kmax;
+    if (!with_stats && P.alibi == nullptr && P.fmask == nullptr && P.L >= 64 && P.S > 0) {
+      kmax = key_norms(P);
+      P.kmax = kmax.data();
+    }
     ForwardOut<scalar_t> O{out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
                            l.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr, &suspect};
     if (with_stats) {
