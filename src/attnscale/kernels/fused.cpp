@@ -199,7 +199,8 @@ struct Problem {
   const int64_t* spans = nullptr;
   int64_t nseq = 0;
   // The largest |k_j| of each key head, (B, Hkv), where the forward's rows may settle on an
-  // offset (see forward_block); null where they may not (ALiBi, a float mask, statistics, few rows).
+  // offset (see forward_block); null where they may not (ALiBi, a float mask, statistics, packed
+  // sequences, fewer than 1024 query rows, a single key tile).
   const T* kmax = nullptr;
 
   int64_t G() const { return H / Hkv; }
@@ -887,11 +888,14 @@ std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, con
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnscale_fused_forward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
                                     mask, block_q, block_k, spans);
-    // The settled offset needs a bound on every logit (no ALiBi, no float mask) and no exact
-    // maximum (no statistics); its pass over k and v costs about one query row's products, so
-    // calls with few rows (decoding) go without.
+    // Settling needs a bound on every logit (no ALiBi, no float mask) and no exact maximum (no
+    // statistics), and pays only for rows that see more than one key tile. Its strided pass over
+    // k and v costs several query rows' products: packed sequences (each row sees only its own
+    // sequence's keys) and calls with fewer than 1024 query rows go without (`perf record` on
+    // bench_fused.py's packed case found the pass at 7% of the kernel's time).
     std::vector<scalar_t> kmax;
-    if (!with_stats && P.alibi == nullptr && P.fmask == nullptr && P.L >= 64 && P.S > 0) {
+    if (!with_stats && P.alibi == nullptr && P.fmask == nullptr && P.spans == nullptr && P.L >= 1024 &&
+        P.S > P.block_k) {
       kmax = key_norms(P);
       P.kmax = kmax.data();
     }
