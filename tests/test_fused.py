@@ -176,12 +176,14 @@ def test_float32_tanh_is_within_2_ulp_odd_and_keeps_nan():
 
 
 def test_float32_softmax_weights_are_exp_u20_bit_for_bit_zero_below_the_floor_and_keep_nan():
-    """The softmax's exp of centred scores (x = s - m <= 0), specialised from ATen's exp_u20, on
-    every 127th float32 bit pattern in [-69, 0] (8.8 million values): the same bits as exp_u20
-    with the same floor applied after it, and 3.24e-7 at most in relative error from float64 exp
-    (measured). Below the floor and at -inf the weight is 0; NaN stays NaN (exp_u20 gives inf)."""
-    bits = torch.arange(0, 0x428A0000 + 1, 127, dtype=torch.int32)  # 0x428A0000 is 69.0
-    x = -bits.view(torch.float32)
+    """The softmax's exp of centred scores, specialised from ATen's exp_u20 to x = s - m in
+    [-69, 34.5] (above 0 only in rows that settled on an offset), on every 127th float32 bit
+    pattern there (17.5 million values): the same bits as exp_u20 with the same floor applied
+    after it, and 3.24e-7 at most in relative error from float64 exp (measured). Below the floor
+    and at -inf the weight is 0; NaN stays NaN (exp_u20 gives inf)."""
+    below = -torch.arange(0, 0x428A0000 + 1, 127, dtype=torch.int32).view(torch.float32)  # 0x428A0000 is 69.0
+    above = torch.arange(1, 0x420A0000 + 1, 127, dtype=torch.int32).view(torch.float32)  # 0x420A0000 is 34.5
+    x = torch.cat([below, above])
     got, exp_u20 = kernels.load().weights(x)
     assert got.numel() == x.numel() // 8 * 8 and torch.equal(got, exp_u20)
     want = x[: got.numel()].double().exp()

@@ -141,13 +141,14 @@ inline double stanh(double x) { return std::tanh(x); }
 inline Vectorized<float> vexp(const Vectorized<float>& x) { return x.exp_u20(); }
 inline Vectorized<double> vexp(const Vectorized<double>& x) { return x.exp(); }
 
-// The softmax's weights: exp(x) for x = s - m <= 0, 0 where x < floor (-inf included), NaN for NaN.
-// For float on AVX2 this is exp_u20 specialised to that range, with the same bits on [floor, 0]:
-// exp_u20 clamps x to [ln FLT_MIN, ln FLT_MAX], zeroes below ln FLT_MIN and forms 2^(n-1) * 2
-// (for n = 128 near ln FLT_MAX); here the only bound x can cross is the floor, so one max (NaN
-// passes: max_ps returns its second operand then) and one blend replace the clamp, exp_u20's own
-// zeroing and ours, and n <= 0 lets 2^n be formed directly. Scaling by a power of two is exact on
-// this range (exp(floor) = 1e-30 is a normal float), so the product is exp_u20's, bit for bit.
+// The softmax's weights: exp(x) for x = s - m, 0 where x < floor (-inf included), NaN for NaN; x <= 0
+// with a running max, x <= 34.5 (float32) in rows that settled (forward_block). For float on AVX2
+// this is exp_u20 specialised to that range, with the same bits on [floor, 34.5]: exp_u20 clamps x
+// to [ln FLT_MIN, ln FLT_MAX], zeroes below ln FLT_MIN and forms 2^(n-1) * 2 (for n = 128 near
+// ln FLT_MAX); here the only bound x can cross is the floor, so one max (NaN passes: max_ps returns
+// its second operand then) and one blend replace the clamp, exp_u20's own zeroing and ours, and
+// n <= 50 lets 2^n be formed directly. Scaling by a power of two is exact on this range (exp(floor)
+// = 1e-30 is a normal float), so the product is exp_u20's, bit for bit.
 template <typename T>
 inline Vectorized<T> vexp_weights(const Vectorized<T>& x, const Vectorized<T>& floor) {
   return Vectorized<T>::blendv(vexp(x), Vectorized<T>(T(0)), x < floor);
@@ -357,7 +358,7 @@ template <typename T>
 T exp_row(T* x, int64_t width, T m) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
-  const Vec vm(m), vfloor(exp_floor<T>()), zero(T(0));
+  const Vec vm(m), vfloor(exp_floor<T>());
   Vec acc(T(0));
   int64_t c = 0;
   for (; c + n <= width; c += n) {
@@ -964,8 +965,8 @@ torch::Tensor tanh_op(const torch::Tensor& x) {
 // The softmax's weights elementwise (vexp_weights, x = s - m), and ATen's exp_u20 with the same
 // floor applied after it, on one thread, for the tests: float32 only.
 std::tuple<torch::Tensor, torch::Tensor> weights_op(const torch::Tensor& x) {
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "attnscale fused kernel: weights takes a contiguous float32 tensor");
+  TORCH_CHECK(x.dim() == 1 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "attnscale fused kernel: weights takes a 1-d contiguous float32 tensor");
   using Vec = Vectorized<float>;
   auto out = torch::empty_like(x), ref = torch::empty_like(x);
   const float* src = x.data_ptr<float>();
