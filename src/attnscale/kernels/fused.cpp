@@ -269,6 +269,23 @@ T row_max(const T* x, int64_t width) {
   return m;
 }
 
+// sum x_c^2 over one contiguous row of `width` entries, vectorised: |q_i|^2 and |k_j|^2 for the
+// Cauchy-Schwarz bound rows settle on (forward_block, key_norms).
+template <typename T>
+T sum_squares(const T* x, int64_t width) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  Vec sq(T(0));
+  int64_t c = 0;
+  for (; c + n <= width; c += n) {
+    const Vec e = Vec::loadu(x + c);
+    sq = at::vec::fmadd(e, e, sq);
+  }
+  T ss = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& v) { return a + v; }, sq);
+  for (; c < width; ++c) ss += x[c] * x[c];
+  return ss;
+}
+
 // Logits of one row of a tile, in place, and their maximum (NaN if any is NaN): on entry x (width
 // entries) holds the raw products times (scale, or scale / softcap with softcap); on exit the score
 // path's logits, -inf where a key is hidden. One pass over the keys causal / window leave visible
@@ -479,20 +496,9 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
       const T limit = -exp_floor<T>() / 2;
       std::fill(settled.begin(), settled.end(), 0);
       if (settles) {
-        using Vec = Vectorized<T>;
-        constexpr int64_t n = Vec::size();
         const T kn = P.kmax[b * P.Hkv + hk];
         for (int64_t r = 0; r < rows; ++r) {
-          const T* qr = q + r * P.q_sl;
-          Vec sq(T(0));
-          int64_t c = 0;
-          for (; c + n <= P.D; c += n) {
-            const Vec e = Vec::loadu(qr + c);
-            sq = at::vec::fmadd(e, e, sq);
-          }
-          T ss = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& v) { return a + v; }, sq);
-          for (; c < P.D; ++c) ss += qr[c] * qr[c];
-          const T u = std::abs(alpha) * std::sqrt(ss) * kn;
+          const T u = std::abs(alpha) * std::sqrt(sum_squares(q + r * P.q_sl, P.D)) * kn;
           bound[r] = P.softcap != T(0) ? P.softcap * std::tanh(u) : u;  // NaN or inf: never settles
         }
       }
@@ -630,15 +636,7 @@ std::vector<T> key_norms(const Problem<T>& P) {
       const T* k = P.k + (bh / P.Hkv) * P.k_sb + (bh % P.Hkv) * P.k_sh;
       T best = T(0);
       for (int64_t j = 0; j < P.S; ++j) {
-        const T* kr = k + j * P.k_sl;
-        Vec sq(T(0));
-        int64_t c = 0;
-        for (; c + n <= P.D; c += n) {
-          const Vec e = Vec::loadu(kr + c);
-          sq = at::vec::fmadd(e, e, sq);
-        }
-        T ss = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& v) { return a + v; }, sq);
-        for (; c < P.D; ++c) ss += kr[c] * kr[c];
+        const T ss = sum_squares(k + j * P.k_sl, P.D);
         if (std::isnan(ss)) {
           best = ss;
           break;
@@ -892,8 +890,8 @@ std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, con
     // Settling needs a bound on every logit (no ALiBi, no float mask) and no exact maximum (no
     // statistics), and pays only for rows that see more than one key tile. Its strided pass over
     // k and v costs several query rows' products: packed sequences (each row sees only its own
-    // sequence's keys) and calls with fewer than 1024 query rows go without (`perf record` on
-    // bench_fused.py's packed case found the pass at 7% of the kernel's time).
+    // sequence's keys, so the pass costs more than it saves there) and calls with fewer than 1024
+    // query rows go without.
     std::vector<scalar_t> kmax;
     if (!with_stats && P.alibi == nullptr && P.fmask == nullptr && P.spans == nullptr && P.L >= 1024 &&
         P.S > P.block_k) {
@@ -965,25 +963,25 @@ torch::Tensor tanh_op(const torch::Tensor& x) {
 // The softmax's weights elementwise (vexp_weights, x = s - m), and ATen's exp_u20 with the same
 // floor applied after it, on one thread, for the tests: float32 only.
 std::tuple<torch::Tensor, torch::Tensor> weights_op(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 1 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "attnscale fused kernel: weights takes a 1-d contiguous float32 tensor");
+  TORCH_CHECK(x.dim() == 1 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  x.numel() % Vectorized<float>::size() == 0,
+              "attnscale fused kernel: weights takes a 1-d contiguous float32 tensor of whole vectors (8 floats)");
   using Vec = Vectorized<float>;
   auto out = torch::empty_like(x), ref = torch::empty_like(x);
   const float* src = x.data_ptr<float>();
   float *dst = out.data_ptr<float>(), *alt = ref.data_ptr<float>();
   const Vec vfloor(exp_floor<float>());
-  const int64_t n = x.numel() / Vec::size() * Vec::size();  // whole vectors only: the tail is std::exp's
-  for (int64_t i = 0; i < n; i += Vec::size()) {
+  for (int64_t i = 0; i < x.numel(); i += Vec::size()) {
     const Vec xv = Vec::loadu(src + i);
     vexp_weights(xv, vfloor).store(dst + i);
     Vec::blendv(xv.exp_u20(), Vec(0.0f), xv < vfloor).store(alt + i);
   }
-  return {out.narrow(0, 0, n), ref.narrow(0, 0, n)};
+  return {out, ref};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "attnscale fused attention forward: ([out, lse, m, l[, max_logit, max_prob, entropy, visible]], rows_ok)");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");
-  module.def("weights", &weights_op, "the softmax's exp of centred scores, and exp_u20 floored the same way (float32, 1-D, whole vectors)");
+  module.def("weights", &weights_op, "the softmax's exp of centred scores, and exp_u20 floored the same way (float32, 1-d, a multiple of 8 long)");
   module.def("backward", &backward, "attnscale fused attention backward (dq, dk, dv; dk, dv per key head, or per query head for the caller to sum per group)");
 }
