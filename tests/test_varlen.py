@@ -133,10 +133,14 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
-def can_run(backend: str, options: dict) -> bool:
-    if backend == "fused":
-        return kernels.available()
-    return backend != "torch" or not options.get("softcap")
+NO_KERNEL = kernels.build_precondition()  # None: the kernel must build here (a failed build fails)
+
+
+def skip_unless_runnable(backend: str, options: dict) -> None:
+    if backend == "fused" and NO_KERNEL is not None:
+        pytest.skip(f"the compiled kernel cannot be had here: {NO_KERNEL}")
+    if backend == "torch" and options.get("softcap"):
+        pytest.skip("torch's SDPA has no softcap")
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,8 +153,7 @@ def can_run(backend: str, options: dict) -> bool:
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_float64_matches_the_oracle_per_sequence(feature, heads, backend):
     (q, k, v, cu_q, cu_k), options = packed_case(heads, feature)
-    if not can_run(backend, options):
-        pytest.skip("torch's SDPA has no softcap")
+    skip_unless_runnable(backend, options)
     out = attnscale.varlen_attention(q, k, v, cu_q, cu_k, backend=backend, **options)
     assert out.shape == (sum(LQ), HEADS[heads][0], HEADS[heads][3]) and out.dtype == torch.float64
     assert max_err(out, oracle_loop(q, k, v, cu_q, cu_k, **options)) < 1e-12
@@ -158,7 +161,7 @@ def test_float64_matches_the_oracle_per_sequence(feature, heads, backend):
         assert attnscale.last_backend() == backend
 
 
-@pytest.mark.skipif(not kernels.available(), reason="the compiled kernel is unavailable")
+@pytest.mark.skipif(NO_KERNEL is not None, reason=f"the compiled kernel cannot be had here: {NO_KERNEL}")
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_packed_kernel_with_small_tiles_matches_the_oracle(feature, heads, monkeypatch):
@@ -307,8 +310,7 @@ def test_gradients_match_the_math_backend_on_the_padded_batch(feature, heads, ba
 @pytest.mark.parametrize("poisoned", ["k", "v"])
 def test_nan_in_one_sequence_reaches_no_other_sequence(poisoned, feature, backend):
     (q, k, v, cu_q, cu_k), options = packed_case("gqa-dv-differs", feature)
-    if not can_run(backend, options):
-        pytest.skip("torch's SDPA has no softcap")
+    skip_unless_runnable(backend, options)
     dout = torch.randn(sum(LQ), 4, 7, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
 
     def run(q, k, v):
@@ -396,7 +398,7 @@ def test_auto_learns_alibi_slopes_through_the_per_sequence_path():
     assert slopes.grad is not None and torch.isfinite(slopes.grad).all() and slopes.grad.abs().sum() > 0
 
 
-@pytest.mark.skipif(not kernels.available(), reason="the compiled kernel is unavailable")
+@pytest.mark.skipif(NO_KERNEL is not None, reason=f"the compiled kernel cannot be had here: {NO_KERNEL}")
 def test_auto_runs_every_finite_sequence_in_one_kernel_call(monkeypatch):
     """On CPU, auto hands all sequences to the compiled kernel at once; a sequence with a NaN
     takes the per-sequence path (its NaN rule), the others stay in the one kernel call."""

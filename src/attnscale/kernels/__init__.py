@@ -1,29 +1,38 @@
 """attnscale's compiled CPU kernel: build, load, and say why when it cannot be had.
 
 The kernel (``fused.cpp``) is C++ built against the installed torch with its extension machinery
-(g++ and ninja, no network, no prebuilt binary). It is built once per environment, into
-``$ATTNSCALE_KERNEL_DIR`` (default ``~/.cache/attnscale/kernels``) under a name that hashes the
-source, the torch version and the flags, so a changed source or another torch builds anew.
-:func:`build` does it ahead of time (``python -m attnscale.kernels``, which ``make`` runs at
-install); otherwise the first call that needs it builds it and says so on stderr first.
+(g++ and ninja, no network, no prebuilt binary). It is built once per (source, torch, Python,
+flags) into ``$ATTNSCALE_KERNEL_DIR`` (default ``~/.cache/attnscale/kernels``), under a name that
+hashes those and nothing else: environments that share the folder share the build, whatever
+their paths, and a built kernel loads without a compiler. :func:`build` does it ahead of time
+(``python -m attnscale.kernels``, which ``make`` runs at install); otherwise the first call that
+needs it builds it and says so on stderr first.
+
+Each build runs in a folder of its own (``build-<pid>-*``) and moves the finished library into
+place in one atomic rename: builds never wait on each other, an interrupted one leaves no lock
+for others to wait on, and the folders of builders that died are removed by the next build.
 
 Without a compiler, with ``ATTNSCALE_NO_KERNEL=1``, or on a build failure, :func:`load` returns
 None, the reason is printed once, and attnscale runs its eager tiled kernel instead.
+:func:`build_precondition` tells the first kinds (the kernel cannot be had here) from a build
+that failed (a bug: ``python -m attnscale.kernels`` then exits 1, and so does ``make``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-__all__ = ["available", "build", "kernel_dir", "load", "unavailable_reason"]
+__all__ = ["available", "build", "build_precondition", "kernel_dir", "library_path", "load", "unavailable_reason"]
 
 _SOURCE = Path(__file__).with_name("fused.cpp")
 # AVX2 + FMA: the vectorised exp / tanh of ATen's Vectorized<float> (x86-64 from 2013 on).
@@ -50,18 +59,29 @@ def _cpu_flags() -> list[str]:
 
 
 def _name(flags: list[str]) -> str:
+    """The build's name: a hash of what the library depends on (never of a path)."""
     digest = hashlib.sha256()
     digest.update(_SOURCE.read_bytes())
     digest.update(torch.__version__.encode())
+    digest.update(sys.implementation.cache_tag.encode())
     digest.update(" ".join(flags).encode())
     return f"attnscale_fused_{digest.hexdigest()[:12]}"
 
 
-def _why_not() -> str | None:
+def _disabled() -> str | None:
     if os.environ.get("ATTNSCALE_NO_KERNEL", "") not in ("", "0"):
         return "disabled by ATTNSCALE_NO_KERNEL"
     if not _cpu_flags():
         return "this CPU lacks AVX2 and FMA, which the kernel is built for"
+    return None
+
+
+def build_precondition() -> str | None:
+    """Why the kernel cannot be built on this machine (disabled, a CPU without AVX2 and FMA, no
+    compiler, no ninja), or None where it can: there, a kernel that fails to build is a bug."""
+    reason = _disabled()
+    if reason is not None:
+        return reason
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler found (install g++)"
     try:
@@ -71,27 +91,72 @@ def _why_not() -> str | None:
     return None
 
 
+def _library(name: str) -> Path:
+    return kernel_dir() / name / f"{name}.so"
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_dead_builds(directory: Path) -> None:
+    """Remove the build folders of builders that no longer run (killed, or interrupted before
+    their own clean-up)."""
+    for folder in directory.glob("build-*"):
+        pid = folder.name.split("-")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def build(*, verbose: bool = False) -> ModuleType:
     """Build (or find already built) and import the kernel; raises RuntimeError if it cannot."""
-    from torch.utils import cpp_extension
-
-    reason = _why_not()
+    reason = _disabled()
     if reason is not None:
         raise RuntimeError(f"attnscale's fused CPU kernel is unavailable: {reason}")
     flags = _FLAGS + _cpu_flags()
     name = _name(flags)
-    directory = kernel_dir() / name
-    if not any(directory.glob(f"{name}*.so")):
-        print(f"attnscale: building the fused CPU kernel in {directory} (once per environment, about a minute) ...", file=sys.stderr, flush=True)
+    target = _library(name)
+    if target.is_file():
+        return _import(name, target)
+    reason = build_precondition()
+    if reason is not None:
+        raise RuntimeError(f"attnscale's fused CPU kernel is unavailable: {reason}")
+    from torch.utils import cpp_extension
+
+    directory = target.parent
+    print(f"attnscale: building the fused CPU kernel in {directory} (once per torch and source, about a minute) ...", file=sys.stderr, flush=True)
     directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name=name,
-        sources=[str(_SOURCE)],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        verbose=verbose,
-    )
+    _remove_dead_builds(directory)
+    with tempfile.TemporaryDirectory(prefix=f"build-{os.getpid()}-", dir=directory) as scratch:
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=scratch,
+            verbose=verbose,
+        )
+        os.replace(Path(scratch) / f"{name}.so", target)  # atomic: others see no file or a whole one
+    return module
+
+
+def library_path() -> Path:
+    """Where this environment's kernel library is (or would be) built."""
+    return _library(_name(_FLAGS + _cpu_flags()))
 
 
 def load() -> ModuleType | None:

@@ -1,0 +1,91 @@
+"""Building and loading the compiled kernel: a failed build is a failure wherever the kernel can be
+had, builds are shared across environments, and a killed build blocks nobody."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from attnscale import kernels
+
+PRECONDITION = kernels.build_precondition()
+needs_a_compiler = pytest.mark.skipif(PRECONDITION is not None, reason=f"the compiled kernel cannot be had here: {PRECONDITION}")
+
+
+def python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, **env}, cwd="/"
+    )
+
+
+@needs_a_compiler
+def test_the_kernel_builds_wherever_it_can_be_had():
+    assert kernels.available(), f"the kernel failed to build: {kernels.unavailable_reason()}"
+    assert kernels.library_path().is_file()
+
+
+def test_where_the_kernel_cannot_be_had_the_reason_is_the_precondition():
+    done = python(
+        "from attnscale import kernels; print(kernels.build_precondition()); print(kernels.available(), kernels.unavailable_reason())",
+        ATTNSCALE_NO_KERNEL="1",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["disabled by ATTNSCALE_NO_KERNEL", "False attnscale's fused CPU kernel is unavailable: disabled by ATTNSCALE_NO_KERNEL"]
+    cli = subprocess.run([sys.executable, "-m", "attnscale.kernels"], capture_output=True, text=True, env={**os.environ, "ATTNSCALE_NO_KERNEL": "1"})
+    assert cli.returncode == 0 and "disabled by ATTNSCALE_NO_KERNEL" in cli.stderr
+
+
+@needs_a_compiler
+def test_a_build_that_fails_exits_1_and_names_the_failure(tmp_path):
+    # A compiler that always fails: the precondition holds (one is on PATH), so the failure is a bug.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "c++").write_text("#!/bin/sh\necho 'fake compiler: refused' >&2\nexit 1\n")
+    (fake / "c++").chmod(0o755)
+    env = {**os.environ, "ATTNSCALE_KERNEL_DIR": str(tmp_path / "kernels"), "CXX": str(fake / "c++")}
+    cli = subprocess.run([sys.executable, "-m", "attnscale.kernels"], capture_output=True, text=True, env=env, timeout=300)
+    assert cli.returncode == 1, cli.stderr
+    assert "the fused CPU kernel failed to build" in cli.stderr
+    assert not list((tmp_path / "kernels").glob("*/build-*")), "the failed build left its folder behind"
+
+
+@needs_a_compiler
+def test_a_built_kernel_loads_in_any_environment_without_a_compiler():
+    """The build's name hashes source, torch, Python and flags, never a path: another environment
+    (here: another working directory and no compiler at all) loads the same library, no rebuild."""
+    assert kernels.available()
+    done = python(
+        "from attnscale import kernels; print(kernels.available(), kernels.library_path())",
+        CXX="/nonexistent/c++",
+        PATH="/nonexistent",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", str(kernels.library_path())]
+    assert "building" not in done.stderr
+
+
+@pytest.mark.slow
+@needs_a_compiler
+def test_a_killed_build_leaves_nothing_that_blocks_the_next_one(tmp_path):
+    """A builder killed mid-build (SIGKILL, as an interrupted job may be) leaves its folder; the
+    next build neither waits on it nor trips over it, and removes it."""
+    env = {**os.environ, "ATTNSCALE_KERNEL_DIR": str(tmp_path)}
+    first = subprocess.Popen([sys.executable, "-m", "attnscale.kernels"], env=env, start_new_session=True, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("*/build-*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # the compiler is running now
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    (stale,) = tmp_path.glob("*/build-*")
+    second = subprocess.run([sys.executable, "-m", "attnscale.kernels"], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    (library,) = tmp_path.glob("*/*.so")
+    assert library.parent == stale.parent
+    assert not Path(stale).exists() and not list(tmp_path.glob("*/build-*"))
