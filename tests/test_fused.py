@@ -15,8 +15,10 @@ import attnscale
 from attnscale import kernels, reference
 from attnscale.kernels import fused
 
+# Skipped only where the kernel cannot be had (no compiler, ATTNSCALE_NO_KERNEL, a CPU without
+# AVX2): where it can, a kernel that failed to build fails these tests.
 pytestmark = pytest.mark.skipif(
-    not kernels.available(), reason=f"the compiled kernel is unavailable: {kernels.unavailable_reason()}"
+    kernels.build_precondition() is not None, reason=f"the compiled kernel cannot be had here: {kernels.build_precondition()}"
 )
 
 NEG_INF = float("-inf")
@@ -433,3 +435,84 @@ def test_only_out_and_lse_carry_gradients():
     out, stats = sdpa(q, k, v, softcap=5.0, return_stats=True)
     assert out.requires_grad and stats.lse.requires_grad
     assert not any(getattr(stats, name).requires_grad for name in ("max_logit", "max_prob", "entropy", "visible_keys"))
+
+
+def _overlapping(name: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Leaves (float64, requiring grad) and q, k, v made of them as views whose rows overlap:
+    expanded along the sequence (stride 0) or cut by ``unfold`` (row stride 1 < D), the layouts
+    BLAS cannot read as they lie."""
+    gen = torch.Generator().manual_seed(5)
+    draw = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()  # noqa: E731
+    if name == "expanded":  # one query row repeated, one key row repeated, values as they are
+        leaves = [draw(1, 2, 1, 16), draw(1, 2, 1, 16), draw(1, 2, 600, 16)]
+        return leaves, [leaves[0].expand(1, 2, 70, 16), leaves[1].expand(1, 2, 600, 16), leaves[2]]
+    if name == "unfold":  # sliding windows of one long vector per head: row t is x[t : t + D]
+        leaves = [draw(1, 2, 85), draw(1, 2, 615), draw(1, 2, 607)]
+        return leaves, [leaves[0].unfold(-1, 16, 1), leaves[1].unfold(-1, 16, 1), leaves[2].unfold(-1, 8, 1)]
+    assert name == "width-1"  # D = 1, every row the same entry: stride 0, once read past one float
+    leaves = [draw(1, 1, 1, 1), draw(1, 1, 1, 1), draw(1, 1, 700, 1)]
+    return leaves, [leaves[0].expand(1, 1, 300, 1), leaves[1].expand(1, 1, 700, 1), leaves[2]]
+
+
+@pytest.mark.parametrize("name", ["expanded", "unfold", "width-1"])
+@pytest.mark.parametrize("backend", ["fused", "auto"])
+def test_overlapping_rows_give_the_answer_of_their_copies(name, backend, capfd):
+    leaves, (q, k, v) = _overlapping(name)
+    opts = {"softcap": 5.0, "is_causal": True, "causal_alignment": "bottom_right"}
+    out = sdpa(q, k, v, backend=backend, **opts)
+    assert attnscale.last_backend() == "fused"
+    want = run_reference(q.detach(), k.detach(), v.detach(), None, **opts)
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=0, atol=1e-12)
+    grad_out = torch.randn_like(out)
+    got = torch.autograd.grad((out * grad_out).sum(), leaves)
+    copies = [t.contiguous() for t in (q, k, v)]
+    expected = torch.autograd.grad((sdpa(*copies, backend="math", **opts) * grad_out).sum(), leaves)
+    for g, w in zip(got, expected):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+    assert "MKL" not in capfd.readouterr().err
+
+
+def test_packed_sequences_with_overlapping_rows_give_the_answer_of_their_copies(capfd):
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 2, 16, generator=gen, dtype=torch.float64).expand(90, 2, 16)  # (total_q, H, D), stride 0 rows
+    k = torch.randn(100, 2, 16, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, 1, 8, generator=gen, dtype=torch.float64).expand(100, 2, 8)
+    cu_q, cu_k = torch.tensor([0, 40, 90]), torch.tensor([0, 30, 100])
+    got = attnscale.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True, softcap=5.0, backend="fused")
+    want = attnscale.varlen_attention(q.contiguous(), k, v.contiguous(), cu_q, cu_k, is_causal=True, softcap=5.0, backend="math")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert "MKL" not in capfd.readouterr().err
+
+
+SETTLING = [
+    {},
+    {"softcap": 5.0},
+    {"is_causal": True, "causal_alignment": "bottom_right"},
+    {"window": (700, 300)},
+    {"mask": "bool"},
+    {"gqa": True, "softcap": 20.0},
+]
+
+
+@pytest.mark.parametrize("opts", SETTLING, ids=lambda o: "-".join(o) or "plain")
+def test_rows_that_settle_give_the_reference_outputs_and_gradients(opts):
+    """Calls where rows settle on an offset (1024+ query rows, several key tiles, no ALiBi, float
+    mask or statistics) against float64, with each feature that allows it: the settled rows'
+    outputs and gradients, not only their offsets."""
+    opts = dict(opts)
+    Hkv = 1 if opts.pop("gqa", False) else 2
+    q, k, v = make_inputs(B=1, H=2, Hkv=Hkv, L=1024, S=3 * fused.BLOCK_K + 40, D=16, Dv=8, seed=7)
+    mask = make_mask("bool", H=2, L=1024, S=k.shape[-2], seed=7) if opts.pop("mask", None) else None
+    mask = None if mask is None else mask[:1]
+    if Hkv == 2:  # some rows' maximum lies after their first key tile: they settle before it
+        _, _, m, _ = _kernel_forward(q, k, v, 0.25)
+        assert (m < (q @ k.transpose(-1, -2)).amax(-1) * 0.25 - 1e-9).any()
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = sdpa(*leaves, mask, **opts)
+    want = run_reference(q.detach(), k.detach(), v.detach(), mask, **opts)
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=0, atol=1e-12)
+    grad_out = torch.randn_like(out)
+    got = torch.autograd.grad((out * grad_out).sum(), leaves)
+    expected = torch.autograd.grad((sdpa(*leaves, mask, backend="math", **opts) * grad_out).sum(), leaves)
+    for name, g, w in zip("qkv", got, expected):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12, msg=f"d{name}")

@@ -309,6 +309,39 @@ def test_infinite_entries_are_missing_like_nan(backend, value):
     assert_matches(sdpa(q, k, v, backend=backend, **options), ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("situation", ["none", "causal", "bool-mask"])
+@pytest.mark.parametrize("poison", ["q-row", "k-key", "k-hidden-key", "k-and-v-and-q"])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("backend", OWN_BACKENDS + ["auto"])
+def test_non_finite_q_and_k_under_a_softcap_are_missing_too(backend, value, poison, situation):
+    # tanh(+-inf) = +-1: the cap turns an infinite product into a finite logit, and the output
+    # check alone would pass the row (unless, as with this bool mask, some row is empty).
+    q, k, v = poisoned(value=value, where=POISON[poison])
+    options = dict(SITUATIONS[situation], softcap=5.0)
+    ref = oracle(q, k, v, **options)
+    assert ref.isnan().any() or poison == "k-hidden-key"
+    assert_matches(sdpa(q, k, v, backend=backend, **options), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("options", [{}, {"is_causal": True}, {"softcap": 5.0}], ids=lambda o: "-".join(o) or "plain")
+def test_auto_gradients_of_products_beyond_float32_are_those_of_float64(options, dtype):
+    # torch's own float64 SDPA, where auto first sends this plain call, returns NaN gradients for
+    # logits near 1e60 at this shape: the float64 recompute must not run there.
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 64, 32, generator=gen) * m for m in (1e30, 1e30, 1.0))
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = sdpa(*leaves, **options)
+    out.float().sum().backward()
+    wide = [t.detach().double().requires_grad_() for t in leaves]
+    want = sdpa(*wide, backend="math", **options)
+    want.sum().backward()
+    assert_matches(out, want.detach(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+    for got, expected in zip(leaves, wide):
+        assert torch.isfinite(got.grad).all()
+        torch.testing.assert_close(got.grad.double(), expected.grad, rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-6)
+
+
 @pytest.mark.parametrize("situation", ["none", "bool-mask", "causal-bottom-right"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_pattern_with_gqa(backend, situation):

@@ -577,15 +577,36 @@ def test_static_offset_far_below_the_bound_keeps_float32_precision(monkeypatch, 
     assert calls == [0] and online == []
     expected = run_reference(q, k, v, None, scale=1.0)
     err = np.abs(out.double().numpy() - expected).max() / np.abs(expected).max()
-    # exp's argument s - u reaches -2u here, so a weight carries up to 2u eps of relative rounding
-    # (5.1e-6). Measured: 9.7e-7 (with the running max 4.9e-7, the math backend 4.2e-7).
+    # The offset is 0 here (the values fit), so exp's argument is the logit itself; with offset u
+    # it would reach -2u, up to 2u eps of relative rounding (5.1e-6). Measured: 3.9e-7 and 4.4e-7
+    # for the two value scales (the math backend 4.2e-7 and 4.5e-7).
     assert err <= 2 * u * torch.finfo(torch.float32).eps, err
 
 
-@pytest.mark.parametrize("gap, kept", [(30.0, True), (60.0, False)])
-def test_static_offset_falls_back_where_the_row_maximum_is_far_below_its_bound(monkeypatch, gap, kept):
-    """u = 34 is within the float32 limit; with every logit near u - gap the largest weight is
-    exp(-gap): kept at gap 30 (1e-13), recomputed with the running max at gap 60 (9e-27 < sqrt(tiny))."""
+@pytest.mark.parametrize("seed", range(4))
+def test_static_offset_costs_no_float32_precision_against_the_running_max(monkeypatch, seed):
+    """Where the Cauchy-Schwarz bound is loose (D = 80: u ~ 11 against row maxima ~ 3) subtracting
+    u rounded the largest weights' arguments; offset 0 subtracts nothing. 64 problems of one query
+    against 17 keys, window (5, 3), one key head. Measured: 0.93-1.11x the running max's error
+    (with offset u: 1.00-1.72x)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(64, h, n, 80, generator=gen) for h, n in ((2, 1), (1, 17), (1, 17)))
+    expected = run_reference(q, k, v, None, window=(5, 3))
+    path = path_for(q, k, v, None, window=(5, 3))
+    calls = spy_static_blocks(monkeypatch)
+    err_static = np.abs(tiled_attention(q, k, v, path=path)[0].double().numpy() - expected).max()
+    assert calls == [0]
+    monkeypatch.setattr(tiled, "_STATIC_LIMIT", {})
+    err_running = np.abs(tiled_attention(q, k, v, path=path)[0].double().numpy() - expected).max()
+    assert err_static <= 1.2 * err_running, (err_static, err_running)
+
+
+@pytest.mark.parametrize("gap, value_scale, kept", [(30.0, 1.0, True), (60.0, 1.0, True), (30.0, 1e30, True), (60.0, 1e30, False)])
+def test_static_offset_falls_back_where_the_row_maximum_is_far_below_its_bound(monkeypatch, gap, value_scale, kept):
+    """u = 34 is within the float32 limit; every logit lies near u - gap. With offset 0 (values that
+    fit S e^u |v|) the largest weight is exp(u - gap), never below exp(-u): kept at either gap. With
+    values of 1e30 the offset is u and the largest weight exp(-gap): kept at gap 30 (1e-13),
+    recomputed with the running max at gap 60 (9e-27 < sqrt(tiny))."""
     u, D, S = 34.0, 8, 2 * BK + 3
     direction = torch.zeros(D)
     direction[0] = 1.0
@@ -593,7 +614,7 @@ def test_static_offset_falls_back_where_the_row_maximum_is_far_below_its_bound(m
     q = (direction * u).expand(1, 2, 5, D).clone()
     k = torch.cat([radii[:, None] * direction, -direction[None]])  # the last key has norm 1: bound u
     k = k.expand(1, 2, S + 1, D).clone()
-    v = torch.randn(1, 2, S + 1, 3, generator=torch.Generator().manual_seed(25))
+    v = torch.randn(1, 2, S + 1, 3, generator=torch.Generator().manual_seed(25)) * value_scale
     static = spy_static_blocks(monkeypatch)
     online = spy_static_blocks(monkeypatch, "_online_block")
     out = run_tiled(q, k, v, scale=1.0)

@@ -322,8 +322,11 @@ def abs_max(x: Tensor) -> float:
 def _logit_bound(call: AttentionCall, q_max: float, k_max: float, attn_mask: Tensor | None, alibi_slopes: Tensor | None) -> float:
     """An upper bound on |logit| over every (query, key) pair, from the largest entries |q| <= q_max
     and |k| <= k_max (NaN gives NaN): ``|q.k| <= D q_max k_max`` times the scale (or the softcap),
-    plus the largest ALiBi bias and the largest finite float-mask value."""
-    bound = call.path.scale * call.D * q_max * k_max if call.path.softcap is None else call.path.softcap
+    plus the largest ALiBi bias and the largest finite float-mask value. With softcap, also on the
+    products the cap is taken of: a product that overflowed is capped to a finite logit (tanh(inf)
+    = 1) of the wrong size or sign, a row no output check can tell from a right one."""
+    softcap = call.path.softcap
+    bound = call.path.scale * call.D * q_max * k_max if softcap is None else softcap
     if alibi_slopes is not None:
         bound += abs_max(alibi_slopes) * max(call.L, call.S)  # |i' - j| < max(L, S)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
@@ -331,7 +334,30 @@ def _logit_bound(call: AttentionCall, q_max: float, k_max: float, attn_mask: Ten
         if peak == math.inf:  # -inf hides a key, it is no logit
             peak = abs_max(attn_mask.detach().nan_to_num(neginf=0.0))
         bound += peak
+    if softcap is not None:
+        # Before the cap, whichever order a backend multiplies in: q.k, then the scale (and
+        # 1 / softcap, folded into it), or q times the scale first.
+        bound = max(bound, call.D * q_max * k_max * max(1.0, call.path.scale, call.path.scale / softcap))
     return bound
+
+
+def _rows_may_hide_trouble(
+    chosen: Backend, call: AttentionCall, query: Tensor, key: Tensor, attn_mask: Tensor | None, alibi_slopes: Tensor | None
+) -> bool:
+    """Whether finite, non-zero output rows may still be wrong, from a bound on the logits:
+    O((L + S) * D), small next to the call's O(L * S * D).
+
+    The tiled kernel turns a row whose logits all overflow to -inf into a finite one; a softcap
+    turns an infinite product (from overflow, or from an inf in q or k) into a finite logit. Under
+    a softcap a NaN bound (a NaN in q or k) counts too, as the cap hides an inf beside it. Without
+    either, a NaN bound is no overflow: the output check sees those rows.
+    """
+    if chosen is not Backend.TILED and call.path.softcap is None:
+        return False
+    bound = _logit_bound(call, abs_max(query), abs_max(key), attn_mask, alibi_slopes)
+    if call.path.softcap is not None and not math.isfinite(bound):
+        return True
+    return may_overflow(bound, accumulation_dtype(query.dtype))
 
 
 def _cast_stats(stats: AttentionStats | None, dtype: torch.dtype) -> AttentionStats | None:
@@ -353,6 +379,7 @@ def _careful(
     alibi_slopes: Tensor | None,
     fast: tuple[Tensor, AttentionStats | None],
     peaks: Tensor,
+    sinks: Tensor | None,
 ) -> tuple[Tensor, AttentionStats | None]:
     """The result of a call whose fast output has a NaN, inf or zero row (or, from the tiled
     kernel, logits that may overflow), by the documented rules.
@@ -376,11 +403,13 @@ def _careful(
         peaks = _row_peaks(out)
         q_max, k_max = abs_max(query), abs_max(key)
     bound = functools.cache(lambda: _logit_bound(call, q_max, k_max, attn_mask, alibi_slopes))  # only when needed, once
-    trust_finite = chosen is not Backend.TILED
+    # Finite rows are right unless the logits may overflow where that leaves them finite: the
+    # tiled kernel's exp floor, and any softcap (it caps an overflowed product to a finite logit).
+    trust_finite = chosen is not Backend.TILED and call.path.softcap is None
     if _misfit(peaks, nan_rows, lambda: may_overflow(bound(), acc), trust_finite):
         if acc == torch.float64:
             _refuse_overflow(call, query, key, value, acc, bound())
-        out, stats = run(query.double(), key.double(), value.double())
+        out, stats = _wide_run(run, chosen, call, query, attn_mask, alibi_slopes, sinks)(query.double(), key.double(), value.double())
         if _misfit(_row_peaks(out), nan_rows, lambda: may_overflow(bound(), torch.float64), trust_finite):
             _refuse_overflow(call, query, key, value, acc, bound())
         # A convex combination of values (weights summing to at most 1) fits the values' dtype.
@@ -390,6 +419,20 @@ def _careful(
         if stats is not None:
             stats = with_nan_rows(stats, nan_rows)
     return out, stats
+
+
+def _wide_run(
+    run: _Run, chosen: Backend, call: AttentionCall, query: Tensor, attn_mask: Tensor | None, alibi_slopes: Tensor | None, sinks: Tensor | None
+) -> _Run:
+    """The backend of the float64 recompute: the chosen one, except torch's SDPA, whose float64
+    backward returns NaN gradients for logits near 1e60 (torch 2.13 on CPU, e.g. B=2 H=4 L=S=64
+    D=32 with |q|, |k| ~ 1e30; tests/test_hostile.py): attnscale's own kernel computes those
+    (the math backend for dropout or learned ALiBi slopes, which the kernels lack)."""
+    if chosen is not Backend.TORCH:
+        return run
+    learned = alibi_slopes is not None and alibi_slopes.requires_grad
+    own = Backend.MATH if call.dropout_p > 0.0 or learned else _kernel(call, query, attn_mask)[0]
+    return _run_backend(own, call, attn_mask, alibi_slopes, sinks)
 
 
 def may_overflow(bound: float, dtype: torch.dtype) -> bool:
@@ -569,15 +612,9 @@ def scaled_dot_product_attention(
     else:
         out, stats = run(query, key, value)
     peaks = _row_peaks(out) if rows_ok is None else None
-    # The tiled kernel turns a row whose logits all overflow to -inf into a finite one, so it needs
-    # a bound on the logits too: O((L + S) * D), small next to its O(L * S * D). (A NaN bound, from
-    # NaN inputs, is no overflow: the output check sees those.)
-    if not (_rows_look_right(peaks) if rows_ok is None else rows_ok) or (
-        chosen is Backend.TILED
-        and may_overflow(_logit_bound(call, abs_max(query), abs_max(key), attn_mask, alibi_slopes), accumulation_dtype(query.dtype))
-    ):
+    if not (_rows_look_right(peaks) if rows_ok is None else rows_ok) or _rows_may_hide_trouble(chosen, call, query, key, attn_mask, alibi_slopes):
         peaks = _row_peaks(out) if peaks is None else peaks
-        out, stats = _careful(run, chosen, call, query, key, value, attn_mask, alibi_slopes, (out, stats), peaks)
+        out, stats = _careful(run, chosen, call, query, key, value, attn_mask, alibi_slopes, (out, stats), peaks, sinks)
     _record(chosen, why)
     if call.return_stats:
         assert stats is not None

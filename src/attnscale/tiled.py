@@ -14,19 +14,19 @@ all rescaled by ``exp(m_old - m_new)`` whenever the max grows::
             acc    = alpha acc + exp(s - m_new) V_j
         out_i = acc / l,  lse_i = m + log(l)       (natural log)
 
-Where every logit of a row is bounded in advance, ``|s_ij| <= u_i``, the row needs no running max:
-the kernel subtracts ``u_i`` instead (a static offset, like FlashDecoding++'s unified max value,
-but an upper bound by proof, so no weight can overflow). The bound is Cauchy-Schwarz,
-``|q_i . k_j| <= |q_i| max_j |k_j|``, and with softcap ``softcap * tanh`` of that. A query block
-takes it when the score path has no ALiBi and no float mask, no statistics are asked for, and every
-``u_i <= 34.4`` (float32; 345 in float64): weights then lie in ``[exp(-2 u), 1]``, above the exp
-floor below. Each tile skips the row max and the rescaling of the sum and the accumulator. The
-block is kept if every row's sum of weights shows a largest weight of at least sqrt(tiny); a row
-whose maximum sits far below its bound fails this and the block is recomputed with the running
-max. The price is rounding: exp's argument for the row's largest logit is ``M_i - u_i`` (up to
-``-2 u``) where the running max makes it 0, so those weights carry up to ``(u - M) eps`` of relative
-error, of the order the logits already carry from q k^T (``|q| |k| eps``). Measured on a worst-case
-row (every logit in [-u, -u/2], u = 21.5): 9.7e-7 relative, against 4.9e-7 with the running max.
+Where every logit of a row is bounded in advance, ``|s_ij| <= u_i``, the row needs no running max
+(a static offset, like FlashDecoding++'s unified max value, but from a bound by proof, so no weight
+can overflow). The bound is Cauchy-Schwarz, ``|q_i . k_j| <= |q_i| max_j |k_j|``, and with
+softcap ``softcap * tanh`` of that. A query block takes it when the score path has no ALiBi and no
+float mask, no statistics are asked for, and every ``u_i <= 34.4`` (float32; 345 in float64).
+Its weights are then ``exp(s)`` itself, in ``[exp(-u), exp(u)]`` (1.1e-15 to 8.7e14 in float32),
+where ``S e^u max |v|`` fits the dtype; else ``exp(s - u)``, in ``[exp(-2 u), 1]``. Each tile
+skips the row max and the rescaling of the sum and the accumulator. Offset 0 subtracts nothing,
+so a weight carries only its logit's own rounding, as with the running max; offset ``u`` puts up
+to ``2 u`` on exp's argument, ``(u - M) eps`` of relative error on the largest weights. The block
+is kept if every row's sum of weights shows a largest weight of at least sqrt(tiny); a row whose
+maximum sits far below its bound (only possible with offset ``u``) fails this and the block is
+recomputed with the running max.
 
 Only ``out`` and ``lse`` are kept for the backward pass, which recomputes the probabilities tile
 by tile as ``p = exp(s - lse)`` and uses ``D_i = rowsum(dO * O)`` (FlashAttention-2), so memory is
@@ -278,14 +278,15 @@ _EXP_FLOOR = {dtype: math.log(torch.finfo(dtype).tiny * 1e8) for dtype in (torch
 def _exp_(centred: Tensor, keep: Tensor | None, lowest: float) -> Tensor:
     """exp of a centred tile in place, on ATen's fast path, with hidden keys at exactly 0.
 
-    Visible entries are <= 0 (up to rounding); hidden ones (``keep`` 0) may hold anything, -inf
-    included, and are clamped into [floor, 0] before the exp. ``lowest`` bounds the visible entries
-    from below when the score path does (softcap), else it is -inf.
+    Visible entries are <= 0 with a running max, and at most the static limit (34.4 in float32)
+    in rows whose static offset is 0 (:func:`_centre`); hidden ones (``keep`` 0) may hold anything,
+    -inf included, and are clamped into [floor, limit] before the exp. ``lowest`` bounds the
+    visible entries from below when the score path does (softcap), else it is -inf.
     """
     cpu = centred.device.type == "cpu"  # the slow path is ATen's CPU exp; elsewhere exp(-inf) = 0 as it is
     floor = _EXP_FLOOR[centred.dtype] if cpu else None
     if keep is not None:
-        centred.clamp_(floor, 0.0)
+        centred.clamp_(floor, -_EXP_FLOOR[centred.dtype] / 2)
     elif floor is not None and lowest < floor and float(centred.amin()) < floor:
         centred.clamp_min_(floor)
     p = centred.exp_()
@@ -302,10 +303,10 @@ def _group_rows(x: Tensor, plan: _Plan, i0: int, i1: int) -> Tensor:
     return blk.reshape(*plan.batch, plan.Hkv, plan.G * (i1 - i0), x.shape[-1])
 
 
-# A row whose logits are known to satisfy |s_ij| <= u_i needs no running max: exp(s_ij - u_i) lies in
-# [exp(-2 u_i), 1]. While 2 u_i <= -floor (u_i <= 34.4 in float32, 345 in float64) no weight
-# overflows or falls below the exp floor, so exp and the matmuls stay on their fast paths without
-# any clamp.
+# A row whose logits are known to satisfy |s_ij| <= u_i needs no running max: exp(s_ij) lies in
+# [exp(-u_i), exp(u_i)] and exp(s_ij - u_i) in [exp(-2 u_i), 1]. While 2 u_i <= -floor (u_i <= 34.4
+# in float32, 345 in float64) no weight overflows or falls below the exp floor, so exp and the
+# matmuls stay on their fast paths without any clamp.
 _STATIC_LIMIT = {dtype: -floor / 2 for dtype, floor in _EXP_FLOOR.items()}
 
 
@@ -333,6 +334,27 @@ def _resolved(l: Tensor, S: int) -> bool:
     far below its bound fails this, and its block is recomputed with the running max."""
     floor = S * math.sqrt(torch.finfo(l.dtype).tiny)
     return not bool(((l > 0) & (l < floor)).any())
+
+
+def _abs_peak(x: Tensor) -> float:
+    """max |x| (NaN if x holds one, 0 if empty)."""
+    if x.numel() == 0:
+        return 0.0
+    lo, hi = (float(t) for t in torch.aminmax(x))
+    return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
+
+
+def _centre(u: Tensor, v_peak: float, S: int) -> Tensor:
+    """The offset a static row subtracts: 0 where its weights exp(s) <= exp(u) times S values of up
+    to ``v_peak`` fit the dtype, else u.
+
+    Offset 0 subtracts nothing, so a weight carries only the rounding its logit already has, as
+    with the running max; subtracting u puts up to 2u on exp's argument and (u - max) eps of
+    relative error on the largest weights (4-8x the math backend's float32 error at D = 80, where
+    the Cauchy-Schwarz bound is loose). Weights are then in [exp(-u), exp(u)], 1.1e-15 to 8.7e14
+    at u = 34.4 in float32: above the exp floor, and no weight or sum overflows."""
+    fits = u.exp().mul_(S * v_peak) < torch.finfo(u.dtype).max / 2  # False for NaN or inf values
+    return torch.where(fits, torch.zeros_like(u), u)
 
 
 def _static_offset(bounds: Tensor | None, i0: int, i1: int) -> Tensor | None:
@@ -401,6 +423,7 @@ def _forward(
         stats["visible_keys"] = torch.zeros(*batch, H, L, dtype=torch.int64, device=q.device)
     tiler = _Tiler(plan, q, k, v)
     bounds = _row_bounds(plan, q, k, mask, alibi)
+    v_peak = _abs_peak(v) if bounds is not None else math.nan
     mask_hides = _has_neg_inf(mask)
     n, G = plan.groups, plan.G
     for i0, i1 in plan.q_blocks():
@@ -409,6 +432,7 @@ def _forward(
         acc = q.new_zeros(n, G * Lb, Dv)
         u = _static_offset(bounds, i0, i1)
         if u is not None:
+            u = _centre(u, v_peak, plan.S)
             m, l, w = u, _static_block(plan, tiler, q3, i0, i1, mask, u, acc), None
             if not _resolved(l, plan.S):
                 acc.zero_()
@@ -432,8 +456,9 @@ def _forward(
 def _static_block(
     plan: _Plan, tiler: _Tiler, q3: Tensor, i0: int, i1: int, mask: Tensor | None, u: Tensor, acc: Tensor
 ) -> Tensor:
-    """One query block with the static offset u (*batch, H, Lb): accumulates ``sum exp(s - u) v``
-    into acc (n, G * Lb, Dv) and returns ``l = sum exp(s - u)`` (*batch, H, Lb).
+    """One query block with the static offset u (*batch, H, Lb; 0 or the rows' bounds, see
+    :func:`_centre`): accumulates ``sum exp(s - u) v`` into acc (n, G * Lb, Dv) and returns
+    ``l = sum exp(s - u)`` (*batch, H, Lb).
 
     Per tile: q k^T, tanh (softcap only), ``cap * t - u``, exp, the visibility multiply (partial tiles
     only), a row sum, and p v. Hidden keys keep their finite logits, so exp stays on its fast path.
@@ -444,7 +469,7 @@ def _static_block(
     for b0, j0, j1 in tiler.key_tiles(i0, i1):
         qk = tiler.products(q3, b0, j0, j1, Lb)
         t, keep = _tile_logits(plan, qk, i0, i1, j0, j1, mask, None, tiler.tiles, fill=False, defer_cap=True)
-        centred = t.add_(neg_u) if cap is None else torch.add(neg_u, t, alpha=cap, out=t)  # in [-2u, 0]
+        centred = t.add_(neg_u) if cap is None else torch.add(neg_u, t, alpha=cap, out=t)  # in [-2u, u]
         p = centred.exp_()
         if keep is not None:
             p.mul_(keep)

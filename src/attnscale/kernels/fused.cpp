@@ -814,6 +814,10 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
                         const c10::optional<torch::Tensor>& spans) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attnscale fused kernel: q, k, v must be 4-d");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "attnscale fused kernel: last dims must be contiguous");
+  // BLAS reads each (n, d) matrix with leading dimension = the row stride: rows must not overlap
+  // (stride 0 or unfold views), or BLAS refuses the call and the product is never written.
+  auto rows_apart = [](const torch::Tensor& x) { return x.stride(2) >= std::max<int64_t>(1, x.size(3)); };
+  TORCH_CHECK(rows_apart(q) && rows_apart(k) && rows_apart(v), "attnscale fused kernel: rows must not overlap (row stride >= head dim)");
   Problem<T> P{};
   P.q = q.data_ptr<T>();
   P.q_sb = q.stride(0), P.q_sh = q.stride(1), P.q_sl = q.stride(2);

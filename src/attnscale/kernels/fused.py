@@ -93,13 +93,21 @@ def _check_runnable(query: Tensor, attn_mask: Tensor | None, alibi_slopes: Tenso
         )
 
 
+def _blas_rows(x: Tensor) -> bool:
+    """Whether BLAS can read x's (n, d) matrices as they lie: a contiguous last dim and rows that
+    do not overlap (row stride >= d). Rows expanded along n (stride 0) or cut by ``unfold``
+    overlap; BLAS refuses such a leading dimension and leaves its product unwritten, and with
+    d = 1 a stride-0 view would be read past its storage."""
+    return x.stride(-1) == 1 and x.stride(-2) >= max(1, x.shape[-1])
+
+
 def _flat(x: Tensor, spec: _Spec, dtype: torch.dtype) -> Tensor:
-    """(*batch, heads, n, d) in ``dtype`` as (B, heads, n, d) with a contiguous last dim."""
-    if x.dtype == dtype and x.ndim == 4 and x.shape[0] == spec.batch[0] and len(spec.batch) == 1 and x.stride(-1) == 1:
+    """(*batch, heads, n, d) in ``dtype`` as (B, heads, n, d) rows BLAS can read (:func:`_blas_rows`)."""
+    if x.dtype == dtype and x.ndim == 4 and x.shape[0] == spec.batch[0] and len(spec.batch) == 1 and _blas_rows(x):
         return x  # already the kernel's layout (the common case: no copy, no views to build)
     x = x.to(dtype).expand(*spec.batch, *x.shape[-3:])
     x = x.reshape(math.prod(spec.batch), *x.shape[-3:])
-    return x if x.stride(-1) == 1 else x.contiguous()
+    return x if _blas_rows(x) else x.contiguous()
 
 
 def _flat_mask(mask: Tensor | None, spec: _Spec, L: int, S: int, dtype: torch.dtype) -> Tensor | None:
@@ -332,10 +340,9 @@ class _FusedVarlen(torch.autograd.Function):
 
 
 def _packed(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """(total, heads, d) in ``dtype`` as the kernel's (1, heads, total, d) view, last dim contiguous."""
-    x = x.to(dtype)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    return x.transpose(0, 1).unsqueeze(0)
+    """(total, heads, d) in ``dtype`` as the kernel's (1, heads, total, d) view, rows BLAS can read."""
+    x = x.to(dtype).transpose(0, 1).unsqueeze(0)
+    return x if _blas_rows(x) else x.contiguous()
 
 
 def _block_q(path: ScorePath, rows: int) -> int:
