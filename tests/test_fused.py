@@ -13,7 +13,7 @@ import torch
 
 import attnscale
 from attnscale import kernels, reference
-from attnscale.kernels import fused
+from attnscale.kernels import fused, ops
 
 # Skipped only where the kernel cannot be had (no compiler, ATTNSCALE_NO_KERNEL, a CPU without
 # AVX2): where it can, a kernel that failed to build fails these tests.
@@ -105,8 +105,8 @@ def test_small_tiles_match_the_reference_fp64(case, monkeypatch):
     """The default tiles (256 x 512) cover these shapes in one or two tiles; 16 x 32 ones make every
     case span many query blocks and key tiles (diagonal, window-edge and hidden tiles): the output
     against the reference and the gradients against the math backend, packed too."""
-    monkeypatch.setattr(fused, "BLOCK_Q", 16)
-    monkeypatch.setattr(fused, "BLOCK_K", 32)
+    monkeypatch.setattr(ops, "BLOCK_Q", 16)
+    monkeypatch.setattr(ops, "BLOCK_K", 32)
     q, k, v, mask, opts = case_inputs(case)
     expected = run_reference(q, k, v, mask, **opts)
     grads = {}

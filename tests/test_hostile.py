@@ -309,6 +309,19 @@ def test_infinite_entries_are_missing_like_nan(backend, value):
     assert_matches(sdpa(q, k, v, backend=backend, **options), ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sinks_and_slopes_are_validated_as_they_are_used(backend):
+    # float64 values that are finite, but +inf in float32, where float32 inputs are scored: the
+    # math backend once returned 31.5 for a sink of 1e300 (no weighted average of the values).
+    q, k, v = qkv(1, 2, 4, 8, S=6, seed=8)
+    with pytest.raises(ValueError, match=r"^sinks: expected finite logits in torch.float32 .*at heads \[1\]"):
+        sdpa(q, k, v, sinks=torch.tensor([0.0, 1e300], dtype=torch.float64), backend=backend)
+    with pytest.raises(ValueError, match=r"^alibi_slopes: expected finite slopes in torch.float32"):
+        sdpa(q, k, v, alibi_slopes=torch.tensor([0.5, 1e300], dtype=torch.float64), backend=backend)
+    out = sdpa(q, k, v, sinks=torch.tensor([0.0, -1e300], dtype=torch.float64), backend=backend)  # -inf in float32: no sink
+    torch.testing.assert_close(out[:, 1], sdpa(q, k, v, backend=backend)[:, 1], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("situation", ["none", "causal", "bool-mask"])
 @pytest.mark.parametrize("poison", ["q-row", "k-key", "k-hidden-key", "k-and-v-and-q"])
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])

@@ -166,8 +166,8 @@ def test_float64_matches_the_oracle_per_sequence(feature, heads, backend):
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_packed_kernel_with_small_tiles_matches_the_oracle(feature, heads, monkeypatch):
     """16 x 32 tiles: every sequence spans several query blocks and key tiles, statistics too."""
-    monkeypatch.setattr(attnscale.kernels.fused, "BLOCK_Q", 16)
-    monkeypatch.setattr(attnscale.kernels.fused, "BLOCK_K", 32)
+    monkeypatch.setattr(attnscale.kernels.ops, "BLOCK_Q", 16)
+    monkeypatch.setattr(attnscale.kernels.ops, "BLOCK_K", 32)
     (q, k, v, cu_q, cu_k), options = packed_case(heads, feature)
     out, stats = attnscale.varlen_attention(q, k, v, cu_q, cu_k, return_stats=True, backend="fused", **options)
     ref_out, ref = oracle_loop(q, k, v, cu_q, cu_k, return_stats=True, **options)
@@ -405,10 +405,10 @@ def test_auto_runs_every_finite_sequence_in_one_kernel_call(monkeypatch):
     (q, k, v, cu_q, cu_k), _ = packed_case("gqa-dv-differs", "causal-window")
     calls, per_sequence = [], []
     real_kernel, real_sdpa = attnscale.varlen.fused_varlen_attention, attnscale.varlen.scaled_dot_product_attention
-    monkeypatch.setattr(attnscale.varlen, "fused_varlen_attention", lambda *a, **kw: calls.append(a[3]) or real_kernel(*a, **kw))
+    monkeypatch.setattr(attnscale.varlen, "fused_varlen_attention", lambda *a, **kw: calls.append(a[3].tolist()) or real_kernel(*a, **kw))
     monkeypatch.setattr(attnscale.varlen, "scaled_dot_product_attention", lambda *a, **kw: per_sequence.append(1) or real_sdpa(*a, **kw))
     attnscale.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True)
-    spans = [((int(cu_q[b]), int(cu_q[b + 1])), (int(cu_k[b]), int(cu_k[b + 1]))) for b in range(len(LQ))]
+    spans = [[int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])] for b in range(len(LQ))]  # (q0, q1, k0, k1)
     assert calls == [spans] and per_sequence == []
     bad = k.clone()
     bad[int(cu_k[1])] = math.nan  # a key row of sequence 1
@@ -461,6 +461,9 @@ BAD_INPUT = {
     "sinks-shape": (dict(sinks=torch.zeros(7, 4)), ValueError, "sinks: expected shape (H,) = (4,), one logit per query head, got shape (7, 4)"),
     "sinks-device": (dict(sinks=torch.zeros(4, device=META)), ValueError, "sinks: expected the query's device cpu"),
     "sinks-nan": (dict(sinks=torch.tensor([0.0, math.nan, 0.0, 0.0])), ValueError, "sinks: expected finite logits"),
+    # as scaled_dot_product_attention refuses them (varlen once returned NaN rows for these)
+    "alibi-nan": (dict(alibi_slopes=torch.tensor([0.5, math.nan, 0.1, 0.1])), ValueError, "alibi_slopes: expected finite slopes in torch.float32"),
+    "alibi-inf": (dict(alibi_slopes=torch.tensor([0.5, math.inf, 0.1, 0.1])), ValueError, "alibi_slopes: expected finite slopes in torch.float32"),
 }
 
 

@@ -18,6 +18,9 @@ from .stats import AttentionStats, HeadSummary, normalized_entropy, share_above,
 from .tiled import attention_partial, merge_partials
 from .varlen import varlen_attention
 from . import kernels, variants
+from .integrations.hf_autoregister import install as _register_with_transformers
+
+_register_with_transformers()  # attn_implementation="attnscale" works after `import attnscale` alone
 
 try:
     __version__ = version("attnscale")

@@ -98,8 +98,20 @@ def check_window(window: object) -> tuple[int | None, int | None] | None:
     return (sides[0], sides[1])
 
 
-def check_sinks(sinks: object, H: int, device: torch.device) -> None:
-    """``sinks``: None or a float tensor (H,), one logit per query head, finite or -inf (no sink)."""
+def check_alibi_values(slopes: Tensor, dtype: torch.dtype) -> None:
+    """Finite ALiBi slopes, as they are used: in the accumulation dtype of ``dtype`` inputs (a
+    float64 slope of 1e300 is inf in float32)."""
+    if not bool(torch.isfinite(slopes.detach().to(accumulation_dtype(dtype))).all()):
+        acc = accumulation_dtype(dtype)
+        fail("alibi_slopes", f"finite slopes in {acc}, where {dtype} inputs are scored", "NaN or inf entries (or ones that overflow it)",
+             "use attnscale.alibi_slopes(H), or check how the slopes were computed")  # fmt: skip
+
+
+def check_sinks(sinks: object, H: int, device: torch.device, *, values: bool = True, dtype: torch.dtype = torch.float64) -> None:
+    """``sinks``: None or a float tensor (H,), one logit per query head, finite or -inf (no sink)
+    as they are used, in the accumulation dtype of ``dtype`` inputs (a float64 sink of 1e300 is
+    +inf in float32); the values are checked only with ``values`` (eager mode: see
+    :mod:`attnscale._tracing`)."""
     if sinks is None:
         return
     if not isinstance(sinks, Tensor) or sinks.dtype not in FLOAT_DTYPES:
@@ -109,9 +121,13 @@ def check_sinks(sinks: object, H: int, device: torch.device) -> None:
         fail("sinks", f"shape (H,) = ({H},), one logit per query head", _shape(sinks), "pass one sink logit per query head")
     if sinks.device != device:
         fail("sinks", f"the query's device {device}", f"device {sinks.device}", "move it: sinks.to(query.device)")
-    bad = torch.isnan(sinks) | (sinks == float("inf"))
+    if not values:
+        return
+    used = sinks.detach().to(accumulation_dtype(dtype))
+    bad = torch.isnan(used) | (used == float("inf"))
     if bool(bad.any()):
-        fail("sinks", "finite logits (or -inf for a head without a sink)", f"NaN or +inf at heads {bad.nonzero().flatten().tolist()}", "check how the sinks were computed")
+        acc = accumulation_dtype(dtype)
+        fail("sinks", f"finite logits in {acc} (or -inf for a head without a sink)", f"NaN or +inf at heads {bad.nonzero().flatten().tolist()}", "check how the sinks were computed")
 
 
 @dataclass(frozen=True)
@@ -175,7 +191,11 @@ def check_attention_call(
     window: object,
     return_stats: object,
     sinks: object = None,
+    values: bool = True,
 ) -> AttentionCall:
+    """Validate a call before any compute. Shapes, dtypes, devices and options always; with
+    ``values`` (eager mode, see :mod:`attnscale._tracing`) also what needs the tensors' values:
+    finite ALiBi slopes and sinks, float-mask entries that are finite or -inf."""
     check_tensors(query, key, value)
     H, L, D = query.shape[-3:]
     Hkv, S, Dk = key.shape[-3:]
@@ -226,7 +246,7 @@ def check_attention_call(
             ok = False
         if not ok:
             fail("attn_mask", f"a shape broadcastable to (..., H, L, S) = {target}", _shape(attn_mask), "use (L, S), (B, 1, L, S) or (B, 1, 1, S) for padding")
-        if attn_mask.dtype != torch.bool and (torch.isnan(attn_mask).any() or (attn_mask == float("inf")).any()):
+        if values and attn_mask.dtype != torch.bool and (torch.isnan(attn_mask).any() or (attn_mask == float("inf")).any()):
             fail("attn_mask", "float values that are finite or -inf", "NaN or +inf entries", "use -inf (or a bool mask) for hidden keys")
     if type(dropout_p) is not float and (isinstance(dropout_p, bool) or not isinstance(dropout_p, Real)):
         fail("dropout_p", "a float in [0, 1)", repr(dropout_p), "pass e.g. dropout_p=0.1, or 0.0 at inference", exc=TypeError)
@@ -255,9 +275,9 @@ def check_attention_call(
             fail("alibi_slopes", f"shape (H,) or (B, H) broadcastable to {(*batch, H)}", _shape(alibi_slopes), "use attnscale.alibi_slopes(H)")
         if alibi_slopes.device != query.device:
             fail("alibi_slopes", f"the query's device {query.device}", f"device {alibi_slopes.device}", "move it to the query's device")
-        if not bool(torch.isfinite(alibi_slopes).all()):
-            fail("alibi_slopes", "finite slopes", "NaN or inf entries", "use attnscale.alibi_slopes(H), or check how the slopes were computed")
-    check_sinks(sinks, H, query.device)
+        if values:
+            check_alibi_values(alibi_slopes, query.dtype)
+    check_sinks(sinks, H, query.device, values=values, dtype=query.dtype)
     path = ScorePath(
         scale=scale if scale is not None else 1.0 / math.sqrt(D),
         softcap=softcap,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._tracing import refuse_jit_trace, tracing
 from ._validate import AttentionCall, Backend, check_attention_call, fail
 from .dense import accumulation_dtype, dense_attention
 from .masks import CausalAlignment, add_bias, alibi_bias
@@ -32,7 +33,8 @@ def last_backend() -> str | None:
     """Name of the backend that computed this thread's most recent attention call ("torch", "math",
     "tiled", "fused").
 
-    Also logged at DEBUG level on the ``attnscale`` logger for every call.
+    Also logged at DEBUG level on the ``attnscale`` logger for every call. Calls traced by
+    torch.compile or torch.export neither set it nor log.
     """
     return getattr(_state, "backend", None)
 
@@ -350,9 +352,11 @@ def _rows_may_hide_trouble(
     The tiled kernel turns a row whose logits all overflow to -inf into a finite one; a softcap
     turns an infinite product (from overflow, or from an inf in q or k) into a finite logit. Under
     a softcap a NaN bound (a NaN in q or k) counts too, as the cap hides an inf beside it. Without
-    either, a NaN bound is no overflow: the output check sees those rows.
+    either, a NaN bound is no overflow: the output check sees those rows. The compiled kernel
+    needs none of this: under a softcap it makes an infinite product's logit NaN, which its own
+    row check reports (and it never runs the tiled kernel's floor).
     """
-    if chosen is not Backend.TILED and call.path.softcap is None:
+    if chosen is Backend.FUSED or (chosen is not Backend.TILED and call.path.softcap is None):
         return False
     bound = _logit_bound(call, abs_max(query), abs_max(key), attn_mask, alibi_slopes)
     if call.path.softcap is not None and not math.isfinite(bound):
@@ -570,6 +574,12 @@ def scaled_dot_product_attention(
     the output, O(L * Dv) (the tiled kernel also a bound on the logits, O((L + S) * D)); only
     when a row is NaN, inf or zero is the call diagnosed further.
 
+    Under torch.compile and torch.export, and for FakeTensor, meta or torch.func-wrapped inputs,
+    the call traces as one graph (the compiled kernel is ``torch.ops.attnscale.fused_forward``)
+    and every check that needs values is skipped: finite slopes, sinks and float-mask values, the
+    NaN-row rule and the float64 recompute (docs: torch.compile, export and torch.func).
+    ``torch.jit.trace`` is refused.
+
     Equivalent to (no dropout, no GQA, for brevity):
 
     >>> import torch, attnscale
@@ -582,6 +592,10 @@ def scaled_dot_product_attention(
     >>> torch.allclose(out, weights @ v, atol=1e-6)
     True
     """
+    # Static checks -> choose -> call the backend; then, in eager mode only, the checks of the
+    # output that need values (see attnscale._tracing): none of it while tracing.
+    refuse_jit_trace("scaled_dot_product_attention")
+    traced = tracing(query, key, value)
     call = check_attention_call(
         query,
         key,
@@ -598,24 +612,26 @@ def scaled_dot_product_attention(
         window=window,
         return_stats=return_stats,
         sinks=sinks,
+        values=not traced,
     )
     if attn_mask is not None and attn_mask.ndim < 2:
         attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.ndim) + tuple(attn_mask.shape))  # (S,) -> (1, S), as torch broadcasts
     slopes_need_grad = alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled()
     chosen, why = _choose(call, query, attn_mask, slopes_need_grad=slopes_need_grad)
     run = _run_backend(chosen, call, attn_mask, alibi_slopes, sinks)
-    rows_ok: bool | None = None
+    rows_ok: Tensor | None = None
     if chosen is Backend.FUSED:  # the kernel checks its rows as it writes them
         out, stats, rows_ok = fused_attention_checked(
             query, key, value, path=call.path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=call.return_stats
         )
     else:
         out, stats = run(query, key, value)
-    peaks = _row_peaks(out) if rows_ok is None else None
-    if not (_rows_look_right(peaks) if rows_ok is None else rows_ok) or _rows_may_hide_trouble(chosen, call, query, key, attn_mask, alibi_slopes):
-        peaks = _row_peaks(out) if peaks is None else peaks
-        out, stats = _careful(run, chosen, call, query, key, value, attn_mask, alibi_slopes, (out, stats), peaks, sinks)
-    _record(chosen, why)
+    if not traced:
+        peaks = _row_peaks(out) if rows_ok is None else None
+        if not (_rows_look_right(peaks) if rows_ok is None else bool(rows_ok)) or _rows_may_hide_trouble(chosen, call, query, key, attn_mask, alibi_slopes):
+            peaks = _row_peaks(out) if peaks is None else peaks
+            out, stats = _careful(run, chosen, call, query, key, value, attn_mask, alibi_slopes, (out, stats), peaks, sinks)
+        _record(chosen, why)
     if call.return_stats:
         assert stats is not None
         return out, stats

@@ -67,6 +67,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._autograd import first_order
+from ._tracing import tracing
 from .dense import accumulation_dtype
 from .score import ScorePath
 from .stats import AttentionStats, with_sinks
@@ -287,14 +289,17 @@ def _exp_(centred: Tensor, keep: Tensor | None, lowest: float) -> Tensor:
     floor = _EXP_FLOOR[centred.dtype] if cpu else None
     if keep is not None:
         centred.clamp_(floor, -_EXP_FLOOR[centred.dtype] / 2)
-    elif floor is not None and lowest < floor and float(centred.amin()) < floor:
+    elif floor is not None and lowest < floor and (tracing(centred) or float(centred.amin()) < floor):
         centred.clamp_min_(floor)
     p = centred.exp_()
     return p if keep is None else p.mul_(keep)
 
 
 def _has_neg_inf(mask: Tensor | None) -> bool:
-    return mask is not None and mask.dtype != torch.bool and bool(torch.isneginf(mask.detach()).any())
+    """Whether a float mask holds -inf (traced: assumed, as that is right either way)."""
+    if mask is None or mask.dtype == torch.bool:
+        return False
+    return tracing(mask) or bool(torch.isneginf(mask.detach()).any())
 
 
 def _group_rows(x: Tensor, plan: _Plan, i0: int, i1: int) -> Tensor:
@@ -318,6 +323,8 @@ def _row_bounds(plan: _Plan, q: Tensor, k: Tensor, mask: Tensor | None, alibi: T
     the logit is cap * tanh(q_i . k_j), bounded by cap * tanh of the same. One pass over q and k.
     """
     if plan.with_stats or alibi is not None or (mask is not None and mask.dtype != torch.bool) or plan.S == 0:
+        return None
+    if tracing(q, k):  # choosing it needs the bounds' values: traced calls take the running max
         return None
     if q.dtype not in _STATIC_LIMIT:
         return None
@@ -637,35 +644,51 @@ def _kernel_inputs(plan: _Plan, query: Tensor, key: Tensor, value: Tensor) -> tu
 
 
 class _TiledAttention(torch.autograd.Function):
-    """Autograd wrapper: saves the inputs, ``out`` and ``lse``; recomputes the rest."""
+    """Autograd wrapper: saves the inputs, ``out``, ``lse`` and the normaliser; recomputes the
+    rest. Its backward has no derivative of its own (:func:`attnscale._autograd.first_order`)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, alibi, plan):  # type: ignore[override]
+    def forward(query, key, value, mask, alibi, plan):  # type: ignore[override]
         acc = accumulation_dtype(query.dtype)
         q, k, v = _kernel_inputs(plan, query, key, value)
         out, lse, stats, (offset, total) = _forward(plan, q, k, v, mask, alibi)
-        ctx.save_for_backward(query, key, value, mask, alibi, out, lse, offset, total)
+        if query.dtype == acc:
+            return (out, lse, *stats.values(), offset, total)
+        return (out.to(query.dtype), lse, *stats.values(), offset, total, out)  # the backward needs out in acc
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        query, key, value, mask, alibi, plan = inputs
+        n = 2 + (4 if plan.with_stats else 0)
+        offset, total, *wide = output[n:]
+        out = wide[0] if wide else output[0]
+        ctx.save_for_backward(query, key, value, mask, alibi, out, output[1], offset, total)
         ctx.plan = plan
-        ctx.mark_non_differentiable(*stats.values())
-        result = out if query.dtype == acc else out.to(query.dtype)
-        return (result, lse, *stats.values())
+        ctx.mark_non_differentiable(*output[2:])  # statistics, normaliser: no gradients
 
     @staticmethod
     def backward(ctx, dresult, dlse, *unused):  # type: ignore[override]
         query, key, value, mask, alibi, out, lse, offset, total = ctx.saved_tensors
         plan: _Plan = ctx.plan
         acc = out.dtype
-        q, k, v = _kernel_inputs(plan, query, key, value)
         mask_grad = mask is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dmask = _backward(
-            plan, q, k, v, mask, alibi, out, lse, dresult.to(acc), dlse.to(acc), mask_grad, (offset, total)
-        )
-        dq = (dq * plan.q_factor).sum_to_size(query.shape).to(query.dtype)  # q was scaled before q k^T
-        dk = dk.sum_to_size(key.shape).to(key.dtype)  # broadcast batch dims sum back
-        dv = dv.sum_to_size(value.shape).to(value.dtype)
-        if dmask is not None:
-            dmask = dmask.to(mask.dtype)
-        return dq, dk, dv, dmask, None, None
+        with torch.no_grad():  # out= products inside: no graph of the backward (see first_order)
+            q, k, v = _kernel_inputs(plan, query, key, value)
+            dq, dk, dv, dmask = _backward(
+                plan, q, k, v, mask, alibi, out, lse, dresult.to(acc), dlse.to(acc), mask_grad, (offset, total)
+            )
+            dq = (dq * plan.q_factor).sum_to_size(query.shape).to(query.dtype)  # q was scaled before q k^T
+            dk = dk.sum_to_size(key.shape).to(key.dtype)  # broadcast batch dims sum back
+            dv = dv.sum_to_size(value.shape).to(value.dtype)
+            if dmask is not None:
+                dmask = dmask.to(mask.dtype)
+        return (*first_order("tiled", (query, key, value, mask), dq, dk, dv, dmask), None, None)
+
+
+def _apply(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, alibi: Tensor | None, plan: _Plan) -> tuple[Tensor, ...]:
+    """(out, lse, *statistics) of :class:`_TiledAttention` (without the normaliser it keeps)."""
+    outputs = _TiledAttention.apply(query, key, value, mask, alibi, plan)
+    return outputs[: 2 + (4 if plan.with_stats else 0)]
 
 
 def _plan(
@@ -732,10 +755,10 @@ def tiled_attention(
     alibi = _constant_slopes(alibi_slopes, query.dtype)
     plan = _plan(query, key, value, path, block_q=block_q, block_k=block_k, q_start=0, k_start=0, with_stats=return_stats)
     if sinks is None:
-        out, lse, *rest = _TiledAttention.apply(query, key, value, attn_mask, alibi, plan)
+        out, lse, *rest = _apply(query, key, value, attn_mask, alibi, plan)
     else:  # the kernel's output stays in the accumulation dtype until the sink has rescaled it
         acc = accumulation_dtype(query.dtype)
-        out, lse, *rest = _TiledAttention.apply(query.to(acc), key.to(acc), value.to(acc), attn_mask, alibi, plan)
+        out, lse, *rest = _apply(query.to(acc), key.to(acc), value.to(acc), attn_mask, alibi, plan)
         out = merge_sinks(out, lse, sinks)[0].to(query.dtype)
     if not return_stats:
         return out, None
@@ -771,7 +794,7 @@ def attention_partial(
         query, key, value, path, block_q=block_q, block_k=block_k, q_start=q_start, k_start=k_start, with_stats=False
     )
     acc = accumulation_dtype(query.dtype)
-    out, lse = _TiledAttention.apply(query.to(acc), key.to(acc), value.to(acc), attn_mask, alibi, plan)
+    out, lse, *_ = _apply(query.to(acc), key.to(acc), value.to(acc), attn_mask, alibi, plan)
     return out, lse
 
 

@@ -24,9 +24,11 @@ from numbers import Integral
 import torch
 from torch import Tensor
 
+from ._tracing import refuse_jit_trace, tracing
 from ._validate import (
     FLOAT_DTYPES,
     Backend,
+    check_alibi_values,
     check_bool,
     check_choice,
     check_positive_finite,
@@ -84,18 +86,26 @@ def _check_packed(q: object, k: object, v: object) -> tuple[int, int, int, int]:
     return H, Hkv, D, v.shape[2]
 
 
-def _check_cu_seqlens(name: str, cu: object, packed: str, total: int, device: torch.device) -> list[int]:
-    """Checks cumulative lengths ``[0, ..., total]`` of the rows of ``packed``; returns them as ints."""
-    fix = "build it as torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32) from the per-sequence lengths"
+_CU_FIX = "build it as torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32) from the per-sequence lengths"
+
+
+def _check_cu_static(name: str, cu: object, device: torch.device) -> Tensor:
+    """What can be checked of cumulative lengths without their values: type, dtype, shape, device."""
     if not isinstance(cu, Tensor):
-        fail(name, "a 1-d int32 or int64 torch.Tensor", type(cu).__name__, fix, exc=TypeError)
+        fail(name, "a 1-d int32 or int64 torch.Tensor", type(cu).__name__, _CU_FIX, exc=TypeError)
     if cu.dtype not in (torch.int32, torch.int64):
         fail(name, "dtype int32 or int64", f"dtype {cu.dtype}", f"cast it: {name}.to(torch.int32)", exc=TypeError)
     if cu.ndim != 1 or cu.numel() == 0:
-        fail(name, "a 1-d tensor of B + 1 cumulative lengths", _shape(cu), fix)
+        fail(name, "a 1-d tensor of B + 1 cumulative lengths", _shape(cu), _CU_FIX)
     if cu.device != device:
         fail(name, f"q's device {device}", f"device {cu.device}", f"move it: {name}.to(q.device)")
-    values = cu.tolist()
+    return cu
+
+
+def _check_cu_seqlens(name: str, cu: object, packed: str, total: int, device: torch.device) -> list[int]:
+    """Checks cumulative lengths ``[0, ..., total]`` of the rows of ``packed``; returns them as ints."""
+    fix = _CU_FIX
+    values = _check_cu_static(name, cu, device).tolist()
     if values[0] != 0:
         fail(name, "a first entry of 0", f"{values[0]} (in {values})", fix)
     drops = [b for b in range(len(values) - 1) if values[b + 1] < values[b]]
@@ -235,7 +245,10 @@ def varlen_attention(
     >>> torch.allclose(out, torch.cat(rows), atol=1e-6)
     True
     """
+    refuse_jit_trace("varlen_attention")
     H, Hkv, D, Dv = _check_packed(q, k, v)
+    if tracing(q, k, v):
+        return _traced(q, k, v, cu_seqlens_q, cu_seqlens_k, H, scale, is_causal, softcap, alibi_slopes, window, sinks, return_stats, backend)
     cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "q", q.shape[0], q.device)
     cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "k", k.shape[0], q.device)
     if len(cu_q) != len(cu_k):
@@ -256,14 +269,14 @@ def varlen_attention(
     backend = check_choice("backend", backend, Backend)
     if alibi_slopes is not None:
         _check_alibi_slopes(alibi_slopes, H, len(spans), q.device)
-    check_sinks(sinks, H, q.device)
+        check_alibi_values(alibi_slopes, q.dtype)  # the same rule as scaled_dot_product_attention's
+    check_sinks(sinks, H, q.device, dtype=q.dtype)
     clean = _packed_kernel_spans(backend, q, k, v, spans, scale, softcap, alibi_slopes)
     if clean:
         path = ScorePath(scale=q.shape[-1] ** -0.5 if scale is None else scale, softcap=softcap, causal=is_causal, window=window)
         slopes = alibi_slopes[clean] if alibi_slopes is not None and alibi_slopes.ndim == 2 else alibi_slopes
-        out_k, stats_k = fused_varlen_attention(
-            q, k, v, [spans[b] for b in clean], path=path, alibi_slopes=slopes, sinks=sinks, return_stats=return_stats
-        )
+        table = torch.tensor([[q0, q1, k0, k1] for (q0, q1), (k0, k1) in (spans[b] for b in clean)], dtype=torch.int64).reshape(len(clean), 4)
+        out_k, stats_k = fused_varlen_attention(q, k, v, table, path=path, alibi_slopes=slopes, sinks=sinks, return_stats=return_stats)
         record_backend(Backend.FUSED, f"varlen: {len(clean)} of {len(spans)} sequences in one call")
         if len(clean) == len(spans):
             return (out_k, stats_k) if return_stats else out_k
@@ -304,6 +317,54 @@ def varlen_attention(
     if return_stats:
         return out, _cat_stats(parts)
     return out
+
+
+def _traced(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    H: int,
+    scale: object,
+    is_causal: object,
+    softcap: object,
+    alibi_slopes: Tensor | None,
+    window: object,
+    sinks: Tensor | None,
+    return_stats: object,
+    backend: object,
+) -> Tensor | tuple[Tensor, AttentionStats]:
+    """:func:`varlen_attention` while tracing (see :mod:`attnscale._tracing`): the static checks,
+    then every sequence in one call of the compiled kernel's op, with the spans built from the
+    cumulative lengths as tensors. Their values (a first 0, non-decreasing, the packed totals)
+    and the NaN rule go unchecked; the op itself refuses spans outside the packed tensors."""
+    cu_q = _check_cu_static("cu_seqlens_q", cu_seqlens_q, q.device)
+    cu_k = _check_cu_static("cu_seqlens_k", cu_seqlens_k, q.device)
+    if cu_q.shape != cu_k.shape:
+        fail("cu_seqlens_k", f"B + 1 = {cu_q.shape[0]} entries like cu_seqlens_q", f"{cu_k.shape[0]} entries", "give every sequence a query and a key length (0 is allowed)")
+    B = cu_q.shape[0] - 1
+    is_causal = check_bool("is_causal", is_causal)
+    scale = check_positive_finite("scale", scale)
+    softcap = check_positive_finite("softcap", softcap)
+    window = check_window(window)
+    return_stats = check_bool("return_stats", return_stats)
+    backend = check_choice("backend", backend, Backend)
+    if alibi_slopes is not None:
+        _check_alibi_slopes(alibi_slopes, H, B, q.device)
+    check_sinks(sinks, H, q.device, values=False)
+    why = fused_supports(q, None)
+    if backend not in (Backend.AUTO, Backend.FUSED) or why is not None:
+        fail(
+            "backend",
+            "the compiled kernel while tracing (torch.compile, torch.export, FakeTensor, torch.func)",
+            f"{backend.value!r}" + (f" ({why})" if why is not None else ""),
+            "use backend='auto' on CPU with the kernel built, or call varlen_attention outside the traced region",
+        )
+    table = torch.stack([cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]], dim=1).to(torch.int64)  # (B, 4)
+    path = ScorePath(scale=q.shape[-1] ** -0.5 if scale is None else scale, softcap=softcap, causal=is_causal, window=window)
+    out, stats = fused_varlen_attention(q, k, v, table, path=path, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=return_stats)
+    return (out, stats) if return_stats else out
 
 
 def _finite_abs_max(x: Tensor) -> float:

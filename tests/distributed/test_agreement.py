@@ -141,7 +141,7 @@ def _invalid_sinks(rank: int, N: int) -> None:
     t = _inputs(**MHA)
     for sinks, exc, expected in (
         (SINKS[:3], ValueError, "sinks: expected shape (H,) = (4,), one logit per query head, got shape (3,)"),
-        (torch.tensor([0.0, math.nan, 0.0, 0.0]), ValueError, "sinks: expected finite logits (or -inf for a head without a sink), got NaN or +inf at heads [1]"),
+        (torch.tensor([0.0, math.nan, 0.0, 0.0]), ValueError, "sinks: expected finite logits in torch.float64 (or -inf for a head without a sink), got NaN or +inf at heads [1]"),
         ([0.0] * 4, TypeError, "sinks: expected a float tensor of shape (H,) = (4,), got list"),
     ):
         with pytest.raises(exc, match=re.escape(expected)):

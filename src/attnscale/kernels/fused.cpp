@@ -323,9 +323,12 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
       c = hi;  // nothing to compute: the span's logits are the products as they stand
   } else if (!alibi && !fm) {  // softcap only, the common case: its own loop, nothing else tested
     for (; c + n <= hi; c += n) {
-      const Vec th = vtanh(Vec::loadu(x + c));
+      const Vec raw = Vec::loadu(x + c);
+      const Vec th = vtanh(raw);
       if (t) th.store(t + c);
-      const Vec xv = th * vcap;
+      // + (raw - raw): 0 for a finite product, NaN for an infinite one (overflow, or an inf in q
+      // or k), which tanh would cap to a finite logit that no row check could tell from a right one.
+      const Vec xv = at::vec::fmadd(th, vcap, raw - raw);
       xv.store(x + c);
       vmax = at::vec::maximum(vmax, xv);
     }
@@ -335,7 +338,7 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
       if (cap != T(0)) {
         const Vec th = vtanh(xv);
         if (t) th.store(t + c);
-        xv = th * vcap;
+        xv = at::vec::fmadd(th, vcap, xv - xv);  // an infinite product gives NaN, as above
       }
       if (alibi) xv = xv - vslope * (Vec(static_cast<T>(p - c)) - iota).abs();  // exact below 2^24 keys
       if (fm) xv = xv + Vec::loadu(fm + c);
@@ -349,7 +352,7 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
     if (cap != T(0)) {
       const T th = stanh(xc);
       if (t) t[c] = th;
-      xc = cap * th;
+      xc = cap * th + (xc - xc);  // an infinite product gives NaN, as above
     }
     if (alibi) xc -= slope * static_cast<T>(std::abs(p - c));
     if (fm) xc += fm[c * P.m_ss];

@@ -22,23 +22,11 @@ from ..dense import accumulation_dtype
 from ..score import ScorePath
 from ..stats import AttentionStats, with_sinks
 from ..tiled import merge_sinks, tiled_attention
-from . import load
+from . import load, ops
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "fused_attention_checked", "fused_varlen_attention", "supports"]
 
-# 256 query rows x 512 keys per tile, as torch's CPU flash kernel: each K/V tile, which BLAS packs
-# anew for every product, serves twice the rows of a 128 x 512 tile; `benchmarks/bench_fused.py
-# --blocks` compares the shapes.
-BLOCK_Q = 256
-# Under causality (or a window) a query block also multiplies the keys its rows cannot see, up to
-# the block's diagonal: a share of about BLOCK_Q / L of the work. Below SHORT query rows such
-# calls take blocks of BLOCK_Q // 2 rows (`benchmarks/bench_monitor.py --train` times L = 512).
-SHORT = 2048
-BLOCK_K = 512
-# With few query rows (decoding) each tile's products are matrix-vector ones: wider key tiles
-# mean fewer BLAS calls per row.
-BLOCK_K_FEW_ROWS = 2048
-FEW_ROWS = 16
+BLOCK_Q, BLOCK_K = ops.BLOCK_Q, ops.BLOCK_K  # the default tiles (``ops`` holds the rule)
 
 
 class _Spec(NamedTuple):
@@ -72,13 +60,20 @@ class _Spec(NamedTuple):
 
 def supports(query: Tensor, attn_mask: Tensor | None) -> str | None:
     """Why the fused kernel cannot take this call (None if it can)."""
-    if query.device.type != "cpu":
+    if query.device.type not in ("cpu", "meta"):  # meta: shapes only, from the op's fake rule
         return "not a CPU tensor"
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         return "a float attn_mask that requires grad"
-    if load() is None:
+    if not _loaded():
         return "the compiled kernel is unavailable"
     return None
+
+
+@torch.compiler.assume_constant_result
+def _loaded() -> bool:
+    """Whether the kernel loads (building it on first use): a constant to torch.compile, which
+    would otherwise trace into the build and its lock."""
+    return load() is not None
 
 
 def _check_runnable(query: Tensor, attn_mask: Tensor | None, alibi_slopes: Tensor | None) -> None:
@@ -128,62 +123,20 @@ def _flat_slopes(alibi: Tensor | None, spec: _Spec, dtype: torch.dtype) -> Tenso
     return slopes.flatten(0, len(spec.batch) - 1) if len(spec.batch) != 1 else slopes
 
 
-def _forward(
-    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, alibi: Tensor | None, spec: _Spec
-) -> tuple[list[Tensor], Tensor, Tensor, Tensor, bool]:
-    """The kernel's forward: ([out, lse, *stats] in the caller's batch shape, out, m, l as the kernel
-    returned them, for the backward, and whether every output row is finite and not all zeros)."""
+def _forward(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, alibi: Tensor | None, spec: _Spec) -> tuple[list[Tensor], Tensor]:
+    """The kernel's forward through ``torch.ops.attnscale.fused_forward``: ([out, lse, *stats] in
+    the caller's batch shape, and the 0-d rows_ok verdict). Differentiable in q, k, v (the op's
+    autograd rule; the layout changes here are plain torch ops)."""
     acc = accumulation_dtype(query.dtype)
     L, S = query.shape[-2], key.shape[-2]
     q, k, v = (_flat(t, spec, acc) for t in (query, key, value))
     m4, slopes = _flat_mask(mask, spec, L, S, acc), _flat_slopes(alibi, spec, acc)
-    # No autograd context needed: the kernel writes into tensors it makes, which never require grad.
-    (out, lse, m, l, *stats), rows_ok = load().forward(q, k, v, *spec.args(), slopes, m4, spec.with_stats, spec.block_q, spec.block_k, None)
+    out, lse, _, _, *stats, rows_ok = ops.forward(q, k, v, slopes, m4, None, *spec.args(), spec.with_stats, spec.block_q, spec.block_k)
+    stats = stats if spec.with_stats else []
     if len(spec.batch) == 1:  # the kernel's (B, H, L, .) is the caller's shape already
-        return [out, lse, *stats], out, m, l, rows_ok
+        return [out, lse, *stats], rows_ok
     shape = (*spec.batch, spec.H, L)
-    return [out.view(*shape, v.shape[-1]), lse.view(shape), *(t.view(shape) for t in stats)], out, m, l, rows_ok
-
-
-class _FusedAttention(torch.autograd.Function):
-    """Saves the inputs and the forward's normaliser (m, l); the backward recomputes each tile."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, mask, alibi, spec, check):  # type: ignore[override]
-        outputs, out, m, l, check.rows_ok = _forward(query, key, value, mask, alibi, spec)
-        ctx.save_for_backward(query, key, value, mask, alibi, out, m, l)
-        ctx.spec = spec
-        ctx.mark_non_differentiable(*outputs[2:])  # the statistics: only out and lse carry gradients
-        return tuple(outputs)
-
-    @staticmethod
-    def backward(ctx, dout, dlse, *unused):  # type: ignore[override]
-        query, key, value, mask, alibi, out, m, l = ctx.saved_tensors
-        spec: _Spec = ctx.spec
-        acc = out.dtype
-        L, S = query.shape[-2], key.shape[-2]
-        q, k, v = (_flat(t, spec, acc) for t in (query, key, value))
-        m4, slopes = _flat_mask(mask, spec, L, S, acc), _flat_slopes(alibi, spec, acc)
-        B = math.prod(spec.batch)
-        dout = dout.to(acc).reshape(B, spec.H, L, -1).contiguous()
-        # D_i = rowsum(dO * O) - dlse_i (FlashAttention-2; a gradient on lse adds p dlse to dS)
-        delta = ((dout * out).sum(-1) - dlse.to(acc).reshape(B, spec.H, L)).contiguous()
-        with torch.no_grad():
-            dq, dk, dv = load().backward(q, k, v, dout, delta, m, l, *spec.args(), slopes, m4, spec.block_q, spec.block_k, None)
-        G = spec.H // spec.Hkv
-        if dk.shape[1] != spec.Hkv:  # per query head: a group's heads share k
-            dk, dv = (t.view(B, spec.Hkv, G, S, -1).sum(2) for t in (dk, dv))
-        dk, dv = dk.view(*spec.batch, spec.Hkv, S, -1), dv.view(*spec.batch, spec.Hkv, S, -1)
-        dq = dq.view(*spec.batch, spec.H, L, -1)
-        return (
-            dq.sum_to_size(query.shape).to(query.dtype),
-            dk.sum_to_size(key.shape).to(key.dtype),
-            dv.sum_to_size(value.shape).to(value.dtype),
-            None,
-            None,
-            None,
-            None,
-        )
+    return [out.view(*shape, v.shape[-1]), lse.view(shape), *(t.view(shape) for t in stats)], rows_ok
 
 
 def fused_attention(
@@ -222,12 +175,6 @@ def fused_attention(
     return out, stats
 
 
-class _RowCheck:
-    """Where the autograd function leaves the kernel's verdict on the output rows."""
-
-    rows_ok: bool = False
-
-
 def fused_attention_checked(
     query: Tensor,
     key: Tensor,
@@ -242,9 +189,9 @@ def fused_attention_checked(
     k_start: int = 0,
     block_q: int | None = None,
     block_k: int | None = None,
-) -> tuple[Tensor, AttentionStats | None, bool | None]:
+) -> tuple[Tensor, AttentionStats | None, Tensor | None]:
     """:func:`fused_attention`, and whether every row of the returned output is finite and not all
-    zeros, as the kernel saw while writing it (Dv = 0: True): the check
+    zeros, as the kernel saw while writing it (Dv = 0: True), as a 0-d bool tensor: the check
     :func:`attnscale.scaled_dot_product_attention` makes of every output, without passes of its
     own. None where the kernel's rows are not the returned ones (sinks rescale them; half inputs
     are rounded after) or no kernel ran: the caller checks the output itself."""
@@ -258,10 +205,6 @@ def fused_attention_checked(
         batch = tuple(query.shape[:-3]) or (1,)
     else:
         batch = tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])) or (1,)
-    if block_q is None:
-        block_q = _block_q(path, query.shape[-2])
-    if block_k is None:
-        block_k = BLOCK_K_FEW_ROWS if query.shape[-2] <= FEW_ROWS else BLOCK_K
     spec = _Spec(
         path=path,
         batch=batch,
@@ -270,18 +213,14 @@ def fused_attention_checked(
         q_start=q_start,
         k_start=k_start,
         with_stats=return_stats,
-        block_q=block_q,
-        block_k=block_k,
+        block_q=block_q or 0,  # 0: the op picks (from the actual sizes, so traces do not depend on them)
+        block_k=block_k or 0,
     )
     squeeze = query.ndim == 3 and key.ndim == 3
     if squeeze:  # no batch dims: the kernel's batch of one
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask)):
-        check = _RowCheck()
-        out, lse, *rest = _FusedAttention.apply(query, key, value, attn_mask, alibi_slopes, spec, check)
-        rows_ok: bool | None = check.rows_ok
-    else:  # nothing to differentiate: no autograd node to build
-        (out, lse, *rest), *_, rows_ok = _forward(query, key, value, attn_mask, alibi_slopes, spec)
+    (out, lse, *rest), verdict = _forward(query, key, value, attn_mask, alibi_slopes, spec)
+    rows_ok: Tensor | None = verdict
     if sinks is not None or out.dtype != query.dtype:
         rows_ok = None
     if sinks is not None:
@@ -297,63 +236,10 @@ def fused_attention_checked(
     return out, stats if sinks is None else with_sinks(stats, sinks), rows_ok
 
 
-class _FusedVarlen(torch.autograd.Function):
-    """Packed sequences in one kernel call: q (total_q, H, D), k (total_k, Hkv, D), v (total_k,
-    Hkv, Dv); saves the inputs and the forward's (m, l) like :class:`_FusedAttention`."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, alibi, spans, path, with_stats):  # type: ignore[override]
-        acc = accumulation_dtype(query.dtype)
-        q, k, v = (_packed(t, acc) for t in (query, key, value))
-        with torch.no_grad():
-            blocks = _packed_blocks(path, spans)
-            (out, lse, m, l, *stats), _ = load().forward(q, k, v, *_packed_args(path), alibi, None, with_stats, *blocks, spans)
-        ctx.save_for_backward(query, key, value, alibi, spans, out, m, l)
-        ctx.path = path
-        ctx.blocks = blocks  # the backward recomputes the forward's own tiles
-        ctx.mark_non_differentiable(*stats)
-        return (out[0].transpose(0, 1), lse[0], *(t[0] for t in stats))  # (total_q, H, Dv), (H, total_q)
-
-    @staticmethod
-    def backward(ctx, dout, dlse, *unused):  # type: ignore[override]
-        query, key, value, alibi, spans, out, m, l = ctx.saved_tensors
-        acc = out.dtype
-        q, k, v = (_packed(t, acc) for t in (query, key, value))
-        dout = dout.to(acc).transpose(0, 1).unsqueeze(0).contiguous()  # (1, H, total_q, Dv)
-        delta = ((dout * out).sum(-1) - dlse.to(acc).unsqueeze(0)).contiguous()  # (1, H, total_q)
-        with torch.no_grad():
-            dq, dk, dv = load().backward(q, k, v, dout, delta, m, l, *_packed_args(ctx.path), alibi, None, *ctx.blocks, spans)
-        H, Hkv = query.shape[1], key.shape[1]
-        total_k = key.shape[0]
-        dk, dv = dk[0], dv[0]
-        if dk.shape[0] != Hkv:  # per query head: a group's heads share k, (Hkv, total_k, D)
-            dk, dv = (t.view(Hkv, H // Hkv, total_k, -1).sum(1) for t in (dk, dv))
-        return (
-            dq[0].transpose(0, 1).to(query.dtype),
-            dk.transpose(0, 1).to(key.dtype),
-            dv.transpose(0, 1).to(value.dtype),
-            None,
-            None,
-            None,
-            None,
-        )
-
-
 def _packed(x: Tensor, dtype: torch.dtype) -> Tensor:
     """(total, heads, d) in ``dtype`` as the kernel's (1, heads, total, d) view, rows BLAS can read."""
     x = x.to(dtype).transpose(0, 1).unsqueeze(0)
     return x if _blas_rows(x) else x.contiguous()
-
-
-def _block_q(path: ScorePath, rows: int) -> int:
-    """Query rows per block for a call with ``rows`` query rows (or, packed, its longest sequence's)."""
-    diagonal = path.causal or path.window is not None
-    return BLOCK_Q // 2 if diagonal and rows < SHORT else BLOCK_Q
-
-
-def _packed_blocks(path: ScorePath, spans: Tensor) -> tuple[int, int]:
-    longest = int((spans[:, 1] - spans[:, 0]).max()) if spans.numel() else 0
-    return _block_q(path, longest), BLOCK_K
 
 
 def _packed_args(path: ScorePath) -> tuple:
@@ -366,7 +252,7 @@ def fused_varlen_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    spans: list[tuple[tuple[int, int], tuple[int, int]]],
+    spans: Tensor,
     *,
     path: ScorePath,
     alibi_slopes: Tensor | None = None,
@@ -375,18 +261,21 @@ def fused_varlen_attention(
 ) -> tuple[Tensor, AttentionStats | None]:
     """:func:`attnscale.varlen_attention` on validated CPU inputs in one kernel call, parallel over
     heads and every sequence's query blocks: query (total_q, H, D), key (total_k, Hkv, D), value
-    (total_k, Hkv, Dv); ``spans`` the sequences, ``((q0, q1), (k0, k1))`` each, their query and key
-    rows (disjoint; rows that no span names come back as rows without keys: zeros, ``lse = -inf``);
-    ``alibi_slopes`` (H,), or (len(spans), H) one row per span. Returns (out (total_q, H, Dv), stats
+    (total_k, Hkv, Dv); ``spans`` (nseq, 4) int64, the sequences, ``(q0, q1, k0, k1)`` each, their
+    query rows [q0, q1) and key rows [k0, k1) (disjoint; rows that no span names come back as rows
+    without keys: zeros, ``lse = -inf``); ``alibi_slopes`` (H,), or (nseq, H) one row per span. Returns (out (total_q, H, Dv), stats
     with (H, total_q) tensors, or None). ``path.q_offset`` is ignored: each sequence is aligned
     bottom-right. Raises RuntimeError when the compiled kernel is unavailable (see :func:`supports`)."""
     _check_runnable(query, None, alibi_slopes)
-    B, H = len(spans), query.shape[1]
-    table = torch.tensor([[q0, q1, k0, k1] for (q0, q1), (k0, k1) in spans], dtype=torch.int64).reshape(B, 4)
+    B, H = spans.shape[0], query.shape[1]
+    table = spans.contiguous()
     slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.detach().to(accumulation_dtype(query.dtype)).expand(B, H)
-    out, lse, *rest = _FusedVarlen.apply(query, key, value, slopes, table, path, return_stats)
+    acc = accumulation_dtype(query.dtype)
+    q, k, v = (_packed(t, acc) for t in (query, key, value))  # (1, heads, total, d) views
+    out, lse, _, _, *rest, _ = ops.forward(q, k, v, slopes, None, table, *_packed_args(path), return_stats, 0, 0)
+    out, lse = out[0].transpose(0, 1), lse[0]  # (total_q, H, Dv), (H, total_q)
     if sinks is not None:
         # merge_sinks takes (..., H, L, Dv) and (..., H, L): the packed rows as L.
         merged, _ = merge_sinks(out.transpose(0, 1), lse, sinks)
@@ -394,6 +283,6 @@ def fused_varlen_attention(
     out = out.to(query.dtype)
     if not return_stats:
         return out, None
-    max_logit, max_prob, entropy, visible_keys = rest
+    max_logit, max_prob, entropy, visible_keys = (t[0] for t in rest)
     stats = AttentionStats(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
     return out, stats if sinks is None else with_sinks(stats, sinks)

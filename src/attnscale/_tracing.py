@@ -1,0 +1,40 @@
+"""Whether a call is being traced rather than run: then attnscale makes no host synchronisation,
+no Python logging and no branch on tensor values, so that torch.compile (fullgraph), torch.export,
+FakeTensor and meta tensors and torch.func see one graph of torch ops. torch.jit.trace, which
+would freeze a backend chosen from the example's shapes into its trace, is refused.
+
+The checks that need values (finite ALiBi slopes, sinks and float-mask values, the NaN-row rule,
+the float64 recompute of products that overflow float32, the tiled kernel's static offset) run in
+eager mode only; shape, dtype and option checks are static and run always.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+
+__all__ = ["refuse_jit_trace", "tracing"]
+
+
+def tracing(*tensors: object) -> bool:
+    """True under torch.compile / torch.export, or when a tensor has no data to look at: fake,
+    meta, or wrapped by a torch.func transform (vmap, grad, jvp). Non-tensors (bad input, which
+    validation then refuses) count for nothing."""
+    if torch.compiler.is_compiling():
+        return True
+    for t in tensors:
+        if isinstance(t, Tensor) and (t.device.type == "meta" or isinstance(t, FakeTensor) or torch._C._functorch.is_functorch_wrapped_tensor(t)):
+            return True
+    return False
+
+
+def refuse_jit_trace(entry: str) -> None:
+    """A clear error under torch.jit.trace, which would freeze attnscale's shape-dependent choice
+    of backend (and its checks) into the trace as constants and warn on every shape it reads."""
+    if torch.jit.is_tracing():
+        raise RuntimeError(
+            f"attnscale.{entry}: torch.jit.trace is not supported (deprecated since torch 2.13; a trace would "
+            "freeze the backend chosen for the example's shapes and values). Fix: torch.compile or "
+            "torch.export, which attnscale supports, or call attnscale outside the traced function"
+        )

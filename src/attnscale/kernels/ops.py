@@ -1,0 +1,265 @@
+"""The compiled kernel as torch.library custom ops: ``torch.ops.attnscale.fused_forward`` and
+``torch.ops.attnscale.fused_backward``.
+
+torch.compile, torch.export, FakeTensor / meta tensors, ``torch.func`` and ``torch.jit.trace`` see
+one op per call: a fake rule gives every output's shape and dtype (statistics included) without
+the kernel, an autograd rule runs the kernel's backward, and a vmap rule folds the mapped dim into
+the kernel's batch. The ops take the kernel's own layout (``fused.py`` makes it with plain torch
+ops, which trace as they are):
+
+    q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv)   float32 or float64, rows BLAS can read
+    alibi (B, H) strided, mask (B, H, L, S) strided        None where absent
+    spans (nseq, 4) int64                                  packed sequences (B = 1), else None
+
+``fused_forward`` returns ``out (B, H, L, Dv), lse, m, l (B, H, L)``, the statistics
+``max_logit, max_prob, entropy, visible_keys`` (B, H, L), or empty tensors without
+``with_stats``, and ``rows_ok``, a 0-d bool tensor: whether every output row is finite and not
+all zeros (the check :func:`attnscale.scaled_dot_product_attention` makes of its outputs in eager
+mode). Only ``out`` and ``lse`` carry gradients. ``block_q``/``block_k`` of 0 take the defaults,
+chosen inside the op from the actual sizes, so a traced graph does not depend on them.
+``fused_backward`` returns ``dq, dk, dv`` with dk, dv per key head.
+
+The backward has no derivative of its own: first-order gradients work everywhere (also under
+``create_graph=True`` and torch.func.grad), and differentiating them again raises a RuntimeError
+that names ``backend="math"``, which computes it (:mod:`attnscale._autograd`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._autograd import first_order
+from .._tracing import tracing
+from . import load
+
+__all__ = ["BLOCK_K", "BLOCK_K_FEW_ROWS", "BLOCK_Q", "FEW_ROWS", "SHORT", "FusedForward", "backward_forward", "default_blocks", "forward", "run_forward", "setup_forward"]
+
+# 256 query rows x 512 keys per tile, as torch's CPU flash kernel: each K/V tile, which BLAS packs
+# anew for every product, serves twice the rows of a 128 x 512 tile; `benchmarks/bench_fused.py
+# --blocks` compares the shapes.
+BLOCK_Q = 256
+# Under causality (or a window) a query block also multiplies the keys its rows cannot see, up to
+# the block's diagonal: a share of about BLOCK_Q / L of the work. Below SHORT query rows such
+# calls take blocks of BLOCK_Q // 2 rows (`benchmarks/bench_monitor.py --train` times L = 512).
+SHORT = 2048
+BLOCK_K = 512
+# With few query rows (decoding) each tile's products are matrix-vector ones: wider key tiles
+# mean fewer BLAS calls per row.
+BLOCK_K_FEW_ROWS = 2048
+FEW_ROWS = 16
+
+_OUTPUTS = 9  # out, lse, m, l, max_logit, max_prob, entropy, visible_keys, rows_ok
+
+
+def default_blocks(causal: bool, windowed: bool, L: int, spans: Tensor | None) -> tuple[int, int]:
+    """(block_q, block_k) for a call with L query rows (packed: its longest sequence's)."""
+    rows = L
+    if spans is not None:
+        rows = int((spans[:, 1] - spans[:, 0]).max()) if spans.numel() else 0
+    block_q = BLOCK_Q // 2 if (causal or windowed) and rows < SHORT else BLOCK_Q
+    block_k = BLOCK_K_FEW_ROWS if spans is None and L <= FEW_ROWS else BLOCK_K
+    return block_q, block_k
+
+
+def _blocks(block_q: int, block_k: int, causal: bool, left: int, right: int, L: int, spans: Tensor | None) -> tuple[int, int]:
+    default_q, default_k = default_blocks(causal, left >= 0 or right >= 0, L, spans)
+    return block_q or default_q, block_k or default_k
+
+
+def _kernel():
+    kernel = load()
+    if kernel is None:
+        from . import unavailable_reason
+
+        raise RuntimeError(f"torch.ops.attnscale: the compiled kernel is unavailable ({unavailable_reason()}); use backend='tiled'")
+    return kernel
+
+
+@torch.library.custom_op("attnscale::fused_forward", mutates_args=())
+def fused_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    alibi: Optional[Tensor],
+    mask: Optional[Tensor],
+    spans: Optional[Tensor],
+    scale: float,
+    softcap: float,
+    causal: bool,
+    q_offset: int,
+    left: int,
+    right: int,
+    q_start: int,
+    k_start: int,
+    with_stats: bool,
+    block_q: int,
+    block_k: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k)
+
+
+def run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k):
+    """What ``fused_forward`` computes, on real CPU tensors: the kernel's forward itself."""
+    block_q, block_k = _blocks(block_q, block_k, causal, left, right, q.shape[2], spans)
+    (out, lse, m, l, *stats), rows_ok = _kernel().forward(
+        q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi, mask, with_stats, block_q, block_k, spans
+    )
+    if not with_stats:
+        empty = q.new_empty(0)
+        stats = [empty, empty.clone(), empty.clone(), q.new_empty(0, dtype=torch.int64)]
+    return out, lse, m, l, *stats, torch.tensor(rows_ok)
+
+
+@fused_forward.register_fake
+def _(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k):
+    B, H, L = q.shape[0], q.shape[1], q.shape[2]
+    rows = (B, H, L)
+    stat = rows if with_stats else (0,)
+    return (
+        q.new_empty(B, H, L, v.shape[3]),
+        q.new_empty(rows),
+        q.new_empty(rows),
+        q.new_empty(rows),
+        q.new_empty(stat),
+        q.new_empty(stat),
+        q.new_empty(stat),
+        q.new_empty(stat, dtype=torch.int64),
+        q.new_empty((), dtype=torch.bool),
+    )
+
+
+@torch.library.custom_op("attnscale::fused_backward", mutates_args=())
+def fused_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dout: Tensor,
+    delta: Tensor,
+    m: Tensor,
+    l: Tensor,
+    alibi: Optional[Tensor],
+    mask: Optional[Tensor],
+    spans: Optional[Tensor],
+    scale: float,
+    softcap: float,
+    causal: bool,
+    q_offset: int,
+    left: int,
+    right: int,
+    q_start: int,
+    k_start: int,
+    block_q: int,
+    block_k: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    block_q, block_k = _blocks(block_q, block_k, causal, left, right, q.shape[2], spans)
+    dq, dk, dv = _kernel().backward(
+        q, k, v, dout.contiguous(), delta.contiguous(), m.contiguous(), l.contiguous(),
+        scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi, mask, block_q, block_k, spans,
+    )  # fmt: skip
+    B, H, Hkv, S = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
+    if dk.shape[1] != Hkv:  # per query head: a group's heads share k
+        dk, dv = (t.view(B, Hkv, H // Hkv, S, t.shape[-1]).sum(2) for t in (dk, dv))
+    return dq, dk, dv
+
+
+@fused_backward.register_fake
+def _(q, k, v, dout, delta, m, l, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, block_q, block_k):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def setup_forward(ctx, inputs, output) -> None:
+    """The forward's autograd context: inputs, out and the normaliser (m, l) saved."""
+    q, k, v, alibi, mask, spans, *options = inputs
+    out, _, m, l, *rest = output
+    ctx.save_for_backward(q, k, v, alibi, mask, spans, out, m, l)
+    ctx.options = options  # scale .. k_start, with_stats, block_q, block_k
+    ctx.mark_non_differentiable(m, l, *rest)  # only out and lse carry gradients
+
+
+def backward_forward(ctx, dout, dlse, *unused):
+    """Gradients of q, k, v through ``fused_backward`` (None for every other input)."""
+    q, k, v, alibi, mask, spans, out, m, l = ctx.saved_tensors
+    *scalars, _with_stats, block_q, block_k = ctx.options
+    with torch.no_grad():  # the backward has no derivative: see first_order
+        # D_i = rowsum(dO * O) - dlse_i (FlashAttention-2; a gradient on lse adds p dlse to dS)
+        delta = (dout * out).sum(-1) - dlse
+        dq, dk, dv = fused_backward(q, k, v, dout, delta, m, l, alibi, mask, spans, *scalars, block_q, block_k)
+    return first_order("fused", (q, k, v), dq, dk, dv) + (None,) * (3 + len(ctx.options))
+
+
+fused_forward.register_autograd(backward_forward, setup_context=setup_forward)
+
+
+def _fold(x: Tensor | None, dim: int | None, size: int) -> Tensor | None:
+    """A vmapped (B, ...) argument as the kernel's (size * B, ...) batch (the mapped dim first)."""
+    if x is None:
+        return None
+    x = x.movedim(dim, 0) if dim is not None else x.expand(size, *x.shape)
+    return x.reshape(size * x.shape[1], *x.shape[2:])
+
+
+def _unfold(x: Tensor, size: int) -> Tensor:
+    return x.view(size, x.shape[0] // size, *x.shape[1:]) if x.numel() else x.new_empty(size, *x.shape)
+
+
+@fused_forward.register_vmap
+def _(info, in_dims, q, k, v, alibi, mask, spans, *options):
+    if spans is not None:
+        raise NotImplementedError("torch.func.vmap over attnscale's packed sequences: call varlen_attention once per batch entry")
+    n = info.batch_size
+    args = [_fold(x, d, n) for x, d in zip((q, k, v, alibi, mask), in_dims[:5])]
+    outputs = fused_forward(*args, None, *options)
+    return tuple(_unfold(t, n) for t in outputs[:-1]) + (outputs[-1],), (0,) * (_OUTPUTS - 1) + (None,)
+
+
+@fused_backward.register_vmap
+def _(info, in_dims, q, k, v, dout, delta, m, l, alibi, mask, spans, *options):
+    if spans is not None:
+        raise NotImplementedError("torch.func.vmap over attnscale's packed sequences: call varlen_attention once per batch entry")
+    n = info.batch_size
+    args = [_fold(x, d, n) for x, d in zip((q, k, v, dout, delta, m, l, alibi, mask), in_dims[:9])]
+    grads = fused_backward(*args, None, *options)
+    return tuple(_unfold(t, n) for t in grads), (0, 0, 0)
+
+
+class FusedForward(torch.autograd.Function):
+    """``fused_forward`` with the op's own autograd rule, as an autograd.Function that has a
+    ``setup_context``: torch.func.grad and vjp transform it (in torch 2.13 they refuse the
+    autograd rule of a custom op), vmap through the op's vmap rule; in eager autograd it runs
+    the kernel without the op's dispatch (:func:`forward` says when)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k):  # type: ignore[override]
+        args = (q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k)
+        return fused_forward(*args) if tracing(q, k, v) else run_forward(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        setup_forward(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        return backward_forward(ctx, *grads)
+
+
+def forward(*args: object) -> tuple[Tensor, ...]:
+    """``fused_forward`` on its arguments, by the cheapest route that keeps its semantics: the op
+    while tracing (one node for torch.compile and torch.export; its fake rule for FakeTensor and
+    meta tensors), :class:`FusedForward` under torch.func transforms and wherever a gradient may
+    be asked for, else the kernel itself. (Dispatching a Python custom op costs some 20 us a
+    call, a visible share of a decoding step.)"""
+    q, k, v = args[:3]
+    if torch.compiler.is_compiling():
+        return fused_forward(*args)
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (q, k, v)):  # type: ignore[arg-type]
+        return FusedForward.apply(*args)
+    if tracing(q, k, v):  # fake or meta
+        return fused_forward(*args)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):  # type: ignore[union-attr]
+        return FusedForward.apply(*args)
+    return run_forward(*args)

@@ -1,0 +1,299 @@
+"""attnscale inside torch.compile, torch.export, FakeTensor / meta tensors and torch.func: the
+compiled kernel as custom ops (``torch.ops.attnscale.*``, checked by ``torch.library.opcheck``),
+one graph without breaks for every feature, results equal to eager, and the refusals (double
+backward, torch.jit.trace) that keep anything from being silently wrong."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import attnscale
+from attnscale import kernels
+from attnscale.kernels import ops
+
+NO_KERNEL = kernels.build_precondition()
+needs_kernel = pytest.mark.skipif(NO_KERNEL is not None, reason=f"the compiled kernel cannot be had here: {NO_KERNEL}")
+
+H, D = 4, 16
+FEATURES = {
+    "causal": dict(is_causal=True),
+    "softcap": dict(softcap=5.0, is_causal=True),
+    "alibi": dict(alibi_slopes=attnscale.alibi_slopes(H)),
+    "window": dict(window=(8, 0), is_causal=True),
+    "sinks": dict(sinks=torch.linspace(-1.0, 1.0, H)),
+    "stats": dict(return_stats=True, causal_alignment="bottom_right"),
+    "softcap-sinks-window": dict(softcap=20.0, sinks=torch.zeros(H), window=(4, 0)),
+}
+
+
+class Block(torch.nn.Module):
+    """qkv projection -> attnscale -> output projection, over (B, L, H * D)."""
+
+    def __init__(self, **options) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.out, self.options = torch.nn.Linear(H * D, 3 * H * D), torch.nn.Linear(H * D, H * D), options
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, _ = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, L, D) each
+        result = attnscale.scaled_dot_product_attention(q, k, v, **self.options)
+        if self.options.get("return_stats"):
+            result, stats = result
+            result = result + stats.entropy.unsqueeze(-1) + stats.lse.unsqueeze(-1)  # statistics reach the loss
+        return self.out(result.transpose(1, 2).reshape(B, L, H * D))
+
+
+class Packed(torch.nn.Module):
+    """The same over packed sequences (total, H * D) with their cumulative lengths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(H * D, 3 * H * D)
+
+    def forward(self, x: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], 3, H, D).unbind(1)  # (total, H, D) each
+        return attnscale.varlen_attention(q, k, v, cu, cu, is_causal=True, softcap=20.0, window=(6, 0))
+
+
+def inputs(L: int = 40, B: int = 2) -> torch.Tensor:
+    return torch.randn(B, L, H * D, generator=torch.Generator().manual_seed(L))
+
+
+def assert_same_forward_and_backward(model: torch.nn.Module, compiled, *args) -> None:
+    x = args[0].clone().requires_grad_()
+    want = model(x, *args[1:])
+    want_grads = torch.autograd.grad(want.square().sum(), [x, *model.parameters()])
+    x = args[0].clone().requires_grad_()
+    got = compiled(x, *args[1:])
+    got_grads = torch.autograd.grad(got.square().sum(), [x, *model.parameters()])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# The custom ops
+# --------------------------------------------------------------------------------------------
+
+
+def op_cases():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, 9, 8, generator=gen), torch.randn(2, 2, 11, 8, generator=gen), torch.randn(2, 2, 11, 5, generator=gen)
+    slopes = attnscale.alibi_slopes(4).expand(2, 4)
+    keep = (torch.rand(2, 1, 9, 11, generator=gen) > 0.3).expand(2, 4, 9, 11)
+    bias = torch.randn(1, 4, 9, 11, generator=gen).expand(2, 4, 9, 11)
+    plain = (0.35, 0.0, False, 0, -1, -1, 0, 0)
+    yield "plain", (q, k, v, None, None, None, *plain, False, 0, 0)
+    yield "softcap-causal-stats", (q, k, v, None, None, None, 0.35, 5.0, True, 2, -1, -1, 0, 0, True, 0, 0)
+    yield "alibi-window-bool-mask", (q, k, v, slopes, keep, None, 0.35, 0.0, False, 0, 3, 1, 0, 0, False, 4, 4)
+    yield "float-mask-stats", (q, k, v, None, bias, None, *plain, True, 0, 0)
+    packed = torch.randn(1, 4, 18, 8, generator=gen), torch.randn(1, 2, 22, 8, generator=gen), torch.randn(1, 2, 22, 5, generator=gen)
+    spans = torch.tensor([[0, 5, 0, 7], [5, 18, 7, 22]])  # (q0, q1, k0, k1) of two sequences
+    yield "packed", (*packed, None, None, spans, 0.35, 0.0, True, 0, -1, -1, 0, 0, True, 0, 0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name, args", list(op_cases()), ids=[name for name, _ in op_cases()])
+def test_the_forward_op_passes_opcheck(name, args):
+    q, k, v, *rest = args
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.library.opcheck(torch.ops.attnscale.fused_forward.default, (*leaves, *rest))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name, args", list(op_cases()), ids=[name for name, _ in op_cases()])
+def test_the_backward_op_passes_opcheck(name, args):
+    q, k, v, alibi, mask, spans, *scalars, _stats, bq, bk = args
+    out, lse, m, l, *_ = torch.ops.attnscale.fused_forward(q, k, v, alibi, mask, spans, *scalars, False, bq, bk)
+    dout = torch.randn_like(out)
+    delta = (dout * out).sum(-1)
+    torch.library.opcheck(torch.ops.attnscale.fused_backward.default, (q, k, v, dout, delta, m, l, alibi, mask, spans, *scalars, bq, bk))
+
+
+@needs_kernel
+def test_the_ops_fake_rule_gives_every_output_shape_and_dtype():
+    for with_stats in (False, True):
+        gen = torch.Generator().manual_seed(1)
+        q, k, v = torch.randn(2, 4, 9, 8, generator=gen), torch.randn(2, 2, 11, 8, generator=gen), torch.randn(2, 2, 11, 5, generator=gen)
+        args = (None, None, None, 0.35, 5.0, True, 0, -1, -1, 0, 0, with_stats, 0, 0)
+        real = torch.ops.attnscale.fused_forward(q, k, v, *args)
+        fake = torch.ops.attnscale.fused_forward(q.to("meta"), k.to("meta"), v.to("meta"), *args)
+        assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in real]
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile
+# --------------------------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_every_feature_compiles_to_one_graph_equal_to_eager(feature):
+    model = Block(**FEATURES[feature])
+    x = inputs()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    assert_same_forward_and_backward(model, torch.compile(model, fullgraph=True, backend="aot_eager"), x)
+
+
+@needs_kernel
+def test_packed_sequences_compile_to_one_graph_equal_to_eager():
+    model, x, cu = Packed(), torch.randn(30, H * D, generator=torch.Generator().manual_seed(2)), torch.tensor([0, 4, 21, 30], dtype=torch.int32)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(x, cu)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    assert_same_forward_and_backward(model, torch.compile(model, fullgraph=True, backend="aot_eager"), x, cu)
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inside inductor itself
+def test_inductor_compiles_softcap_with_statistics_equal_to_eager():
+    """The default backend (inductor, which generates and compiles C++ for the surrounding ops)."""
+    model = Block(softcap=5.0, is_causal=True, return_stats=True)
+    torch._dynamo.reset()
+    assert_same_forward_and_backward(model, torch.compile(model, fullgraph=True), inputs())
+
+
+@needs_kernel
+@pytest.mark.parametrize("feature", ["softcap", "causal"])
+def test_dynamic_shapes_compile_at_most_twice_over_nine_lengths(feature):
+    model = Block(**FEATURES[feature])
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
+    with torch.no_grad():
+        for L in (5, 17, 33, 64, 100, 128, 257, 300, 513):
+            x = inputs(L)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count <= 2
+
+
+# --------------------------------------------------------------------------------------------
+# torch.export, FakeTensor, meta
+# --------------------------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_export_with_softcap_sinks_and_a_window_equals_eager(strict):
+    model = Block(**FEATURES["softcap-sinks-window"])
+    program = torch.export.export(model, (inputs(),), strict=strict)
+    assert any("attnscale.fused_forward" in str(node.target) for node in program.graph.nodes)
+    x = inputs(40, B=2) * 0.5
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def _shapes(result) -> list[tuple[int, ...]]:
+    if isinstance(result, tuple):
+        out, stats = result
+        return [tuple(out.shape), tuple(stats.lse.shape), tuple(stats.entropy.shape), tuple(stats.visible_keys.shape)]
+    return [tuple(result.shape)]
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_fake_and_meta_tensors_give_the_shapes_of_a_real_call(feature):
+    options = FEATURES[feature]
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, H, 9, D, generator=gen), torch.randn(2, H, 11, D, generator=gen), torch.randn(2, H, 11, 7, generator=gen)
+    want = _shapes(attnscale.scaled_dot_product_attention(q, k, v, **options))
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (q, k, v)]
+        fake_options = {name: mode.from_tensor(o) if isinstance(o, torch.Tensor) else o for name, o in options.items()}
+        assert _shapes(attnscale.scaled_dot_product_attention(*fake, **fake_options)) == want
+    meta_options = {name: o.to("meta") if isinstance(o, torch.Tensor) else o for name, o in options.items()}
+    assert _shapes(attnscale.scaled_dot_product_attention(q.to("meta"), k.to("meta"), v.to("meta"), **meta_options)) == want
+
+
+# --------------------------------------------------------------------------------------------
+# torch.func
+# --------------------------------------------------------------------------------------------
+
+
+# A plain causal call runs torch's SDPA, whose CPU flash kernel has no batching rule in torch 2.13:
+# torch loops over the batch and warns about the speed (the result is right).
+@pytest.mark.filterwarnings("ignore:There is a performance drop because we have not yet implemented the batching rule:UserWarning")
+@pytest.mark.parametrize("feature", ["softcap", "stats", "sinks", "causal"])
+def test_vmap_over_a_batch_equals_the_loop(feature):
+    options = FEATURES[feature]
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(3, 2, H, 9, D, generator=gen), torch.randn(3, 2, H, 11, D, generator=gen)
+
+    def f(q, k):
+        result = attnscale.scaled_dot_product_attention(q, k, k, **options)
+        return result[0] + result[1].entropy.unsqueeze(-1) if isinstance(result, tuple) else result
+
+    want = torch.stack([f(q[i], k[i]) for i in range(3)])
+    torch.testing.assert_close(torch.func.vmap(f)(q, k), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.func.vmap(f, in_dims=(0, None))(q, k[0]), torch.stack([f(q[i], k[0]) for i in range(3)]), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["auto", "tiled", "math"] + (["fused"] if NO_KERNEL is None else []))
+def test_func_grad_equals_autograd(backend):
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, H, 9, D, generator=gen, dtype=torch.float64) for _ in range(3))
+
+    def loss(q):
+        return attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, is_causal=True, backend=backend).square().sum()
+
+    leaf = q.clone().requires_grad_()
+    loss(leaf).backward()
+    torch.testing.assert_close(torch.func.grad(loss)(q), leaf.grad, rtol=0, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# Nothing silently wrong: double backward, torch.jit.trace
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["tiled"] + (["fused"] if NO_KERNEL is None else []))
+def test_double_backward_on_a_kernel_without_one_is_refused_by_name(backend):
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, H, 9, D, generator=gen).requires_grad_() for _ in range(3))
+    out = attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, backend=backend)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)  # first order: as without create_graph
+    (plain,) = torch.autograd.grad(attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, backend=backend).square().sum(), q)
+    torch.testing.assert_close(dq, plain, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=rf"^attnscale's {backend} backend has no double backward .*Fix: backend='math'"):
+        dq.square().sum().backward()
+
+
+def test_double_backward_on_the_math_backend_is_autograds_own():
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(3))
+
+    def penalty(q, k, v):
+        out = attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, backend="math")
+        (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        return dq.square().sum()
+
+    assert torch.autograd.gradcheck(penalty, (q, k, v))
+
+
+def test_jit_trace_is_refused_with_the_fix():
+    model = Block(softcap=5.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates torch.jit.trace itself
+        with pytest.raises(RuntimeError, match=r"^attnscale.scaled_dot_product_attention: torch.jit.trace is not supported .*Fix: torch.compile or torch.export"):
+            torch.jit.trace(model, (inputs(),))
+
+
+def test_default_blocks_follow_the_rule_of_the_kernels_tiles():
+    assert ops.default_blocks(True, False, 512, None) == (ops.BLOCK_Q // 2, ops.BLOCK_K)
+    assert ops.default_blocks(False, False, 512, None) == (ops.BLOCK_Q, ops.BLOCK_K)
+    assert ops.default_blocks(False, True, 4096, None) == (ops.BLOCK_Q, ops.BLOCK_K)
+    assert ops.default_blocks(False, False, 1, None) == (ops.BLOCK_Q, ops.BLOCK_K_FEW_ROWS)
+    spans = torch.tensor([[0, 3000, 0, 3000], [3000, 3010, 3000, 3010]])  # packed: by the longest sequence
+    assert ops.default_blocks(True, False, 3010, spans) == (ops.BLOCK_Q, ops.BLOCK_K)
