@@ -180,3 +180,38 @@ def test_projections_with_a_callable_target_is_refused(capsys):
 def test_torch_passes_quietly(capsys):
     assert main(["check", "torch.nn.functional:scaled_dot_product_attention", "-q"]) == 0
     assert "PASS" in capsys.readouterr().out
+
+
+NOISY = '''
+import torch
+import torch.nn.functional as F
+
+print("importing the noisy target")
+
+
+def attention(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+    print("called with", tuple(q.shape))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+
+
+class Layer(torch.nn.MultiheadAttention):
+    def forward(self, *args, **kwargs):
+        print("layer called")
+        return super().forward(*args, **kwargs)
+
+
+layer = Layer(32, 4, batch_first=True)
+'''
+
+
+@pytest.mark.parametrize("attribute", ["attention", "layer"])
+def test_json_holds_nothing_but_the_json_when_the_target_prints(attribute, tmp_path, monkeypatch, capsys):
+    name = f"noisy_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(NOISY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["check", f"{name}:{attribute}", "--json"])
+    data = json.loads(capsys.readouterr().out)  # the whole of stdout is one JSON document
+    assert data["exit_code"] == code
+    assert data["target_output"].startswith("importing the noisy target\n")
+    assert ("called with" if attribute == "attention" else "layer called") in data["target_output"]

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import attnscale
 from attnscale import cli
 from attnscale.cli import EXIT_CODES, main
 
@@ -165,3 +166,58 @@ def test_monitor_prints_per_layer_summary_and_explains_flags_without_loading_bar
     assert "saturated: nearly one-hot rows: fine for a head that should pick one token" in " ".join(out.split())
     assert main([*argv, "--quiet"]) == 0
     assert capsys.readouterr().out.splitlines() == [summary]
+
+
+# ---- paths that cannot be written or read: clear errors, exit 2, never a traceback or exit 0
+
+
+def test_run_checks_its_figures_folder_before_any_work(tmp_path, capsys, monkeypatch):
+    (tmp_path / "a-file").write_text("not a folder")
+    ran = []
+    monkeypatch.setattr("attnscale.lab.runner.run_single", lambda *a, **kw: ran.append(1))
+    err = _usage_error(["run", "softmax-peak-example", "--profile", "tiny", "--figures", str(tmp_path / "a-file" / "figs")], capsys)
+    assert "--figures: expected a folder to write the report into" in err and "inside the file" in err
+    assert ran == []
+
+
+def test_run_whose_figures_fail_to_write_exits_1(tmp_path, capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("attnscale.lab.experiments.softmax_peak_example.save_figure", refuse)
+    assert main(["run", "softmax-peak-example", "--profile", "tiny", "--figures", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "figures failed" in captured.out and "the figures were not written" in captured.err
+
+
+def test_explore_with_a_file_name_too_long_is_a_usage_error(tmp_path, capsys):
+    err = _usage_error(["explore", "--out", str(tmp_path / ("x" * 300 + ".html"))], capsys)
+    assert "--out: expected a file path this process can write" in err and "File name too long" in err
+
+
+def _recorded_run(tmp_path):
+    from attnscale.diagnostics.monitor import JsonlWriter
+
+    import torch
+
+    mha = attnscale.MultiHeadAttention(16, num_heads=2)
+    path = tmp_path / "run.jsonl"
+    mon = attnscale.monitor(mha, writers=[JsonlWriter(path)]).start()
+    mha(torch.randn(1, 4, 16))
+    mon.step()
+    mon.stop()
+    return path
+
+
+def test_monitor_run_figure_inside_a_file_is_a_usage_error(tmp_path, capsys):
+    run = _recorded_run(tmp_path)
+    (tmp_path / "a-file").write_text("not a folder")
+    err = _usage_error(["monitor", "--run", str(run), "--figure", str(tmp_path / "a-file" / "plot.png")], capsys)
+    assert "--figure: expected a path this process can write" in err
+
+
+def test_monitor_run_on_a_binary_file_names_the_argument_and_the_fix(tmp_path, capsys):
+    binary = tmp_path / "run.jsonl"
+    binary.write_bytes(b"\x00\x01\xff\xfe" * 8)
+    err = _usage_error(["monitor", "--run", str(binary)], capsys)
+    assert "path: expected a .jsonl or .csv file written by the monitor (UTF-8 text)" in err and "which is not UTF-8 text" in err and "Fix:" in err

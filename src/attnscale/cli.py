@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import io
 import json
 import logging
 import math
@@ -192,6 +193,24 @@ def _check_gate(failed: int, warned: int) -> tuple[int, str]:
     return EXIT_OK, "PASS"
 
 
+@contextlib.contextmanager
+def _target_output(args: argparse.Namespace) -> Iterator[None]:
+    """With --json, what the target prints to stdout while it is imported and called is kept (for
+    the JSON's ``target_output``), so that stdout holds nothing but the JSON."""
+    if not args.json:
+        yield
+        return
+    if not hasattr(args, "target_output"):
+        args.target_output = io.StringIO()
+    with contextlib.redirect_stdout(args.target_output):
+        yield
+
+
+def _print_check_json(args: argparse.Namespace, data: dict[str, Any]) -> None:
+    captured = getattr(args, "target_output", None)
+    print(json.dumps({**data, "target_output": captured.getvalue() if captured is not None else ""}, indent=2))
+
+
 def _check_module(args: argparse.Namespace, module: torch.nn.Module) -> int:
     """The per-head scale probe of an nn.Module instance."""
     from rich.markup import escape
@@ -201,7 +220,8 @@ def _check_module(args: argparse.Namespace, module: torch.nn.Module) -> int:
 
     console = _console(args)
     try:
-        found = probe_module(module, num_heads=args.num_heads, projections=args.projections, timeout=args.timeout)
+        with _target_output(args):
+            found = probe_module(module, num_heads=args.num_heads, projections=args.projections, timeout=args.timeout)
     except (ValueError, TypeError) as exc:
         text = " ".join(str(exc).split())
         if text.startswith(("projections:", "num_heads:")):  # the module's layout: the caller must name it
@@ -229,7 +249,7 @@ def _check_module(args: argparse.Namespace, module: torch.nn.Module) -> int:
             "diagnosis": found.diagnosis,
             "fix": fix,
         }
-        print(json.dumps(data, indent=2))
+        _print_check_json(args, data)
         return code
     console.print(
         f"scale per head: {', '.join(f'{s:.6g}' for s in found.fit.scale)}\n"
@@ -250,7 +270,7 @@ def _module_finding(args: argparse.Namespace, detail: str, console: Any) -> int:
     from rich.markup import escape
 
     if args.json:
-        print(json.dumps({"schema": "attnscale.check-module/1", "target": args.target, "status": "FAIL", "exit_code": EXIT_FAILED, "error": detail}, indent=2))
+        _print_check_json(args, {"schema": "attnscale.check-module/1", "target": args.target, "status": "FAIL", "exit_code": EXIT_FAILED, "error": detail})
         return EXIT_FAILED
     console.print(f"scale probe: [red]FAIL[/]: {escape(detail)}", highlight=False)
     _summary(args, f"attnscale check {args.target}: FAIL: the scale probe could not run: {detail}")
@@ -266,7 +286,8 @@ def _check(args: argparse.Namespace) -> int:
 
     if not 0 < args.timeout < math.inf:
         _usage_error("check", f"--timeout: expected a finite number of seconds > 0, got {args.timeout}. Fix: pass e.g. --timeout 10")
-    target = _load_target(args.target)
+    with _target_output(args):
+        target = _load_target(args.target)
     if isinstance(target, type) and issubclass(target, torch.nn.Module):
         _usage_error("check", f"TARGET: expected a module instance or a function, got the class {args.target!r}. Fix: point TARGET at an instance, e.g. a module-level `layer = {target.__name__}(...)`")
     if isinstance(target, torch.nn.Module):
@@ -276,14 +297,15 @@ def _check(args: argparse.Namespace) -> int:
     if not callable(target):
         _usage_error("check", f"TARGET: expected a callable or an nn.Module instance, got {type(target).__name__} at {args.target!r}: {args.target!r} is not callable. Fix: point TARGET at the attention function")
     try:
-        report = check_attention(target, head_dim=args.head_dim, num_heads=args.num_heads or 4, timeout=args.timeout)
+        with _target_output(args):
+            report = check_attention(target, head_dim=args.head_dim, num_heads=args.num_heads or 4, timeout=args.timeout)
     except (ValueError, TypeError) as exc:
         _usage_error("check", str(exc))
     code, word = _check_gate(len(report.failures), len(report.warnings))
     passed = sum(c.passed is True for c in report.checks)
     unsupported = sum(c.passed is None for c in report.checks)
     if args.json:
-        print(json.dumps({"target": args.target, "status": word, "exit_code": code, **report.to_dict()}, indent=2))
+        _print_check_json(args, {"target": args.target, "status": word, "exit_code": code, **report.to_dict()})
         return code
     console = _console(args)
     table = Table(title=f"attnscale check {args.target}")
@@ -375,10 +397,10 @@ def _explore(args: argparse.Namespace) -> int:
     from .lab import explorer
 
     out = Path(args.out)
-    folder, name = (out, explorer.PAGE) if out.is_dir() else (out.parent, out.name)
     try:
+        folder, name = (out, explorer.PAGE) if out.is_dir() else (out.parent, out.name)
         path = explorer.write_explorer(folder, filename=name)
-    except OSError as exc:
+    except OSError as exc:  # a name too long, a folder inside a file, no permission, ...
         _usage_error("explore", f"--out: expected a file path this process can write, got {str(out)!r} ({exc.strerror}). Fix: pass another path")
     _summary(args, f"explorer: {path}")
     if args.open:
@@ -426,18 +448,24 @@ def _run(args: argparse.Namespace) -> int:
 
     progress = _console(args, stderr=True)  # progress bars never mix with the JSON on stdout
     try:
+        if args.figures is not None:  # before any work, as report --out
+            runner.check_outdir(args.figures, arg="--figures")
         record = runner.run_single(args.claim, profile=args.profile, seed=args.seed, figures=args.figures, console=progress)
     except ValueError as exc:
         _usage_error("run", str(exc))
+    # Figures that were asked for and not written are a failure, never exit 0 (the reason says why).
+    status = EXIT_FAILED if args.figures is not None and record.get("error") else EXIT_OK
     if args.json:
         print(json.dumps(record, indent=2))
-        return EXIT_OK
+        return status
     console = _console(args)
     for part in runner.record_renderables(record):
         console.print(part)
     headline = formatting.headline_text(record)
     _summary(args, f"{record['id']}: {record['verdict']}" + (f" ({headline})" if headline else ""))
-    return EXIT_OK
+    if status != EXIT_OK:
+        print(f"attnscale run: error: the figures were not written to {args.figures}: see the reason above", file=sys.stderr)
+    return status
 
 
 def _plot_run(args: argparse.Namespace) -> int:
@@ -455,8 +483,11 @@ def _plot_run(args: argparse.Namespace) -> int:
         fig = plot_run(records, title=args.title, thresholds=thresholds)
     except (TypeError, ValueError) as exc:
         _usage_error("monitor", str(exc))
-    figure.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(figure, dpi=120)
+    try:
+        figure.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(figure, dpi=120)
+    except OSError as exc:  # inside a file, no permission, a name too long, ...
+        _usage_error("monitor", f"--figure: expected a path this process can write, got {str(figure)!r} ({exc.strerror}). Fix: pass another path")
     alerts = [a for r in records for a in r.alerts]
     if args.json:
         print(json.dumps({"steps": len(records), "figure": str(figure), "alerts": [a.message for a in alerts]}, indent=2))

@@ -351,3 +351,57 @@ def test_table_heatmap_and_layer_summaries():
     first = [h for h in report.heads if h.layer == "h.0"]
     assert summaries[0].max_logit == max(h.max_logit for h in first)
     assert summaries[0].normalized_entropy == pytest.approx(sum(h.normalized_entropy for h in first) / 4)
+
+
+class TwoHeadCounts(nn.Module):
+    """One module that calls attention twice per forward, with 4 heads and then with 2."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.reshape(x.shape[0], 2, -1, x.shape[-1])  # (B, 2, 2 L, D)
+        return F.scaled_dot_product_attention(x, x, x).sum() + F.scaled_dot_product_attention(y, y, y).sum()
+
+
+def test_a_layer_called_with_another_head_count_runs_unrecorded_with_one_warning():
+    model, x = TwoHeadCounts(), torch.randn(1, 4, 6, 8, generator=torch.Generator().manual_seed(0))
+    want = model(x)
+    with pytest.warns(RuntimeWarning, match=r"^attnscale.monitor: a call of 'TwoHeadCounts' was not recorded: it was called with 4 heads before and 2 now") as caught:
+        with attnscale.monitor(model) as mon:
+            outs = [model(x) for _ in range(3)]
+    assert len(caught) == 1  # once per layer and reason, not once per call
+    for out in outs:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    report = mon.report()
+    assert report.skipped_calls == 3 and {h.calls for h in report.heads} == {3} and len(report.heads) == 4
+
+
+def test_inference_mode_then_training_in_one_monitor():
+    mha = attnscale.MultiHeadAttention(32, num_heads=4)
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
+    with attnscale.monitor(mha) as mon:
+        with torch.inference_mode():
+            mha(x)
+        mha(x).square().sum().backward()  # raised "Inplace update to inference tensor outside InferenceMode"
+        with torch.inference_mode():
+            mha(x)
+    assert [h.calls for h in mon.report().heads] == [3, 3, 3, 3]
+    assert all(p.grad is not None for p in mha.parameters())
+
+
+def test_a_statistics_call_that_fails_leaves_the_models_result_and_warns(monkeypatch):
+    import attnscale.diagnostics.monitor.recording as recording
+
+    model, x = TwoHeadCounts(), torch.randn(1, 4, 6, 8, generator=torch.Generator().manual_seed(2))
+    want = model(x)
+    real = recording.scaled_dot_product_attention
+
+    def no_statistics(*args, **kwargs):
+        if kwargs.get("return_stats"):
+            raise MemoryError("no room for statistics")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(recording, "scaled_dot_product_attention", no_statistics)
+    with pytest.warns(RuntimeWarning, match=r"its statistics call failed \(MemoryError: no room for statistics\)"):
+        with attnscale.monitor(model) as mon:
+            got = model(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert mon.report().heads == () and mon.report().skipped_calls == 2

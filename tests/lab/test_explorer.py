@@ -347,6 +347,19 @@ def test_bad_url_shows_the_library_message_and_uses_defaults(browser, page_url):
     assert browser.problems() == []
 
 
+@pytest.mark.parametrize("name", ["toString", "__proto__", "constructor", "hasOwnProperty", "valueOf"])
+def test_built_in_object_properties_in_the_url_are_unknown_parameters(browser, page_url, name):
+    # The page once stopped silently on these: `name in DEFAULTS` matched Object's own properties.
+    browser.open(f"{page_url}?{name}=1&keys=8&draws=20")
+    shown = browser.eval("document.getElementById('error').hidden ? '' : document.getElementById('error').textContent")
+    with pytest.raises(ValueError) as exc:
+        State.from_query(f"{name}=1")
+    assert str(exc.value) in shown
+    assert browser.eval("location.search") == "?dk=128&divisor=sqrt-dk&keys=8&draws=20"  # the page always shows dk and divisor
+    _check_against_python(browser.numbers(), "dk=128&divisor=sqrt-dk&keys=8&draws=20")
+    assert browser.problems() == []
+
+
 def test_report_writes_the_explorer_and_links_each_claim_to_its_view(tmp_path):
     claims = ["saturation-example", "softmax-peak-example"]
     assert main(["report", "--out", str(tmp_path), "--profile", "tiny", "--jobs", "1", "--only", *claims]) == 0
