@@ -2,6 +2,7 @@
 and at one thread.
 
     python benchmarks/bench_compile.py [--repeats 7] [--json out.json] [--quick]
+    python benchmarks/bench_compile.py --markdown benchmarks/results/compile.json   # the README's table
 
 Two workloads, each timed eagerly and compiled (``torch.compile(fullgraph=True)``, inductor) in
 one process, interleaved (repeat 1 of each, then repeat 2, ...); the ratio is the median of the
@@ -31,21 +32,15 @@ from pathlib import Path
 import torch
 
 import attnscale
+from machine import describe
 
 TARGET = 1.0
+WORKLOADS = {  # name -> how the README's table names it
+    "block forward": "block: qkv -> attnscale (causal + softcap) -> out, B = 4, L = 1024, forward",
+    "block training step": "block, training step (forward, backward, AdamW)",
+    "gemma2 training step": "random 2-layer Gemma 2, 4 x 512 tokens, training step",
+}
 H, D = 8, 64
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown CPU"
 
 
 class Block(torch.nn.Module):
@@ -86,7 +81,7 @@ def training_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torc
 
 
 def workloads() -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
-    """name -> (eager, compiled) callables, each checked once against the other."""
+    """name (as in WORKLOADS) -> (eager, compiled) callables, each checked once against the other."""
     torch.manual_seed(0)
     x = torch.randn(4, 1024, H * D)
     block = Block()
@@ -148,23 +143,46 @@ def measure(threads: int, repeats: int, cases: dict[str, tuple[Callable[[], obje
     return rows
 
 
+def markdown(result: dict) -> str:
+    """The README's text and table from a --json file: what ran, where, and each ratio."""
+    threads = sorted({r["threads"] for r in result["rows"]}, reverse=True)
+    names = {t: "one thread" if t == 1 else f"{t} threads" for t in threads}
+    lines = [
+        f"`python benchmarks/bench_compile.py --json benchmarks/results/compile.json` (one run at commit {result['commit']}, "
+        f"{result['cpu']}, {result['cores']} threads by default; medians of {result['repeats']} interleaved per-repeat ratios, "
+        "compiled with inductor and `fullgraph=True`, each compiled output checked against eager first):",
+        "",
+        "| workload | " + " | ".join(names[t] for t in threads) + " | target |",
+        "|---|" + "---|" * len(threads) + "---|",
+    ]
+    for case, label in WORKLOADS.items():
+        cells = {r["threads"]: f"{r['ratio']:.2f}x" for r in result["rows"] if r["case"] == case}
+        lines.append(f"| {label} | " + " | ".join(cells.get(t, "-") for t in threads) + f" | {result['target']}x |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="3 repeats")
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default: torch's default and 1)")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--markdown", metavar="JSON", help="print the README's table from a --json file and exit")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
     if not attnscale.kernels.available():
         print(f"bench_compile: the compiled kernel is unavailable ({attnscale.kernels.unavailable_reason()})", file=sys.stderr)
         return 1
     default_threads = torch.get_num_threads()
     threads = args.threads or sorted({default_threads, 1}, reverse=True)
     repeats = 3 if args.quick else args.repeats
-    print(f"CPU: {cpu_name()}, torch {torch.__version__}, default threads {default_threads}", flush=True)
+    run = describe()
+    print(f"CPU: {run['cpu']}, torch {run['torch']}, default threads {default_threads}, commit {run['commit']}", flush=True)
     cases = workloads()
     rows = [row for t in threads for row in measure(t, repeats, cases)]
-    result = {"schema": "attnscale.bench_compile/1", "cpu": cpu_name(), "torch": torch.__version__, "target": TARGET, "rows": rows}
+    result = {"schema": "attnscale.bench_compile/1", **run, "repeats": repeats, "target": TARGET, "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     met = sum(r["meets"] for r in rows)

@@ -16,6 +16,9 @@ cells meet them.
     python benchmarks/bench_fused.py --markdown out.json  # the README's table from a --json run
     python benchmarks/bench_fused.py --blocks           # the kernel's tile shapes compared
 
+Before any timing, every case's output is checked once per shape against the math backend (its
+first and last 64 query rows): a wrong output fails the run (exit 1) and nothing is timed.
+
 It also measures forward+backward memory at L = S = 16384 with softcap and a (1024, 0) window (a
 fresh process), the kernel's GFLOP/s against this machine's single-thread GEMM peak, and the window
 case: (1024, 0) at L = 8192 against torch's causal kernel, with the share of keys it skips.
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 
 import attnscale
 from attnscale import kernels
+from machine import describe
 
 SCHEMA = "attnscale.bench_fused/1"
 SOFTCAP = 30.0
@@ -97,13 +101,61 @@ def backward_of(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor])
     return run
 
 
-def cases(L: int, D: int, H: int = 8) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
-    """case -> (torch on the plain problem, attnscale on the case)."""
+def _inputs(L: int, D: int, H: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, L, D, generator=gen) for _ in range(3))  # (B, H, L, D)
     qd = torch.randn(1, H, 1, D, generator=gen)  # one query against S = 4 L keys
     kd, vd = (torch.randn(1, H, 4 * L, D, generator=gen) for _ in range(2))
-    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    return dict(q=q, k=k, v=v, qd=qd, kd=kd, vd=vd, qb=q.bfloat16(), kb=k.bfloat16(), vb=v.bfloat16())
+
+
+# case -> (the inputs it runs on, its options, the largest |error| allowed against the math backend)
+CHECKED = {
+    "causal, no features (fused forced)": ("qkv", dict(is_causal=True, backend="fused"), 1e-4),
+    "causal + softcap, forward": ("qkv", dict(is_causal=True, softcap=SOFTCAP), 1e-4),
+    "causal + ALiBi, forward": ("qkv", dict(is_causal=True, alibi=True), 1e-4),
+    "causal + softcap, forward+backward": ("qkv", dict(is_causal=True, softcap=SOFTCAP), 1e-4),
+    "non-causal with statistics, forward": ("qkv", dict(return_stats=True), 1e-4),
+    "decoding (L = 1, S = 4 L) with softcap": ("qd,kd,vd", dict(softcap=SOFTCAP), 1e-4),
+    "bf16 causal + softcap, forward": ("qb,kb,vb", dict(is_causal=True, softcap=SOFTCAP), 3e-2),
+}
+CHECK_ROWS = 64  # query rows at each end of the sequence checked against the math backend
+
+
+def output_errors(L: int, D: int, H: int = 8) -> dict[str, float]:
+    """Each case's largest |error| against the math backend (the same call on the first and last
+    CHECK_ROWS query rows; causal ones against the keys up to the last of them, bottom-right
+    aligned, so that each row sits at its own position and sees the keys it sees in the full call),
+    so that a fast wrong kernel cannot pass the benchmark."""
+    t = _inputs(L, D, H)
+    ours = attnscale.scaled_dot_product_attention
+    errors = {}
+    with torch.no_grad():
+        for name, (names, options, _) in CHECKED.items():
+            q, k, v = (t[n] for n in (("q", "k", "v") if names == "qkv" else names.split(",")))
+            options = dict(options)
+            if options.pop("alibi", False):
+                options["alibi_slopes"] = attnscale.alibi_slopes(H)
+            result = ours(q, k, v, **options)
+            out = result[0] if isinstance(result, tuple) else result
+            worst = 0.0
+            rows = q.shape[-2]
+            for lo, hi in ((0, min(CHECK_ROWS, rows)), (max(0, rows - CHECK_ROWS), rows)):
+                keys = hi if options.get("is_causal") else k.shape[-2]  # the keys these rows can see
+                reference = {**options, "backend": "math"}
+                if options.get("is_causal"):
+                    reference["causal_alignment"] = "bottom_right"
+                want = ours(q[..., lo:hi, :], k[..., :keys, :], v[..., :keys, :], **reference)
+                want = want[0] if isinstance(want, tuple) else want  # row j sits at position lo + j, as in the full call (ALiBi too)
+                worst = max(worst, (out[..., lo:hi, :].float() - want.float()).abs().max().item())
+            errors[name] = worst
+    return errors
+
+
+def cases(L: int, D: int, H: int = 8) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+    """case -> (torch on the plain problem, attnscale on the case)."""
+    t = _inputs(L, D, H)
+    q, k, v, qd, kd, vd, qb, kb, vb = (t[n] for n in ("q", "k", "v", "qd", "kd", "vd", "qb", "kb", "vb"))
     slopes = attnscale.alibi_slopes(H)
     ours = attnscale.scaled_dot_product_attention
     torch_causal = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
@@ -243,6 +295,14 @@ def varlen_row(threads: int, repeats: int, n_seq: int = 32) -> dict:
             rows = slice(int(cu[b]), int(cu[b + 1]))
             F.scaled_dot_product_attention(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True)
 
+    with torch.no_grad():  # the packed kernel's output, checked against torch once per sequence first
+        packed = attnscale.varlen_attention(q, k, v, cu, cu, is_causal=True)
+        for b in range(n_seq):
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            want = F.scaled_dot_product_attention(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True)[0].transpose(0, 1)
+            err = (packed[rows] - want).abs().max().item()
+            if not err <= 1e-4:
+                raise SystemExit(f"bench_fused: wrong varlen output for sequence {b}: max |error| {err:.3g} > 1e-4; nothing timed")
     fns = {
         "packed kernel": lambda: attnscale.varlen_attention(q, k, v, cu, cu, is_causal=True),
         "per-sequence tiled": lambda: attnscale.varlen_attention(q, k, v, cu, cu, is_causal=True, backend="tiled"),
@@ -363,6 +423,20 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"per-sequence tiled path {r['ratio']['per-sequence tiled']:.2f}x", flush=True)
     if args.varlen:
         return 0
+    run = describe()
+    result.update(run)
+    print(f"CPU: {run['cpu']}, torch {run['torch']}, commit {run['commit']}", flush=True)
+    result["output_errors"], wrong = {}, []
+    for L in lengths:  # every timed case's output, once per shape, against the math backend
+        for D in dims:
+            for name, err in output_errors(L, D).items():
+                result["output_errors"][f"L={L} D={D} {name}"] = err
+                if not err <= CHECKED[name][2]:  # NaN fails too
+                    wrong.append(f"L={L} D={D} {name}: max |error| {err:.3g} > {CHECKED[name][2]:g}")
+    if wrong:
+        print("bench_fused: wrong outputs, nothing timed:\n  " + "\n  ".join(wrong), file=sys.stderr)
+        return 1
+    print(f"outputs checked against the math backend: largest |error| {max(result['output_errors'].values()):.2g}", flush=True)
     for t in threads:
         result["peaks"][t] = gemm_peak(t)
         for L in lengths:

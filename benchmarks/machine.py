@@ -1,0 +1,43 @@
+"""Where and at which commit a benchmark ran: recorded in its JSON, named beside its figures."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), with the vector extensions that matter here."""
+    name, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = [label for flag, label in (("avx512f", "AVX-512"), ("amx_bf16", "AMX"), ("avx2", "AVX2")) if flag in flags]
+    if "AVX-512" in isa:
+        isa.remove("AVX2")
+    return f"{name} ({', '.join(isa)})" if isa else name
+
+
+def commit() -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes), or "unknown" outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def describe() -> dict[str, object]:
+    """The fields every recorded benchmark JSON carries about its run."""
+    return {"cpu": cpu_name(), "cores": torch.get_num_threads(), "torch": torch.__version__, "commit": commit()}
