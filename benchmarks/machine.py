@@ -29,10 +29,13 @@ def cpu_name() -> str:
 
 
 def commit() -> str:
-    """The checkout's commit (``+dirty`` with uncommitted changes), or "unknown" outside git."""
+    """The checkout's commit (``+dirty`` where the measured code, src/ or benchmarks/, has
+    uncommitted changes), or "unknown" outside git."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")

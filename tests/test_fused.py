@@ -202,7 +202,7 @@ def test_float32_softmax_weights_are_exp_u20_bit_for_bit_zero_below_the_floor_an
 
 def _kernel_forward(q, k, v, scale, *, softcap=0.0, stats=False):
     """The kernel's own outputs (out, lse, m, l): m is the offset each row's weights were taken against."""
-    args = (scale, softcap, False, 0, -1, -1, 0, 0, None, None, stats, fused.BLOCK_Q, fused.BLOCK_K, None)
+    args = (scale, softcap, False, 0, -1, -1, 0, 0, None, None, stats, ops.BLOCK_Q, ops.BLOCK_K, None)
     (out, lse, m, l, *_), _ = kernels.load().forward(q, k, v, *args)
     return out, lse, m, l
 
@@ -217,11 +217,11 @@ def test_rows_settle_on_a_max_near_their_bound_and_only_then():
     sum)."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 1024, 16, generator=gen)  # (B, H, L, D)
-    k = torch.randn(1, 2, 4 * fused.BLOCK_K, 16, generator=gen)  # four key tiles
-    v = torch.randn(1, 2, 4 * fused.BLOCK_K, 16, generator=gen)
+    k = torch.randn(1, 2, 4 * ops.BLOCK_K, 16, generator=gen)  # four key tiles
+    v = torch.randn(1, 2, 4 * ops.BLOCK_K, 16, generator=gen)
     scale = 0.25
     logits = q.double() @ k.double().transpose(-1, -2) * scale  # (B, H, L, S)
-    row_max, first_tile_max = logits.amax(-1), logits[..., : fused.BLOCK_K].amax(-1)
+    row_max, first_tile_max = logits.amax(-1), logits[..., : ops.BLOCK_K].amax(-1)
     assert (row_max > first_tile_max).any()  # some rows' maximum lies in a later tile
     for softcap in (0.0, 5.0):
         _, _, m, _ = _kernel_forward(q, k, v, scale, softcap=softcap)
@@ -240,7 +240,7 @@ def test_rows_settle_on_a_max_near_their_bound_and_only_then():
     axis = torch.zeros(16)
     axis[0] = 8.0
     qa = axis.expand(1, 1, 1024, 16) + 1e-3 * torch.randn(1, 1, 1024, 16, generator=gen)
-    ka = -axis.expand(1, 1, 4 * fused.BLOCK_K, 16) + 1e-3 * torch.randn(1, 1, 4 * fused.BLOCK_K, 16, generator=gen)
+    ka = -axis.expand(1, 1, 4 * ops.BLOCK_K, 16) + 1e-3 * torch.randn(1, 1, 4 * ops.BLOCK_K, 16, generator=gen)
     _, _, m, _ = _kernel_forward(qa, ka, v[:, :1], 0.45)
     torch.testing.assert_close(m.double(), (qa.double() @ ka.double().transpose(-1, -2) * 0.45).amax(-1), rtol=0, atol=1e-5)
 
@@ -501,7 +501,7 @@ def test_rows_that_settle_give_the_reference_outputs_and_gradients(opts):
     outputs and gradients, not only their offsets."""
     opts = dict(opts)
     Hkv = 1 if opts.pop("gqa", False) else 2
-    q, k, v = make_inputs(B=1, H=2, Hkv=Hkv, L=1024, S=3 * fused.BLOCK_K + 40, D=16, Dv=8, seed=7)
+    q, k, v = make_inputs(B=1, H=2, Hkv=Hkv, L=1024, S=3 * ops.BLOCK_K + 40, D=16, Dv=8, seed=7)
     mask = make_mask("bool", H=2, L=1024, S=k.shape[-2], seed=7) if opts.pop("mask", None) else None
     mask = None if mask is None else mask[:1]
     if Hkv == 2:  # some rows' maximum lies after their first key tile: they settle before it

@@ -24,9 +24,9 @@ from ..stats import AttentionStats, with_sinks
 from ..tiled import merge_sinks, tiled_attention
 from . import load, ops
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "fused_attention", "fused_attention_checked", "fused_varlen_attention", "supports"]
-
-BLOCK_Q, BLOCK_K = ops.BLOCK_Q, ops.BLOCK_K  # the default tiles (``ops`` holds the rule)
+__all__ = ["fused_attention", "fused_attention_checked", "fused_varlen_attention", "supports"]
+# The default tiles and the rule that picks them live in ``ops`` (BLOCK_Q, BLOCK_K, default_blocks),
+# read inside the op at call time.
 
 
 class _Spec(NamedTuple):
