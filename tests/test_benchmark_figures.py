@@ -1,0 +1,47 @@
+"""Every benchmark figure in README.md and the docs is the rendering of a recorded run: the block
+between ``<!-- FILE.json: COMMAND -->`` and ``<!-- end FILE.json -->`` must equal what the
+benchmark's ``--markdown FILE.json`` prints, so that a rerun that changes a number changes the text,
+and a hand edit of a number fails here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = re.compile(r"<!-- (benchmarks/recorded/[\w.]+\.json): python (benchmarks/bench_\w+\.py) --markdown \1 -->\n(.*?)\n<!-- end \1 -->", re.S)
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [(doc, *m.groups()) for doc in DOCS for m in BLOCK.finditer(doc.read_text())]
+
+
+def _benchmark(script: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmarks import their sibling machine.py
+    try:
+        spec = importlib.util.spec_from_file_location(Path(script).stem, ROOT / script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_the_recorded_benchmarks_appear_in_the_docs():
+    found = {(doc.name, data) for doc, data, _, _ in BLOCKS}
+    assert found >= {
+        ("README.md", "benchmarks/recorded/compile.json"),
+        ("README.md", "benchmarks/recorded/monitor.json"),
+        ("monitor.md", "benchmarks/recorded/monitor_train.json"),
+    }
+
+
+@pytest.mark.parametrize("doc, data, script, text", BLOCKS, ids=[f"{doc.name}:{data}" for doc, data, _, _ in BLOCKS])
+def test_each_figure_block_is_the_rendering_of_its_recorded_run(doc, data, script, text):
+    recorded = json.loads((ROOT / data).read_text())
+    assert "+dirty" not in recorded["commit"] and recorded["commit"] != "unknown", f"{data} was not recorded at a commit"
+    assert recorded["cpu"]  # every figure names its CPU
+    assert text == _benchmark(script).markdown(recorded), f"{doc.name}: rerun `python {script} --markdown {data}` and paste its output"
