@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import attnscale
+from machine import describe
 
 SCHEMA = "attnscale.bench_sdpa/1"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -235,6 +236,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-memory", action="store_true", help="timing only")
     parser.add_argument("--no-timing", action="store_true", help="memory only")
     parser.add_argument("--output", type=Path, default=None, help="JSON path (default benchmarks/results/bench_sdpa-<time>.json)")
+    parser.add_argument("--markdown", metavar="JSON", help="print the README's memory table from a recorded JSON file and exit")
     parser.add_argument("--memory-child", nargs=5, metavar=("IMPL", "L", "B", "H", "D"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 5:
@@ -248,8 +250,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def markdown(result: dict) -> str:
+    """The README's memory table from a recorded JSON file (what ran, where, and each cell)."""
+    names = list(dict.fromkeys(m["impl"] for m in result["memory"]))
+    config = result["config"]
+    lengths = " ".join(str(L) for L in dict.fromkeys(m["L"] for m in result["memory"]))
+    head = (
+        f"Peak memory growth of one forward call (a fresh process per cell; `python benchmarks/bench_sdpa.py --no-timing "
+        f"--memory-lengths {lengths} --output benchmarks/recorded/sdpa_memory.json`, one run at commit {result['commit']}, "
+        f"{result['cpu']}; B = {config['batch']}, H = {config['heads']}, D = {config['head_dim']}, float32; cells whose "
+        f"L x S tensors would pass {config['memory_cap_gib']:g} GiB are skipped, not run):"
+    )
+    return head + "\n\n" + memory_table([Memory(**m) for m in result["memory"]], names)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
     if args.memory_child:
         impl, *sizes = args.memory_child
         memory_child(impl, *map(int, sizes))
@@ -272,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "schema": SCHEMA,
+        **describe(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": {"attnscale": attnscale.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "machine": {
