@@ -357,9 +357,10 @@ def _centre(u: Tensor, v_peak: float, S: int) -> Tensor:
 
     Offset 0 subtracts nothing, so a weight carries only the rounding its logit already has, as
     with the running max; subtracting u puts up to 2u on exp's argument and (u - max) eps of
-    relative error on the largest weights (4-8x the math backend's float32 error at D = 80, where
-    the Cauchy-Schwarz bound is loose). Weights are then in [exp(-u), exp(u)], 1.1e-15 to 8.7e14
-    at u = 34.4 in float32: above the exp floor, and no weight or sum overflows."""
+    relative error on the largest weights, which shows where the Cauchy-Schwarz bound is loose
+    (D = 80: tests/test_tiled.py, test_static_offset_costs_no_float32_precision_against_the_running_max).
+    Weights are then in [exp(-u), exp(u)], 1.1e-15 to 8.7e14 at u = 34.4 in float32: above the
+    exp floor, and no weight or sum overflows."""
     fits = u.exp().mul_(S * v_peak) < torch.finfo(u.dtype).max / 2  # False for NaN or inf values
     return torch.where(fits, torch.zeros_like(u), u)
 
