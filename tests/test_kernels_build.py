@@ -89,3 +89,21 @@ def test_a_killed_build_leaves_nothing_that_blocks_the_next_one(tmp_path):
     (library,) = tmp_path.glob("*/*.so")
     assert library.parent == stale.parent
     assert not Path(stale).exists() and not list(tmp_path.glob("*/build-*"))
+
+
+@pytest.mark.slow
+@needs_a_compiler
+@pytest.mark.skipif(kernels.isa() != "avx512", reason="no AVX-512 on this CPU: only the AVX2 kernel can run here, and the suite runs it")
+def test_the_avx2_kernel_passes_the_kernel_tests_on_an_avx512_cpu():
+    """The suite runs the widest build (AVX-512 here); this runs the AVX2 build's tests too, in
+    its own process and build, so that both ISAs' paths are tested where the CPU has both."""
+    env = {**os.environ, "ATTNSCALE_KERNEL_ISA": "avx2"}
+    root = Path(__file__).resolve().parent.parent
+    which = subprocess.run([sys.executable, "-c", "from attnscale import kernels; print(kernels.isa(), kernels.available())"],
+                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert which.stdout.split() == ["avx2", "True"], which.stderr[-2000:]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_fused.py", "tests/test_hostile.py"],
+        capture_output=True, text=True, env=env, cwd=root, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]

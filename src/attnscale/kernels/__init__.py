@@ -32,11 +32,16 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["available", "build", "build_precondition", "kernel_dir", "library_path", "load", "unavailable_reason"]
+__all__ = ["available", "build", "build_precondition", "isa", "kernel_dir", "library_path", "load", "unavailable_reason"]
 
 _SOURCE = Path(__file__).with_name("fused.cpp")
-# AVX2 + FMA: the vectorised exp / tanh of ATen's Vectorized<float> (x86-64 from 2013 on).
-_X86_FLAGS = ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+# The widest vectors the CPU has, as ATen's own CPU_CAPABILITY builds: AVX-512 (F, BW, VL, DQ;
+# 16 floats a vector), else AVX2 + FMA (8; x86-64 from 2013 on). ATTNSCALE_KERNEL_ISA=avx2 builds
+# the AVX2 kernel on an AVX-512 CPU (its tests run both).
+_ISA_FLAGS = {
+    "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]),
+    "avx2": (("avx2", "fma"), ["-mavx2", "-mfma", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]),
+}
 _FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
 
 _lock = threading.Lock()
@@ -49,13 +54,22 @@ def kernel_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "attnscale" / "kernels"
 
 
-def _cpu_flags() -> list[str]:
+def isa() -> str | None:
+    """The vector ISA the kernel is built for here: "avx512", "avx2", or None (neither)."""
     try:
-        info = Path("/proc/cpuinfo").read_text()
+        words = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return []
-    words = set(info.split())
-    return _X86_FLAGS if {"avx2", "fma"} <= words else []
+        return None
+    wanted = os.environ.get("ATTNSCALE_KERNEL_ISA", "").lower() or None
+    for name, (features, _) in _ISA_FLAGS.items():
+        if (wanted is None or wanted == name) and set(features) <= words:
+            return name
+    return None
+
+
+def _cpu_flags() -> list[str]:
+    name = isa()
+    return [] if name is None else _ISA_FLAGS[name][1]
 
 
 def _name(flags: list[str]) -> str:
@@ -72,6 +86,9 @@ def _disabled() -> str | None:
     if os.environ.get("ATTNSCALE_NO_KERNEL", "") not in ("", "0"):
         return "disabled by ATTNSCALE_NO_KERNEL"
     if not _cpu_flags():
+        wanted = os.environ.get("ATTNSCALE_KERNEL_ISA", "")
+        if wanted:
+            return f"ATTNSCALE_KERNEL_ISA={wanted!r}: expected one of {', '.join(_ISA_FLAGS)} that this CPU supports"
         return "this CPU lacks AVX2 and FMA, which the kernel is built for"
     return None
 
