@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# torch's default thread count, read before a benchmark sets its own: the cores a run used.
+DEFAULT_THREADS = torch.get_num_threads()
 
 
 def cpu_name() -> str:
@@ -43,4 +45,4 @@ def commit() -> str:
 
 def describe() -> dict[str, object]:
     """The fields every recorded benchmark JSON carries about its run."""
-    return {"cpu": cpu_name(), "cores": torch.get_num_threads(), "torch": torch.__version__, "commit": commit()}
+    return {"cpu": cpu_name(), "cores": DEFAULT_THREADS, "torch": torch.__version__, "commit": commit()}

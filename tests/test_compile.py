@@ -217,6 +217,19 @@ def test_fake_and_meta_tensors_give_the_shapes_of_a_real_call(feature):
     assert _shapes(attnscale.scaled_dot_product_attention(q.to("meta"), k.to("meta"), v.to("meta"), **meta_options)) == want
 
 
+def test_traced_packed_calls_check_what_needs_no_values():
+    """While tracing, varlen_attention reads no tensor values, but still checks every option and
+    the type of each argument: meta tensors, as torch.export and FakeTensor see them."""
+    q = torch.randn(10, H, D, device="meta")
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device="meta")
+    with pytest.raises(TypeError, match=r"^max_seqlen_q: expected None or an int, got 'x'"):
+        attnscale.varlen_attention(q, q, q, cu, cu, "x")
+    with pytest.raises(ValueError, match=r"^softcap: expected a finite positive float"):
+        attnscale.varlen_attention(q, q, q, cu, cu, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k: expected B \+ 1 = 3 entries"):
+        attnscale.varlen_attention(q, q, q, cu, cu[:2])
+
+
 # --------------------------------------------------------------------------------------------
 # torch.func
 # --------------------------------------------------------------------------------------------

@@ -117,13 +117,35 @@ def _check_cu_seqlens(name: str, cu: object, packed: str, total: int, device: to
     return values
 
 
+def _check_max_seqlen_type(name: str, hint: object) -> None:
+    if hint is not None and (isinstance(hint, bool) or not isinstance(hint, Integral)):
+        fail(name, "None or an int", repr(hint), "pass the longest length as an int, or None to leave it out", exc=TypeError)
+
+
 def _check_max_seqlen(name: str, hint: object, longest: int, cu_name: str) -> None:
+    _check_max_seqlen_type(name, hint)
     if hint is None:
         return
-    if isinstance(hint, bool) or not isinstance(hint, Integral):
-        fail(name, "None or an int", repr(hint), "pass the longest length as an int, or None to leave it out", exc=TypeError)
     if hint < longest:
         fail(name, f"at least the longest sequence in {cu_name}, {longest}", repr(int(hint)), f"pass {name}={longest} or None")
+
+
+def _check_options(
+    H: int, B: int, device: torch.device, is_causal: object, scale: object, softcap: object, window: object,
+    return_stats: object, backend: object, alibi_slopes: object,
+) -> tuple[bool, float | None, float | None, tuple[int | None, int | None] | None, bool, Backend]:
+    """The options every path checks the same way (static: no tensor values read)."""
+    checked = (
+        check_bool("is_causal", is_causal),
+        check_positive_finite("scale", scale),
+        check_positive_finite("softcap", softcap),
+        check_window(window),
+        check_bool("return_stats", return_stats),
+        check_choice("backend", backend, Backend),
+    )
+    if alibi_slopes is not None:
+        _check_alibi_slopes(alibi_slopes, H, B, device)
+    return checked
 
 
 def _check_alibi_slopes(slopes: object, H: int, B: int, device: torch.device) -> None:
@@ -248,7 +270,7 @@ def varlen_attention(
     refuse_jit_trace("varlen_attention")
     H, Hkv, D, Dv = _check_packed(q, k, v)
     if tracing(q, k, v):
-        return _traced(q, k, v, cu_seqlens_q, cu_seqlens_k, H, scale, is_causal, softcap, alibi_slopes, window, sinks, return_stats, backend)
+        return _traced(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, H, scale, is_causal, softcap, alibi_slopes, window, sinks, return_stats, backend)
     cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, "q", q.shape[0], q.device)
     cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, "k", k.shape[0], q.device)
     if len(cu_q) != len(cu_k):
@@ -261,14 +283,10 @@ def varlen_attention(
     spans = _spans(cu_q, cu_k)
     _check_max_seqlen("max_seqlen_q", max_seqlen_q, max((b - a for (a, b), _ in spans), default=0), "cu_seqlens_q")
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, max((b - a for _, (a, b) in spans), default=0), "cu_seqlens_k")
-    is_causal = check_bool("is_causal", is_causal)
-    scale = check_positive_finite("scale", scale)
-    softcap = check_positive_finite("softcap", softcap)
-    window = check_window(window)
-    return_stats = check_bool("return_stats", return_stats)
-    backend = check_choice("backend", backend, Backend)
+    is_causal, scale, softcap, window, return_stats, backend = _check_options(
+        H, len(spans), q.device, is_causal, scale, softcap, window, return_stats, backend, alibi_slopes
+    )
     if alibi_slopes is not None:
-        _check_alibi_slopes(alibi_slopes, H, len(spans), q.device)
         check_alibi_values(alibi_slopes, q.dtype)  # the same rule as scaled_dot_product_attention's
     check_sinks(sinks, H, q.device, dtype=q.dtype)
     clean = _packed_kernel_spans(backend, q, k, v, spans, scale, softcap, alibi_slopes)
@@ -325,6 +343,8 @@ def _traced(
     v: Tensor,
     cu_seqlens_q: object,
     cu_seqlens_k: object,
+    max_seqlen_q: object,
+    max_seqlen_k: object,
     H: int,
     scale: object,
     is_causal: object,
@@ -337,21 +357,18 @@ def _traced(
 ) -> Tensor | tuple[Tensor, AttentionStats]:
     """:func:`varlen_attention` while tracing (see :mod:`attnscale._tracing`): the static checks,
     then every sequence in one call of the compiled kernel's op, with the spans built from the
-    cumulative lengths as tensors. Their values (a first 0, non-decreasing, the packed totals)
-    and the NaN rule go unchecked; the op itself refuses spans outside the packed tensors."""
+    cumulative lengths as tensors. Their values (a first 0, non-decreasing, the packed totals),
+    whether ``max_seqlen_*`` covers the longest sequence (only their type is checked) and the NaN
+    rule go unchecked; the op itself refuses spans outside the packed tensors."""
     cu_q = _check_cu_static("cu_seqlens_q", cu_seqlens_q, q.device)
     cu_k = _check_cu_static("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_q.shape != cu_k.shape:
         fail("cu_seqlens_k", f"B + 1 = {cu_q.shape[0]} entries like cu_seqlens_q", f"{cu_k.shape[0]} entries", "give every sequence a query and a key length (0 is allowed)")
-    B = cu_q.shape[0] - 1
-    is_causal = check_bool("is_causal", is_causal)
-    scale = check_positive_finite("scale", scale)
-    softcap = check_positive_finite("softcap", softcap)
-    window = check_window(window)
-    return_stats = check_bool("return_stats", return_stats)
-    backend = check_choice("backend", backend, Backend)
-    if alibi_slopes is not None:
-        _check_alibi_slopes(alibi_slopes, H, B, q.device)
+    _check_max_seqlen_type("max_seqlen_q", max_seqlen_q)
+    _check_max_seqlen_type("max_seqlen_k", max_seqlen_k)
+    is_causal, scale, softcap, window, return_stats, backend = _check_options(
+        H, cu_q.shape[0] - 1, q.device, is_causal, scale, softcap, window, return_stats, backend, alibi_slopes
+    )
     check_sinks(sinks, H, q.device, values=False)
     why = fused_supports(q, None)
     if backend not in (Backend.AUTO, Backend.FUSED) or why is not None:

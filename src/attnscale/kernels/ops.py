@@ -251,8 +251,8 @@ def forward(*args: object) -> tuple[Tensor, ...]:
     """``fused_forward`` on its arguments, by the cheapest route that keeps its semantics: the op
     while tracing (one node for torch.compile and torch.export; its fake rule for FakeTensor and
     meta tensors), :class:`FusedForward` under torch.func transforms and wherever a gradient may
-    be asked for, else the kernel itself. (Dispatching a Python custom op costs some 20 us a
-    call, a visible share of a decoding step.)"""
+    be asked for, else the kernel itself (dispatching a Python custom op is a visible share of a
+    decoding step: bench_fused.py's decoding case)."""
     q, k, v = args[:3]
     if torch.compiler.is_compiling():
         return fused_forward(*args)

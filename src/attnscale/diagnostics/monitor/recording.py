@@ -504,7 +504,7 @@ def _check_attention_implementation(model: nn.Module) -> None:
             "model",
             "a HuggingFace model with attn_implementation 'sdpa' or 'attnscale'",
             f"attn_implementation {impl!r}",
-            "call model.set_attn_implementation('sdpa') (or 'attnscale' after attnscale.diagnostics.hf.register())",
+            "call model.set_attn_implementation('sdpa') (or 'attnscale', which import attnscale registers)",
         )
 
 
