@@ -98,6 +98,9 @@ def op_cases():
     packed = torch.randn(1, 4, 18, 8, generator=gen), torch.randn(1, 2, 22, 8, generator=gen), torch.randn(1, 2, 22, 5, generator=gen)
     spans = torch.tensor([[0, 5, 0, 7], [5, 18, 7, 22]])  # (q0, q1, k0, k1) of two sequences
     yield "packed", (*packed, None, None, spans, 0.35, 0.0, True, 0, -1, -1, 0, 0, True, 0, 0)
+    # 16-bit q, k, v as the kernel takes them where ops.half_products says so (float32 outputs)
+    yield "bf16-softcap-causal-stats", (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, None, None, 0.35, 5.0, True, 2, -1, -1, 0, 0, True, 0, 0)
+    yield "fp16-packed", (*(t.half() for t in packed), None, None, spans, 0.35, 0.0, True, 0, -1, -1, 0, 0, False, 0, 0)
 
 
 @needs_kernel

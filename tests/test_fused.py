@@ -56,10 +56,10 @@ FEATURES = list(
 SHAPES = [(4, 4, 70, 300), (4, 2, 259, 77), (4, 1, 5, 600)]
 
 
-def case_inputs(case, dtype=torch.float64):
+def case_inputs(case, dtype=torch.float64, D=7):
     softcap, alibi, window, causal, mask_kind = FEATURES[case]
     H, Hkv, L, S = SHAPES[case % len(SHAPES)]
-    q, k, v = make_inputs(H=H, Hkv=Hkv, L=L, S=S, seed=case, dtype=dtype)
+    q, k, v = make_inputs(H=H, Hkv=Hkv, L=L, S=S, D=D, seed=case, dtype=dtype)
     mask = make_mask(mask_kind, H=H, L=L, S=S, seed=case)
     opts = {"softcap": softcap, "window": window}
     if alibi:
@@ -158,6 +158,89 @@ def test_low_precision_error_is_at_most_twice_a_plain_implementations(dtype, cas
     err = np.abs(out.double().numpy() - expected).max()
     err_math = np.abs(sdpa(q, k, v, mask, backend="math", **opts).double().numpy() - expected).max()
     assert err <= 2 * err_math + TOLERANCE_FLOOR[dtype]
+
+
+@pytest.fixture(params=["16-bit products", "float32 copies"])
+def half_path(request, monkeypatch):
+    """Both ways the kernel takes bfloat16 / float16 inputs, on any CPU: as they are (oneMKL's
+    16-bit products, AMX where present) or as float32 copies (ops.half_products)."""
+    native = request.param == "16-bit products"
+    if native and not kernels.load().half_gemm(1):
+        pytest.skip("this torch has no oneMKL 16-bit products")
+    monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "1" if native else "0")
+    assert ops.half_products(torch.bfloat16) is native and ops.half_products(torch.float16) is native
+    return native
+
+
+def test_the_half_products_switch_refuses_other_values(monkeypatch):
+    monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "yes")
+    with pytest.raises(ValueError, match=r"ATTNSCALE_HALF_PRODUCTS: expected 0 or 1 .* got 'yes'"):
+        ops.half_products(torch.bfloat16)
+    assert ops.half_products(torch.float32) is False  # float32 and float64 never ask
+
+
+def _error(got, want):
+    return np.abs(got.double().numpy() - want).max()
+
+
+@pytest.mark.parametrize("D", [7, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [0, 10, 23, 31, 41, 47, 49, 58, 64, 71])
+def test_half_inputs_outputs_statistics_and_gradients_within_twice_the_math_backends_error(half_path, dtype, case, D):
+    """16-bit inputs on both paths, every feature: the output, lse and gradients against fp64
+    (float64 autograd through the reference formula of the same rounded inputs) at most twice the
+    math backend's error in the same dtype, plus the floor. The 16-bit path rounds the weights to
+    the inputs' format before the second product, as torch's CPU kernel does. An even head dim
+    takes torch's brgemm where the CPU runs it (bfloat16; windows start tiles on odd keys, S = 77
+    is odd), an odd one oneMKL's products."""
+    q, k, v, mask, opts = case_inputs(case, dtype, D=D)
+    expected = run_reference(q, k, v, mask, **opts)
+    out, stats = sdpa(q, k, v, mask, return_stats=True, **opts)
+    out_math, stats_math = sdpa(q, k, v, mask, backend="math", return_stats=True, **opts)
+    assert out.dtype == dtype and stats.lse.dtype == torch.float32
+    assert _error(out, expected) <= 2 * _error(out_math, expected) + TOLERANCE_FLOOR[dtype]
+    wide = sdpa(q.double(), k.double(), v.double(), None if mask is None or mask.dtype == torch.bool else mask.double(), return_stats=True, **opts)
+    if mask is not None and mask.dtype == torch.bool:
+        wide = sdpa(q.double(), k.double(), v.double(), mask, return_stats=True, **opts)
+    finite = torch.isfinite(wide[1].lse)
+    lse_err = (stats.lse.double() - wide[1].lse)[finite].abs().max().item()
+    lse_err_math = (stats_math.lse.double() - wide[1].lse)[finite].abs().max().item()
+    assert lse_err <= 2 * lse_err_math + 1e-5
+    assert torch.equal(torch.isfinite(stats.lse), finite)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(case)).to(dtype)
+    grads = torch.autograd.grad(sdpa(*leaves, mask, **opts), leaves, grad_out)
+    grads_math = torch.autograd.grad(sdpa(*leaves, mask, backend="math", **opts), leaves, grad_out)
+    wide_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    wide_mask = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    grads_wide = torch.autograd.grad(sdpa(*wide_leaves, wide_mask, backend="math", **opts), wide_leaves, grad_out.double())
+    for g, gm, gw in zip(grads, grads_math, grads_wide):
+        assert g.dtype == dtype
+        err, err_math = (g.double() - gw).abs().max().item(), (gm.double() - gw).abs().max().item()
+        assert err <= 2 * err_math + TOLERANCE_FLOOR[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_of_long_calls_settle_rows_and_stay_within_twice_the_math_backends_error(half_path, dtype):
+    """1,100 query rows against 1,300 keys (several query blocks and key tiles, so rows settle on
+    an offset), causal + softcap, GQA, and packed sequences: both paths against fp64."""
+    q, k, v = make_inputs(B=1, H=4, Hkv=2, L=1100, S=1300, D=64, Dv=64, dtype=dtype, seed=3)
+    opts = {"is_causal": True, "softcap": 30.0}
+    expected = run_reference(q, k, v, None, **opts)
+    err = _error(sdpa(q, k, v, **opts), expected)
+    err_math = _error(sdpa(q, k, v, backend="math", **opts), expected)
+    assert err <= 2 * err_math + TOLERANCE_FLOOR[dtype]
+    # the same rows as two packed sequences (each aligned bottom-right, as varlen_attention aligns them)
+    opts["causal_alignment"] = "bottom_right"
+    cu = torch.tensor([0, 500, 1100]), torch.tensor([0, 600, 1300])
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # (total, heads, d)
+    got = attnscale.varlen_attention(*packed, cu[0], cu[1], softcap=30.0, is_causal=True)
+    assert got.dtype == dtype
+    for (q0, q1), (k0, k1) in zip(((0, 500), (500, 1100)), ((0, 600), (600, 1300))):
+        want = run_reference(q[..., q0:q1, :], k[..., k0:k1, :], v[..., k0:k1, :], None, **opts)
+        err_math = _error(sdpa(q[..., q0:q1, :], k[..., k0:k1, :], v[..., k0:k1, :], backend="math", **opts), want)
+        assert _error(got[q0:q1].transpose(0, 1).unsqueeze(0), want) <= 2 * err_math + TOLERANCE_FLOOR[dtype]
 
 
 def test_float32_tanh_is_within_2_ulp_odd_and_keeps_nan():

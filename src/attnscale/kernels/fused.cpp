@@ -14,18 +14,24 @@
 //
 // Shapes (attnscale's legend): q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), last dims
 // contiguous; masks (B, H, L, S) and slopes (B, H) as strided views (stride 0 broadcasts).
-// Arithmetic is in the inputs' dtype: float32 (half inputs are converted by the caller) or float64.
+// Arithmetic is in the inputs' dtype, float32 or float64; bfloat16 and float16 q, k, v (Half16) are
+// multiplied as they are with float32 accumulation, the rest in float32, where the caller passes them
+// (ops.half_products; elsewhere it converts them to float32). The backward computes 16-bit inputs
+// on float32 copies.
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <new>
 #include <tuple>
 #include <vector>
@@ -39,6 +45,15 @@ void sgemm_(const char* transa, const char* transb, const int* m, const int* n, 
 void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
             const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
             const int* ldc);
+// oneMKL's products of bfloat16 / float16 matrices with float32 accumulation (CBLAS, column-major
+// here): AMX tiles where the CPU has them. Weak: a torch without MKL loads the kernel, and half
+// inputs are then converted to float32 by the caller (half_gemm() says which).
+__attribute__((weak)) void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                                                  const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta,
+                                                  float* c, int ldc);
+__attribute__((weak)) void cblas_gemm_f16f16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                                                const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta,
+                                                float* c, int ldc);
 }
 
 namespace {
@@ -81,6 +96,48 @@ inline void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, T alpha, con
   if (m == 0 || n == 0) return;
   auto ld = [](int64_t x) { return static_cast<int>(std::max<int64_t>(x, 1)); };
   blas(ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a, ld(lda), b, ld(ldb), beta, c, ld(ldc));
+}
+
+// 16-bit inputs: q, k, v (and the weights p of the second product) in bfloat16 or float16, each
+// product accumulated in float32 by oneMKL; everything else (the score path, the softmax, the
+// statistics, the output) in float32, as for float32 inputs.
+enum Half16 : int { kNoHalf = 0, kBF16 = 1, kF16 = 2 };
+
+bool half_gemm(int kind) {
+  return kind == kBF16 ? cblas_gemm_bf16bf16f32 != nullptr : kind == kF16 ? cblas_gemm_f16f16f32 != nullptr : false;
+}
+
+inline void gemm16(int kind, char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a,
+                   int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  constexpr int col_major = 102, no_trans = 111, trans = 112;  // CBLAS_LAYOUT, CBLAS_TRANSPOSE
+  auto ld = [](int64_t x) { return static_cast<int>(std::max<int64_t>(x, 1)); };
+  auto op = [&](char t) { return t == 'T' ? trans : no_trans; };
+  auto call = kind == kBF16 ? cblas_gemm_bf16bf16f32 : cblas_gemm_f16f16f32;
+  call(col_major, op(ta), op(tb), static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a, ld(lda), b,
+       ld(ldb), beta, c, ld(ldc));
+}
+
+// A 16-bit row's entries as float vectors (n = Vectorized<float>::size() at a time) and as floats.
+template <typename H>
+inline Vectorized<float> load_float(const H* x) {
+  Vectorized<float> out;
+  at::vec::load_to_float<H>(x, out);
+  return out;
+}
+template <typename H>
+inline float to_float(const H* x, int64_t c) {
+  return static_cast<float>(x[c]);
+}
+
+// float32 weights as the second product's 16-bit operand (round to nearest even, as torch's casts).
+template <typename H>
+void round_row(const float* x, int64_t width, H* out) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t n = Vec::size();
+  int64_t c = 0;
+  for (; c + 2 * n <= width; c += 2 * n) at::vec::convert_from_float<H>(Vec::loadu(x + c), Vec::loadu(x + c + n)).store(out + c);
+  for (; c < width; ++c) out[c] = static_cast<H>(x[c]);
 }
 
 // Weights below exp(floor) times the row maximum's are set to 0: a matmul whose products fall
@@ -224,6 +281,16 @@ struct Problem {
   // offset (see forward_block); null where they may not (ALiBi, a float mask, statistics, packed
   // sequences, fewer than 1024 query rows, a single key tile).
   const T* kmax = nullptr;
+  // 16-bit inputs (float only): q, k, v are qh, kh, vh (same strides, in elements) and q, k, v
+  // are null; half says which format (Half16).
+  const uint16_t *qh = nullptr, *kh = nullptr, *vh = nullptr;
+  int half = kNoHalf;
+  // 16-bit inputs multiplied by torch's brgemm (AMX tiles; at::native::cpublas::could_pack), null
+  // otherwise: each key head's k^T and v packed once per call in VNNI-2 pairs (pack_heads):
+  // kpack (D/2, s_pad, 2) per head, pairs of d for every key; vpack (s_pad/2, Dv, 2), pairs of
+  // keys for every column; s_pad = S rounded up to even, the pad key zero.
+  const uint16_t *kpack = nullptr, *vpack = nullptr;
+  int64_t s_pad = 0;
 
   int64_t G() const { return H / Hkv; }
   // The largest tile this problem has: scratch is sized by it, not by the block sizes (one query
@@ -240,7 +307,10 @@ struct Problem {
     const int64_t q0 = span[0], k0 = span[2];
     P.spans = nullptr;
     P.nseq = 0;
-    P.q += q0 * q_sl, P.k += k0 * k_sl, P.v += k0 * v_sl;
+    if (half)
+      P.qh += q0 * q_sl, P.kh += k0 * k_sl, P.vh += k0 * v_sl;
+    else
+      P.q += q0 * q_sl, P.k += k0 * k_sl, P.v += k0 * v_sl;
     P.L = span[1] - q0, P.S = span[3] - k0;
     P.q_offset = P.S - P.L, P.q_start = 0, P.k_start = 0;
     if (alibi) P.alibi += s * al_sb;
@@ -266,7 +336,11 @@ struct Problem {
     int64_t lo0, hi0, lo1, hi1;
     row_span(i0, &lo0, &hi0);
     row_span(i1 - 1, &lo1, &hi1);
-    const int64_t lo = std::min(lo0, lo1), hi = std::max(hi0, hi1);  // spans move right with i
+    int64_t lo = std::min(lo0, lo1);
+    const int64_t hi = std::max(hi0, hi1);  // spans move right with i
+    // Packed values pair keys (2j, 2j + 1): tiles start on an even key; the key before lo that this
+    // adds is hidden from every row of the block (weight 0), and block_k is even.
+    if (vpack) lo = std::max<int64_t>(0, lo & ~int64_t(1));
     std::vector<std::pair<int64_t, int64_t>> tiles;
     for (int64_t b0 = 0; b0 < S; b0 += block_k) {
       const int64_t j0 = std::max(b0, lo), j1 = std::min(b0 + block_k, hi);
@@ -307,6 +381,31 @@ T sum_squares(const T* x, int64_t width) {
   return ss;
 }
 
+template <typename H>
+float sum_squares_half(const H* x, int64_t width) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t n = Vec::size();
+  Vec sq(0.0f);
+  int64_t c = 0;
+  for (; c + n <= width; c += n) {
+    const Vec e = load_float(x + c);
+    sq = at::vec::fmadd(e, e, sq);
+  }
+  float ss = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& v) { return a + v; }, sq);
+  for (; c < width; ++c) ss += to_float(x, c) * to_float(x, c);
+  return ss;
+}
+
+// |q_i|^2 of query row r of a block (in whichever format the problem's q is).
+template <typename T>
+T query_norm2(const Problem<T>& P, const T* q, const uint16_t* qh, int64_t r) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (P.half == kBF16) return sum_squares_half(reinterpret_cast<const at::BFloat16*>(qh + r * P.q_sl), P.D);
+    if (P.half == kF16) return sum_squares_half(reinterpret_cast<const at::Half*>(qh + r * P.q_sl), P.D);
+  }
+  return sum_squares(q + r * P.q_sl, P.D);
+}
+
 // Logits of one row of a tile, in place, and their maximum (NaN if any is NaN): on entry x (width
 // entries) holds the raw products times (scale, or scale / softcap with softcap); on exit the score
 // path's logits, -inf where a key is hidden. One pass over the keys causal / window leave visible
@@ -315,7 +414,7 @@ T sum_squares(const T* x, int64_t width) {
 // forward: both see bit-identical logits.
 template <typename T>
 T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t width, T* x, T* t,
-            int64_t* visible = nullptr, bool want_max = true) {
+            int64_t* visible = nullptr, bool want_max = true, T pre = T(1)) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
   const T neg_inf = -std::numeric_limits<T>::infinity();
@@ -333,18 +432,28 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
   const T slope = P.alibi ? P.alibi[b * P.al_sb + h * P.al_sh] : T(0);
   const int64_t p = P.q_start + i + P.q_offset - P.k_start - j0;  // i' - j = p - c at column c
   const T* fm = P.fmask ? P.fmask + b * P.m_sb + h * P.m_sh + i * P.m_sl + j0 * P.m_ss : nullptr;
-  const Vec vcap(cap), vslope(slope), iota = Vec::arange(T(0), T(1));
+  const Vec vcap(cap), vslope(slope), iota = Vec::arange(T(0), T(1)), vpre(pre);
   Vec vmax(neg_inf);
   int64_t c = lo;
   const bool alibi = P.alibi != nullptr;  // a local: the loops below test it in a register
+  const bool scaled = pre != T(1);  // products not yet multiplied by their factor (brgemm has none)
   if (cap == T(0) && !alibi && !fm) {  // the products are the logits: only their maximum, if wanted
-    if (want_max)
+    if (scaled && want_max) {
+      for (; c + n <= hi; c += n) {
+        const Vec xv = Vec::loadu(x + c) * vpre;
+        xv.store(x + c);
+        vmax = at::vec::maximum(vmax, xv);
+      }
+    } else if (scaled) {
+      for (; c + n <= hi; c += n) (Vec::loadu(x + c) * vpre).store(x + c);
+    } else if (want_max) {
       for (; c + n <= hi; c += n) vmax = at::vec::maximum(vmax, Vec::loadu(x + c));
-    else
+    } else {
       c = hi;  // nothing to compute: the span's logits are the products as they stand
+    }
   } else if (!alibi && !fm) {  // softcap only, the common case: its own loop, nothing else tested
     for (; c + n <= hi; c += n) {
-      const Vec raw = Vec::loadu(x + c);
+      const Vec raw = scaled ? Vec::loadu(x + c) * vpre : Vec::loadu(x + c);
       const Vec th = vtanh(raw);
       if (t) th.store(t + c);
       // + (raw - raw): 0 for a finite product, NaN for an infinite one (overflow, or an inf in q
@@ -355,7 +464,7 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
     }
   } else if (!fm || P.m_ss == 1) {
     for (; c + n <= hi; c += n) {
-      Vec xv = Vec::loadu(x + c);
+      Vec xv = scaled ? Vec::loadu(x + c) * vpre : Vec::loadu(x + c);
       if (cap != T(0)) {
         const Vec th = vtanh(xv);
         if (t) th.store(t + c);
@@ -369,7 +478,7 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
   }
   T m = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& v) { return at::vec::maximum(a, v); }, vmax);
   for (; c < hi; ++c) {
-    T xc = x[c];
+    T xc = scaled ? x[c] * pre : x[c];
     if (cap != T(0)) {
       const T th = stanh(xc);
       if (t) t[c] = th;
@@ -485,11 +594,19 @@ struct ForwardOut {
 template <typename T>
 struct ForwardScratch {
   Scratch<T> sbuf, acc, m, l, w, bound;
+  Scratch<uint16_t> pbuf;  // 16-bit inputs: the tile's weights, rounded for the second product
   std::vector<int64_t> seen;
   std::vector<char> settled;
   explicit ForwardScratch(const Problem<T>& P)
       : sbuf(P.tile_rows() * P.tile_width()), acc(P.tile_rows() * P.Dv), m(P.tile_rows()), l(P.tile_rows()),
-        w(P.tile_rows()), bound(P.tile_rows()), seen(P.tile_rows()), settled(P.tile_rows()) {}
+        w(P.tile_rows()), bound(P.tile_rows()), pbuf(P.half ? P.tile_rows() * (P.tile_width() + 1) : 0),
+        seen(P.tile_rows()), settled(P.tile_rows()), brgemm(P.kpack != nullptr) {}
+  // The thread's AMX tile state, set up by brgemm's first call, released with the scratch.
+  bool brgemm;
+  ~ForwardScratch() {
+    if (brgemm) at::native::cpublas::brgemm_release(true);
+  }
+  ForwardScratch(ForwardScratch&&) = delete;
 };
 
 // Query block qb of head h, batch b: the online softmax over its key tiles, written to O.
@@ -506,9 +623,13 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
     {
       const int64_t hk = h / G;
       const int64_t i0 = qb * P.block_q, i1 = std::min(i0 + P.block_q, P.L), rows = i1 - i0;
-      const T* q = P.q + b * P.q_sb + h * P.q_sh + i0 * P.q_sl;
-      const T* k = P.k + b * P.k_sb + hk * P.k_sh;
-      const T* v = P.v + b * P.v_sb + hk * P.v_sh;
+      const int64_t q_at = b * P.q_sb + h * P.q_sh + i0 * P.q_sl, k_at = b * P.k_sb + hk * P.k_sh, v_at = b * P.v_sb + hk * P.v_sh;
+      const T* q = P.half ? nullptr : P.q + q_at;
+      const T* k = P.half ? nullptr : P.k + k_at;
+      const T* v = P.half ? nullptr : P.v + v_at;
+      const uint16_t* qh = P.half ? P.qh + q_at : nullptr;
+      const uint16_t* kh = P.half ? P.kh + k_at : nullptr;
+      const uint16_t* vh = P.half ? P.vh + v_at : nullptr;
       // A settled offset: Cauchy-Schwarz bounds every logit of row i, s_ij <= u_i = alpha |q_i|
       // max_j |k_j| (with softcap, softcap tanh of that). Once the row's running max m has reached
       // u_i - 34.5 (float32; -floor / 2), no later weight exp(s - m) can exceed exp(34.5) = 1e15, so
@@ -522,7 +643,7 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
       if (settles) {
         const T kn = P.kmax[b * P.Hkv + hk];
         for (int64_t r = 0; r < rows; ++r) {
-          const T u = std::abs(alpha) * std::sqrt(sum_squares(q + r * P.q_sl, P.D)) * kn;
+          const T u = std::abs(alpha) * std::sqrt(query_norm2(P, q, qh, r)) * kn;
           bound[r] = P.softcap != T(0) ? P.softcap * std::tanh(u) : u;  // NaN or inf: never settles
         }
       }
@@ -531,19 +652,32 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
       std::fill(l.begin(), l.end(), T(0));
       std::fill(w.begin(), w.end(), T(0));
       std::fill(seen.begin(), seen.end(), 0);
+      const T pre = P.kpack ? alpha : T(1);  // brgemm's products come unscaled: score_row scales them
       for (auto [j0, j1] : P.key_tiles(i0, i1)) {
         const int64_t width = j1 - j0;
         T* x = sbuf.data();
-        gemm('T', 'N', width, rows, P.D, alpha, k + j0 * P.k_sl, P.k_sl, q, P.q_sl, T(0), x, width);
+        if constexpr (std::is_same_v<T, float>) {
+          if (P.kpack)  // x (rows, width) = q (rows, D) k^T, the packed k^T's columns j0..
+            at::native::cpublas::brgemm(rows, width, P.D, P.q_sl, P.s_pad, width, false,
+                                        reinterpret_cast<const at::BFloat16*>(qh),
+                                        reinterpret_cast<const at::BFloat16*>(P.kpack + (b * P.Hkv + hk) * P.D * P.s_pad + 2 * j0),
+                                        x, true);
+          else if (P.half)
+            gemm16(P.half, 'T', 'N', width, rows, P.D, alpha, kh + j0 * P.k_sl, P.k_sl, qh, P.q_sl, 0.0f, x, width);
+          else
+            gemm('T', 'N', width, rows, P.D, alpha, k + j0 * P.k_sl, P.k_sl, q, P.q_sl, T(0), x, width);
+        } else {
+          gemm('T', 'N', width, rows, P.D, alpha, k + j0 * P.k_sl, P.k_sl, q, P.q_sl, T(0), x, width);
+        }
         for (int64_t r = 0; r < rows; ++r) {
           T* xr = x + r * width;
           if (settled[r]) {  // hidden keys are -inf, so weight 0
-            score_row(P, b, h, i0 + r, j0, width, xr, static_cast<T*>(nullptr), nullptr, false);
+            score_row(P, b, h, i0 + r, j0, width, xr, static_cast<T*>(nullptr), nullptr, false, pre);
             l[r] += exp_row(xr, width, m[r]);
             continue;
           }
           int64_t visible = 0;
-          const T tile_max = score_row(P, b, h, i0 + r, j0, width, xr, static_cast<T*>(nullptr), stats ? &visible : nullptr);
+          const T tile_max = score_row(P, b, h, i0 + r, j0, width, xr, static_cast<T*>(nullptr), stats ? &visible : nullptr, true, pre);
           seen[r] += visible;
           // NaN (from NaN inputs, or products that overflowed to inf - inf) must reach the output.
           const T m_new = std::isnan(tile_max) ? tile_max : std::max(m[r], tile_max);
@@ -568,7 +702,30 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
           m[r] = m_new;
           settled[r] = settles && bound[r] - m_new <= limit;  // false for NaN
         }
-        gemm('N', 'N', P.Dv, rows, width, T(1), v + j0 * P.v_sl, P.v_sl, x, width, T(1), acc.data(), P.Dv);
+        if constexpr (std::is_same_v<T, float>) {
+          if (P.kpack) {  // acc (rows, Dv) += p (rows, width rounded up to even) v, the packed v's keys j0..
+            const int64_t even = (width + 1) & ~int64_t(1);
+            auto* ph = reinterpret_cast<at::BFloat16*>(W.pbuf.data());
+            for (int64_t r = 0; r < rows; ++r) {
+              round_row(x + r * width, width, ph + r * even);
+              if (even != width) ph[r * even + width] = at::BFloat16(0.0f);  // the pair's second key: weight 0
+            }
+            at::native::cpublas::brgemm(rows, P.Dv, even, even, P.Dv, P.Dv, true, ph,
+                                        reinterpret_cast<const at::BFloat16*>(P.vpack + (b * P.Hkv + hk) * P.s_pad * P.Dv + j0 * P.Dv),
+                                        acc.data(), true);
+          } else if (P.half) {  // the weights rounded to the inputs' format, products accumulated in float32 (as torch)
+            uint16_t* ph = W.pbuf.data();
+            if (P.half == kBF16)
+              round_row(x, rows * width, reinterpret_cast<at::BFloat16*>(ph));
+            else
+              round_row(x, rows * width, reinterpret_cast<at::Half*>(ph));
+            gemm16(P.half, 'N', 'N', P.Dv, rows, width, 1.0f, vh + j0 * P.v_sl, P.v_sl, ph, width, 1.0f, acc.data(), P.Dv);
+          } else {
+            gemm('N', 'N', P.Dv, rows, width, T(1), v + j0 * P.v_sl, P.v_sl, x, width, T(1), acc.data(), P.Dv);
+          }
+        } else {
+          gemm('N', 'N', P.Dv, rows, width, T(1), v + j0 * P.v_sl, P.v_sl, x, width, T(1), acc.data(), P.Dv);
+        }
       }
       const int64_t row0 = (b * P.H + h) * P.o_rows + P.o_start + i0;
       bool suspect = false;
@@ -650,31 +807,50 @@ std::vector<std::pair<int64_t, int64_t>> sequence_blocks(const Problem<T>& P) {
 // max_j |k_j| per key head, (B, Hkv) (NaN if some |k_j| is NaN): the settled offset's key side
 // (forward_block). Inf where the head's values are so large (max |v| above max / (256 S e^limit))
 // that weights up to e^limit could overflow the accumulator: such heads keep the running max.
-template <typename T>
-std::vector<T> key_norms(const Problem<T>& P) {
+// The rows' entries in T's vectors: E is T itself, or (T = float) a 16-bit format.
+template <typename T, typename E>
+inline Vectorized<T> load_as(const E* x) {
+  if constexpr (std::is_same_v<T, E>)
+    return Vectorized<T>::loadu(x);
+  else
+    return load_float(x);
+}
+template <typename T, typename E>
+inline T sum_squares_as(const E* x, int64_t width) {
+  if constexpr (std::is_same_v<T, E>)
+    return sum_squares(x, width);
+  else
+    return sum_squares_half(x, width);
+}
+
+template <typename T, typename E>
+std::vector<T> key_norms_of(const Problem<T>& P, const E* k_all, const E* v_all) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
   std::vector<T> out(P.B * P.Hkv);
   at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
-      const T* k = P.k + (bh / P.Hkv) * P.k_sb + (bh % P.Hkv) * P.k_sh;
+      const E* k = k_all + (bh / P.Hkv) * P.k_sb + (bh % P.Hkv) * P.k_sh;
       T best = T(0);
       for (int64_t j = 0; j < P.S; ++j) {
-        const T ss = sum_squares(k + j * P.k_sl, P.D);
+        const T ss = sum_squares_as<T>(k + j * P.k_sl, P.D);
         if (std::isnan(ss)) {
           best = ss;
           break;
         }
         best = std::max(best, ss);
       }
-      const T* v = P.v + (bh / P.Hkv) * P.v_sb + (bh % P.Hkv) * P.v_sh;
+      const E* v = v_all + (bh / P.Hkv) * P.v_sb + (bh % P.Hkv) * P.v_sh;
       Vec vpeak(T(0));
       T vmax = T(0);
       for (int64_t j = 0; j < P.S; ++j) {
-        const T* vr = v + j * P.v_sl;
+        const E* vr = v + j * P.v_sl;
         int64_t c = 0;
-        for (; c + n <= P.Dv; c += n) vpeak = at::vec::maximum(vpeak, Vec::loadu(vr + c).abs());  // NaN stays
-        for (; c < P.Dv; ++c) vmax = std::isnan(vr[c]) ? vr[c] : std::max(vmax, std::abs(vr[c]));
+        for (; c + n <= P.Dv; c += n) vpeak = at::vec::maximum(vpeak, load_as<T>(vr + c).abs());  // NaN stays
+        for (; c < P.Dv; ++c) {
+          const T e = static_cast<T>(vr[c]);
+          vmax = std::isnan(e) ? e : std::max(vmax, std::abs(e));
+        }
       }
       const T peak = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, vpeak);
       if (std::isnan(peak) || peak > vmax) vmax = peak;  // a NaN (in either) stays, and fails the test below
@@ -683,6 +859,62 @@ std::vector<T> key_norms(const Problem<T>& P) {
     }
   });
   return out;
+}
+
+template <typename T>
+std::vector<T> key_norms(const Problem<T>& P) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (P.half == kBF16)
+      return key_norms_of(P, reinterpret_cast<const at::BFloat16*>(P.kh), reinterpret_cast<const at::BFloat16*>(P.vh));
+    if (P.half == kF16)
+      return key_norms_of(P, reinterpret_cast<const at::Half*>(P.kh), reinterpret_cast<const at::Half*>(P.vh));
+  }
+  return key_norms_of(P, P.k, P.v);
+}
+
+// Whether brgemm takes this problem's products: bfloat16 where torch's oneDNN microkernel runs
+// (AMX or AVX512-BF16: could_pack), an even head dim (VNNI pairs of d), one plain problem (packed
+// sequences start their keys anywhere; they take oneMKL's products).
+template <typename T>
+bool takes_brgemm(const Problem<T>& P) {
+  return P.half == kBF16 && P.spans == nullptr && P.D % 2 == 0 && P.D > 0 && P.S > 0 &&
+         at::native::cpublas::could_pack(at::kBFloat16);
+}
+
+// Every key head's k^T and v in brgemm's VNNI-2 layout (Problem::kpack, vpack), in the buffer given.
+template <typename T>
+void pack_heads(Problem<T>& P, uint16_t* kpack, uint16_t* vpack) {
+  const int64_t D = P.D, Dv = P.Dv, S = P.S, s_pad = (S + 1) & ~int64_t(1);
+  at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t bi = bh / P.Hkv, hk = bh % P.Hkv;
+      const uint16_t* k = P.kh + bi * P.k_sb + hk * P.k_sh;
+      const uint16_t* v = P.vh + bi * P.v_sb + hk * P.v_sh;
+      // k^T: the pair (k[j][2p], k[j][2p + 1]) at [p][j], one 32-bit move each; the pad key zero.
+      uint32_t* kd = reinterpret_cast<uint32_t*>(kpack + bh * D * s_pad);
+      for (int64_t j = 0; j < S; ++j) {
+        uint32_t pair;
+        for (int64_t p = 0; p < D / 2; ++p) {
+          std::memcpy(&pair, k + j * P.k_sl + 2 * p, sizeof(pair));
+          kd[p * s_pad + j] = pair;
+        }
+      }
+      if (s_pad != S)
+        for (int64_t p = 0; p < D / 2; ++p) kd[p * s_pad + S] = 0;
+      // v: keys (2i, 2i + 1) interleaved per column, [i][c][2]; the pad key zero.
+      uint16_t* vd = vpack + bh * s_pad * Dv;
+      for (int64_t j = 0; j < s_pad; j += 2) {
+        const uint16_t* a = v + j * P.v_sl;
+        const uint16_t* b2 = j + 1 < S ? v + (j + 1) * P.v_sl : nullptr;
+        uint16_t* out = vd + j * Dv;
+        for (int64_t c = 0; c < Dv; ++c) {
+          out[2 * c] = a[c];
+          out[2 * c + 1] = b2 ? b2[c] : uint16_t(0);
+        }
+      }
+    }
+  });
+  P.kpack = kpack, P.vpack = vpack, P.s_pad = s_pad;
 }
 
 // Parallel over batch, heads and query blocks (packed: heads and every sequence's query blocks).
@@ -830,6 +1062,10 @@ void backward_kernel(const Problem<T>& P, const BackwardIO<T>& IO) {
   parallel_tasks(P.B * heads, make, [&](int64_t task, BackwardScratch<T>& W) { run(P, task / heads, task % heads, W); });
 }
 
+inline int half_kind(const torch::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 ? kBF16 : x.scalar_type() == at::kHalf ? kF16 : kNoHalf;
+}
+
 template <typename T>
 Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                         double softcap, bool causal, int64_t q_offset, int64_t left, int64_t right, int64_t q_start,
@@ -843,11 +1079,22 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
   auto rows_apart = [](const torch::Tensor& x) { return x.stride(2) >= std::max<int64_t>(1, x.size(3)); };
   TORCH_CHECK(rows_apart(q) && rows_apart(k) && rows_apart(v), "attnscale fused kernel: rows must not overlap (row stride >= head dim)");
   Problem<T> P{};
-  P.q = q.data_ptr<T>();
+  const auto half = half_kind(q);
+  if (half) {  // 16-bit inputs: float problems only (forward)
+    TORCH_CHECK((std::is_same_v<T, float>) && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                "attnscale fused kernel: 16-bit q, k, v share one format and compute in float32");
+    TORCH_CHECK(half_gemm(half), "attnscale fused kernel: this torch has no 16-bit products (oneMKL); pass float32 inputs");
+    P.half = half;
+    P.qh = static_cast<const uint16_t*>(q.const_data_ptr());
+    P.kh = static_cast<const uint16_t*>(k.const_data_ptr());
+    P.vh = static_cast<const uint16_t*>(v.const_data_ptr());
+  } else {
+    P.q = q.data_ptr<T>();
+    P.k = k.data_ptr<T>();
+    P.v = v.data_ptr<T>();
+  }
   P.q_sb = q.stride(0), P.q_sh = q.stride(1), P.q_sl = q.stride(2);
-  P.k = k.data_ptr<T>();
   P.k_sb = k.stride(0), P.k_sh = k.stride(1), P.k_sl = k.stride(2);
-  P.v = v.data_ptr<T>();
   P.v_sb = v.stride(0), P.v_sh = v.stride(1), P.v_sl = v.stride(2);
   P.B = q.size(0), P.H = q.size(1), P.L = q.size(2), P.D = q.size(3);
   P.Hkv = k.size(1), P.S = k.size(2), P.Dv = v.size(3);
@@ -857,7 +1104,7 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
   P.block_q = block_q, P.block_k = block_k;
   P.o_rows = P.L, P.o_start = 0, P.k_rows = P.S, P.k_out_start = 0;
   if (alibi.has_value()) {
-    TORCH_CHECK(alibi->dim() == 2 && alibi->scalar_type() == q.scalar_type(), "attnscale fused kernel: slopes (B, H)");
+    TORCH_CHECK(alibi->dim() == 2 && alibi->scalar_type() == c10::CppTypeToScalarType<T>::value, "attnscale fused kernel: slopes (B, H) in the compute dtype");
     P.alibi = alibi->data_ptr<T>();
     P.al_sb = alibi->stride(0), P.al_sh = alibi->stride(1);
   }
@@ -866,7 +1113,7 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
     if (mask->scalar_type() == torch::kBool) {
       P.bmask = mask->data_ptr<bool>();
     } else {
-      TORCH_CHECK(mask->scalar_type() == q.scalar_type(), "attnscale fused kernel: float mask in the compute dtype");
+      TORCH_CHECK(mask->scalar_type() == c10::CppTypeToScalarType<T>::value, "attnscale fused kernel: float mask in the compute dtype");
       P.fmask = mask->data_ptr<T>();
     }
     P.m_sb = mask->stride(0), P.m_sh = mask->stride(1), P.m_sl = mask->stride(2), P.m_ss = mask->stride(3);
@@ -901,7 +1148,8 @@ std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, con
     auto options = q.options().dtype(dtype);
     return packed ? torch::full(shape, fill, options) : torch::empty(shape, options);
   };
-  const auto dt = q.scalar_type();
+  // 16-bit inputs give float32 outputs (the caller rounds out once); q, k, v stay 16-bit for the products.
+  const auto dt = half_kind(q) ? at::kFloat : q.scalar_type();
   auto out = make({B, H, L, Dv}, 0.0, dt);
   auto lse = make({B, H, L}, -inf, dt), m = make({B, H, L}, 0.0, dt), l = make({B, H, L}, 1.0, dt);
   std::vector<torch::Tensor> result{out, lse, m, l};
@@ -912,7 +1160,7 @@ std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, con
     result.push_back(make({B, H, L}, 0.0, torch::kInt64));  // visible
   }
   std::atomic<bool> suspect{false};
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnscale_fused_forward", [&] {
+  AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_forward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
                                     mask, block_q, block_k, spans);
     // Settling needs a bound on every logit (no ALiBi, no float mask) and no exact maximum (no
@@ -925,6 +1173,12 @@ std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, con
         P.S > P.block_k) {
       kmax = key_norms(P);
       P.kmax = kmax.data();
+    }
+    std::unique_ptr<uint16_t[]> packed;  // brgemm's k^T and v, every key head (P.kpack, P.vpack)
+    if (takes_brgemm(P)) {
+      const int64_t s_pad = (P.S + 1) & ~int64_t(1), heads = P.B * P.Hkv;
+      packed.reset(new uint16_t[heads * s_pad * (P.D + P.Dv)]);  // every entry written by pack_heads
+      pack_heads(P, packed.get(), packed.get() + heads * s_pad * P.D);
     }
     ForwardOut<scalar_t> O{out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
                            l.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr, &suspect};
@@ -939,13 +1193,17 @@ std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, con
   return {result, !suspect.load()};
 }
 
-std::vector<torch::Tensor> backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tensor& k16, const torch::Tensor& v16,
                                     const torch::Tensor& dout, const torch::Tensor& delta, const torch::Tensor& m,
                                     const torch::Tensor& l, double scale, double softcap, bool causal,
                                     int64_t q_offset, int64_t left, int64_t right, int64_t q_start, int64_t k_start,
                                     const c10::optional<torch::Tensor>& alibi,
                                     const c10::optional<torch::Tensor>& mask, int64_t block_q, int64_t block_k,
                                     const c10::optional<torch::Tensor>& spans) {
+  // 16-bit inputs: the backward computes in float32 on float32 copies (exact); gradients come back
+  // in float32, for the caller to round.
+  auto widen = [](const torch::Tensor& x) { return half_kind(x) ? x.to(at::kFloat) : x; };
+  const torch::Tensor q = widen(q16), k = widen(k16), v = widen(v16);
   const int64_t B = q.size(0), H = q.size(1), S = k.size(2), D = q.size(3), Dv = v.size(3);
   TORCH_CHECK(dout.is_contiguous() && delta.is_contiguous() && m.is_contiguous() && l.is_contiguous(),
               "attnscale fused kernel: contiguous dout, delta, m, l");
@@ -1009,6 +1267,7 @@ std::tuple<torch::Tensor, torch::Tensor> weights_op(const torch::Tensor& x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "attnscale fused attention forward: ([out, lse, m, l[, max_logit, max_prob, entropy, visible]], rows_ok)");
+  module.def("half_gemm", &half_gemm, "whether 16-bit q, k, v of this format (1 bfloat16, 2 float16) can be passed as they are (oneMKL's products)");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");
   module.def("weights", &weights_op, "the softmax's exp of centred scores, and exp_u20 floored the same way (float32, 1-d, a multiple of 8 long)");
   module.def("backward", &backward, "attnscale fused attention backward (dq, dk, dv; dk, dv per key head, or per query head for the caller to sum per group)");

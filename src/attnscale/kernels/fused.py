@@ -4,8 +4,9 @@ Same semantics as :mod:`attnscale.tiled` (the score path of :mod:`attnscale.scor
 zeros and ``lse = -inf``, statistics streamed exactly), computed by ``fused.cpp``: per tile one
 BLAS product, one fused pass over the score path and the online softmax, one BLAS product; work
 parallel over batch, heads and query blocks on every core. float32 and float64 run natively;
-float16 and bfloat16 are computed in float32 (as every attnscale backend accumulates) and the output
-is cast back. Sinks enter through :func:`attnscale.tiled.merge_sinks` on the kernel's
+float16 and bfloat16 accumulate in float32 (as every attnscale backend does) and the output is cast
+back: where the CPU multiplies them natively (:func:`ops.half_products`: AMX, AVX512-BF16/FP16)
+the products take the 16-bit inputs as they are, as torch's CPU kernel does, else float32 copies. Sinks enter through :func:`attnscale.tiled.merge_sinks` on the kernel's
 ``(out, lse)``, as in the tiled kernel. ALiBi slopes are constants; a float mask that requires
 grad is refused (``backend="auto"`` sends it to the tiled kernel).
 """
@@ -129,7 +130,8 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, ali
     autograd rule; the layout changes here are plain torch ops)."""
     acc = accumulation_dtype(query.dtype)
     L, S = query.shape[-2], key.shape[-2]
-    q, k, v = (_flat(t, spec, acc) for t in (query, key, value))
+    inputs = query.dtype if ops.half_products(query.dtype) else acc
+    q, k, v = (_flat(t, spec, inputs) for t in (query, key, value))
     m4, slopes = _flat_mask(mask, spec, L, S, acc), _flat_slopes(alibi, spec, acc)
     out, lse, _, _, *stats, rows_ok = ops.forward(q, k, v, slopes, m4, None, *spec.args(), spec.with_stats, spec.block_q, spec.block_k)
     stats = stats if spec.with_stats else []
@@ -273,7 +275,8 @@ def fused_varlen_attention(
     if alibi_slopes is not None:
         slopes = alibi_slopes.detach().to(accumulation_dtype(query.dtype)).expand(B, H)
     acc = accumulation_dtype(query.dtype)
-    q, k, v = (_packed(t, acc) for t in (query, key, value))  # (1, heads, total, d) views
+    inputs = query.dtype if ops.half_products(query.dtype) else acc
+    q, k, v = (_packed(t, inputs) for t in (query, key, value))  # (1, heads, total, d) views
     out, lse, _, _, *rest, _ = ops.forward(q, k, v, slopes, None, table, *_packed_args(path), return_stats, 0, 0)
     out, lse = out[0].transpose(0, 1), lse[0]  # (total_q, H, Dv), (H, total_q)
     if sinks is not None:

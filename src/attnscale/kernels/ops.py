@@ -7,17 +7,19 @@ the kernel, an autograd rule runs the kernel's backward, and a vmap rule folds t
 the kernel's batch. The ops take the kernel's own layout (``fused.py`` makes it with plain torch
 ops, which trace as they are):
 
-    q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv)   float32 or float64, rows BLAS can read
+    q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv)   one dtype, rows BLAS can read: float32,
+                                                           float64, or bfloat16/float16 where
+                                                           half_products() says so
     alibi (B, H) strided, mask (B, H, L, S) strided        None where absent
     spans (nseq, 4) int64                                  packed sequences (B = 1), else None
 
 ``fused_forward`` returns ``out (B, H, L, Dv), lse, m, l (B, H, L)``, the statistics
-``max_logit, max_prob, entropy, visible_keys`` (B, H, L), or empty tensors without
+``max_logit, max_prob, entropy, visible_keys`` (B, H, L) (float32 for 16-bit inputs), or empty tensors without
 ``with_stats``, and ``rows_ok``, a 0-d bool tensor: whether every output row is finite and not
 all zeros (the check :func:`attnscale.scaled_dot_product_attention` makes of its outputs in eager
 mode). Only ``out`` and ``lse`` carry gradients. ``block_q``/``block_k`` of 0 take the defaults,
 chosen inside the op from the actual sizes, so a traced graph does not depend on them.
-``fused_backward`` returns ``dq, dk, dv`` with dk, dv per key head.
+``fused_backward`` returns ``dq, dk, dv`` in the inputs' dtype, with dk, dv per key head.
 
 The backward has no derivative of its own: first-order gradients work everywhere (also under
 ``create_graph=True`` and torch.func.grad), and differentiating them again raises a RuntimeError
@@ -26,6 +28,8 @@ that names ``backend="math"``, which computes it (:mod:`attnscale._autograd`).
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Optional
 
 import torch
@@ -35,7 +39,7 @@ from .._autograd import first_order
 from .._tracing import tracing
 from . import load
 
-__all__ = ["BLOCK_K", "BLOCK_K_FEW_ROWS", "BLOCK_Q", "FEW_ROWS", "SHORT", "FusedForward", "backward_forward", "default_blocks", "forward", "run_forward", "setup_forward"]
+__all__ = ["BLOCK_K", "BLOCK_K_FEW_ROWS", "BLOCK_Q", "FEW_ROWS", "HALF", "SHORT", "FusedForward", "backward_forward", "default_blocks", "forward", "half_products", "run_forward", "setup_forward"]
 
 # 256 query rows x 512 keys per tile, as torch's CPU flash kernel: each K/V tile, which BLAS packs
 # anew for every product, serves twice the rows of a 128 x 512 tile; `benchmarks/bench_fused.py
@@ -52,6 +56,49 @@ BLOCK_K_FEW_ROWS = 2048
 FEW_ROWS = 16
 
 _OUTPUTS = 9  # out, lse, m, l, max_logit, max_prob, entropy, visible_keys, rows_ok
+
+HALF = (torch.bfloat16, torch.float16)
+_HALF_KIND = {torch.bfloat16: 1, torch.float16: 2}  # fused.cpp's Half16
+_HALF_ENV = "ATTNSCALE_HALF_PRODUCTS"
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
+def _half_hardware(dtype: torch.dtype) -> bool:
+    """Whether the CPU multiplies ``dtype`` tiles natively (bfloat16: AVX512-BF16 or AMX; float16:
+    AVX512-FP16 or AMX-FP16). Elsewhere oneMKL's 16-bit products emulate and the kernel takes
+    float32 copies instead."""
+    flags = _cpu_flags()
+    if dtype == torch.bfloat16:
+        return bool({"avx512_bf16", "amx_bf16"} & flags)
+    return bool({"avx512_fp16", "amx_fp16"} & flags)
+
+
+def half_products(dtype: torch.dtype) -> bool:
+    """Whether the kernel takes ``dtype`` q, k, v as they are, multiplying them in that format with
+    float32 accumulation (oneMKL; AMX where present), rather than float32 copies. Both give
+    float32 softmax, statistics and output; the 16-bit path also rounds the weights to ``dtype``
+    for the second product, as torch's CPU kernel does. ``ATTNSCALE_HALF_PRODUCTS=1`` (or ``0``)
+    forces the choice on any CPU, e.g. to test both paths."""
+    if dtype not in HALF:
+        return False
+    forced = os.environ.get(_HALF_ENV, "").strip()
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{_HALF_ENV}: expected 0 or 1 (or unset: chosen from the CPU), got {forced!r}. Fix: unset it or pass 0 or 1")
+    kernel = load()
+    if kernel is None or not kernel.half_gemm(_HALF_KIND[dtype]):
+        return False
+    return forced == "1" if forced else _half_hardware(dtype)
 
 
 def default_blocks(causal: bool, windowed: bool, L: int, spans: Tensor | None) -> tuple[int, int]:
@@ -108,7 +155,7 @@ def run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, l
         q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi, mask, with_stats, block_q, block_k, spans
     )
     if not with_stats:
-        empty = q.new_empty(0)
+        empty = out.new_empty(0)  # the outputs' dtype (float32 for 16-bit inputs)
         stats = [empty, empty.clone(), empty.clone(), q.new_empty(0, dtype=torch.int64)]
     return out, lse, m, l, *stats, torch.tensor(rows_ok)
 
@@ -118,14 +165,15 @@ def _(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right
     B, H, L = q.shape[0], q.shape[1], q.shape[2]
     rows = (B, H, L)
     stat = rows if with_stats else (0,)
+    dt = torch.float32 if q.dtype in HALF else q.dtype  # 16-bit inputs: float32 outputs
     return (
-        q.new_empty(B, H, L, v.shape[3]),
-        q.new_empty(rows),
-        q.new_empty(rows),
-        q.new_empty(rows),
-        q.new_empty(stat),
-        q.new_empty(stat),
-        q.new_empty(stat),
+        q.new_empty(B, H, L, v.shape[3], dtype=dt),
+        q.new_empty(rows, dtype=dt),
+        q.new_empty(rows, dtype=dt),
+        q.new_empty(rows, dtype=dt),
+        q.new_empty(stat, dtype=dt),
+        q.new_empty(stat, dtype=dt),
+        q.new_empty(stat, dtype=dt),
         q.new_empty(stat, dtype=torch.int64),
         q.new_empty((), dtype=torch.bool),
     )
@@ -162,6 +210,8 @@ def fused_backward(
     B, H, Hkv, S = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
     if dk.shape[1] != Hkv:  # per query head: a group's heads share k
         dk, dv = (t.view(B, Hkv, H // Hkv, S, t.shape[-1]).sum(2) for t in (dk, dv))
+    if q.dtype in HALF:  # computed in float32 from 16-bit inputs: rounded once, to the inputs' format
+        dq, dk, dv = dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
     return dq, dk, dv
 
 
