@@ -2,6 +2,7 @@
 the eager tiled kernel; its build, its fallback and its routing."""
 
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -453,7 +454,33 @@ def test_the_kernels_row_verdict_is_the_output_check_it_replaces():
     assert verdicts == {"fine": True, "no visible key": False, "NaN query row": False, "inf value": False, "zero values": False, "width 0": True}
     # Where the kernel's rows are not the returned ones, the caller is told to check itself.
     assert fused.fused_attention_checked(q, k, v, path=path, sinks=torch.zeros(4))[2] is None
-    assert fused.fused_attention_checked(q.bfloat16(), k.bfloat16(), v.bfloat16(), path=path)[2] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernels_row_check_holds_of_the_rounded_16_bit_output(half_path, dtype):
+    """Given 16-bit inputs as they are, the kernel checks each float32 row against the format's
+    range, so its verdict is that of the rounded output; given float32 copies it gives none. A row
+    whose float32 value, half the format's smallest subnormal, rounds to 0 is no row that looks right."""
+    from attnscale.functional import _row_peaks, _rows_look_right
+    from attnscale.score import ScorePath
+
+    path = ScorePath(scale=1.0)
+    q, k = torch.zeros(1, 1, 2, 4, dtype=dtype), torch.zeros(1, 1, 2, 4, dtype=dtype)  # uniform weights 1/2
+    normal = torch.finfo(dtype).smallest_normal
+    subnormal = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24}[dtype]  # the format's smallest
+    fine = torch.tensor([1.0, -0.5], dtype=torch.float64).view(1, 1, 2, 1).expand(1, 1, 2, 4).to(dtype)
+    # two normal values whose mean is subnormal / 2: a float32 (or 0 where products flush
+    # subnormals, as AMX does), 0 once rounded (to even)
+    tiny = torch.tensor([normal + subnormal, -normal], dtype=torch.float64).view(1, 1, 2, 1).expand(1, 1, 2, 4).to(dtype)
+    assert tiny[0, 0, 0, 0].double().item() == normal + subnormal  # exact in the format
+    for v, looks_right in ((fine, True), (tiny, False)):
+        out, _, rows_ok = fused.fused_attention_checked(q, k, v, path=path)
+        assert out.dtype == dtype
+        assert _rows_look_right(_row_peaks(out)) is looks_right
+        if half_path:
+            assert bool(rows_ok) is looks_right
+        else:
+            assert rows_ok is None
 
 
 def test_results_are_deterministic_run_to_run():

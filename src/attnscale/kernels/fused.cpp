@@ -527,6 +527,31 @@ T exp_row(T* x, int64_t width, T m) {
   return sum;
 }
 
+// exp_row for 16-bit inputs: the weights written to out, rounded to H for the second product (x
+// keeps the logits); returns their sum in float32, before rounding, as torch sums them.
+template <typename H>
+float exp_row_to(const float* x, int64_t width, float m, H* out) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t n = Vec::size();
+  const Vec vm(m), vfloor(exp_floor<float>());
+  Vec acc(0.0f);
+  int64_t c = 0;
+  for (; c + 2 * n <= width; c += 2 * n) {
+    const Vec p0 = vexp_weights(Vec::loadu(x + c) - vm, vfloor);
+    const Vec p1 = vexp_weights(Vec::loadu(x + c + n) - vm, vfloor);
+    at::vec::convert_from_float<H>(p0, p1).store(out + c);
+    acc = acc + p0 + p1;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, acc);
+  for (; c < width; ++c) {
+    const float centred = x[c] - m;
+    const float p = centred < exp_floor<float>() ? 0.0f : std::exp(centred);
+    out[c] = static_cast<H>(p);
+    sum += p;
+  }
+  return sum;
+}
+
 // As exp_row, and also returns sum p (s - m) in *weighted (hidden keys contribute 0), for the entropy.
 template <typename T>
 T exp_row_weighted(T* x, int64_t width, T m, T* weighted) {
@@ -588,6 +613,10 @@ struct ForwardOut {
   // Set when some output row is non-finite or all zeros (Dv > 0): the caller's one check of the
   // output, made here while the rows are written instead of in further passes over them.
   std::atomic<bool>* suspect;
+  // 16-bit inputs, whose output the caller rounds to their format: a row also counts as suspect
+  // where its largest |entry| is outside [tiny, huge], the format's smallest positive and largest
+  // finite values, so that rows_ok holds of the rounded output too (0 and inf: no bound).
+  T tiny = T(0), huge = std::numeric_limits<T>::infinity();
 };
 
 // One thread's buffers for forward blocks.
@@ -669,11 +698,22 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
         } else {
           gemm('T', 'N', width, rows, P.D, alpha, k + j0 * P.k_sl, P.k_sl, q, P.q_sl, T(0), x, width);
         }
+        // 16-bit inputs: the weights go to pbuf in the inputs' format, row by row as they are
+        // made (pstride apart: brgemm pairs keys, so its rows have an even length, the pad key 0).
+        const int64_t pstride = P.kpack ? (width + 1) & ~int64_t(1) : width;
+        uint16_t* const pb = P.half ? W.pbuf.data() : nullptr;
+        auto weights = [&](T* xr, T centre, int64_t r) -> T {  // sum exp(x - centre) of row r
+          if constexpr (std::is_same_v<T, float>) {
+            if (P.half == kBF16) return exp_row_to(xr, width, centre, reinterpret_cast<at::BFloat16*>(pb + r * pstride));
+            if (P.half == kF16) return exp_row_to(xr, width, centre, reinterpret_cast<at::Half*>(pb + r * pstride));
+          }
+          return exp_row(xr, width, centre);
+        };
         for (int64_t r = 0; r < rows; ++r) {
           T* xr = x + r * width;
           if (settled[r]) {  // hidden keys are -inf, so weight 0
             score_row(P, b, h, i0 + r, j0, width, xr, static_cast<T*>(nullptr), nullptr, false, pre);
-            l[r] += exp_row(xr, width, m[r]);
+            l[r] += weights(xr, m[r], r);
             continue;
           }
           int64_t visible = 0;
@@ -683,17 +723,22 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
           const T m_new = std::isnan(tile_max) ? tile_max : std::max(m[r], tile_max);
           if (m_new == neg_inf) {  // nothing visible to this row yet
             std::fill(xr, xr + width, T(0));
+            if (pb) std::fill(pb + r * pstride, pb + r * pstride + width, uint16_t(0));  // +0 in both formats
             continue;
           }
           const T rescale = std::exp(m[r] - m_new);  // 0 while m = -inf
           if (stats) {
             T weighted;
             const T sum = exp_row_weighted(xr, width, m_new, &weighted);
+            if constexpr (std::is_same_v<T, float>) {
+              if (P.half == kBF16) round_row(xr, width, reinterpret_cast<at::BFloat16*>(pb + r * pstride));
+              if (P.half == kF16) round_row(xr, width, reinterpret_cast<at::Half*>(pb + r * pstride));
+            }
             // Re-centre the running sum of p (s - m) on the new max, then add this tile's.
             w[r] = l[r] > T(0) ? rescale * (w[r] + l[r] * (m[r] - m_new)) + weighted : weighted;
             l[r] = rescale * l[r] + sum;
           } else {
-            l[r] = rescale * l[r] + exp_row(xr, width, m_new);
+            l[r] = rescale * l[r] + weights(xr, m_new, r);
           }
           if (rescale != T(1)) {
             T* ar = acc.data() + r * P.Dv;
@@ -703,23 +748,14 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
           settled[r] = settles && bound[r] - m_new <= limit;  // false for NaN
         }
         if constexpr (std::is_same_v<T, float>) {
-          if (P.kpack) {  // acc (rows, Dv) += p (rows, width rounded up to even) v, the packed v's keys j0..
-            const int64_t even = (width + 1) & ~int64_t(1);
-            auto* ph = reinterpret_cast<at::BFloat16*>(W.pbuf.data());
-            for (int64_t r = 0; r < rows; ++r) {
-              round_row(x + r * width, width, ph + r * even);
-              if (even != width) ph[r * even + width] = at::BFloat16(0.0f);  // the pair's second key: weight 0
-            }
-            at::native::cpublas::brgemm(rows, P.Dv, even, even, P.Dv, P.Dv, true, ph,
+          if (P.kpack) {  // acc (rows, Dv) += p (rows, pstride) v, the packed v's keys j0..
+            if (pstride != width)
+              for (int64_t r = 0; r < rows; ++r) pb[r * pstride + width] = 0;  // the pair's second key: weight 0
+            at::native::cpublas::brgemm(rows, P.Dv, pstride, pstride, P.Dv, P.Dv, true, reinterpret_cast<const at::BFloat16*>(pb),
                                         reinterpret_cast<const at::BFloat16*>(P.vpack + (b * P.Hkv + hk) * P.s_pad * P.Dv + j0 * P.Dv),
                                         acc.data(), true);
-          } else if (P.half) {  // the weights rounded to the inputs' format, products accumulated in float32 (as torch)
-            uint16_t* ph = W.pbuf.data();
-            if (P.half == kBF16)
-              round_row(x, rows * width, reinterpret_cast<at::BFloat16*>(ph));
-            else
-              round_row(x, rows * width, reinterpret_cast<at::Half*>(ph));
-            gemm16(P.half, 'N', 'N', P.Dv, rows, width, 1.0f, vh + j0 * P.v_sl, P.v_sl, ph, width, 1.0f, acc.data(), P.Dv);
+          } else if (P.half) {  // the weights in the inputs' format, products accumulated in float32 (as torch)
+            gemm16(P.half, 'N', 'N', P.Dv, rows, width, 1.0f, vh + j0 * P.v_sl, P.v_sl, pb, width, 1.0f, acc.data(), P.Dv);
           } else {
             gemm('N', 'N', P.Dv, rows, width, T(1), v + j0 * P.v_sl, P.v_sl, x, width, T(1), acc.data(), P.Dv);
           }
@@ -757,7 +793,7 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
           std::fill(dst, dst + P.Dv, T(0));
         }
         // Finite and not all zeros: 0 < peak < inf, false for NaN.
-        suspect = suspect || (P.Dv > 0 && !(peak > T(0) && peak < std::numeric_limits<T>::infinity()));
+        suspect = suspect || (P.Dv > 0 && !(peak > T(0) && peak < std::numeric_limits<T>::infinity() && peak >= O.tiny && peak <= O.huge));
         O.lse[row0 + r] = has ? m[r] + std::log(safe) : neg_inf;
         O.m[row0 + r] = has ? m[r] : T(0);
         O.l[row0 + r] = safe;
@@ -891,12 +927,14 @@ void pack_heads(Problem<T>& P, uint16_t* kpack, uint16_t* vpack) {
       const uint16_t* k = P.kh + bi * P.k_sb + hk * P.k_sh;
       const uint16_t* v = P.vh + bi * P.v_sb + hk * P.v_sh;
       // k^T: the pair (k[j][2p], k[j][2p + 1]) at [p][j], one 32-bit move each; the pad key zero.
+      // 16 keys at a time, so that each pair row is written 64 contiguous bytes at a time.
       uint32_t* kd = reinterpret_cast<uint32_t*>(kpack + bh * D * s_pad);
-      for (int64_t j = 0; j < S; ++j) {
-        uint32_t pair;
+      constexpr int64_t keys = 16;
+      for (int64_t j0 = 0; j0 < S; j0 += keys) {
+        const int64_t j1 = std::min(j0 + keys, S);
         for (int64_t p = 0; p < D / 2; ++p) {
-          std::memcpy(&pair, k + j * P.k_sl + 2 * p, sizeof(pair));
-          kd[p * s_pad + j] = pair;
+          uint32_t* row = kd + p * s_pad;
+          for (int64_t j = j0; j < j1; ++j) std::memcpy(row + j, k + j * P.k_sl + 2 * p, sizeof(uint32_t));
         }
       }
       if (s_pad != S)
@@ -1134,7 +1172,8 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
 }
 
 // Returns the outputs and whether every output row is finite and not all zeros (rows of packed
-// sequences without keys are not visited and not counted).
+// sequences without keys are not visited and not counted); for 16-bit inputs, also once rounded
+// to their format.
 std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                                    double softcap, bool causal, int64_t q_offset, int64_t left, int64_t right,
                                    int64_t q_start, int64_t k_start, const c10::optional<torch::Tensor>& alibi,
@@ -1182,6 +1221,13 @@ std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, con
     }
     ForwardOut<scalar_t> O{out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
                            l.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr, &suspect};
+    if (P.half == kBF16) {
+      O.tiny = static_cast<scalar_t>(std::numeric_limits<at::BFloat16>::denorm_min());
+      O.huge = static_cast<scalar_t>(std::numeric_limits<at::BFloat16>::max());
+    } else if (P.half == kF16) {
+      O.tiny = static_cast<scalar_t>(std::numeric_limits<at::Half>::denorm_min());
+      O.huge = static_cast<scalar_t>(std::numeric_limits<at::Half>::max());
+    }
     if (with_stats) {
       O.max_logit = result[4].data_ptr<scalar_t>();
       O.max_prob = result[5].data_ptr<scalar_t>();

@@ -195,8 +195,9 @@ def fused_attention_checked(
     """:func:`fused_attention`, and whether every row of the returned output is finite and not all
     zeros, as the kernel saw while writing it (Dv = 0: True), as a 0-d bool tensor: the check
     :func:`attnscale.scaled_dot_product_attention` makes of every output, without passes of its
-    own. None where the kernel's rows are not the returned ones (sinks rescale them; half inputs
-    are rounded after) or no kernel ran: the caller checks the output itself."""
+    own. None where the kernel's rows are not the returned ones (sinks rescale them; 16-bit inputs
+    passed as float32 copies are rounded after) or no kernel ran: the caller checks the output
+    itself."""
     _check_runnable(query, attn_mask, alibi_slopes)
     if query.shape[-2] == 0 or key.shape[-2] == 0:  # nothing to tile: the eager kernel's empty results
         out, stats = tiled_attention(
@@ -223,7 +224,9 @@ def fused_attention_checked(
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     (out, lse, *rest), verdict = _forward(query, key, value, attn_mask, alibi_slopes, spec)
     rows_ok: Tensor | None = verdict
-    if sinks is not None or out.dtype != query.dtype:
+    # The kernel's verdict holds of the rounded output where it saw the 16-bit inputs (it then
+    # checks each row against the format's range), not of float32 copies.
+    if sinks is not None or (out.dtype != query.dtype and not ops.half_products(query.dtype)):
         rows_ok = None
     if sinks is not None:
         out, _ = merge_sinks(out, lse, sinks)
