@@ -16,8 +16,8 @@
 // contiguous; masks (B, H, L, S) and slopes (B, H) as strided views (stride 0 broadcasts).
 // Arithmetic is in the inputs' dtype, float32 or float64; bfloat16 and float16 q, k, v (Half16) are
 // multiplied as they are with float32 accumulation, the rest in float32, where the caller passes them
-// (ops.half_products; elsewhere it converts them to float32). The backward computes 16-bit inputs
-// on float32 copies.
+// (ops.half_products; elsewhere it converts them to float32). The backward's five products take
+// them the same way (with dout, the weights and dS in their format).
 
 #include <torch/extension.h>
 
@@ -986,16 +986,28 @@ struct BackwardIO {
   T* dk;  // (B, H, S, D) per query head, accumulated (the caller sums each group); grouped: (B, Hkv, S, D)
   T* dv;  // (B, H, S, Dv) per query head, accumulated; grouped: (B, Hkv, S, Dv)
   bool grouped;  // one task per key head runs its whole group: dk, dv per key head, no scratch
+  // 16-bit inputs (Problem::half): dout in their format, for the products (null otherwise).
+  const uint16_t* dout16 = nullptr;
 };
 
 // One thread's buffers for backward tasks.
 template <typename T>
 struct BackwardScratch {
   Scratch<T> sbuf, tbuf, dpbuf, dqb;
+  Scratch<uint16_t> p16, ds16;  // 16-bit inputs: the weights and dS in their format, for the products
   explicit BackwardScratch(const Problem<T>& P)
       : sbuf(P.tile_rows() * P.tile_width()), tbuf(P.softcap != T(0) ? P.tile_rows() * P.tile_width() : 0),
-        dpbuf(P.tile_rows() * P.tile_width()), dqb(P.tile_rows() * P.D) {}
+        dpbuf(P.tile_rows() * P.tile_width()), dqb(P.tile_rows() * P.D),
+        p16(P.half ? P.tile_rows() * P.tile_width() : 0), ds16(P.half ? P.tile_rows() * P.tile_width() : 0) {}
 };
+
+// float32 rows as 16-bit ones of the format `kind` (Half16), n entries.
+inline void round_to(int kind, const float* x, int64_t n, uint16_t* out) {
+  if (kind == kBF16)
+    round_row(x, n, reinterpret_cast<at::BFloat16*>(out));
+  else
+    round_row(x, n, reinterpret_cast<at::Half*>(out));
+}
 
 // Head h of batch b: every query block, accumulating its dk, dv rows (the query head's own, or its
 // key head's when grouped); dk is not yet multiplied by the scale (the caller does, once per row).
@@ -1010,22 +1022,39 @@ void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int6
   {
     {
       const int64_t hk = h / G;
-      const T* k = P.k + b * P.k_sb + hk * P.k_sh;
-      const T* v = P.v + b * P.v_sb + hk * P.v_sh;
+      // 16-bit inputs: the same five products on the 16-bit q, k, v, dout and on the weights and dS
+      // rounded to their format, accumulated in float32 (oneMKL), as torch's CPU kernel does.
+      const bool half = P.half != kNoHalf;
+      const T* k = half ? nullptr : P.k + b * P.k_sb + hk * P.k_sh;
+      const T* v = half ? nullptr : P.v + b * P.v_sb + hk * P.v_sh;
+      const uint16_t* kh = half ? P.kh + b * P.k_sb + hk * P.k_sh : nullptr;
+      const uint16_t* vh = half ? P.vh + b * P.v_sb + hk * P.v_sh : nullptr;
       const int64_t kv_head = IO.grouped ? b * P.Hkv + hk : b * P.H + h;
       T* dk = IO.dk + (kv_head * P.k_rows + P.k_out_start) * P.D;
       T* dv = IO.dv + (kv_head * P.k_rows + P.k_out_start) * P.Dv;
       for (int64_t qb = 0; qb < nqb; ++qb) {
         const int64_t i0 = qb * P.block_q, i1 = std::min(i0 + P.block_q, P.L), rows = i1 - i0;
-        const T* q = P.q + b * P.q_sb + h * P.q_sh + i0 * P.q_sl;
+        const T* q = half ? nullptr : P.q + b * P.q_sb + h * P.q_sh + i0 * P.q_sl;
+        const uint16_t* qh = half ? P.qh + b * P.q_sb + h * P.q_sh + i0 * P.q_sl : nullptr;
         const int64_t row0 = (b * P.H + h) * P.o_rows + P.o_start + i0;
         const T* dout = IO.dout + row0 * P.Dv;
+        const uint16_t* dout16 = half ? IO.dout16 + row0 * P.Dv : nullptr;
         std::fill(dqb.begin(), dqb.begin() + rows * P.D, T(0));
         for (auto [j0, j1] : P.key_tiles(i0, i1)) {
           const int64_t width = j1 - j0;
           T* x = sbuf.data();
           T* t = capped ? tbuf.data() : nullptr;
-          gemm('T', 'N', width, rows, P.D, alpha, k + j0 * P.k_sl, P.k_sl, q, P.q_sl, T(0), x, width);
+          // The five products, each in the inputs' format: (transposes, m, n, k, alpha, A, lda, B,
+          // ldb, beta, C, ldc) column-major, the 16-bit operands where the inputs are 16-bit.
+          auto product = [&](char ta, char tb, int64_t mm, int64_t nn, int64_t kk, T a, const T* A, const uint16_t* A16,
+                             int64_t lda, const T* Bm, const uint16_t* B16, int64_t ldb, T beta, T* C, int64_t ldc) {
+            if constexpr (std::is_same_v<T, float>) {
+              if (half) return gemm16(P.half, ta, tb, mm, nn, kk, a, A16, lda, B16, ldb, beta, C, ldc);
+            }
+            gemm(ta, tb, mm, nn, kk, a, A, lda, Bm, ldb, beta, C, ldc);
+          };
+          product('T', 'N', width, rows, P.D, alpha, k + (half ? 0 : j0 * P.k_sl), kh ? kh + j0 * P.k_sl : nullptr, P.k_sl,
+                  q, qh, P.q_sl, T(0), x, width);
           for (int64_t r = 0; r < rows; ++r) {  // p = exp(s - m) / l: the forward's weights
             T* xr = x + r * width;
             score_row(P, b, h, i0 + r, j0, width, xr, capped ? t + r * width : nullptr);
@@ -1035,10 +1064,14 @@ void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int6
             for (; c + n <= width; c += n) (Vec::loadu(xr + c) / vl).store(xr + c);
             for (; c < width; ++c) xr[c] /= IO.l[row0 + r];
           }
+          uint16_t* p16 = half ? W.p16.data() : nullptr;
+          if constexpr (std::is_same_v<T, float>)
+            if (half) round_to(P.half, x, rows * width, p16);
           // dV += P^T dO ; dP = dO V^T
-          gemm('N', 'T', P.Dv, width, rows, T(1), dout, P.Dv, x, width, T(1), dv + j0 * P.Dv, P.Dv);
+          product('N', 'T', P.Dv, width, rows, T(1), dout, dout16, P.Dv, x, p16, width, T(1), dv + j0 * P.Dv, P.Dv);
           T* dp = dpbuf.data();
-          gemm('T', 'N', width, rows, P.Dv, T(1), v + j0 * P.v_sl, P.v_sl, dout, P.Dv, T(0), dp, width);
+          product('T', 'N', width, rows, P.Dv, T(1), v + (half ? 0 : j0 * P.v_sl), vh ? vh + j0 * P.v_sl : nullptr, P.v_sl,
+                  dout, dout16, P.Dv, T(0), dp, width);
           for (int64_t r = 0; r < rows; ++r) {  // dS = P (dP - delta), times (1 - t^2) with softcap
             const T* pr = x + r * width;
             T* dr = dp + r * width;
@@ -1056,9 +1089,13 @@ void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int6
               for (; c < width; ++c) dr[c] = (dr[c] - IO.delta[row0 + r]) * pr[c];
             }
           }
+          uint16_t* ds16 = half ? W.ds16.data() : nullptr;
+          if constexpr (std::is_same_v<T, float>)
+            if (half) round_to(P.half, dp, rows * width, ds16);
           // dQ += dS K ; dK += dS^T Q (the scale multiplies both at the end)
-          gemm('N', 'N', P.D, rows, width, T(1), k + j0 * P.k_sl, P.k_sl, dp, width, T(1), dqb.data(), P.D);
-          gemm('N', 'T', P.D, width, rows, T(1), q, P.q_sl, dp, width, T(1), dk + j0 * P.D, P.D);
+          product('N', 'N', P.D, rows, width, T(1), k + (half ? 0 : j0 * P.k_sl), kh ? kh + j0 * P.k_sl : nullptr, P.k_sl,
+                  dp, ds16, width, T(1), dqb.data(), P.D);
+          product('N', 'T', P.D, width, rows, T(1), q, qh, P.q_sl, dp, ds16, width, T(1), dk + j0 * P.D, P.D);
         }
         T* dq = IO.dq + row0 * P.D;
         for (int64_t e = 0; e < rows * P.D; ++e) dq[e] = dqb[e] * P.scale;
@@ -1246,29 +1283,34 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
                                     const c10::optional<torch::Tensor>& alibi,
                                     const c10::optional<torch::Tensor>& mask, int64_t block_q, int64_t block_k,
                                     const c10::optional<torch::Tensor>& spans) {
-  // 16-bit inputs: the backward computes in float32 on float32 copies (exact); gradients come back
-  // in float32, for the caller to round.
-  auto widen = [](const torch::Tensor& x) { return half_kind(x) ? x.to(at::kFloat) : x; };
-  const torch::Tensor q = widen(q16), k = widen(k16), v = widen(v16);
-  const int64_t B = q.size(0), H = q.size(1), S = k.size(2), D = q.size(3), Dv = v.size(3);
+  // 16-bit inputs: the products take them as they are, and dout rounded to their format (the
+  // gradient of an output the caller rounded to it); gradients come back in float32, for the
+  // caller to round.
+  const torch::Tensor &q = q16, &k = k16, &v = v16;
+  const auto half = half_kind(q);
+  const auto dt = half ? at::kFloat : q.scalar_type();
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), D = q.size(3), Dv = v.size(3);
   TORCH_CHECK(dout.is_contiguous() && delta.is_contiguous() && m.is_contiguous() && l.is_contiguous(),
               "attnscale fused kernel: contiguous dout, delta, m, l");
+  TORCH_CHECK(dout.scalar_type() == dt && delta.scalar_type() == dt && m.scalar_type() == dt && l.scalar_type() == dt,
+              "attnscale fused kernel: dout, delta, m, l in the compute dtype");
+  const torch::Tensor dout16 = half ? dout.to(q.scalar_type()) : torch::Tensor();
   // Packed: rows of sequences without keys are not visited; their gradient is 0.
-  auto dq = spans.has_value() ? torch::zeros_like(q, at::MemoryFormat::Contiguous)
-                             : torch::empty_like(q, at::MemoryFormat::Contiguous);
+  auto dq = spans.has_value() ? torch::zeros({B, H, L, D}, q.options().dtype(dt)) : torch::empty({B, H, L, D}, q.options().dtype(dt));
   // Per-query-head dk, dv (summed per group by the caller) only when there are fewer (batch or
   // sequence, key head) tasks than threads: otherwise each task runs a whole group into its key
   // head's rows, with no O(H S D) scratch.
   const int64_t Hkv = k.size(1), units = spans.has_value() ? spans->size(0) : B;
   const bool grouped = Hkv == H || units * Hkv >= at::get_num_threads();
-  auto dk = torch::zeros({B, grouped ? Hkv : H, S, D}, q.options());
-  auto dv = torch::zeros({B, grouped ? Hkv : H, S, Dv}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnscale_fused_backward", [&] {
+  auto dk = torch::zeros({B, grouped ? Hkv : H, S, D}, q.options().dtype(dt));
+  auto dv = torch::zeros({B, grouped ? Hkv : H, S, Dv}, q.options().dtype(dt));
+  AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_backward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
                                     mask, block_q, block_k, spans);
     BackwardIO<scalar_t> IO{dout.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
                             l.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
                             dv.data_ptr<scalar_t>(), grouped};
+    if (half) IO.dout16 = static_cast<const uint16_t*>(dout16.const_data_ptr());
     backward_kernel(P, IO);
   });
   return {dq, dk, dv};
