@@ -552,6 +552,55 @@ float exp_row_to(const float* x, int64_t width, float m, H* out) {
   return sum;
 }
 
+// score_row then exp_row (or exp_row_to) in one pass, for a row that settled on its offset m
+// (forward_block) in a problem without ALiBi or masks: the products x (times pre) through the
+// softcap, exp(s - m) and the sum, written to out (T, or the 16-bit format of the inputs), 0 outside
+// the row's span; x is not written. Each entry takes score_row's and exp_row's operations on it,
+// in the same order, so its weight has their bits (the row's last entries, fewer than a vector pair,
+// take the scalar forms).
+template <typename T, typename O>
+T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T* x, T m, T pre, O* out) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  int64_t lo, hi;
+  P.row_span(i, &lo, &hi);
+  lo = std::clamp<int64_t>(lo - j0, 0, width);
+  hi = std::clamp<int64_t>(hi - j0, lo, width);
+  std::fill(out, out + lo, O(0));
+  std::fill(out + hi, out + width, O(0));
+  const T cap = P.softcap;
+  const Vec vm(m), vfloor(exp_floor<T>()), vcap(cap), vpre(pre);
+  const bool scaled = pre != T(1);
+  auto weight = [&](int64_t c) {
+    Vec raw = Vec::loadu(x + c);
+    if (scaled) raw = raw * vpre;
+    const Vec s = cap != T(0) ? at::vec::fmadd(vtanh(raw), vcap, raw - raw) : raw;
+    return vexp_weights(s - vm, vfloor);
+  };
+  Vec acc(T(0));
+  int64_t c = lo;
+  for (; c + 2 * n <= hi; c += 2 * n) {
+    const Vec p0 = weight(c), p1 = weight(c + n);
+    if constexpr (std::is_same_v<O, T>) {
+      p0.store(out + c);
+      p1.store(out + c + n);
+    } else {
+      at::vec::convert_from_float<O>(p0, p1).store(out + c);
+    }
+    acc = acc + p0 + p1;
+  }
+  T sum = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return a + b; }, acc);
+  for (; c < hi; ++c) {
+    T xc = scaled ? x[c] * pre : x[c];
+    if (cap != T(0)) xc = cap * stanh(xc) + (xc - xc);
+    const T centred = xc - m;
+    const T p = centred < exp_floor<T>() ? T(0) : std::exp(centred);
+    out[c] = static_cast<O>(p);
+    sum += p;
+  }
+  return sum;
+}
+
 // As exp_row, and also returns sum p (s - m) in *weighted (hidden keys contribute 0), for the entropy.
 template <typename T>
 T exp_row_weighted(T* x, int64_t width, T m, T* weighted) {
@@ -711,6 +760,20 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
         };
         for (int64_t r = 0; r < rows; ++r) {
           T* xr = x + r * width;
+          if (settled[r] && !P.bmask) {  // one pass: no ALiBi or float mask where rows settle
+            if constexpr (std::is_same_v<T, float>) {
+              if (P.half == kBF16) {
+                l[r] += settled_row(P, i0 + r, j0, width, xr, m[r], pre, reinterpret_cast<at::BFloat16*>(pb + r * pstride));
+                continue;
+              }
+              if (P.half == kF16) {
+                l[r] += settled_row(P, i0 + r, j0, width, xr, m[r], pre, reinterpret_cast<at::Half*>(pb + r * pstride));
+                continue;
+              }
+            }
+            l[r] += settled_row(P, i0 + r, j0, width, xr, m[r], pre, xr);  // in place: each entry read before written
+            continue;
+          }
           if (settled[r]) {  // hidden keys are -inf, so weight 0
             score_row(P, b, h, i0 + r, j0, width, xr, static_cast<T*>(nullptr), nullptr, false, pre);
             l[r] += weights(xr, m[r], r);
