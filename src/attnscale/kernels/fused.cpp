@@ -552,6 +552,34 @@ float exp_row_to(const float* x, int64_t width, float m, H* out) {
   return sum;
 }
 
+// exp_row_weighted for 16-bit inputs: the weights written to out in H (x keeps the logits).
+template <typename H>
+float exp_row_weighted_to(const float* x, int64_t width, float m, float* weighted, H* out) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t n = Vec::size();
+  const Vec vm(m), vfloor(exp_floor<float>()), zero(0.0f);
+  Vec acc(0.0f), wacc(0.0f);
+  int64_t c = 0;
+  for (; c + 2 * n <= width; c += 2 * n) {
+    const Vec c0 = Vec::loadu(x + c) - vm, c1 = Vec::loadu(x + c + n) - vm;
+    const Vec p0 = vexp_weights(c0, vfloor), p1 = vexp_weights(c1, vfloor);
+    at::vec::convert_from_float<H>(p0, p1).store(out + c);
+    acc = acc + p0 + p1;
+    wacc = wacc + p0 * Vec::blendv(c0, zero, c0 < vfloor) + p1 * Vec::blendv(c1, zero, c1 < vfloor);
+  }
+  auto add = [](const Vec& a, const Vec& b) { return a + b; };
+  float sum = at::vec::vec_reduce_all<float>(add, acc), w = at::vec::vec_reduce_all<float>(add, wacc);
+  for (; c < width; ++c) {
+    const float centred = x[c] - m;
+    const float p = centred < exp_floor<float>() ? 0.0f : std::exp(centred);
+    out[c] = static_cast<H>(p);
+    sum += p;
+    w += centred < exp_floor<float>() ? 0.0f : p * centred;
+  }
+  *weighted = w;
+  return sum;
+}
+
 // score_row then exp_row (or exp_row_to) in one pass, for a row that settled on its offset m
 // (forward_block) in a problem without ALiBi or masks: the products x (times pre) through the
 // softcap, exp(s - m) and the sum, written to out (T, or the 16-bit format of the inputs), 0 outside
@@ -792,10 +820,16 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
           const T rescale = std::exp(m[r] - m_new);  // 0 while m = -inf
           if (stats) {
             T weighted;
-            const T sum = exp_row_weighted(xr, width, m_new, &weighted);
+            T sum;
             if constexpr (std::is_same_v<T, float>) {
-              if (P.half == kBF16) round_row(xr, width, reinterpret_cast<at::BFloat16*>(pb + r * pstride));
-              if (P.half == kF16) round_row(xr, width, reinterpret_cast<at::Half*>(pb + r * pstride));
+              if (P.half == kBF16)
+                sum = exp_row_weighted_to(xr, width, m_new, &weighted, reinterpret_cast<at::BFloat16*>(pb + r * pstride));
+              else if (P.half == kF16)
+                sum = exp_row_weighted_to(xr, width, m_new, &weighted, reinterpret_cast<at::Half*>(pb + r * pstride));
+              else
+                sum = exp_row_weighted(xr, width, m_new, &weighted);
+            } else {
+              sum = exp_row_weighted(xr, width, m_new, &weighted);
             }
             // Re-centre the running sum of p (s - m) on the new max, then add this tile's.
             w[r] = l[r] > T(0) ? rescale * (w[r] + l[r] * (m[r] - m_new)) + weighted : weighted;
