@@ -38,8 +38,10 @@ def synthetic(
     clip_peak: float = 33.0,
     reference_accuracy: float = 1.0,
     seeds: int = 3,
+    jitter: float = 0.02,
 ) -> dict:
-    """Medians at lr 0.001 (reference, max logit 12) and 0.03 (highest); cap = tau = 30."""
+    """Medians at lr 0.001 (reference, max logit 12) and 0.03 (highest); cap = tau = 30. Each seed's
+    numbers are the median's times 1 - jitter, 1, 1 + jitter, ... (seed-to-seed spread)."""
     table = {
         "none": {"0.001": row(12.0, accuracy=reference_accuracy), "0.03": row(none_high)},
         "qk-norm": {"0.03": row(qknorm, init=3.0)},
@@ -52,8 +54,17 @@ def synthetic(
         "highest_lr": 0.03,
         "softcap_max_logit_over_run": softcap_max,
         "table": table,
-        "per_seed": {g: {lr: [r] * seeds for lr, r in by.items()} for g, by in table.items()},
+        "per_seed": {g: {lr: [_scaled(r, 1 + jitter * f) for f in _factors(seeds)] for lr, r in by.items()} for g, by in table.items()},
     }
+
+
+def _factors(seeds: int) -> list[int]:
+    return [0, -1, 1, -2, 2, -3, 3][:seeds]
+
+
+def _scaled(r: dict, factor: float) -> dict:
+    keep = {"final_accuracy", "clipped_heads"}
+    return {k: v if k in keep else v * factor for k, v in r.items()}
 
 
 @pytest.mark.parametrize(
@@ -67,6 +78,10 @@ def synthetic(
         (synthetic(qknorm=40.0, softcap_max=31.0, clip_peak=60.0), Verdict.DOES_NOT_HOLD),
         (synthetic(reference_accuracy=0.5), Verdict.INCONCLUSIVE),
         (synthetic(seeds=1), Verdict.INCONCLUSIVE),
+        # QK-Clip's peak within noise of its bound (37.5): not clearly held, not clearly failed
+        (synthetic(clip_peak=37.3), Verdict.HOLDS_APPROXIMATELY),
+        # growth within noise of 10 R (120)
+        (synthetic(none_high=125.0, jitter=0.1), Verdict.INCONCLUSIVE),
     ],
 )
 def test_judge_returns_every_verdict(measured, verdict):
@@ -75,7 +90,9 @@ def test_judge_returns_every_verdict(measured, verdict):
 
 def test_judge_names_the_failing_guard_and_needs_every_guard_at_the_highest_lr():
     judgement = exp.judge(synthetic(clip_peak=60.0))
-    assert "qk-clip not" in judgement.reason and "QK-Clip peak 60.0" in judgement.reason
+    assert "qk-clip failed" in judgement.reason and "QK-Clip peak 60 +- 0.87" in judgement.reason
+    judgement = exp.judge(synthetic(clip_peak=37.3))
+    assert "qk-clip within noise" in judgement.reason and "QK-Clip peak 37.3 +- 0.54" in judgement.reason
     m = synthetic()
     del m["table"]["softcap"], m["per_seed"]["softcap"]
     assert exp.judge(m).verdict is Verdict.INCONCLUSIVE

@@ -6,9 +6,9 @@ from attnscale.lab.base import Verdict, no_progress
 from attnscale.lab.experiments import small_dk as exp
 
 
-def synthetic(arms: dict[str, list], resolution: int = 10) -> dict:
+def synthetic(arms: dict[str, list], log_every: int = 10, budget: int = 800) -> dict:
     dks = tuple(sorted({int(k.split("/")[1]) for k in arms}))
-    return {"steps_to_90_per_seed": arms, "comparison": exp._compare(arms, dks, resolution)}
+    return {"steps_to_90_per_seed": arms, "comparison": exp._compare(arms, dks, log_every, budget)}
 
 
 SAME = {"1/2": [180, 200, 220], "sqrt/2": [190, 200, 210], "1/4": [90, 100, 110], "sqrt/4": [100, 100, 110]}
@@ -18,8 +18,11 @@ SAME = {"1/2": [180, 200, 220], "sqrt/2": [190, 200, 210], "1/4": [90, 100, 110]
     ("measured", "verdict"),
     [
         (synthetic(SAME), Verdict.HOLDS),
+        # effect 15 +- 5.5 against a margin of 25: within noise of it, clearly under 50
         (synthetic({**SAME, "1/4": [110, 115, 120]}), Verdict.HOLDS_APPROXIMATELY),
         (synthetic({**SAME, "1/2": [400, 420, 440]}), Verdict.DOES_NOT_HOLD),
+        # effect 20 +- 29 against a margin of 25: within noise of 50 too
+        (synthetic({**SAME, "1/4": [80, 120, 150]}), Verdict.INCONCLUSIVE),
         (synthetic({**SAME, "sqrt/2": [None, None, 200]}), Verdict.INCONCLUSIVE),
         (synthetic({"1/2": [100], "sqrt/2": [100]}), Verdict.INCONCLUSIVE),
     ],
@@ -28,12 +31,15 @@ def test_judge_returns_every_verdict(measured, verdict):
     assert exp.judge(measured).verdict is verdict
 
 
-def test_noise_is_the_seed_spread_and_at_least_one_logging_interval():
-    c = exp._compare({"1/2": [100, 140], "sqrt/2": [100, 100]}, (2,), resolution=10)["2"]
-    assert c["noise"] == pytest.approx((28.2842712 + 0.0) / 2)
-    assert c["diff"] == 20
-    c = exp._compare({"1/2": [100, 100], "sqrt/2": [100, 100]}, (2,), resolution=10)["2"]
-    assert c["noise"] == 10.0
+def test_the_effect_carries_each_arms_standard_error_floored_at_the_logging_resolution():
+    c = exp._compare({"1/2": [100, 140], "sqrt/2": [100, 100]}, (2,), log_every=10, budget=800)["2"]
+    assert c["effect"] == 20 and c["margin"] == 25
+    se_unscaled = (3.14159265 / 2) ** 0.5 * 28.2842712 / 2**0.5  # 1.25 s / sqrt(n)
+    se_scaled = (3.14159265 / 2) ** 0.5 * (10 / 12**0.5) / 2**0.5  # s floored at 10 / sqrt(12)
+    assert c["effect_spread"] == pytest.approx((se_unscaled**2 + se_scaled**2) ** 0.5, rel=1e-6)
+    # a run that never reaches 90% counts at the step budget
+    c = exp._compare({"1/2": [100, 100, None], "sqrt/2": [100, 100, 100]}, (2,), log_every=10, budget=800)["2"]
+    assert c["unscaled"] == 100 and c["effect_spread"] > 200
 
 
 def test_run_tiny(tmp_path):

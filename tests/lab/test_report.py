@@ -188,3 +188,16 @@ def test_report_shows_the_rule_version_its_history_and_every_arm():
     assert '<strong>AdamW</strong> <span class="badge does-not-hold">does-not-hold</span> x0.97' in page
     assert '<strong>SGD</strong> <span class="badge holds">holds</span> stalls' in page
     assert "- AdamW: **does-not-hold**. x0.97" in text and "- SGD: **holds**. stalls" in text
+
+
+def test_a_key_number_shows_its_standard_error_beside_it():
+    from attnscale.lab.base import Headline
+    from attnscale.lab.execute import headline
+    from attnscale.lab.formatting import headline_value
+
+    measured = {"over": {"none": 88.61}, "spread": {"none": 4.123}}
+    head = headline(measured, Headline("over.none", "growth", "x", spread="spread.none"))
+    assert head == {"key": "over.none", "value": 88.61, "label": "growth", "unit": "x", "spread": 4.123}
+    assert headline_value(head) == "88.6x +- 4.1"
+    assert headline_value({**head, "spread": None}) == "88.6x"  # no spread recorded: the number alone
+    assert headline_value(headline(measured, Headline("over.none", "growth", "x"))) == "88.6x"

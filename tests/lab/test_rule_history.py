@@ -44,8 +44,34 @@ def _load(tmp_path, name, source):
 
 RULE = '''
 import statistics
+from dataclasses import dataclass
 
 LIMIT = {limit}
+
+
+@dataclass(frozen=True)
+class Config:
+    seeds: int = {seeds}
+
+    @classmethod
+    def for_profile(cls, profile):
+        return cls(seeds=2) if profile == "tiny" else cls()
+
+
+class Model:
+    def __init__(self, width):
+        self.width = width
+
+    def peak(self, seed):
+        return seed {peak_op} self.width
+
+
+def run(config, seed, progress):
+    return {{"x": [_measure(s) for s in range(config.seeds)]}}
+
+
+def _measure(seed):
+    return Model({width}).peak(seed)
 
 
 def judge(measured):
@@ -62,10 +88,12 @@ def plot(measured, outdir):
 '''
 
 
-def test_fingerprint_follows_the_rule_and_ignores_comments_and_what_judge_does_not_reach(tmp_path):
+FIELDS = {"limit": 2.0, "doc": "the rule", "comment": "why", "unused": 0, "op": ">", "seeds": 3, "width": 4, "peak_op": "*"}
+
+
+def test_fingerprint_follows_the_rule_and_ignores_comments_and_what_neither_run_nor_judge_reaches(tmp_path):
     def fingerprint(i, **changes):
-        fields = {"limit": 2.0, "doc": "the rule", "comment": "why", "unused": 0, "op": ">", **changes}
-        return rule_fingerprint(_load(tmp_path, f"rule_fp_{i}", RULE.format(**fields)))
+        return rule_fingerprint(_load(tmp_path, f"rule_fp_{i}", RULE.format(**{**FIELDS, **changes})))
 
     base = fingerprint(0)
     assert fingerprint(1, doc="reworded", comment="reworded") == base
@@ -74,8 +102,21 @@ def test_fingerprint_follows_the_rule_and_ignores_comments_and_what_judge_does_n
     assert fingerprint(4, op=">=") != base  # the code of a helper judge calls
 
 
+def test_fingerprint_follows_what_is_measured(tmp_path):
+    """A change to the measurement needs a new version as a change to the rule does: a profile's
+    seed count (a Config default), an argument a helper of run passes, the method of a class the
+    measurement uses."""
+    def fingerprint(i, **changes):
+        return rule_fingerprint(_load(tmp_path, f"measure_fp_{i}", RULE.format(**{**FIELDS, **changes})))
+
+    base = fingerprint(0)
+    assert fingerprint(1, seeds=2) != base  # default seeds cut from 3 to 2
+    assert fingerprint(2, width=5) != base  # what run's helper passes
+    assert fingerprint(3, peak_op="+") != base  # the code of a method the measurement calls
+
+
 def test_a_rule_whose_code_matches_no_version_is_recorded_as_unversioned(tmp_path):
-    module = _load(tmp_path, "rule_fp_unversioned", RULE.format(limit=1, doc="", comment="", unused=0, op=">"))
+    module = _load(tmp_path, "rule_fp_unversioned", RULE.format(**{**FIELDS, "limit": 1}))
     claim = registry.Claim(
         id="x", statement="", sources=(), method="", rule="", rule_history=(RuleVersion(1, "2026-01-01", "first", "0" * 16),)
     )

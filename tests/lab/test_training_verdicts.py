@@ -46,11 +46,13 @@ def test_training_stall_adamw_learns_without_the_scale_at_d_k_64():
     assert std["unit"]["1/64"]["raw"] > 2 * std["default"]["1/64"]["raw"]
 
 
-def test_small_dk_the_scale_is_within_seed_noise_at_d_k_2_and_4():
+def test_small_dk_the_scales_effect_is_small_at_d_k_2_and_4():
     measured, judgement = _run(small_dk, dks=(2, 4), seeds=3, context=4, queries=4, n_keys=8, n_values=8, steps=300, eval_batch=64)
-    assert judgement.verdict is Verdict.HOLDS
+    # three seeds bound the effect under twice the 25% margin, not under the margin itself
+    assert judgement.verdict is Verdict.HOLDS_APPROXIMATELY
     for c in measured["comparison"].values():
-        assert c["diff"] is not None and c["diff"] <= c["noise"]
+        assert c["effect"] is not None and abs(c["effect"]) + 2 * c["effect_spread"] <= 2 * c["margin"]
+        assert abs(c["effect"]) <= c["margin"]
 
 
 def test_hard_routing_a_learned_temperature_routes_more_sharply_than_the_fixed_scale():
@@ -77,8 +79,11 @@ def test_inference_removal_one_over_d_k_degrades_and_removing_the_scale_barely_d
 def test_logit_growth_logits_grow_without_a_guard_and_qk_norm_bounds_them():
     measured, judgement = _run(logit_growth, lrs=(3e-3, 5e-2), steps=100)
     # At this size QK-Clip's peak sits at its bound (1.25 tau), just above or below it as the kernel's
-    # rounding changes: holds or holds-approximately, and the peak within 10% of tau's bound either way.
-    assert judgement.verdict in (Verdict.HOLDS, Verdict.HOLDS_APPROXIMATELY)
+    # rounding changes: within noise of it (or, on some CPU, clearly above), never clearly under, so
+    # holds-approximately on every machine; QK-norm and softcap clearly hold.
+    assert judgement.verdict is Verdict.HOLDS_APPROXIMATELY
+    assert "qk-norm, softcap clearly as claimed" in judgement.reason
+    assert "qk-clip within noise" in judgement.reason or "qk-clip failed" in judgement.reason
     tau, high = measured["config"]["tau"], f"{max(measured['config']['lrs']):g}"
     assert abs(measured["table"]["qk-clip"][high]["peak_max_logit"] / (logit_growth.CLIP_SLACK * tau) - 1) < 0.1
     over = measured["over_reference"]

@@ -4,8 +4,9 @@ An experiment is one module under ``attnscale.lab.experiments`` that defines:
 
 * ``CLAIM: Claim`` - id (the key in results.json), statement, sources, method, the verdict
   rule in words (the rule itself is ``judge``, written before looking at numbers) and the rule's
-  history: one :class:`RuleVersion` per version of ``judge``'s code, the last one current (a test
-  compares its fingerprint with :func:`rule_fingerprint` of the module);
+  history: one :class:`RuleVersion` per version of what is measured and judged (``run``, ``judge``,
+  the lab code they reach and every profile's ``Config``), the last one current (a test compares
+  its fingerprint with :func:`rule_fingerprint` of the module);
 * ``Config`` - a frozen dataclass of sizes, with ``Config.for_profile(profile) -> Config``;
 * ``run(config, seed, progress) -> dict`` - the measurement, JSON-able (named numbers and small
   tables), deterministic for a given config and seed, using attnscale's own attention;
@@ -66,6 +67,9 @@ class Headline:
     label: str
     unit: str = ""
     """Appended to the value: ``"x"`` for a ratio of two like quantities, ``"eps"``, ``""`` for none."""
+    spread: str | None = None
+    """The key (dotted, as ``key``) of the number's standard error over seeds, shown beside it; None
+    where the number has none (an exact computation)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,7 @@ class RuleVersion:
     """ISO date (``YYYY-MM-DD``) of the commit that introduced this version."""
     why: str
     fingerprint: str
-    """:func:`rule_fingerprint` of the experiment module as of this version."""
+    """:func:`rule_fingerprint` of the experiment module as of this version (measurement and rule)."""
 
 
 @dataclass(frozen=True)
@@ -110,14 +114,34 @@ class Judgement:
 
 
 def rule_fingerprint(module: types.ModuleType) -> str:
-    """SHA-256 (16 hex digits) of the code of ``module.judge`` and everything of the lab it reaches.
+    """SHA-256 (16 hex digits) of what an experiment measures and how it judges: the code of
+    ``module.run`` and ``module.judge`` and everything of the lab they reach, and the ``Config`` of
+    every profile.
 
-    Covers ``judge`` and, transitively, the functions and plain constants (numbers, strings and
-    containers of them) it names, from ``module`` itself or any ``attnscale.lab`` module. Functions count by their syntax tree without docstrings, so comments, docstrings and
-    layout do not change the fingerprint; any change to what the rule computes does.
+    Covers ``run`` and ``judge`` and, transitively, the functions, classes (their whole source,
+    methods included) and plain constants (numbers, strings and containers of them) they name, from
+    ``module`` itself or any ``attnscale.lab`` module, and ``repr(Config.for_profile(p))`` for every
+    profile. Code counts by its syntax tree without docstrings, so comments, docstrings and layout do
+    not change the fingerprint; any change to what is measured (a model, a training loop, a seed
+    count, a sweep) or to what the rule computes does. attnscale's attention itself, which the
+    experiments measure with, is checked against its fp64 oracle by the test suite instead.
     """
     parts: list[str] = []
     seen: set[int] = set()
+
+    def ours(obj: Any) -> bool:
+        name = getattr(obj, "__module__", None) or ""
+        return name == module.__name__ or name.startswith("attnscale.lab")
+
+    def syntax(obj: Any) -> str:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and body:
+                first = body[0]
+                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                    node.body = body[1:] or [ast.Pass()]
+        return ast.dump(tree)
 
     def visit_code(code: types.CodeType, scope: dict[str, Any]) -> None:
         for name in code.co_names:
@@ -131,23 +155,29 @@ def rule_fingerprint(module: types.ModuleType) -> str:
         if id(obj) in seen:
             return
         seen.add(id(obj))
-        ours = isinstance(obj, types.FunctionType) and (
-            obj.__module__ == module.__name__ or obj.__module__.startswith("attnscale.lab")
-        )
-        if ours:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
-            for node in ast.walk(tree):
-                body = getattr(node, "body", None)
-                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and body:
-                    first = body[0]
-                    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
-                        node.body = body[1:] or [ast.Pass()]
-            parts.append(f"{obj.__qualname__}\0{ast.dump(tree)}")  # by name alone, so that a copy of the module compares equal
+        if isinstance(obj, types.FunctionType) and ours(obj):
+            parts.append(f"{obj.__qualname__}\0{syntax(obj)}")  # by name alone, so that a copy of the module compares equal
             visit_code(obj.__code__, obj.__globals__)
+        elif isinstance(obj, type) and ours(obj):
+            parts.append(f"{obj.__qualname__}\0{syntax(obj)}")
+            for member in vars(obj).values():
+                function = getattr(member, "__func__", member)  # classmethod, staticmethod
+                if isinstance(function, types.FunctionType):
+                    visit_code(function.__code__, function.__globals__)
+                elif isinstance(member, property):
+                    for accessor in (member.fget, member.fset):
+                        if accessor is not None:
+                            visit_code(accessor.__code__, accessor.__globals__)
         elif _plain(obj):
             parts.append(f"{name}\0{obj!r}")
 
+    visit("run", module.run)
     visit("judge", module.judge)
+    config = getattr(module, "Config", None)
+    if config is not None:
+        visit("Config", config)
+        for profile in PROFILES:
+            parts.append(f"Config.{profile}\0{config.for_profile(profile)!r}")
     return hashlib.sha256("\0\0".join(parts).encode()).hexdigest()[:16]
 
 

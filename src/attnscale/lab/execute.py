@@ -82,12 +82,22 @@ def headline(measured: dict[str, Any], spec: Headline | str | None) -> dict[str,
         return None
     if isinstance(spec, str):
         spec = Headline(spec, spec)
-    value: Any = measured
-    for part in spec.key.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return None
-        value = value[part]
-    return {"key": spec.key, "value": value, "label": spec.label, "unit": spec.unit}
+
+    def find(key: str) -> Any:
+        value: Any = measured
+        for part in key.split("."):
+            if not isinstance(value, dict) or part not in value:
+                return None
+            value = value[part]
+        return value
+
+    value = find(spec.key)
+    if value is None:
+        return None
+    head = {"key": spec.key, "value": value, "label": spec.label, "unit": spec.unit}
+    if spec.spread is not None:
+        head["spread"] = find(spec.spread)
+    return head
 
 
 def bare_fields(claim_id: str) -> dict[str, Any]:

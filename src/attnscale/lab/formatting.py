@@ -97,7 +97,8 @@ def rule_history_lines(record: dict[str, Any]) -> list[str]:
 
 
 def headline_value(head: dict[str, Any]) -> str:
-    """The key number to 3 significant digits with its unit: ``1.13x``, ``101 eps``, ``0.946``."""
+    """The key number to 3 significant digits with its unit, and its standard error over seeds
+    where it has one: ``1.13x``, ``101 eps``, ``0.946``, ``88.6x +- 4.1``."""
     value, unit = head["value"], head["unit"]
     text = format_value(value)
     if isinstance(value, float):
@@ -105,7 +106,11 @@ def headline_value(head: dict[str, Any]) -> str:
         while digits < 8 and float(f"{value:.{digits}g}") in (0.0, 1.0, -1.0) and value not in (0.0, 1.0, -1.0):
             digits += 1
         text = f"{value:.{digits}g}"
-    return f"{text}{'' if unit in ('', 'x') else ' '}{unit}"
+    text = f"{text}{'' if unit in ('', 'x') else ' '}{unit}"
+    spread = head.get("spread")
+    if isinstance(spread, int | float):
+        text += f" +- {spread:.2g}"
+    return text
 
 
 def headline_text(record: dict[str, Any]) -> str:

@@ -108,7 +108,7 @@ _CLAIM = {
         "headline": {
             "type": ["object", "null"],
             "required": ["key", "value", "label", "unit"],
-            "properties": {"key": _STRING, "label": _STRING, "unit": _STRING},
+            "properties": {"key": _STRING, "label": _STRING, "unit": _STRING, "spread": {"type": ["number", "null"]}},
         },
         "measured": {"type": "object"},
         "figures": {"type": "array", "items": _FIGURE},

@@ -43,6 +43,7 @@ CLAIM = Claim(
     ),
     rule_history=(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "a4ba6618cfbd101e"),
+        RuleVersion(2, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "f10dc4f22f937bc1"),
     ),
 )
 

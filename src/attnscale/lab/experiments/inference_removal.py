@@ -60,6 +60,7 @@ CLAIM = Claim(
             "supportive one, instead of holds-approximately whenever all-MiniLM-L6-v2 disagreed",
             "3428df3ef2abfd2c",
         ),
+        RuleVersion(3, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "aced8930c5456e7c"),
     ),
 )
 

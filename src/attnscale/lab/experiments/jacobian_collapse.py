@@ -45,6 +45,7 @@ CLAIM = Claim(
     ),
     rule_history=(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "e5a8209ca7fca05b"),
+        RuleVersion(2, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "47c423c22e6560b8"),
     ),
 )
 

@@ -47,6 +47,7 @@ CLAIM = Claim(
     ),
     rule_history=(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "a941f09d118661f1"),
+        RuleVersion(2, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "25c9be3fd555280e"),
     ),
 )
 HEADLINE = Headline(

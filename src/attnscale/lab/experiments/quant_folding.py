@@ -50,6 +50,7 @@ CLAIM = Claim(
     ),
     rule_history=(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "d177ce7e3b8d2093"),
+        RuleVersion(2, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "61988b6e2f6acf55"),
     ),
 )
 HEADLINE = Headline(

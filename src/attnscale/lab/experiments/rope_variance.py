@@ -42,6 +42,7 @@ CLAIM = Claim(
     ),
     rule_history=(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "4aa70b583a2f1755"),
+        RuleVersion(2, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "d1ecb2d796a4bcd2"),
     ),
 )
 

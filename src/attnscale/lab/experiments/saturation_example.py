@@ -41,6 +41,7 @@ CLAIM = Claim(
     "outside that range (the reason gives the factor between quoted and measured median).",
     rule_history=(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "dc70b514ea9bfc13"),
+        RuleVersion(2, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "0fffcf6a7aee809a"),
     ),
 )
 HEADLINE = Headline(

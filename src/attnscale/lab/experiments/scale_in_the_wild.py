@@ -59,6 +59,7 @@ CLAIM = Claim(
             "architecture tried to be probed",
             "8ae3c360aa0d6d8c",
         ),
+        RuleVersion(3, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "f60d8a59fbd73898"),
     ),
 )
 

@@ -10,7 +10,6 @@ attention statistics (logit std, max probability, entropy) of both arms are repo
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from matplotlib.figure import Figure
 from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import MQAR
 from ..training import ModelConfig, TrainConfig, median_steps, train
+from ..uncertainty import Estimate, Side, difference, estimate, quantisation, side
 
 CLAIM = Claim(
     id="small-dk",
@@ -30,21 +30,36 @@ CLAIM = Claim(
         "final accuracy, initial attention statistics."
     ),
     rule=(
-        "Per d_k: diff = |median steps-to-90% without the scale - with it|; noise = mean over the two arms of "
-        "the seed-to-seed std of steps-to-90% (at least one logging interval). inconclusive if fewer than 2 "
-        "seeds or either arm's median does not reach 90%; holds if diff <= noise for every d_k; does-not-hold "
-        "if for some d_k diff > 2 noise and diff > 25% of the scaled median; holds-approximately otherwise."
+        "Per d_k: effect = median steps-to-90% without the scale - with it, over seeds, with its standard error "
+        "(each arm's 1.25 s / sqrt(n), s at least a logging interval / sqrt(12), added in quadrature; a run that "
+        "never reaches 90% counts at the step budget); margin m = 25% of the scaled median. |effect| is clearly "
+        "below a bound b when |effect| + 2 standard errors <= b, clearly above it when |effect| - 2 standard "
+        "errors > b. inconclusive if fewer than 2 seeds or either arm's median does not reach 90%; does-not-hold "
+        "if |effect| is clearly above m at some d_k; holds if it is clearly below m at every d_k; "
+        "holds-approximately if it is clearly below 2 m at every d_k (a small effect, not shown to be under m); "
+        "inconclusive otherwise (more seeds would tell)."
     ),
     rule_history=(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "97e6da0185a2b443"),
+        RuleVersion(
+            2,
+            "2026-12-02",
+            "v1 compared the difference of medians with the seeds' standard deviation, both at the logging "
+            "resolution (10 steps against 10), so that rounding could flip it; v2 is an equivalence test: the "
+            "difference with its standard error against a 25% margin, within noise saying so. The fingerprint "
+            "now also covers the measurement (run, its helpers, every profile's Config)",
+            "321f83af3b369714",
+        ),
     ),
 )
 
 HEADLINE = Headline(
-    "largest_diff_over_noise",
-    "largest difference in steps to 90%, scaled vs unscaled, in units of seed noise",
+    "largest_effect_over_margin",
+    "largest |difference| in steps to 90%, unscaled vs scaled, over 25% of the scaled median",
     "x",
+    spread="largest_effect_over_margin_spread",
 )
+MARGIN_SHARE = 0.25
 TARGET = 0.9
 
 
@@ -104,12 +119,14 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
                 done += 1
                 progress(done, total)
             init[label] = sums
-    comparison = _compare(steps, config.dks, config.log_every)
-    ratios = [c["diff"] / c["noise"] for c in comparison.values() if c["diff"] is not None]
+    comparison = _compare(steps, config.dks, config.log_every, config.steps)
+    ratios = [(abs(c["effect"]) / c["margin"], c["effect_spread"] / c["margin"]) for c in comparison.values() if c["effect"] is not None]
+    largest = max(ratios) if len(ratios) == len(comparison) else (None, None)
     return {
         "config": asdict(config),
         "target_accuracy": TARGET,
-        "largest_diff_over_noise": max(ratios) if len(ratios) == len(comparison) else None,
+        "largest_effect_over_margin": largest[0],
+        "largest_effect_over_margin_spread": largest[1],
         "steps_to_90": {label: median_steps(v) for label, v in steps.items()},
         "steps_to_90_per_seed": steps,
         "final_accuracy": final,
@@ -119,17 +136,35 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
     }
 
 
-def _compare(steps: dict[str, list[int | None]], dks: tuple[int, ...], resolution: int) -> dict[str, dict]:
-    """Per d_k: the difference of medians and the seed-to-seed noise it is judged against."""
+def _compare(steps: dict[str, list[int | None]], dks: tuple[int, ...], log_every: int, budget: int) -> dict[str, dict]:
+    """Per d_k: the medians, the effect (unscaled - scaled) with its standard error, and the margin."""
     out = {}
     for dk in dks:
         arms = [steps[f"1/{dk}"], steps[f"sqrt/{dk}"]]
         unscaled, scaled = (median_steps(a) for a in arms)
-        reached = [[s for s in a if s is not None] for a in arms]
-        spreads = [statistics.stdev(r) for r in reached if len(r) >= 2]
-        noise = max(statistics.fmean(spreads) if spreads else 0.0, float(resolution))
-        diff = None if unscaled is None or scaled is None else abs(unscaled - scaled)
-        out[str(dk)] = {"unscaled": unscaled, "scaled": scaled, "diff": diff, "noise": noise}
+        if unscaled is None or scaled is None:
+            out[str(dk)] = {"unscaled": unscaled, "scaled": scaled, "effect": None, "effect_spread": None, "margin": None, "side": None}
+            continue
+        u, s = (estimate([budget if x is None else x for x in a], quantisation(log_every)) for a in arms)
+        effect = difference(u, s)
+        margin = MARGIN_SHARE * scaled
+        size = Estimate(abs(effect.centre), effect.spread, effect.n)
+        if side(size, margin) == Side.BELOW:
+            found = "clearly below the margin"
+        elif side(size, margin) == Side.ABOVE:
+            found = "clearly above the margin"
+        elif side(size, 2 * margin) == Side.BELOW:
+            found = "within noise of the margin, clearly below twice it"
+        else:
+            found = "within noise of twice the margin"
+        out[str(dk)] = {
+            "unscaled": unscaled,
+            "scaled": scaled,
+            "effect": effect.centre,
+            "effect_spread": effect.spread,
+            "margin": margin,
+            "side": found,
+        }
     return out
 
 
@@ -139,21 +174,31 @@ def judge(measured: dict) -> Judgement:
         return Judgement(Verdict.INCONCLUSIVE, f"only {seeds} seed(s) per arm; seed-to-seed noise needs at least 2")
     comparison = measured["comparison"]
     for dk, c in comparison.items():
-        if c["diff"] is None:
+        if c["effect"] is None:
             return Judgement(
                 Verdict.INCONCLUSIVE,
                 f"at d_k = {dk} an arm's median run did not reach {TARGET:.0%} (unscaled {c['unscaled']}, scaled "
                 f"{c['scaled']}): too few runs reached the criterion to compare",
             )
     shown = "; ".join(
-        f"d_k={dk}: {c['unscaled']:g} vs {c['scaled']:g} steps unscaled vs scaled, diff {c['diff']:g}, seed noise {c['noise']:.0f}"
+        f"d_k={dk}: {c['unscaled']:g} vs {c['scaled']:g} steps unscaled vs scaled, effect {c['effect']:+g} +- "
+        f"{c['effect_spread']:.0f} against a margin of {c['margin']:.0f}: {c['side']}"
         for dk, c in comparison.items()
     )
-    if all(c["diff"] <= c["noise"] for c in comparison.values()):
-        return Judgement(Verdict.HOLDS, f"the scale's effect is within seed-to-seed noise at every d_k: {shown}")
-    if any(c["diff"] > 2 * c["noise"] and c["diff"] > 0.25 * c["scaled"] for c in comparison.values()):
-        return Judgement(Verdict.DOES_NOT_HOLD, f"the scale changes training beyond twice the seed noise: {shown}")
-    return Judgement(Verdict.HOLDS_APPROXIMATELY, f"a small effect, between one and two seed-noise widths or under 25%: {shown}")
+    sides = [c["side"] for c in comparison.values()]
+    if "clearly above the margin" in sides:
+        return Judgement(Verdict.DOES_NOT_HOLD, f"the scale changes training by clearly more than {MARGIN_SHARE:.0%}: {shown}")
+    if all(x == "clearly below the margin" for x in sides):
+        return Judgement(Verdict.HOLDS, f"the scale's effect is clearly under {MARGIN_SHARE:.0%} at every d_k: {shown}")
+    if all(x.endswith("clearly below twice it") or x == "clearly below the margin" for x in sides):
+        return Judgement(
+            Verdict.HOLDS_APPROXIMATELY,
+            f"a small effect: clearly under {2 * MARGIN_SHARE:.0%} at every d_k, within noise of {MARGIN_SHARE:.0%} at some: {shown}",
+        )
+    return Judgement(
+        Verdict.INCONCLUSIVE,
+        f"the scale's effect is within noise of {2 * MARGIN_SHARE:.0%} at some d_k ({seeds} seeds cannot bound it): {shown}",
+    )
 
 
 def plot(measured: dict, outdir: Path) -> list[str]:

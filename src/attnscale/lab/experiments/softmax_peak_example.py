@@ -39,6 +39,7 @@ CLAIM = Claim(
     "holds-approximately otherwise (the mass is on the peak but a quoted number is off).",
     rule_history=(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "1a5f4eb05600f99b"),
+        RuleVersion(2, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "b235ebfa43bafca2"),
     ),
 )
 HEADLINE = Headline("peak_prob", "softmax(0, 0, 11, 0) at the 11")

@@ -123,6 +123,7 @@ CLAIM = Claim(
             "instead of a holds-approximately merge of disagreeing optimizers",
             "fe47709b4ea71dfd",
         ),
+        RuleVersion(7, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "a75f6a0183dc0a4c"),
     ),
 )
 

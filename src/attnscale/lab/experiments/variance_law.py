@@ -53,6 +53,7 @@ CLAIM = Claim(
     "the premise holds in practice.",
     rule_history=(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "a24a945fcb075f67"),
+        RuleVersion(2, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "d62eeed6c962155f"),
     ),
 )
 HEADLINE = Headline("max_deviation_iid", "largest |Var(q.k) / d_k - 1| over d_k and iid distributions")
