@@ -729,8 +729,9 @@ def build_parser() -> argparse.ArgumentParser:
             "fixed before measuring. Finished experiments are cached in OUT/cache: an interrupted report resumes "
             "where it stopped, and a rerun with the same settings recomputes nothing. An experiment that fails is "
             "reported as inconclusive with its error; the exit code is 0 whenever the report was written.\n\n"
-            "profiles: quick = whole report in under 2 minutes on 2 cores; default = under 10 minutes; "
-            "full = tighter numbers, about 40 minutes on 2 cores; tiny = smoke test only."
+            "profiles: quick = CI's size; default = the published run (results/quick.json and "
+            "results/published.json record their wall time, and README.md states it); full = more seeds, larger "
+            "models and sweeps, for tighter numbers; tiny = smoke test only."
         ),
         example="attnscale report --profile quick --only saturation-example variance-law",
     )

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 Profile = Literal["tiny", "quick", "default", "full"]
-"""``tiny`` is for unit tests (seconds), ``quick`` for CI (the whole report in < 2 min),
-``default`` for users (< 10 min on 2 cores), ``full`` for tight confidence intervals."""
+"""``tiny`` is for unit tests (seconds), ``quick`` for CI, ``default`` for users (the published
+run; ``results/*.json`` record each run's wall time), ``full`` for tight confidence intervals."""
 
 PROFILES: tuple[Profile, ...] = ("tiny", "quick", "default", "full")
 
