@@ -61,6 +61,12 @@ def _escape(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _cpu(environment: dict[str, Any]) -> str:
+    """The CPU a run was measured on, as its environment recorded it."""
+    cpu = environment.get("cpu") or "an unrecorded CPU"
+    return cpu if cpu.startswith("an ") else f"an {cpu}" if cpu[:1].upper() in "AEIOU" else f"a {cpu}"
+
+
 def readme_table(summary: dict[str, Any]) -> str:
     """The README's verdict table: one row per claim, what was measured in plain words, its key number."""
     commit = summary["commit"] or "an unrecorded commit"
@@ -68,8 +74,8 @@ def readme_table(summary: dict[str, Any]) -> str:
         BEGIN,
         "",
         f"Profile `{summary['profile']}`, seed {summary['seed']}, commit `{commit}`, "
-        f"{summary['seconds'] / 60:.1f} min on {summary['environment'].get('cpu_count', '?')} CPUs "
-        f"(`results/published.json`):",
+        f"{summary['seconds'] / 60:.1f} min on {summary['environment'].get('cpu_count', '?')} CPUs of "
+        f"{_cpu(summary['environment'])} (`results/published.json`):",
         "",
         "| claim | verdict | what was measured | key number | rule |",
         "|---|---|---|---|---|",
