@@ -32,8 +32,9 @@ def _run(module, **sizes):
 
 
 def test_training_stall_adamw_learns_without_the_scale_at_d_k_64():
+    # 4 seeds: with 2, the slowdowns' standard errors leave the comparison with 1.25x within noise
     measured, judgement = _run(
-        training_stall, inits=("default", "unit"), steps=300, stop_at=0.9, long_steps=0, sgd_steps=0
+        training_stall, inits=("default", "unit"), steps=300, stop_at=0.9, long_steps=0, sgd_steps=0, seeds=4
     )
     assert judgement.verdict is Verdict.DOES_NOT_HOLD
     slowdown = measured["slowdown"]

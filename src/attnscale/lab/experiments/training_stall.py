@@ -51,6 +51,7 @@ from matplotlib.figure import Figure
 from ..base import Arm, Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import MQAR
 from ..training import SATURATED, ModelConfig, RunLog, TrainConfig, median_steps, train
+from ..uncertainty import Estimate, Side, estimate, quantisation, ratio, side
 
 CLAIM = Claim(
     id="training-stall",
@@ -72,10 +73,15 @@ CLAIM = Claim(
     ),
     rule=(
         "Per (init, d_k) condition, init in {default, unit}, slowdown r = median steps-to-90% without the scale / with sqrt(d_k) "
-        "(a run that never reaches 90% counts as infinitely slow). inconclusive if fewer than 2 seeds or "
-        "the scaled model's median does not reach 90% in some condition; holds if r >= 2 in every "
-        "condition; does-not-hold if no condition has r >= 2 and some condition has r < 1.25; "
-        "holds-approximately otherwise (slower everywhere but not 2x everywhere, or 2x in some conditions only). "
+        "over seeds, with its standard error (each median's 1.25 s / sqrt(n), s at least a logging interval / sqrt(12), "
+        "relative errors added in quadrature; a run that never reaches 90% counts at the step budget, and an unscaled "
+        "median that never reaches it is a stall, clearly slower than any bound). r is clearly above a bound b when "
+        "r - 2 standard errors > b, clearly below it when r + 2 standard errors <= b. inconclusive if fewer than 2 seeds "
+        "or the scaled model's median does not reach 90% in some condition; holds if r is clearly above 2 in every "
+        "condition; does-not-hold if r is clearly below 2 in every condition and clearly below 1.25 in some; "
+        "holds-approximately if r is clearly below 2 in some condition and either clearly above 2 in some or clearly "
+        "above 1.25 in every one (slower everywhere but not 2x everywhere, or 2x in some conditions only); "
+        "inconclusive otherwise (a comparison the verdict turns on is within noise). "
         "The rule is applied to each optimizer's runs on their own (AdamW; SGD where it ran, at each condition's best "
         "learning rate: the smallest median steps, a run that ends below 90% counting as never reaching it), and each "
         "optimizer's verdict is reported. The claim's verdict: inconclusive if every optimizer is inconclusive; "
@@ -124,6 +130,14 @@ CLAIM = Claim(
             "fe47709b4ea71dfd",
         ),
         RuleVersion(7, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "a75f6a0183dc0a4c"),
+        RuleVersion(
+            8,
+            "2026-12-02",
+            "every slowdown carries its standard error over seeds and counts against 2 and 1.25 only when clear by 2 "
+            "of them; a verdict that turns on a comparison within noise is inconclusive (v7 compared bare medians "
+            "of 3 seeds)",
+            "0c4faae9c38f7d22",
+        ),
     ),
 )
 
@@ -131,6 +145,7 @@ HEADLINE = Headline(
     "slowdown.default/128",
     "steps to 90% without the scale / with it (AdamW, default init, d_k 128)",
     "x",
+    spread="slowdown_spread.default/128",
 )
 INIT_GAINS = {"default": 1.0, "unit": math.sqrt(3.0), "small": 0.1, "large": 4 * math.sqrt(3.0)}
 VERDICT_INITS = ("default", "unit")
@@ -259,7 +274,7 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
 
     medians = {init: {label: median_steps(v) for label, v in by_label.items()} for init, by_label in steps.items()}
     sgd = _run_sgd(config, task, seed, progress, done, total) if config.sgd_steps else {}
-    return {
+    measured = {
         "config": asdict(config),
         "target_accuracy": TARGET,
         "chance_accuracy": 1.0 / config.n_values,
@@ -281,6 +296,12 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
         "optimizers": ["adamw", "sgd"] if sgd else ["adamw"],
         **sgd,
     }
+    spreads = {}
+    for cond, r in measured["slowdown"].items():
+        e = _slowdown_estimate(measured, "", cond) if r is not None else None
+        spreads[cond] = None if e is None else e.spread
+    measured["slowdown_spread"] = spreads
+    return measured
 
 
 def _sgd_conditions(config: Config) -> list[tuple[str, str, int]]:
@@ -506,8 +527,12 @@ def _judge_arm(measured: dict, suffix: str) -> Judgement:
     std = measured["init_logit_std"]
     # under SGD a run can miss 90% by collapsing after a rise rather than by stalling: say only what was measured
     missed = "stalls" if not suffix else "misses or loses 90%"
+    def spread(cond: str) -> str:
+        e = _slowdown_estimate(measured, suffix, cond)
+        return "" if e is None else f" +- {e.spread:.2f}"
+
     shown = "; ".join(
-        f"{cond}: {missed if math.isinf(r) else f'x{r:.2f}'} (unscaled init logit std "
+        f"{cond}: {missed if math.isinf(r) else f'x{r:.2f}{spread(cond)}'} (unscaled init logit std "
         f"{std[cond.split('/')[0]][_label('1', int(cond.split('/')[1]))]['raw']:.1f})"
         for cond, r in ratios.items()
     )
@@ -543,18 +568,46 @@ def _judge_arm(measured: dict, suffix: str) -> Judgement:
             accuracy,
             lambda runs, *_: f"{statistics.median(r['best'] for r in runs):.2f} -> {statistics.median(r['final'] for r in runs):.2f}",
         )
-    much = [c for c, r in ratios.items() if r >= MUCH_SLOWER]
-    if len(much) == len(ratios):
-        return Judgement(Verdict.HOLDS, f"without the scale learning is >= {MUCH_SLOWER:g}x slower or stalls everywhere: {shown}")
-    if not much and any(r < SLOWER for r in ratios.values()):
+    shown += f"; +- is the slowdown's standard error over {seeds} seeds"
+    estimates = {cond: _slowdown_estimate(measured, suffix, cond) for cond in ratios}
+    over2 = {cond: _side(e, MUCH_SLOWER) for cond, e in estimates.items()}
+    over125 = {cond: _side(e, SLOWER) for cond, e in estimates.items()}
+    if all(x == Side.ABOVE for x in over2.values()):
+        return Judgement(Verdict.HOLDS, f"without the scale learning is clearly >= {MUCH_SLOWER:g}x slower or stalls everywhere: {shown}")
+    if all(x == Side.BELOW for x in over2.values()) and Side.BELOW in over125.values():
         return Judgement(
             Verdict.DOES_NOT_HOLD,
-            f"no condition is {MUCH_SLOWER:g}x slower without the scale, and some are within {SLOWER:g}x: {shown}",
+            f"no condition is {MUCH_SLOWER:g}x slower without the scale, and some are clearly within {SLOWER:g}x: {shown}",
+        )
+    if Side.BELOW in over2.values() and (Side.ABOVE in over2.values() or all(x == Side.ABOVE for x in over125.values())):
+        return Judgement(
+            Verdict.HOLDS_APPROXIMATELY,
+            f"slower without the scale, but not {MUCH_SLOWER:g}x slower in every condition: {shown}",
         )
     return Judgement(
-        Verdict.HOLDS_APPROXIMATELY,
-        f"slower without the scale, but not {MUCH_SLOWER:g}x slower in every condition: {shown}",
+        Verdict.INCONCLUSIVE,
+        f"a comparison the verdict turns on is within noise (against {MUCH_SLOWER:g}x or {SLOWER:g}x; {seeds} seeds): {shown}",
     )
+
+
+def _side(value: Estimate | None, bound: float) -> Side:
+    """A stall (None) is clearly slower than any bound."""
+    return Side.ABOVE if value is None else side(value, bound)
+
+
+def _slowdown_estimate(measured: dict, suffix: str, cond: str) -> Estimate | None:
+    """The slowdown of one condition with its standard error over seeds; None for a stall (the
+    unscaled median never reaches 90%). Runs that never reach it count at the step budget."""
+    init, dk = cond.split("/")
+    per_seed = measured[f"steps_to_90{suffix}_per_seed"][init]
+    config = measured["config"]
+    budget = measured["sgd"]["budget"] if suffix else config["steps"]
+    unscaled, scaled = per_seed[_label("1", int(dk))], per_seed[_label("sqrt", int(dk))]
+    if median_steps(unscaled) is None:
+        return None
+    resolution = quantisation(config["log_every"])
+    counted = [estimate([budget if s is None else s for s in runs], resolution) for runs in (unscaled, scaled)]
+    return ratio(*counted)
 
 
 _COLORS = {"1": "tab:red", "sqrt": "tab:blue", "dk": "tab:green"}
