@@ -150,6 +150,29 @@ def test_every_feature_compiles_to_one_graph_equal_to_eager(feature):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_16_bit_inputs_compile_to_one_graph_on_either_path(monkeypatch, dtype, native):
+    """Which way the kernel takes 16-bit inputs (ops.half_products) is decided while tracing, as a
+    constant: no graph break, on either path, and the compiled forward and backward equal eager's."""
+    if native == "1" and not attnscale.kernels.load().half_gemm(1):
+        pytest.skip("this torch has no oneMKL 16-bit products")
+    monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", native)
+    model = Block(softcap=5.0, is_causal=True).to(dtype)
+    x = inputs().to(dtype)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    leaves = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    want, got = model(leaves[0]), compiled(leaves[1])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same kernel on the same inputs
+    (grad_want,), (grad_got,) = (torch.autograd.grad(y.float().square().sum(), [leaf]) for y, leaf in ((want, leaves[0]), (got, leaves[1])))
+    torch.testing.assert_close(grad_got, grad_want, rtol=0, atol=0)
+
+
+@needs_kernel
 def test_packed_sequences_compile_to_one_graph_equal_to_eager():
     model, x, cu = Packed(), torch.randn(30, H * D, generator=torch.Generator().manual_seed(2)), torch.tensor([0, 4, 21, 30], dtype=torch.int32)
     torch._dynamo.reset()
