@@ -58,7 +58,8 @@ def test_small_dk_the_scales_effect_is_small_at_d_k_2_and_4():
 
 
 def test_hard_routing_a_learned_temperature_routes_more_sharply_than_the_fixed_scale():
-    measured, judgement = _run(hard_routing, context=8, queries=4, n_values=16, steps=200, eval_batch=64)
+    # quick's sizes (4 s): at smaller ones the seeds' spread leaves the gap within noise of 0
+    measured, judgement = _run(hard_routing, **dataclasses.asdict(hard_routing.Config.for_profile("quick")))
     fixed, learned = measured["final_median"]["fixed"], measured["final_median"]["learned"]
     assert fixed["accuracy"] >= hard_routing.MIN_ACCURACY and learned["accuracy"] >= hard_routing.MIN_ACCURACY
     assert measured["sharpness_gap"] > 0

@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import PointerCopy
 from ..training import SATURATED, ModelConfig, TemperedLinear, TrainConfig, median_steps, train
+from ..uncertainty import Side, difference, estimate, side
 
 CLAIM = Claim(
     id="hard-routing",
@@ -42,24 +43,34 @@ CLAIM = Claim(
         "probability on the correct position, accuracy, over several seeds."
     ),
     rule=(
-        "Sharpness = median over seeds of the final mean max attention probability; noise = mean over the two "
-        "arms of its seed-to-seed std (at least 0.005). inconclusive if fewer than 2 seeds or either the fixed "
-        "or the learned arm has median accuracy < 0.9; does-not-hold if learned - fixed sharpness <= noise, or "
-        "the learned arm's median accuracy is more than 0.02 below the fixed one's; holds if learned is sharper "
-        "by more than the noise, reaches a near one-hot median (>= 0.99) and fixed does not; holds-approximately "
-        "otherwise (sharper, but not near one-hot, or fixed is near one-hot too)."
+        "Sharpness = median over seeds of the final mean max attention probability, with the median's standard "
+        "error (1.25 s / sqrt(n)); gap = learned - fixed sharpness, errors added in quadrature; a comparison is "
+        "clear by 2 standard errors. inconclusive if fewer than 2 seeds or either the fixed or the learned arm has "
+        "median accuracy < 0.9; does-not-hold if the gap is clearly below 0.005 (no sharpening worth the name) or "
+        "the learned arm's median accuracy is more than 0.02 below the fixed one's; inconclusive if the gap is "
+        "neither clearly below 0.005 nor clearly above 0; holds if the gap is clearly above 0, the learned arm is "
+        "clearly near one-hot (>= 0.99) and the fixed one clearly not; holds-approximately otherwise (sharper, but "
+        "not clearly near one-hot, or fixed near one-hot too)."
     ),
     rule_history=(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "57c549514b36f08b"),
         RuleVersion(2, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "a2296dc2970f3e4a"),
+        RuleVersion(
+            3,
+            "2026-12-02",
+            "the gap and the one-hot comparisons carry the seeds' standard errors and count only when clear by 2 of "
+            "them; v2 compared the gap with the arms' seed standard deviation and called a gap within it a refutation",
+            "803209c5429e2c61",
+        ),
     ),
 )
 
-HEADLINE = Headline("sharpness_gap", "max attention probability, learned temperature minus fixed scale")
+HEADLINE = Headline("sharpness_gap", "max attention probability, learned temperature minus fixed scale", spread="sharpness_gap_spread")
+MIN_SHARPENING = 0.005
+"""The smallest gap in mean max probability that counts as routing more sharply."""
 ARMS = {"fixed": ("sqrt", False), "learned": ("sqrt", True), "none": ("1", False)}
 MIN_ACCURACY = 0.9
 ACC_SLACK = 0.02
-MIN_NOISE = 0.005
 
 
 @dataclass(frozen=True)
@@ -123,15 +134,17 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
         "final": final,
         "final_median": medians,
         "sharpness_gap": medians["learned"]["max_prob"] - medians["fixed"]["max_prob"] if {"fixed", "learned"} <= medians.keys() else None,
+        "sharpness_gap_spread": _gap(final)[1] if {"fixed", "learned"} <= final.keys() else None,
         "steps_to_90": {arm: median_steps(v) for arm, v in steps.items()},
         "learned_temperature": temperatures,
         "curves": curves,
     }
 
 
-def _noise(values: list[list[float]]) -> float:
-    spreads = [statistics.stdev(v) for v in values if len(v) >= 2]
-    return max(statistics.fmean(spreads) if spreads else 0.0, MIN_NOISE)
+def _gap(final: dict) -> tuple[float, float]:
+    """learned - fixed median sharpness over seeds, and its standard error."""
+    gap = difference(estimate(final["learned"]["max_prob"]), estimate(final["fixed"]["max_prob"]))
+    return gap.centre, gap.spread
 
 
 def judge(measured: dict) -> Judgement:
@@ -148,19 +161,22 @@ def judge(measured: dict) -> Judgement:
             f"the routing was not learned (median accuracy fixed {fixed['accuracy']:.2f}, learned "
             f"{learned['accuracy']:.2f} < {MIN_ACCURACY}): sharpness of a wrong routing says nothing",
         )
-    noise = _noise([final["fixed"]["max_prob"], final["learned"]["max_prob"]])
-    gap = learned["max_prob"] - fixed["max_prob"]
+    gap = difference(estimate(final["learned"]["max_prob"]), estimate(final["fixed"]["max_prob"]))
+    fixed_sharp, learned_sharp = (estimate(final[a]["max_prob"]) for a in ("fixed", "learned"))
     temps = measured["learned_temperature"].get("learned", [])
     temp_text = f", learned temperature {statistics.median(t for run in temps for t in run):.2f}" if temps else ""
     shown = (
-        f"mean max prob fixed {fixed['max_prob']:.3f} vs learned {learned['max_prob']:.3f} (gap {gap:+.3f}, seed noise "
-        f"{noise:.3f}); accuracy {fixed['accuracy']:.3f} vs {learned['accuracy']:.3f}{temp_text}"
+        f"mean max prob fixed {fixed_sharp.text()} vs learned {learned_sharp.text()} (gap {gap.centre:+.3f} +- "
+        f"{gap.spread:.3f}); accuracy {fixed['accuracy']:.3f} vs {learned['accuracy']:.3f}{temp_text}"
     )
     if "none" in med:
         shown += f"; no scale: max prob {med['none']['max_prob']:.3f}, accuracy {med['none']['accuracy']:.3f}"
-    if gap <= noise or learned["accuracy"] < fixed["accuracy"] - ACC_SLACK:
+    shown += f"; +- is the median's standard error over {seeds} seeds"
+    if side(gap, MIN_SHARPENING) == Side.BELOW or learned["accuracy"] < fixed["accuracy"] - ACC_SLACK:
         return Judgement(Verdict.DOES_NOT_HOLD, f"the learned temperature does not route more sharply: {shown}")
-    if learned["max_prob"] >= SATURATED and fixed["max_prob"] < SATURATED:
+    if side(gap, 0.0) != Side.ABOVE:
+        return Judgement(Verdict.INCONCLUSIVE, f"the sharpening is within noise of both 0 and {MIN_SHARPENING:g}: {shown}")
+    if side(learned_sharp, SATURATED) == Side.ABOVE and side(fixed_sharp, SATURATED) == Side.BELOW:
         return Judgement(Verdict.HOLDS, f"the learned temperature reaches near one-hot attention and the fixed scale does not: {shown}")
     return Judgement(Verdict.HOLDS_APPROXIMATELY, f"the learned temperature routes more sharply, but not as claimed in full: {shown}")
 
