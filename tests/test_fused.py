@@ -180,6 +180,18 @@ def test_the_half_products_switch_refuses_other_values(monkeypatch):
     assert ops.half_products(torch.float32) is False  # float32 and float64 never ask
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_values_without_columns_give_empty_outputs_on_both_paths(half_path, dtype):
+    """Dv = 0 (brgemm takes no empty product: such calls go to oneMKL's, which skips it)."""
+    q, k = torch.randn(1, 2, 600, 8, dtype=dtype), torch.randn(1, 2, 700, 8, dtype=dtype)
+    v = torch.randn(1, 2, 700, 0, dtype=dtype)
+    for causal in (False, True):
+        out, stats = sdpa(q, k, v, is_causal=causal, softcap=5.0, return_stats=True)
+        want = sdpa(q.float(), k.float(), v.float(), is_causal=causal, softcap=5.0, return_stats=True)[1]
+        assert out.shape == (1, 2, 600, 0) and out.dtype == dtype
+        torch.testing.assert_close(stats.lse, want.lse, rtol=0, atol=1e-5)  # measured: 9.5e-7
+
+
 def _error(got, want):
     return np.abs(got.double().numpy() - want).max()
 
@@ -627,3 +639,14 @@ def test_rows_that_settle_give_the_reference_outputs_and_gradients(opts):
     expected = torch.autograd.grad((sdpa(*leaves, mask, backend="math", **opts) * grad_out).sum(), leaves)
     for name, g, w in zip("qkv", got, expected):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12, msg=f"d{name}")
+
+
+def test_forcing_16_bit_products_without_them_is_an_error(monkeypatch):
+    """ATTNSCALE_HALF_PRODUCTS=1 where the kernel has no 16-bit products refuses, rather than
+    quietly taking float32 copies."""
+    monkeypatch.setattr(ops, "load", lambda: None)
+    monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "1")
+    with pytest.raises(RuntimeError, match=r"ATTNSCALE_HALF_PRODUCTS=1: expected 16-bit products, got no compiled kernel.*Fix: unset"):
+        ops.half_products(torch.bfloat16)
+    monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "0")
+    assert ops.half_products(torch.bfloat16) is False

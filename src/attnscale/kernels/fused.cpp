@@ -118,16 +118,21 @@ inline void gemm16(int kind, char ta, char tb, int64_t m, int64_t n, int64_t k, 
        ld(ldb), beta, c, ld(ldc));
 }
 
-// A 16-bit row's entries as float vectors (n = Vectorized<float>::size() at a time) and as floats.
+// A 16-bit row's entries as float vectors (n = Vectorized<float>::size() at a time).
 template <typename H>
 inline Vectorized<float> load_float(const H* x) {
   Vectorized<float> out;
   at::vec::load_to_float<H>(x, out);
   return out;
 }
-template <typename H>
-inline float to_float(const H* x, int64_t c) {
-  return static_cast<float>(x[c]);
+
+// The rows' entries in T's vectors: E is T itself, or (T = float) a 16-bit format.
+template <typename T, typename E>
+inline Vectorized<T> load_as(const E* x) {
+  if constexpr (std::is_same_v<T, E>)
+    return Vectorized<T>::loadu(x);
+  else
+    return load_float(x);
 }
 
 // float32 weights as the second product's 16-bit operand (round to nearest even, as torch's casts).
@@ -366,33 +371,18 @@ T row_max(const T* x, int64_t width) {
 
 // sum x_c^2 over one contiguous row of `width` entries, vectorised: |q_i|^2 and |k_j|^2 for the
 // Cauchy-Schwarz bound rows settle on (forward_block, key_norms).
-template <typename T>
-T sum_squares(const T* x, int64_t width) {
+template <typename T, typename E = T>
+T sum_squares(const E* x, int64_t width) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
   Vec sq(T(0));
   int64_t c = 0;
   for (; c + n <= width; c += n) {
-    const Vec e = Vec::loadu(x + c);
+    const Vec e = load_as<T>(x + c);
     sq = at::vec::fmadd(e, e, sq);
   }
   T ss = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& v) { return a + v; }, sq);
-  for (; c < width; ++c) ss += x[c] * x[c];
-  return ss;
-}
-
-template <typename H>
-float sum_squares_half(const H* x, int64_t width) {
-  using Vec = Vectorized<float>;
-  constexpr int64_t n = Vec::size();
-  Vec sq(0.0f);
-  int64_t c = 0;
-  for (; c + n <= width; c += n) {
-    const Vec e = load_float(x + c);
-    sq = at::vec::fmadd(e, e, sq);
-  }
-  float ss = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& v) { return a + v; }, sq);
-  for (; c < width; ++c) ss += to_float(x, c) * to_float(x, c);
+  for (; c < width; ++c) ss += static_cast<T>(x[c]) * static_cast<T>(x[c]);
   return ss;
 }
 
@@ -400,10 +390,10 @@ float sum_squares_half(const H* x, int64_t width) {
 template <typename T>
 T query_norm2(const Problem<T>& P, const T* q, const uint16_t* qh, int64_t r) {
   if constexpr (std::is_same_v<T, float>) {
-    if (P.half == kBF16) return sum_squares_half(reinterpret_cast<const at::BFloat16*>(qh + r * P.q_sl), P.D);
-    if (P.half == kF16) return sum_squares_half(reinterpret_cast<const at::Half*>(qh + r * P.q_sl), P.D);
+    if (P.half == kBF16) return sum_squares<float>(reinterpret_cast<const at::BFloat16*>(qh + r * P.q_sl), P.D);
+    if (P.half == kF16) return sum_squares<float>(reinterpret_cast<const at::Half*>(qh + r * P.q_sl), P.D);
   }
-  return sum_squares(q + r * P.q_sl, P.D);
+  return sum_squares<T>(q + r * P.q_sl, P.D);
 }
 
 // Logits of one row of a tile, in place, and their maximum (NaN if any is NaN): on entry x (width
@@ -940,22 +930,6 @@ std::vector<std::pair<int64_t, int64_t>> sequence_blocks(const Problem<T>& P) {
 // max_j |k_j| per key head, (B, Hkv) (NaN if some |k_j| is NaN): the settled offset's key side
 // (forward_block). Inf where the head's values are so large (max |v| above max / (256 S e^limit))
 // that weights up to e^limit could overflow the accumulator: such heads keep the running max.
-// The rows' entries in T's vectors: E is T itself, or (T = float) a 16-bit format.
-template <typename T, typename E>
-inline Vectorized<T> load_as(const E* x) {
-  if constexpr (std::is_same_v<T, E>)
-    return Vectorized<T>::loadu(x);
-  else
-    return load_float(x);
-}
-template <typename T, typename E>
-inline T sum_squares_as(const E* x, int64_t width) {
-  if constexpr (std::is_same_v<T, E>)
-    return sum_squares(x, width);
-  else
-    return sum_squares_half(x, width);
-}
-
 template <typename T, typename E>
 std::vector<T> key_norms_of(const Problem<T>& P, const E* k_all, const E* v_all) {
   using Vec = Vectorized<T>;
@@ -966,7 +940,7 @@ std::vector<T> key_norms_of(const Problem<T>& P, const E* k_all, const E* v_all)
       const E* k = k_all + (bh / P.Hkv) * P.k_sb + (bh % P.Hkv) * P.k_sh;
       T best = T(0);
       for (int64_t j = 0; j < P.S; ++j) {
-        const T ss = sum_squares_as<T>(k + j * P.k_sl, P.D);
+        const T ss = sum_squares<T>(k + j * P.k_sl, P.D);
         if (std::isnan(ss)) {
           best = ss;
           break;
@@ -1007,10 +981,11 @@ std::vector<T> key_norms(const Problem<T>& P) {
 
 // Whether brgemm takes this problem's products: bfloat16 where torch's oneDNN microkernel runs
 // (AMX or AVX512-BF16: could_pack), an even head dim (VNNI pairs of d), one plain problem (packed
-// sequences start their keys anywhere; they take oneMKL's products).
+// sequences start their keys anywhere; they take oneMKL's products), and values with columns
+// (brgemm takes no empty product: Dv = 0 goes to oneMKL's, which skips it).
 template <typename T>
 bool takes_brgemm(const Problem<T>& P) {
-  return P.half == kBF16 && P.spans == nullptr && P.D % 2 == 0 && P.D > 0 && P.S > 0 &&
+  return P.half == kBF16 && P.spans == nullptr && P.D % 2 == 0 && P.D > 0 && P.S > 0 && P.Dv > 0 &&
          at::native::cpublas::could_pack(at::kBFloat16);
 }
 

@@ -99,6 +99,12 @@ def half_products(dtype: torch.dtype) -> bool:
         raise ValueError(f"{_HALF_ENV}: expected 0 or 1 (or unset: chosen from the CPU), got {forced!r}. Fix: unset it or pass 0 or 1")
     kernel = load()
     if kernel is None or not kernel.half_gemm(_HALF_KIND[dtype]):
+        if forced == "1":  # asked for, and not to be had: never a silent float32 copy
+            raise RuntimeError(
+                f"{_HALF_ENV}=1: expected 16-bit products, got "
+                f"{'no compiled kernel' if kernel is None else 'a torch without oneMKL 16-bit products'}. "
+                f"Fix: unset {_HALF_ENV} (or set it to 0) to take float32 copies"
+            )
         return False
     return forced == "1" if forced else _half_hardware(dtype)
 
