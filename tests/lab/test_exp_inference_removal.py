@@ -7,9 +7,14 @@ from attnscale.lab.base import Verdict, no_progress
 from attnscale.lab.experiments import inference_removal as exp
 
 
-def synthetic(drop_1: float, drop_dk: float, trained: float = 0.99, minilm: dict | None = None) -> dict:
+def synthetic(
+    drop_1: float, drop_dk: float, trained: float = 0.99, minilm: dict | None = None, spread: float | None = 0.001
+) -> dict:
     summary = {
-        f"64/{div}": {"accuracy_trained": trained, "accuracy_drop": drop, "loss_increase": 0.0, "entropy_change": 0.0}
+        f"64/{div}": {
+            "accuracy_trained": trained, "accuracy_drop": drop, "accuracy_drop_spread": spread, "loss_increase": 0.0,
+            "loss_increase_spread": spread, "entropy_change": 0.0, "seeds": 3,
+        }
         for div, drop in (("1", drop_1), ("dk", drop_dk))
     }
     return {"lab_summary": summary, "minilm": minilm or {"status": "not installed (transformers)"}}
@@ -29,6 +34,13 @@ def minilm(cos_1: float, cos_dk: float) -> dict:
         (synthetic(0.0, 0.7), Verdict.HOLDS_APPROXIMATELY),
         (synthetic(0.005, -0.01), Verdict.DOES_NOT_HOLD),
         (synthetic(0.3, 0.7, trained=0.5), Verdict.INCONCLUSIVE),
+        # within 2 standard errors of the 0.02 threshold: neither degraded nor intact
+        (synthetic(0.019, 0.7), Verdict.INCONCLUSIVE),
+        (synthetic(0.019, 0.7, spread=0.0004), Verdict.HOLDS_APPROXIMATELY),
+        (synthetic(0.021, 0.7), Verdict.INCONCLUSIVE),
+        (synthetic(0.023, 0.7), Verdict.HOLDS),
+        (synthetic(0.0, 0.7, spread=None), Verdict.INCONCLUSIVE),  # one seed: no spread, nothing is clear
+        (synthetic(0.3, 0.7, minilm=minilm(0.9505, 0.6)), Verdict.INCONCLUSIVE),
         ({"lab_summary": {}, "minilm": {"status": "skipped"}}, Verdict.INCONCLUSIVE),
     ],
 )

@@ -1,5 +1,6 @@
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -8,15 +9,18 @@ from attnscale.lab.base import Verdict, no_progress
 from attnscale.lab.experiments import jacobian_collapse as exp
 
 
-def synthetic(ratio_by_dk: dict[int, float], check: float | None = 0.0) -> dict:
+def synthetic(ratio_by_dk: dict[int, float], check: float | None = 0.0, se: float = 0.001) -> dict:
+    """Ratios with standard error ``se`` over 4 draws of keys."""
     curves = []
+    a = se * math.sqrt(3)  # 4 draws of +-a: standard error a / sqrt(3)
     for d_k, ratio in ratio_by_dk.items():
         scaled = 1.0 / math.sqrt(d_k)
         points = [
             {"alpha": scaled, "logit_std": 1.0, "offpeak_mass": 1.6, "spectral_norm": 0.1},
             {"alpha": 1.0, "logit_std": math.sqrt(d_k), "offpeak_mass": 1.6 * ratio, "spectral_norm": 0.1},
         ]
-        curves.append({"d_k": d_k, "points": points})
+        groups = {"scaled": [1.6] * 4, "unscaled": [1.6 * (ratio + a * (-1) ** g) for g in range(4)]}
+        curves.append({"d_k": d_k, "points": points, "offpeak_mass_per_draw": groups})
     return {"curves": curves, "autograd_max_abs_diff": check}
 
 
@@ -29,6 +33,10 @@ def synthetic(ratio_by_dk: dict[int, float], check: float | None = 0.0) -> dict:
         (synthetic({64: 0.5, 128: 0.4}), Verdict.DOES_NOT_HOLD),
         (synthetic({16: 0.05, 32: 0.05}), Verdict.INCONCLUSIVE),
         (synthetic({64: 0.05}, check=0.1), Verdict.INCONCLUSIVE),
+        # within 2 standard errors of 0.1 at d_k = 64: holds or holds approximately
+        (synthetic({64: 0.095, 128: 0.05}, se=0.005), Verdict.INCONCLUSIVE),
+        (synthetic({64: 0.085, 128: 0.05}, se=0.005), Verdict.HOLDS),
+        (synthetic({64: 0.29, 128: 0.2}, se=0.01), Verdict.INCONCLUSIVE),
         ({}, Verdict.INCONCLUSIVE),
     ],
 )
@@ -69,6 +77,17 @@ def test_run_tiny(measured):
     # the spectral norm rises from the uniform value, then falls: an interior maximum
     assert all(1.0 < v < 10.0 for v in measured["peak_logit_std"]["spectral_norm"].values())
     assert exp.judge(measured).verdict in (Verdict.HOLDS, Verdict.HOLDS_APPROXIMATELY)
+
+
+def test_ratio_error_matches_the_spread_over_seeds():
+    """The standard error of r(d_k) from one run's draws of keys is the seed-to-seed spread of r
+    over independent runs, within the sampling error of 8 seeds' standard deviation."""
+    config = exp.Config.for_profile("tiny")
+    runs = [exp.run(config, seed=s, progress=no_progress) for s in range(8)]
+    for d_k in config.d_ks:
+        observed = statistics.stdev(exp.ratios(r)[d_k] for r in runs)
+        predicted = statistics.median(r["offpeak_ratio_se"][str(d_k)] for r in runs)
+        assert 0.5 < predicted / observed < 2.0, (d_k, predicted, observed)
 
 
 def test_plot_writes_files(measured, tmp_path):

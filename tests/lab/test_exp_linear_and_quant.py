@@ -24,23 +24,35 @@ def test_linear_attention_measurements(linear_measured, tmp_path):
     sat = linear_measured["saturation"]
     assert sat["softmax"]["max_weight"][-1] > 0.99  # unscaled-like logits saturate softmax
     assert sat["relu"]["max_weight"][0] == pytest.approx(sat["relu"]["max_weight"][-1], rel=1e-9)  # scale-free
-    assert max(linear_measured["scale_sensitivity"]["relu"].values()) < 1e-12
-    assert min(linear_measured["scale_sensitivity"]["elu"].values()) > 1e-2
+    assert max(x for xs in linear_measured["scale_sensitivity"]["relu"].values() for x in xs) < 1e-12
+    assert min(x for xs in linear_measured["scale_sensitivity"]["elu"].values() for x in xs) > 1e-2
     assert linear_attention.plot(linear_measured, tmp_path) == ["linear_attention"]
     assert (tmp_path / "linear_attention.png").exists()
 
 
+def _favor(m, unscaled, scaled):
+    """FAVOR+ errors per seed: ``unscaled`` and ``scaled`` lists."""
+    m["favor_errors_per_seed"] = {"1": unscaled, "1/sqrt(D)": scaled, "1/D": [0.05] * len(scaled)}
+    return m
+
+
 def test_linear_attention_verdicts(linear_measured):
     m = copy.deepcopy(linear_measured)
-    m["favor_relative_error"] = {"1": 0.9, "1/sqrt(D)": 0.1, "1/D": 0.05}
-    assert linear_attention.judge(m).verdict is Verdict.HOLDS
-    m["favor_relative_error"] = {"1": 0.9, "1/sqrt(D)": 0.8, "1/D": 0.05}
-    assert linear_attention.judge(m).verdict is Verdict.HOLDS_APPROXIMATELY
+    m["scale_sensitivity"]["elu"] = {"16": [0.05, 0.06, 0.05], "64": [0.03, 0.031, 0.032]}
+    assert linear_attention.judge(_favor(m, [0.9, 0.91, 0.92], [0.1, 0.1, 0.1])).verdict is Verdict.HOLDS
+    assert linear_attention.judge(_favor(m, [0.9, 0.9, 0.9], [0.8, 0.8, 0.8])).verdict is Verdict.HOLDS_APPROXIMATELY
+    # a ratio of 2.2 +- 0.5 is within noise of the bound 2: neither holds nor clearly not
+    within = _favor(copy.deepcopy(m), [1.6, 2.2, 2.8], [1.0, 1.0, 1.0])
+    assert linear_attention.judge(within).verdict is Verdict.INCONCLUSIVE
+    assert linear_attention.judge(_favor(copy.deepcopy(m), [0.9], [0.1])).verdict is Verdict.INCONCLUSIVE  # one seed
+    noisy_elu = _favor(copy.deepcopy(m), [0.9, 0.91, 0.92], [0.1, 0.1, 0.1])
+    noisy_elu["scale_sensitivity"]["elu"]["64"] = [0.005, 0.012, 0.02]
+    assert linear_attention.judge(noisy_elu).verdict is Verdict.INCONCLUSIVE
     saturating = copy.deepcopy(m)
     saturating["saturation"]["elu"]["max_weight"][-1] = 0.95
     assert linear_attention.judge(saturating).verdict is Verdict.DOES_NOT_HOLD
     broken = copy.deepcopy(m)
-    broken["favor_relative_error"]["1"] = float("nan")
+    broken["favor_errors_per_seed"]["1"][0] = float("nan")
     assert linear_attention.judge(broken).verdict is Verdict.INCONCLUSIVE
 
 

@@ -1,4 +1,5 @@
 import json
+import statistics
 
 import pytest
 
@@ -6,7 +7,7 @@ from attnscale.lab.base import Verdict, no_progress
 from attnscale.lab.experiments import mup_correlated as exp
 
 
-def synthetic(exponent=1.0, sqrt_rise=0.8, shared_rise=0.0, d_ks=(8, 64, 512)) -> dict:
+def synthetic(exponent=1.0, sqrt_rise=0.8, shared_rise=0.0, d_ks=(8, 64, 512), se=0.01) -> dict:
     exponents = {case: {"rms_qk": exponent, "row_std": exponent} for case in exp.CASES}
     exponents["independent"] = {"rms_qk": 0.5, "row_std": 0.5}
     rows = []
@@ -15,7 +16,13 @@ def synthetic(exponent=1.0, sqrt_rise=0.8, shared_rise=0.0, d_ks=(8, 64, 512)) -
         for i, d_k in enumerate(d_ks):
             t = i / (len(d_ks) - 1)
             rows.append({"case": case, "d_k": d_k, "max_prob 1/sqrt(d_k)": 0.1 + rise * t, "max_prob 1/d_k": 0.05})
-    return {"exponents": exponents, "rows": rows}
+    boot = {
+        "draws": 200,
+        "exponent_se": dict.fromkeys(exp.CASES, se),
+        "drift_se": {c: dict.fromkeys(exp.SCALINGS, se) for c in exp.CASES},
+        "margin_se": dict.fromkeys(exp.CASES, se),
+    }
+    return {"exponents": exponents, "rows": rows, "bootstrap": boot}
 
 
 @pytest.mark.parametrize(
@@ -26,6 +33,12 @@ def synthetic(exponent=1.0, sqrt_rise=0.8, shared_rise=0.0, d_ks=(8, 64, 512)) -
         (synthetic(exponent=0.6), Verdict.DOES_NOT_HOLD),
         (synthetic(sqrt_rise=0.02), Verdict.DOES_NOT_HOLD),
         (synthetic(d_ks=(8, 16)), Verdict.INCONCLUSIVE),
+        # within 2 standard errors of a bound: the growth bound 0.85, the rise bound 0.1, the shared case
+        (synthetic(exponent=0.86), Verdict.INCONCLUSIVE),
+        (synthetic(exponent=0.86, se=0.001), Verdict.HOLDS_APPROXIMATELY),
+        (synthetic(sqrt_rise=0.11), Verdict.INCONCLUSIVE),
+        (synthetic(shared_rise=0.11), Verdict.INCONCLUSIVE),
+        (synthetic(shared_rise=0.13), Verdict.HOLDS),
         ({}, Verdict.INCONCLUSIVE),
     ],
 )
@@ -55,6 +68,17 @@ def test_run_tiny(measured):
         assert 0.0 < r["max_prob 1/d_k"] <= 1.0
     assert exp.drift(measured, "q=k", "1/sqrt(d_k)") > 0.3
     assert exp.judge(measured).verdict is Verdict.HOLDS_APPROXIMATELY
+
+
+def test_bootstrap_error_matches_the_spread_over_seeds():
+    """The bootstrap standard error of an exponent from one run is the seed-to-seed spread of that
+    exponent over independent runs, within the sampling error of 8 seeds' standard deviation."""
+    config = exp.Config.for_profile("tiny")
+    runs = [exp.run(config, seed=s, progress=no_progress) for s in range(8)]
+    for case in ("q=k", "spread", "independent"):
+        observed = statistics.stdev(r["exponents"][case]["rms_qk"] for r in runs)
+        predicted = statistics.median(r["bootstrap"]["exponent_se"][case] for r in runs)
+        assert 0.5 < predicted / observed < 2.0, (case, predicted, observed)
 
 
 def test_plot_writes_files(measured, tmp_path):

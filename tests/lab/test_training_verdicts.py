@@ -83,9 +83,11 @@ def test_logit_growth_logits_grow_without_a_guard_and_qk_norm_bounds_them():
     measured, judgement = _run(logit_growth, lrs=(3e-3, 5e-2), steps=100)
     # At this size QK-Clip's peak sits at its bound (1.25 tau), just above or below it as the kernel's
     # rounding changes: within noise of it (or, on some CPU, clearly above), never clearly under, so
-    # holds-approximately on every machine; QK-norm and softcap clearly hold.
+    # holds-approximately on every machine; QK-norm clearly holds, and softcap's saturated share
+    # (0.78 +- 0.04 at 2 threads on an AMD EPYC, 0.63 +- 0.09 at one) clearly holds or is within noise.
     assert judgement.verdict is Verdict.HOLDS_APPROXIMATELY
-    assert "qk-norm, softcap clearly as claimed" in judgement.reason
+    assert "qk-norm clearly as claimed" in judgement.reason or "qk-norm, softcap clearly as claimed" in judgement.reason
+    assert "softcap failed" not in judgement.reason
     assert "qk-clip within noise" in judgement.reason or "qk-clip failed" in judgement.reason
     tau, high = measured["config"]["tau"], f"{max(measured['config']['lrs']):g}"
     assert abs(measured["table"]["qk-clip"][high]["peak_max_logit"] / (logit_growth.CLIP_SLACK * tau) - 1) < 0.1

@@ -22,11 +22,24 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["MARGIN", "MEDIAN_SE", "Estimate", "Side", "difference", "estimate", "quantisation", "ratio", "side"]
+__all__ = [
+    "MARGIN",
+    "MEDIAN_SE",
+    "Estimate",
+    "Side",
+    "bootstrap_se",
+    "clear",
+    "difference",
+    "estimate",
+    "quantisation",
+    "ratio",
+    "ratio_of_means",
+    "side",
+]
 
 MARGIN = 2.0
 """Standard errors between a quantity and a threshold for the comparison to count as clear."""
@@ -97,3 +110,50 @@ def side(value: Estimate, bound: float, margin: float = MARGIN) -> Side:
     if value.centre - margin * value.spread > bound:
         return Side.ABOVE
     return Side.WITHIN
+
+
+def ratio_of_means(numerators: Sequence[float], denominators: Sequence[float]) -> Estimate:
+    """``mean(numerators) / mean(denominators)`` over independent groups (one pair per group: rows
+    that share a draw are one group), with the ratio estimator's standard error
+    ``sd(n_g - r d_g) / (sqrt(G) mean(d))``. One group: spread inf.
+
+    >>> e = ratio_of_means([1.0, 2.0, 3.0], [10.0, 20.0, 30.0])
+    >>> (e.centre, e.spread, e.n)
+    (0.1, 0.0, 3)
+    """
+    G = len(numerators)
+    if G == 0 or G != len(denominators):
+        raise ValueError(f"ratio_of_means: expected equal, non-zero counts; got {G} and {len(denominators)}")
+    mean_d = statistics.fmean(denominators)
+    if mean_d == 0:
+        raise ValueError("ratio_of_means: the denominators' mean is 0")
+    r = statistics.fmean(numerators) / mean_d
+    if G < 2:
+        return Estimate(r, math.inf, G)
+    residual = [n - r * d for n, d in zip(numerators, denominators, strict=True)]
+    return Estimate(r, statistics.stdev(residual) / (math.sqrt(G) * abs(mean_d)), G)
+
+
+def bootstrap_se(statistic: Callable[[int], float], draws: int) -> float:
+    """Standard deviation of ``statistic(b)`` over ``draws`` bootstrap resamples ``b = 0..draws-1``
+    (the caller resamples its own data for each ``b``): the statistic's standard error."""
+    if draws < 2:
+        raise ValueError(f"bootstrap_se: expected at least 2 draws, got {draws}")
+    return statistics.stdev(statistic(b) for b in range(draws))
+
+
+def clear(value: Estimate, low: float | None = None, high: float | None = None) -> bool | None:
+    """Whether ``value`` lies inside ``(low, high]`` (None: unbounded on that side): True when it is
+    clearly inside, False when clearly outside, None when within noise of a bound.
+
+    >>> clear(Estimate(1.0, 0.01, 4), 0.85, 1.15), clear(Estimate(0.86, 0.01, 4), 0.85), clear(Estimate(2.0, 0.1, 4), high=1.0)
+    (True, None, False)
+    """
+    sides = []
+    if low is not None:
+        sides.append(side(value, low) is Side.ABOVE if side(value, low) is not Side.WITHIN else None)
+    if high is not None:
+        sides.append(side(value, high) is Side.BELOW if side(value, high) is not Side.WITHIN else None)
+    if False in sides:
+        return False
+    return None if None in sides else True

@@ -29,6 +29,7 @@ from matplotlib.figure import Figure
 from ..base import Arm, Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
 from ..tasks import MQAR
 from ..training import ModelConfig, TrainConfig, evaluate, train
+from ..uncertainty import Estimate, Side, estimate, quantisation, side
 
 CLAIM = Claim(
     id="inference-removal",
@@ -44,12 +45,18 @@ CLAIM = Claim(
         "and attention entropy."
     ),
     rule=(
-        "Lab model: a replacement degrades it if the median over seeds of the accuracy drop is >= 0.02 or of "
-        "the loss increase is >= 0.1 nats; all-MiniLM-L6-v2 (when measured): if the mean embedding cosine to "
-        "the original is < 0.95. inconclusive if the trained lab model's median accuracy with the scale is below "
-        "0.9. Per model: holds if both removal (divisor 1) and 1/d_k degrade it; holds-approximately if exactly "
-        "one does; does-not-hold if neither does. Each model's verdict is reported; the claim's is the least "
-        "supportive of the two (does-not-hold < holds-approximately < holds)."
+        "Lab model: per d_k and replacement, the accuracy drop and the loss increase are paired differences per "
+        "seed, summarised as the median over seeds with its standard error (the accuracy's floored at its "
+        "resolution, one held-out query). A replacement degrades the model if, at some d_k, the accuracy drop is "
+        "clearly (by 2 standard errors) >= 0.02 or the loss increase clearly >= 0.1 nats; it leaves it intact if "
+        "at every d_k both are clearly below; otherwise it is within noise. all-MiniLM-L6-v2 (when measured; "
+        "its weights and inputs are fixed, so it has no seeds): degraded if the mean embedding cosine to the "
+        "original is < 0.95, intact if >= 0.95, within noise if within 0.001 of it. inconclusive if the trained lab "
+        "model's median accuracy with the scale is below 0.9. Per model: holds if both removal (divisor 1) and "
+        "1/d_k degrade it; holds-approximately if exactly one does and the other clearly not; does-not-hold if "
+        "neither does; inconclusive if a replacement is within noise. Each model's verdict is reported; the claim's "
+        "is inconclusive if either model's is, else the least supportive of the two (does-not-hold < "
+        "holds-approximately < holds)."
     ),
     rule_history=(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "087b215b6fd68049"),
@@ -61,16 +68,27 @@ CLAIM = Claim(
             "3428df3ef2abfd2c",
         ),
         RuleVersion(3, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "aced8930c5456e7c"),
+        RuleVersion(
+            4,
+            "2026-12-02",
+            "the lab model's accuracy drop and loss increase carry their seeds' standard errors and count only when "
+            "clear of the threshold by 2 of them; a replacement within noise makes the model's verdict (and the "
+            "claim's) inconclusive instead of letting rounding decide it",
+            "e87e6cac0d50ffa3",
+        ),
     ),
 )
 
 HEADLINE = Headline(
     "lab_summary.64/1.accuracy_drop",
     "accuracy lost when the scale is removed at inference (lab model, d_k 64)",
+    spread="lab_summary.64/1.accuracy_drop_spread",
 )
 ACC_DROP = 0.02
 LOSS_RISE = 0.1
 COSINE_CHANGED = 0.95
+COSINE_NOISE = 1e-3
+"""all-MiniLM-L6-v2's cosine this close to COSINE_CHANGED is within noise (it has no seeds)."""
 MIN_TRAINED_ACCURACY = 0.9
 
 # Fixed inputs for the pretrained model: no data set is downloaded.
@@ -151,7 +169,7 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
         "config": asdict(config),
         "exponents": {_key(e): e for e in config.exponents},
         "lab": lab,
-        "lab_summary": _lab_summary(lab),
+        "lab_summary": _lab_summary(lab, 1.0 / (config.eval_batch * config.queries)),
         "minilm": minilm,
     }
 
@@ -161,8 +179,9 @@ def _key(exponent: float) -> str:
     return {0.0: "1", 0.5: "sqrt", 1.0: "dk"}.get(exponent, f"dk^{exponent:g}")
 
 
-def _lab_summary(lab: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str, dict[str, float]]:
-    """Median over seeds of the change from the trained divisor, per "d_k/divisor"."""
+def _lab_summary(lab: dict[str, dict[str, list[dict[str, float]]]], resolution: float) -> dict[str, dict[str, float]]:
+    """Median over seeds of the change from the trained divisor, per "d_k/divisor", with the
+    medians' standard errors (``*_spread``; the accuracy's floored at ``resolution``)."""
     out = {}
     for dk, by_div in lab.items():
         base = by_div["sqrt"]
@@ -170,13 +189,27 @@ def _lab_summary(lab: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str,
             if div not in by_div:
                 continue
             rows = by_div[div]
+            drop = estimate([b["accuracy"] - r["accuracy"] for b, r in zip(base, rows)], quantisation(resolution))
+            rise = estimate([r["loss"] - b["loss"] for b, r in zip(base, rows)])
             out[f"{dk}/{div}"] = {
                 "accuracy_trained": statistics.median(b["accuracy"] for b in base),
-                "accuracy_drop": statistics.median(b["accuracy"] - r["accuracy"] for b, r in zip(base, rows)),
-                "loss_increase": statistics.median(r["loss"] - b["loss"] for b, r in zip(base, rows)),
+                "accuracy_drop": drop.centre,
+                "accuracy_drop_spread": _finite(drop.spread),
+                "loss_increase": rise.centre,
+                "loss_increase_spread": _finite(rise.spread),
                 "entropy_change": statistics.median(r["entropy"] - b["entropy"] for b, r in zip(base, rows)),
+                "seeds": drop.n,
             }
     return out
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no infinity: a spread from one seed is stored as None."""
+    return x if math.isfinite(x) else None
+
+
+def _spread(x: float | None) -> float:
+    return math.inf if x is None else x
 
 
 def _minilm(exponents: tuple[float, ...]) -> dict:
@@ -250,8 +283,11 @@ def _mean_entropy(attentions: tuple[torch.Tensor, ...], mask: torch.Tensor) -> f
 _SUPPORT = {Verdict.DOES_NOT_HOLD: 0, Verdict.HOLDS_APPROXIMATELY: 1, Verdict.HOLDS: 2}
 
 
-def _verdict(degraded: dict[str, bool]) -> Verdict:
-    """holds if both replacements degrade the model, does-not-hold if neither does, else holds-approximately."""
+def _verdict(degraded: dict[str, bool | None]) -> Verdict:
+    """holds if both replacements degrade the model, does-not-hold if neither does, holds-approximately
+    if one does; inconclusive if either is within noise (None)."""
+    if None in degraded.values():
+        return Verdict.INCONCLUSIVE
     n = sum(degraded.values())
     if len(degraded) == 2 and n == 2:
         return Verdict.HOLDS
@@ -263,7 +299,26 @@ def _says(verdict: Verdict) -> str:
         Verdict.HOLDS: "both replacements degrade it",
         Verdict.HOLDS_APPROXIMATELY: "only one replacement degrades it",
         Verdict.DOES_NOT_HOLD: "neither replacement degrades it",
+        Verdict.INCONCLUSIVE: "a replacement's effect is within noise of the thresholds",
     }[verdict]
+
+
+def _degrades(s: dict[str, float]) -> bool | None:
+    """One d_k and replacement: True if the accuracy drop or loss increase is clearly at or over its
+    threshold, False if both are clearly under, None if within noise."""
+    drop = Estimate(s["accuracy_drop"], _spread(s["accuracy_drop_spread"]), s["seeds"])
+    rise = Estimate(s["loss_increase"], _spread(s["loss_increase_spread"]), s["seeds"])
+    sides = (side(drop, ACC_DROP), side(rise, LOSS_RISE))
+    if Side.ABOVE in sides:
+        return True
+    return False if sides == (Side.BELOW, Side.BELOW) else None
+
+
+def _any(results: list[bool | None]) -> bool | None:
+    """True if one d_k clearly degrades, False if every d_k clearly does not, None otherwise."""
+    if True in results:
+        return True
+    return None if None in results else False
 
 
 def judge(measured: dict) -> Judgement:
@@ -276,30 +331,42 @@ def judge(measured: dict) -> Judgement:
             Verdict.INCONCLUSIVE,
             f"the lab model reached only {trained:.2f} accuracy with the scale (< {MIN_TRAINED_ACCURACY}): nothing to degrade",
         )
-    degraded = {}
-    for div in ("1", "dk"):
-        rows = [s for key, s in summary.items() if key.endswith(f"/{div}")]
-        if rows:
-            degraded[div] = any(s["accuracy_drop"] >= ACC_DROP or s["loss_increase"] >= LOSS_RISE for s in rows)
+    try:
+        degraded = {
+            div: _any([_degrades(s) for key, s in summary.items() if key.endswith(f"/{div}")])
+            for div in ("1", "dk")
+            if any(key.endswith(f"/{div}") for key in summary)
+        }
+    except KeyError:
+        return Judgement(Verdict.INCONCLUSIVE, "the lab summary lacks the seeds' standard errors")
     lab_shown = "; ".join(
         f"d_k={key.split('/')[0]} divisor {key.split('/')[1]}: accuracy {s['accuracy_trained']:.3f} -> "
-        f"{s['accuracy_trained'] - s['accuracy_drop']:.3f}, loss {s['loss_increase']:+.3f}, entropy {s['entropy_change']:+.2f} nats"
+        f"{s['accuracy_trained'] - s['accuracy_drop']:.3f} (drop {s['accuracy_drop']:.3f} +- {_spread(s['accuracy_drop_spread']):.2g}), "
+        f"loss {s['loss_increase']:+.3f} +- {_spread(s['loss_increase_spread']):.2g}, entropy {s['entropy_change']:+.2f} nats"
         for key, s in summary.items()
     )
-    lab = Arm("lab model", _verdict(degraded), f"{_says(_verdict(degraded))}: {lab_shown}")
+    seeds = min(s["seeds"] for s in summary.values())
+    lab_verdict = _verdict(degraded)
+    lab = Arm("lab model", lab_verdict, f"{_says(lab_verdict)}: {lab_shown}; +- is the median's standard error over {seeds} seeds")
     minilm = measured["minilm"]
     if minilm.get("status") != "measured":
         return Judgement(lab.verdict, f"{lab.reason}; all-MiniLM-L6-v2: {minilm.get('status')}")
     by = minilm["by_divisor"]
-    changed = {d: by[d]["mean_cosine"] < COSINE_CHANGED for d in ("1", "dk") if d in by}
+    changed = {
+        d: None if abs(by[d]["mean_cosine"] - COSINE_CHANGED) < COSINE_NOISE else by[d]["mean_cosine"] < COSINE_CHANGED
+        for d in ("1", "dk")
+        if d in by
+    }
     minilm_shown = ", ".join(
         f"divisor {d}: embedding cosine {by[d]['mean_cosine']:.3f}, entropy {by[d]['entropy'] - by['sqrt']['entropy']:+.2f} nats"
         for d in changed
     )
     pretrained = Arm("all-MiniLM-L6-v2", _verdict(changed), f"{_says(_verdict(changed))}: {minilm_shown}")
     arms = (lab, pretrained)
-    least = min(arms, key=lambda a: _SUPPORT[a.verdict])
     each = "; ".join(f"{a.name}: {a.verdict.value}" for a in arms)
+    if Verdict.INCONCLUSIVE in (lab.verdict, pretrained.verdict):
+        return Judgement(Verdict.INCONCLUSIVE, f"a model's verdict is within noise ({each})", arms)
+    least = min(arms, key=lambda a: _SUPPORT[a.verdict])
     if lab.verdict is pretrained.verdict:
         return Judgement(least.verdict, f"both models agree ({each})", arms)
     return Judgement(

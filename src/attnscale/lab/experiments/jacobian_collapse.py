@@ -18,6 +18,7 @@ import torch
 import attnscale
 
 from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..uncertainty import MARGIN, Estimate, ratio_of_means
 
 CLAIM = Claim(
     id="jacobian-collapse",
@@ -39,17 +40,30 @@ CLAIM = Claim(
     ),
     rule=(
         "r(d_k) = mean off-peak mass at alpha = 1 divided by that at alpha = 1/sqrt(d_k), for every "
-        "d_k >= 64. Holds: r <= 0.1 for all of them. Holds approximately: r <= 0.1 for every d_k >= 128 "
-        "or r <= 0.3 for all. Does not hold: otherwise. Inconclusive: no d_k >= 64, missing values, or "
-        "the closed-form Jacobian disagrees with autograd by more than 1e-5."
+        "d_k >= 64, with the ratio estimator's standard error over the independent draws of keys (the "
+        "rows that share one draw of keys are one group). Holds: r <= 0.1 for all of them. Holds "
+        "approximately: r <= 0.1 for every d_k >= 128 or r <= 0.3 for all. Does not hold: otherwise. "
+        "The rule is applied at r - 2 standard errors and at r + 2 standard errors; where the two "
+        "verdicts differ a ratio is within noise of a bound and the verdict is inconclusive. "
+        "Inconclusive also: no d_k >= 64, missing values, or the closed-form Jacobian disagrees with "
+        "autograd by more than 1e-5."
     ),
     rule_history=(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "e5a8209ca7fca05b"),
         RuleVersion(2, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "47c423c22e6560b8"),
+        RuleVersion(
+            3,
+            "2026-12-02",
+            "each ratio carries its standard error over the independent draws of keys, and a ratio within 2 of "
+            "them of a bound makes the verdict inconclusive instead of letting rounding on another CPU decide it",
+            "110df9cb957a3c8b",
+        ),
     ),
 )
 
-HEADLINE = Headline("offpeak_ratio.128", "off-peak Jacobian mass, unscaled / scaled, at d_k 128", "x")
+HEADLINE = Headline(
+    "offpeak_ratio.128", "off-peak Jacobian mass, unscaled / scaled, at d_k 128", "x", spread="offpeak_ratio_se.128"
+)
 """Off-peak Jacobian mass unscaled / scaled at d_k = 128."""
 
 METRICS = ("offpeak_mass", "offpeak_max", "spectral_norm", "frobenius_norm")
@@ -65,7 +79,7 @@ class Config:
     @classmethod
     def for_profile(cls, profile: Profile) -> Config:
         if profile == "tiny":
-            return cls(d_ks=(16, 64, 128), keys=32, rows=64, scales=10)
+            return cls(d_ks=(16, 64, 128), keys=32, rows=512, scales=10)
         if profile == "quick":
             return cls(rows=192, scales=16)
         if profile == "default":
@@ -156,14 +170,17 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
         k = torch.randn(B, 1, S, d_k, generator=gen)  # (B, Hkv, S, D)
         raw = q @ k.transpose(-1, -2)  # (B, 1, L, S)
         points = []
+        groups = {}  # per draw of keys (batch item): mean off-peak mass at alpha = 1 and at 1/sqrt(d_k)
         for alpha in _grid(config, d_k):
             p = attnscale.scaled_dot_product_attention(q, k, eye, scale=alpha).reshape(-1, S)  # (B * L, S)
             metrics = jacobian_metrics(p.double())
+            if alpha in (1.0, 1.0 / math.sqrt(d_k)):
+                groups["unscaled" if alpha == 1.0 else "scaled"] = metrics["offpeak_mass"].reshape(B, L).mean(1).tolist()
             point = {"alpha": alpha, "logit_std": float((alpha * raw).std()), "max_prob": float(p.amax(-1).mean())}
             point |= {name: float(value.mean()) for name, value in metrics.items()}
             point["offpeak_mass_median"] = float(metrics["offpeak_mass"].median())
             points.append(point)
-        curves.append({"d_k": d_k, "points": points})
+        curves.append({"d_k": d_k, "points": points, "offpeak_mass_per_draw": groups})
         progress(done + 1, len(config.d_ks))
 
     peaks = {}
@@ -184,7 +201,17 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
         "autograd_max_abs_diff": autograd_check(gen, min(S, 16)),
     }
     measured["offpeak_ratio"] = {str(d): r for d, r in ratios(measured).items()}
+    measured["offpeak_ratio_se"] = {str(d): e.spread for d, e in ratio_estimates(measured).items()}
     return measured
+
+
+def ratio_estimates(measured: dict) -> dict[int, Estimate]:
+    """Off-peak mass unscaled / scaled per d_k, with its standard error over the draws of keys."""
+    out = {}
+    for curve in measured["curves"]:
+        groups = curve["offpeak_mass_per_draw"]
+        out[int(curve["d_k"])] = ratio_of_means(groups["unscaled"], groups["scaled"])
+    return out
 
 
 def ratios(measured: dict, metric: str = "offpeak_mass") -> dict[int, float]:
@@ -198,32 +225,46 @@ def ratios(measured: dict, metric: str = "offpeak_mass") -> dict[int, float]:
     return out
 
 
+def _verdict(large: dict[int, float]) -> tuple[Verdict, str]:
+    """The rule on one value of every ratio (d_k >= 64)."""
+    if all(x <= 0.1 for x in large.values()):
+        return Verdict.HOLDS, ""
+    if all(x <= 0.1 for d, x in large.items() if d >= 128) and any(d >= 128 for d in large):
+        return Verdict.HOLDS_APPROXIMATELY, " (below 0.1 only from d_k = 128)"
+    if all(x <= 0.3 for x in large.values()):
+        return Verdict.HOLDS_APPROXIMATELY, " (below 0.3, not 0.1)"
+    return Verdict.DOES_NOT_HOLD, ""
+
+
 def judge(measured: dict) -> Judgement:
     try:
-        r = ratios(measured)
+        r = ratio_estimates(measured)
         check = measured["autograd_max_abs_diff"]
-    except (KeyError, TypeError, ZeroDivisionError):
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return Judgement(Verdict.INCONCLUSIVE, "the measurement lacks off-peak masses at alpha = 1 and 1/sqrt(d_k)")
     if check is None or check > 1e-5:
         return Judgement(Verdict.INCONCLUSIVE, f"closed-form Jacobian differs from autograd by {check}")
     large = {d: x for d, x in r.items() if d >= 64}
     if not large:
         return Judgement(Verdict.INCONCLUSIVE, f"no d_k >= 64 among {sorted(r)}")
-    text = ", ".join(f"d_k={d}: {x:.3f}" for d, x in sorted(large.items()))
+    text = ", ".join(f"d_k={d}: {x.text()}" for d, x in sorted(large.items()))
     peaks = measured.get("peak_logit_std", {}).get("spectral_norm", {})
     rises = [v for v in peaks.values() if v is not None]
     note = ""
     if rises:
         note = f"; the spectral norm first rises, peaking near logit std {min(rises):.2g}..{max(rises):.2g}"
     spectral = ", ".join(f"{x:.2f}" for d, x in sorted(ratios(measured, "spectral_norm").items()) if d >= 64)
-    reason = f"off-peak mass unscaled / scaled: {text}{note}; spectral norm unscaled / scaled: {spectral}"
-    if all(x <= 0.1 for x in large.values()):
-        return Judgement(Verdict.HOLDS, reason)
-    if all(x <= 0.1 for d, x in large.items() if d >= 128) and any(d >= 128 for d in large):
-        return Judgement(Verdict.HOLDS_APPROXIMATELY, reason + " (below 0.1 only from d_k = 128)")
-    if all(x <= 0.3 for x in large.values()):
-        return Judgement(Verdict.HOLDS_APPROXIMATELY, reason + " (below 0.3, not 0.1)")
-    return Judgement(Verdict.DOES_NOT_HOLD, reason)
+    reason = (
+        f"off-peak mass unscaled / scaled: {text} (+- a standard error over the draws of keys){note}; "
+        f"spectral norm unscaled / scaled: {spectral}"
+    )
+    low, low_note = _verdict({d: x.centre - MARGIN * x.spread for d, x in large.items()})
+    high, high_note = _verdict({d: x.centre + MARGIN * x.spread for d, x in large.items()})
+    if low is not high:
+        return Judgement(
+            Verdict.INCONCLUSIVE, reason + f"; within 2 standard errors the rule gives {low.value} or {high.value}"
+        )
+    return Judgement(low, reason + low_note)
 
 
 def plot(measured: dict, outdir: Path) -> list[str]:

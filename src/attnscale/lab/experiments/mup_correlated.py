@@ -18,6 +18,7 @@ import torch
 import attnscale
 
 from ..base import Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..uncertainty import Estimate, clear
 
 CLAIM = Claim(
     id="mup-correlated",
@@ -37,17 +38,29 @@ CLAIM = Claim(
         "(return_stats) with scale 1/sqrt(d_k) and 1/d_k."
     ),
     rule=(
-        "Key-specific cases: rho = 0.5, q = k, spread. Growth: their RMS exponents lie in [0.85, 1.15] "
-        "and the independent one in [0.4, 0.6]. Under-correction: for each of them the mean max "
-        "probability with 1/sqrt(d_k) rises by more than 0.1 from the smallest to the largest d_k, and "
-        "changes less in absolute value with 1/d_k. Holds: growth, under-correction, and the shared "
-        "case under-corrects too. Holds approximately: growth and under-correction, but the shared "
-        "case does not (correlation must differ between keys to matter). Does not hold: otherwise. "
-        "Inconclusive: fewer than 3 head sizes, a span below 16, or missing values."
+        "Key-specific cases: rho = 0.5, q = k, spread. Every number the rule compares carries a bootstrap "
+        "standard error (200 resamples of the rows within each case and d_k), and a comparison counts only when "
+        "the number is clear of its bound by 2 standard errors. Growth: the key-specific RMS exponents lie "
+        "clearly inside [0.85, 1.15] and the independent one clearly inside [0.4, 0.6]. Under-correction of a "
+        "case: its mean max probability with 1/sqrt(d_k) rises clearly by more than 0.1 from the smallest to the "
+        "largest d_k, and that rise exceeds clearly the absolute change with 1/d_k. Holds: growth, and every "
+        "key-specific case and the shared case under-correct. Holds approximately: growth and the key-specific "
+        "cases under-correct, and the shared case clearly does not (correlation must differ between keys to "
+        "matter). Does not hold: a growth or key-specific under-correction comparison clearly fails. "
+        "Inconclusive: a comparison the verdict depends on is within noise, fewer than 3 head sizes, a span "
+        "below 16, or missing values."
     ),
     rule_history=(
         RuleVersion(1, "2026-11-29", "the rule as first committed", "696e770669aaf7f9"),
         RuleVersion(2, "2026-12-02", "the fingerprint now also covers the measurement (run, the lab code it calls, every profile's Config), so that a change to what is measured needs a new version; the rule is unchanged", "98cd52084443a2ee"),
+        RuleVersion(
+            3,
+            "2026-12-02",
+            "every compared number carries a bootstrap standard error over rows and counts only when clear of its "
+            "bound by 2 of them: a number within noise of a bound is inconclusive, so the verdict does not flip "
+            "with floating-point rounding on another CPU",
+            "76667cae16835d95",
+        ),
     ),
 )
 
@@ -59,11 +72,15 @@ CASES = {
     "spread": "rho_j ~ U(-0.5, 0.5)",
     "shared": "every key rho = 0.5",
 }
-HEADLINE = Headline("exponents.q=k.rms_qk", "exponent of d_k in the growth of rms q.k when q = k")
+HEADLINE = Headline(
+    "exponents.q=k.rms_qk", "exponent of d_k in the growth of rms q.k when q = k", spread="bootstrap.exponent_se.q=k"
+)
 """Growth exponent of q.k with d_k when one key equals the query."""
 
 KEY_SPECIFIC = ("aligned_0.5", "q=k", "spread")
 SCALINGS = ("1/sqrt(d_k)", "1/d_k")
+BOOTSTRAP_DRAWS = 200
+"""Resamples of the rows (within each case and d_k) behind every standard error the rule uses."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +126,7 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
     gen = torch.Generator().manual_seed(seed)
     R, S = config.rows, config.keys
     table = []
+    per_row: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # per (case, d_k): (R,) values behind the means
     total = len(CASES) * len(config.d_ks)
     done = 0
     for case in CASES:
@@ -122,8 +140,10 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
             pairs = raw[:, :1] if case.startswith("aligned_") or case == "q=k" else raw
             row = {"case": case, "d_k": d_k, "rms_qk": float(pairs.pow(2).mean().sqrt())}
             row["row_std"] = float(raw.std(dim=-1).mean())
+            cell = per_row[case, d_k] = {"square_qk": pairs.pow(2).mean(dim=-1).double()}  # every row has as many pairs
             for name, scale in zip(SCALINGS, (1.0 / math.sqrt(d_k), 1.0 / d_k), strict=True):
                 _, stats = attnscale.scaled_dot_product_attention(q, k, v, scale=scale, return_stats=True)
+                cell[name] = stats.max_prob.reshape(R).double()
                 row[f"max_prob {name}"] = float(stats.max_prob.mean())
                 row[f"row_std {name}"] = row["row_std"] * scale
             table.append(row)
@@ -137,7 +157,29 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
             "rms_qk": growth_exponent(d_ks, [r["rms_qk"] for r in rows]),
             "row_std": growth_exponent(d_ks, [r["row_std"] for r in rows]),
         }
-    return {"keys": S, "cases": CASES, "rows": table, "exponents": exponents}
+    boot = _bootstrap(per_row, list(config.d_ks), torch.Generator().manual_seed(seed + 1))
+    return {"keys": S, "cases": CASES, "rows": table, "exponents": exponents, "bootstrap": boot}
+
+
+def _bootstrap(per_row: dict[tuple[str, int], dict[str, torch.Tensor]], d_ks: list[int], gen: torch.Generator) -> dict:
+    """Bootstrap standard errors of the exponents, the max-probability changes and the under-correction
+    margins: the rows of every (case, d_k) cell resampled with replacement, BOOTSTRAP_DRAWS times."""
+    means: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    for key, cell in per_row.items():
+        n = cell["square_qk"].numel()
+        idx = torch.randint(n, (BOOTSTRAP_DRAWS, n), generator=gen)
+        means[key] = {name: values[idx].mean(dim=1) for name, values in cell.items()}  # (draws,)
+    x = torch.log(torch.tensor(d_ks, dtype=torch.float64))
+    xc = x - x.mean()
+    out: dict[str, dict] = {"draws": BOOTSTRAP_DRAWS, "exponent_se": {}, "drift_se": {}, "margin_se": {}}
+    for case in CASES:
+        y = torch.stack([means[case, d]["square_qk"].sqrt().log() for d in d_ks])  # (d_ks, draws)
+        slopes = (xc[:, None] * (y - y.mean(dim=0))).sum(dim=0) / (xc**2).sum()
+        out["exponent_se"][case] = float(slopes.std())
+        drift = {s: means[case, d_ks[-1]][s] - means[case, d_ks[0]][s] for s in SCALINGS}
+        out["drift_se"][case] = {s: float(d.std()) for s, d in drift.items()}
+        out["margin_se"][case] = float((drift["1/sqrt(d_k)"] - drift["1/d_k"].abs()).std())
+    return out
 
 
 def drift(measured: dict, case: str, scaling: str) -> float:
@@ -146,27 +188,47 @@ def drift(measured: dict, case: str, scaling: str) -> float:
     return rows[-1][f"max_prob {scaling}"] - rows[0][f"max_prob {scaling}"]
 
 
+def _all(results: list[bool | None]) -> bool | None:
+    """True if every comparison clearly passes, False if one clearly fails, None otherwise."""
+    if False in results:
+        return False
+    return None if None in results else True
+
+
 def judge(measured: dict) -> Judgement:
     try:
-        exps = {case: measured["exponents"][case]["rms_qk"] for case in (*KEY_SPECIFIC, "independent")}
+        boot = measured["bootstrap"]
+        exps = {
+            case: Estimate(measured["exponents"][case]["rms_qk"], boot["exponent_se"][case], boot["draws"])
+            for case in (*KEY_SPECIFIC, "independent")
+        }
         drifts = {c: {s: drift(measured, c, s) for s in SCALINGS} for c in (*KEY_SPECIFIC, "shared")}
+        rise = {c: Estimate(d["1/sqrt(d_k)"], boot["drift_se"][c]["1/sqrt(d_k)"], boot["draws"]) for c, d in drifts.items()}
+        margin = {
+            c: Estimate(d["1/sqrt(d_k)"] - abs(d["1/d_k"]), boot["margin_se"][c], boot["draws"]) for c, d in drifts.items()
+        }
         d_ks = sorted({r["d_k"] for r in measured["rows"]})
     except (KeyError, TypeError, IndexError):
-        return Judgement(Verdict.INCONCLUSIVE, "the measurement lacks exponents or max probabilities")
-    if any(x is None for x in exps.values()) or len(d_ks) < 3 or d_ks[-1] / d_ks[0] < 16:
+        return Judgement(Verdict.INCONCLUSIVE, "the measurement lacks exponents, max probabilities or their standard errors")
+    if any(not math.isfinite(e.centre) for e in exps.values()) or len(d_ks) < 3 or d_ks[-1] / d_ks[0] < 16:
         return Judgement(Verdict.INCONCLUSIVE, f"head sizes {d_ks} too few or exponents missing")
-    growth = all(0.85 <= exps[c] <= 1.15 for c in KEY_SPECIFIC) and 0.4 <= exps["independent"] <= 0.6
-    under = {c: d["1/sqrt(d_k)"] > 0.1 and abs(d["1/d_k"]) < d["1/sqrt(d_k)"] for c, d in drifts.items()}
-    text = ", ".join(f"{c} {e:.2f}" for c, e in exps.items())
-    moves = ", ".join(f"{c} {d['1/sqrt(d_k)']:+.2f} vs {d['1/d_k']:+.2f}" for c, d in drifts.items())
+    growth = _all([clear(exps[c], 0.85, 1.15) for c in KEY_SPECIFIC] + [clear(exps["independent"], 0.4, 0.6)])
+    under = {c: _all([clear(rise[c], low=0.1), clear(margin[c], low=0.0)]) for c in drifts}
+    text = ", ".join(f"{c} {e.text(2)}" for c, e in exps.items())
+    moves = ", ".join(f"{c} {rise[c].text(2)} vs {drifts[c]['1/d_k']:+.2f}" for c in drifts)
     reason = (
         f"q.k growth exponents: {text}; max-probability change over d_k {d_ks[0]}..{d_ks[-1]} "
-        f"with 1/sqrt(d_k) vs 1/d_k: {moves}"
+        f"with 1/sqrt(d_k) vs 1/d_k: {moves}; +- is a bootstrap standard error over rows"
     )
-    if not growth or not all(under[c] for c in KEY_SPECIFIC):
+    needed = _all([growth, *(under[c] for c in KEY_SPECIFIC)])
+    if needed is False:
         return Judgement(Verdict.DOES_NOT_HOLD, reason)
-    if under["shared"]:
+    if needed is None:
+        return Judgement(Verdict.INCONCLUSIVE, reason + "; a growth or under-correction comparison is within noise")
+    if under["shared"] is True:
         return Judgement(Verdict.HOLDS, reason)
+    if under["shared"] is None:
+        return Judgement(Verdict.INCONCLUSIVE, reason + "; whether the shared case under-corrects is within noise")
     return Judgement(
         Verdict.HOLDS_APPROXIMATELY,
         reason + "; a correlation shared by every key only shifts the row and does not matter",
