@@ -18,14 +18,14 @@ def synthetic(fixed: list[float], learned: list[float], acc_fixed: float = 1.0, 
 @pytest.mark.parametrize(
     ("measured", "verdict"),
     [
-        (synthetic([0.94, 0.95, 0.945], [0.992, 0.995, 0.993]), Verdict.HOLDS),
+        (synthetic([0.94, 0.95, 0.945], [0.995, 0.996, 0.9955]), Verdict.HOLDS),
         (synthetic([0.94, 0.95, 0.945], [0.965, 0.97, 0.968]), Verdict.HOLDS_APPROXIMATELY),
         (synthetic([0.991, 0.992, 0.992], [0.998, 0.999, 0.999]), Verdict.HOLDS_APPROXIMATELY),
         # gap 0.000 +- 0.001: clearly under the 0.005 that counts
         (synthetic([0.944, 0.945, 0.946], [0.945, 0.946, 0.944]), Verdict.DOES_NOT_HOLD),
         # gap +0.001 +- 0.005: within noise of both 0 and 0.005
         (synthetic([0.94, 0.95, 0.945], [0.94, 0.951, 0.946]), Verdict.INCONCLUSIVE),
-        (synthetic([0.94, 0.95, 0.945], [0.992, 0.995, 0.993], acc_learned=0.95), Verdict.DOES_NOT_HOLD),
+        (synthetic([0.94, 0.95, 0.945], [0.995, 0.996, 0.9955], acc_learned=0.95), Verdict.DOES_NOT_HOLD),
         (synthetic([0.5, 0.6, 0.55], [0.9, 0.95, 0.93], acc_fixed=0.4), Verdict.INCONCLUSIVE),
         (synthetic([0.9], [0.99]), Verdict.INCONCLUSIVE),
     ],

@@ -34,11 +34,11 @@ def minilm(cos_1: float, cos_dk: float) -> dict:
         (synthetic(0.0, 0.7), Verdict.HOLDS_APPROXIMATELY),
         (synthetic(0.005, -0.01), Verdict.DOES_NOT_HOLD),
         (synthetic(0.3, 0.7, trained=0.5), Verdict.INCONCLUSIVE),
-        # within 2 standard errors of the 0.02 threshold: neither degraded nor intact
+        # within 4.3 standard errors (t, 3 seeds) of the 0.02 threshold: neither degraded nor intact
         (synthetic(0.019, 0.7), Verdict.INCONCLUSIVE),
-        (synthetic(0.019, 0.7, spread=0.0004), Verdict.HOLDS_APPROXIMATELY),
+        (synthetic(0.019, 0.7, spread=0.0002), Verdict.HOLDS_APPROXIMATELY),
         (synthetic(0.021, 0.7), Verdict.INCONCLUSIVE),
-        (synthetic(0.023, 0.7), Verdict.HOLDS),
+        (synthetic(0.026, 0.7), Verdict.HOLDS),
         (synthetic(0.0, 0.7, spread=None), Verdict.INCONCLUSIVE),  # one seed: no spread, nothing is clear
         (synthetic(0.3, 0.7, minilm=minilm(0.9505, 0.6)), Verdict.INCONCLUSIVE),
         ({"lab_summary": {}, "minilm": {"status": "skipped"}}, Verdict.INCONCLUSIVE),

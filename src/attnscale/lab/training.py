@@ -342,10 +342,13 @@ def _lr_factor(step: int, warmup: int) -> float:
 
 
 def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW or SGD with torch's ``foreach`` implementation: the per-parameter update's arithmetic,
+    on every parameter tensor at once (torch's CPU default loops over them in Python, which for
+    these tiny models costs about a fifth of a step)."""
     groups = _param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-    return torch.optim.AdamW(groups, lr=cfg.lr)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, foreach=True)
 
 
 def _head_max_logits(seen: list[AttentionOutput]) -> list[Tensor]:

@@ -6,15 +6,19 @@ The spread is the standard error of the median over seeds, ``1.2533 s / sqrt(n)`
 seeds' sample standard deviation; 1.2533 = sqrt(pi / 2), the median's standard error relative to
 the mean's for normal data), with ``s`` floored at the measurement's own resolution where it has
 one (a step count logged every ``k`` steps is known to ``k / sqrt(12)``: a uniform quantisation).
-A quantity is clearly below a bound when ``centre + MARGIN * spread <= bound``, clearly above when
-``centre - MARGIN * spread > bound``, and within noise otherwise. Floating-point rounding on
-another CPU, thread count or kernel perturbs a training run much as another seed does, so a
-verdict that needs every comparison to be clear is the same verdict on any of them.
+A quantity is clearly below a bound when ``centre + m * spread <= bound``, clearly above when
+``centre - m * spread > bound``, and within noise otherwise, where ``m = margin(n)`` is Student's t
+two-sided 95% quantile with ``n - 1`` degrees of freedom: the seeds' standard deviation is itself
+estimated from the ``n`` seeds, so 2 seeds need 12.7 standard errors, 3 need 4.30, 8 need 2.36,
+and many (a bootstrap, many independent draws) about 1.96. Floating-point rounding on another
+CPU, thread count or kernel perturbs a training run much as another seed does, so a verdict that
+needs every comparison to be clear is, but for a 5% chance per comparison, the same verdict on
+any of them.
 
     >>> e = estimate([1.0, 2.0, 3.0])
-    >>> (e.centre, round(e.spread, 3), e.n)
-    (2.0, 0.724, 3)
-    >>> side(e, 4.0), side(e, 2.5), side(e, 0.0)
+    >>> (e.centre, round(e.spread, 3), e.n, margin(e.n))
+    (2.0, 0.724, 3, 4.303)
+    >>> side(e, 6.0), side(e, 4.0), side(e, -2.0)
     (<Side.BELOW: 'below'>, <Side.WITHIN: 'within noise'>, <Side.ABOVE: 'above'>)
 """
 
@@ -27,7 +31,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 __all__ = [
-    "MARGIN",
     "MEDIAN_SE",
     "Estimate",
     "Side",
@@ -35,14 +38,36 @@ __all__ = [
     "clear",
     "difference",
     "estimate",
+    "margin",
     "quantisation",
     "ratio",
     "ratio_of_means",
     "side",
 ]
 
-MARGIN = 2.0
-"""Standard errors between a quantity and a threshold for the comparison to count as clear."""
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045,
+)  # Student's t, two-sided 95% (the 0.975 quantile), 1..29 degrees of freedom
+_Z975 = 1.959964
+
+
+def margin(n: int) -> float:
+    """Standard errors between a quantity measured over ``n`` seeds (or groups) and a threshold for
+    the comparison to count as clear: Student's t 0.975 quantile with ``n - 1`` degrees of freedom
+    (Cornish-Fisher expansion from 30 on; inf below 2 seeds).
+
+    >>> margin(2), margin(4), round(margin(31), 3), round(margin(10**6), 3)
+    (12.706, 3.182, 2.042, 1.96)
+    """
+    df = n - 1
+    if df < 1:
+        return math.inf
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = _Z975
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 MEDIAN_SE = math.sqrt(math.pi / 2)
 """The median's standard error over the mean's, for normal data."""
@@ -102,12 +127,15 @@ def ratio(a: Estimate, b: Estimate) -> Estimate:
     return Estimate(a.centre / b.centre, spread, min(a.n, b.n))
 
 
-def side(value: Estimate, bound: float, margin: float = MARGIN) -> Side:
-    """Whether ``value`` is clearly below ``bound``, clearly above it, or within ``margin``
-    standard errors of it (a NaN centre or spread: within noise)."""
-    if value.centre + margin * value.spread <= bound:
+def side(value: Estimate, bound: float) -> Side:
+    """Whether ``value`` is clearly below ``bound``, clearly above it, or within ``margin(value.n)``
+    standard errors of it (a NaN centre or spread, or a single seed: within noise)."""
+    m = margin(value.n)
+    if not math.isfinite(m):
+        return Side.WITHIN
+    if value.centre + m * value.spread <= bound:
         return Side.BELOW
-    if value.centre - margin * value.spread > bound:
+    if value.centre - m * value.spread > bound:
         return Side.ABOVE
     return Side.WITHIN
 

@@ -45,7 +45,7 @@ CLAIM = Claim(
     rule=(
         "Sharpness = median over seeds of the final mean max attention probability, with the median's standard "
         "error (1.25 s / sqrt(n)); gap = learned - fixed sharpness, errors added in quadrature; a comparison is "
-        "clear by 2 standard errors. inconclusive if fewer than 2 seeds or either the fixed or the learned arm has "
+        "clear by t standard errors, t being Student's t 95% quantile for the seed count (12.7 for 2 seeds, 4.30 for 3, 3.18 for 4, 2.36 for 8). inconclusive if fewer than 2 seeds or either the fixed or the learned arm has "
         "median accuracy < 0.9; does-not-hold if the gap is clearly below 0.005 (no sharpening worth the name) or "
         "the learned arm's median accuracy is more than 0.02 below the fixed one's; inconclusive if the gap is "
         "neither clearly below 0.005 nor clearly above 0; holds if the gap is clearly above 0, the learned arm is "
@@ -61,6 +61,12 @@ CLAIM = Claim(
             "the gap and the one-hot comparisons carry the seeds' standard errors and count only when clear by 2 of "
             "them; v2 compared the gap with the arms' seed standard deviation and called a gap within it a refutation",
             "803209c5429e2c61",
+        ),
+        RuleVersion(
+            4,
+            "2026-12-02",
+            "a comparison is clear by Student's t 95% quantile of standard errors for the seed count (12.7 for 2 seeds, 4.30 for 3, 3.18 for 4) instead of 2: from a few seeds their standard deviation is itself uncertain, and the quick profile's 2 seeds gave logit-growth a clear growth on an AMD EPYC where an Intel Xeon's was within noise; training's AdamW and SGD use torch's foreach implementation (the same update on all parameters at once, faster)",
+            "396c044e0c2bea0b",
         ),
     ),
 )

@@ -48,7 +48,7 @@ CLAIM = Claim(
         "Lab model: per d_k and replacement, the accuracy drop and the loss increase are paired differences per "
         "seed, summarised as the median over seeds with its standard error (the accuracy's floored at its "
         "resolution, one held-out query). A replacement degrades the model if, at some d_k, the accuracy drop is "
-        "clearly (by 2 standard errors) >= 0.02 or the loss increase clearly >= 0.1 nats; it leaves it intact if "
+        "clearly (by t standard errors, t being Student's t 95% quantile for the seed count (12.7 for 2 seeds, 4.30 for 3, 3.18 for 4, 2.36 for 8)) >= 0.02 or the loss increase clearly >= 0.1 nats; it leaves it intact if "
         "at every d_k both are clearly below; otherwise it is within noise. all-MiniLM-L6-v2 (when measured; "
         "its weights and inputs are fixed, so it has no seeds): degraded if the mean embedding cosine to the "
         "original is < 0.95, intact if >= 0.95, within noise if within 0.001 of it. inconclusive if the trained lab "
@@ -75,6 +75,12 @@ CLAIM = Claim(
             "clear of the threshold by 2 of them; a replacement within noise makes the model's verdict (and the "
             "claim's) inconclusive instead of letting rounding decide it",
             "e87e6cac0d50ffa3",
+        ),
+        RuleVersion(
+            5,
+            "2026-12-02",
+            "a comparison is clear by Student's t 95% quantile of standard errors for the seed count (12.7 for 2 seeds, 4.30 for 3, 3.18 for 4) instead of 2: from a few seeds their standard deviation is itself uncertain, and the quick profile's 2 seeds gave logit-growth a clear growth on an AMD EPYC where an Intel Xeon's was within noise; training's AdamW and SGD use torch's foreach implementation (the same update on all parameters at once, faster)",
+            "e3b5a244f665afed",
         ),
     ),
 )

@@ -44,7 +44,7 @@ CLAIM = Claim(
         "exceeds 0.9 at the largest c (it saturates) or if ReLU's output changes by more than 1e-5 under the scale "
         "(the scale would not cancel). elu+1's change under the scale (per D) and FAVOR+'s error at scale 1 over its "
         "error at 1/sqrt(D) (paired per seed) are medians over the seeds with their standard errors, compared only "
-        "when clear of the bound by 2 of them. holds if, in addition, softmax saturates (mean max weight > 0.9 at the "
+        "when clear of the bound by t standard errors, t being Student's t 95% quantile for the seed count (12.7 for 2 seeds, 4.30 for 3, 3.18 for 4, 2.36 for 8). holds if, in addition, softmax saturates (mean max weight > 0.9 at the "
         "largest c), elu+1's output changes clearly by more than 1e-2 under the scale at every D (the feature map "
         "decides) and FAVOR+'s error ratio is clearly above 2; holds-approximately if one of these clearly fails; "
         "inconclusive if none clearly fails but one is within noise."
@@ -59,6 +59,12 @@ CLAIM = Claim(
             "profile, was 3 for FAVOR+ and one draw for elu+1) with their standard errors, and a comparison within "
             "2 of them of its bound is inconclusive",
             "17d21fb578c94a5d",
+        ),
+        RuleVersion(
+            4,
+            "2026-12-02",
+            "a comparison is clear by Student's t 95% quantile of standard errors for the seed count (12.7 for 2 seeds, 4.30 for 3, 3.18 for 4) instead of 2: from a few seeds their standard deviation is itself uncertain, and the quick profile's 2 seeds gave logit-growth a clear growth on an AMD EPYC where an Intel Xeon's was within noise",
+            "45c4d814687c177b",
         ),
     ),
 )

@@ -60,8 +60,8 @@ CLAIM = Claim(
     ),
     rule=(
         "Every number is the median over seeds at the end of training, with its standard error (1.25 s / sqrt(n) "
-        "over the seeds); a comparison with a bound is clear when the number is more than 2 standard errors "
-        "from it, else within noise. Reference R = max logit of the unguarded model at the lowest (normal) "
+        "over the seeds); a comparison with a bound is clear when the number is more than "
+        "t standard errors, t being Student's t 95% quantile for the seed count (12.7 for 2 seeds, 4.30 for 3, 3.18 for 4, 2.36 for 8) from it, else within noise. Reference R = max logit of the unguarded model at the lowest (normal) "
         "learning rate: what learning the task needs. inconclusive if fewer than 2 seeds, fewer than 2 learning "
         "rates, a guard missing at the highest learning rate, the reference model's accuracy < 0.9, or growth "
         "within noise. Growth G: the unguarded max logit at the highest learning rate, over R, clearly >= 10. "
@@ -80,6 +80,12 @@ CLAIM = Claim(
             "QK-Clip's peak (37.3 on one CPU, 39.2 on another, against 37.5) flipped the verdict between machines; "
             "the fingerprint now also covers the measurement (run, its helpers, every profile's Config)",
             "d9e83c95cc1aaa0b",
+        ),
+        RuleVersion(
+            3,
+            "2026-12-02",
+            "a comparison is clear by Student's t 95% quantile of standard errors for the seed count (12.7 for 2 seeds, 4.30 for 3, 3.18 for 4) instead of 2: from a few seeds their standard deviation is itself uncertain, and the quick profile's 2 seeds gave logit-growth a clear growth on an AMD EPYC where an Intel Xeon's was within noise; training's AdamW and SGD use torch's foreach implementation (the same update on all parameters at once, faster)",
+            "9c82bc9f82e7dd46",
         ),
     ),
 )

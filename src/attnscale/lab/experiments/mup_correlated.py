@@ -40,7 +40,7 @@ CLAIM = Claim(
     rule=(
         "Key-specific cases: rho = 0.5, q = k, spread. Every number the rule compares carries a bootstrap "
         "standard error (200 resamples of the rows within each case and d_k), and a comparison counts only when "
-        "the number is clear of its bound by 2 standard errors. Growth: the key-specific RMS exponents lie "
+        "the number is clear of its bound by Student's t 95% quantile of standard errors (1.97 for 200 resamples). Growth: the key-specific RMS exponents lie "
         "clearly inside [0.85, 1.15] and the independent one clearly inside [0.4, 0.6]. Under-correction of a "
         "case: its mean max probability with 1/sqrt(d_k) rises clearly by more than 0.1 from the smallest to the "
         "largest d_k, and that rise exceeds clearly the absolute change with 1/d_k. Holds: growth, and every "
@@ -60,6 +60,12 @@ CLAIM = Claim(
             "bound by 2 of them: a number within noise of a bound is inconclusive, so the verdict does not flip "
             "with floating-point rounding on another CPU",
             "76667cae16835d95",
+        ),
+        RuleVersion(
+            4,
+            "2026-12-02",
+            "a comparison is clear by Student's t 95% quantile of standard errors for the seed count (12.7 for 2 seeds, 4.30 for 3, 3.18 for 4) instead of 2: from a few seeds their standard deviation is itself uncertain, and the quick profile's 2 seeds gave logit-growth a clear growth on an AMD EPYC where an Intel Xeon's was within noise",
+            "39fe48e42b563b3b",
         ),
     ),
 )

@@ -33,8 +33,8 @@ CLAIM = Claim(
         "Per d_k: effect = median steps-to-90% without the scale - with it, over seeds, with its standard error "
         "(each arm's 1.25 s / sqrt(n), s at least a logging interval / sqrt(12), added in quadrature; a run that "
         "never reaches 90% counts at the step budget); margin m = 25% of the scaled median. |effect| is clearly "
-        "below a bound b when |effect| + 2 standard errors <= b, clearly above it when |effect| - 2 standard "
-        "errors > b. inconclusive if fewer than 2 seeds or either arm's median does not reach 90%; does-not-hold "
+        "below a bound b when |effect| + t standard errors <= b, clearly above it when |effect| - t standard "
+        "errors > b, t being Student's t 95% quantile for the seed count (12.7 for 2 seeds, 4.30 for 3, 3.18 for 4, 2.36 for 8). inconclusive if fewer than 2 seeds or either arm's median does not reach 90%; does-not-hold "
         "if |effect| is clearly above m at some d_k; holds if it is clearly below m at every d_k; "
         "holds-approximately if it is clearly below 2 m at every d_k (a small effect, not shown to be under m); "
         "inconclusive otherwise (more seeds would tell)."
@@ -49,6 +49,12 @@ CLAIM = Claim(
             "difference with its standard error against a 25% margin, within noise saying so. The fingerprint "
             "now also covers the measurement (run, its helpers, every profile's Config)",
             "321f83af3b369714",
+        ),
+        RuleVersion(
+            3,
+            "2026-12-02",
+            "a comparison is clear by Student's t 95% quantile of standard errors for the seed count (12.7 for 2 seeds, 4.30 for 3, 3.18 for 4) instead of 2: from a few seeds their standard deviation is itself uncertain, and the quick profile's 2 seeds gave logit-growth a clear growth on an AMD EPYC where an Intel Xeon's was within noise; training's AdamW and SGD use torch's foreach implementation (the same update on all parameters at once, faster)",
+            "9d665b8aff7a4487",
         ),
     ),
 )

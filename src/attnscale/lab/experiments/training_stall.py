@@ -76,7 +76,8 @@ CLAIM = Claim(
         "over seeds, with its standard error (each median's 1.25 s / sqrt(n), s at least a logging interval / sqrt(12), "
         "relative errors added in quadrature; a run that never reaches 90% counts at the step budget, and an unscaled "
         "median that never reaches it is a stall, clearly slower than any bound). r is clearly above a bound b when "
-        "r - 2 standard errors > b, clearly below it when r + 2 standard errors <= b. inconclusive if fewer than 2 seeds "
+        "r - t standard errors > b, clearly below it when r + t standard errors <= b, t being Student's t 95% quantile "
+        "for the seed count (12.7 for 2 seeds, 4.30 for 3, 3.18 for 4, 2.36 for 8). inconclusive if fewer than 2 seeds "
         "or the scaled model's median does not reach 90% in some condition; holds if r is clearly above 2 in every "
         "condition; does-not-hold if r is clearly below 2 in every condition and clearly below 1.25 in some; "
         "holds-approximately if r is clearly below 2 in some condition and either clearly above 2 in some or clearly "
@@ -137,6 +138,12 @@ CLAIM = Claim(
             "of them; a verdict that turns on a comparison within noise is inconclusive (v7 compared bare medians "
             "of 3 seeds)",
             "0c4faae9c38f7d22",
+        ),
+        RuleVersion(
+            9,
+            "2026-12-02",
+            "a comparison is clear by Student's t 95% quantile of standard errors for the seed count (12.7 for 2 seeds, 4.30 for 3, 3.18 for 4) instead of 2: from a few seeds their standard deviation is itself uncertain, and the quick profile's 2 seeds gave logit-growth a clear growth on an AMD EPYC where an Intel Xeon's was within noise; training's AdamW and SGD use torch's foreach implementation (the same update on all parameters at once, faster)",
+            "812ecb1c85d0c281",
         ),
     ),
 )
