@@ -367,7 +367,7 @@ def markdown(result: dict) -> str:
     shapes = f"L {'/'.join(str(x) for x in sorted({r['L'] for r in result['rows']}))} x D {'/'.join(str(x) for x in sorted({r['D'] for r in result['rows']}))}"
     repeats = len(result["rows"][0]["times"]["torch"]) if result["rows"] else 0
     lines = [
-        f"One run of `python benchmarks/bench_fused.py --json benchmarks/recorded/fused.json` at commit {result.get('commit', 'unknown')} "
+        f"One run of `{result.get('command', 'python benchmarks/bench_fused.py --json benchmarks/recorded/fused.json')}` at commit {result.get('commit', 'unknown')} "
         f"on {result.get('cpu', 'an unrecorded CPU')}: B = 1, H = 8, fp32 unless stated, {shapes}, each cell the median of {repeats} "
         "interleaved per-repeat ratios to torch's SDPA on the plain problem of the same shape. Range over the cells, and how many meet "
         "the kernel's target:",
@@ -432,6 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     threads = args.threads or sorted({default_threads, 1}, reverse=True)
     lengths, dims, repeats = ([2048], [64], 3) if args.quick else (args.lengths, args.dims, args.repeats)
     result: dict = {"schema": SCHEMA, "default_threads": default_threads, "rows": [], "windows": [], "peaks": {}}
+    result["command"] = " ".join(["python benchmarks/bench_fused.py", *(sys.argv[1:] if argv is None else argv)])
     if args.blocks:
         for t in threads:
             for r in blocks_rows(t, repeats):
