@@ -275,8 +275,11 @@ def _row_peaks(out: Tensor) -> Tensor:
     """max |out| per row (..., H, L), NaN in a row with a NaN; 1 for rows of Dv = 0 (nothing to check)."""
     if out.shape[-1] == 0:
         return out.new_ones(out.shape[:-1])
-    # The inf-norm is max |out| in one reduction: abs().amax() would first make a copy of the output.
-    return torch.linalg.vector_norm(out.detach(), math.inf, dim=-1)
+    # max(amax, -amin): two reductions without a copy of the output (abs().amax() makes one), and
+    # several times faster on CPU than linalg.vector_norm(out, inf), which is not vectorised there.
+    # amax and amin propagate NaN; maximum keeps it.
+    detached = out.detach()
+    return torch.maximum(detached.amax(dim=-1), detached.amin(dim=-1).neg())
 
 
 def _rows_look_right(peaks: Tensor) -> bool:
