@@ -397,3 +397,57 @@ def test_last_seconds_reads_the_newest_entry_of_that_claim_only(tmp_path):
     assert cache.last_seconds(tmp_path, "x") == 7.5
     assert cache.last_seconds(tmp_path, "y") is None
     assert not list((tmp_path / "cache").glob("*.tmp"))
+
+
+RUN_PARTS = '''
+def parts(config):
+    return ["x", "yy", "zzz"][: config.size + 1]
+
+
+def run_part(config, seed, part, progress):
+    if part == "yy" and (COUNTER.parent / "break-yy").exists():
+        raise RuntimeError("part exploded")
+    progress(1, 1)
+    return {{"v": len(part) + seed, "pid": os.getpid()}}
+
+
+def combine(config, seed, results):
+    return {{"n": sum(r["v"] for r in results.values()), "pids": [r["pid"] for r in results.values()], "order": list(results)}}
+
+
+def run(config, seed, progress):
+    return combine(config, seed, {{p: run_part(config, seed, p, progress) for p in parts(config)}})
+'''
+
+
+def test_an_experiment_with_parts_runs_them_side_by_side_and_combines_them(fake_lab):
+    name, _, root = fake_lab
+    (root / "src" / name / "f_parts.py").write_text(_module(root, "fake-f-parts", RUN_PARTS))
+    out = root / "out"
+    rec = runner.run_report(out, profile="tiny", seed=2, jobs=2, only=["fake-f-parts"], console=_quiet(), package=name)["claims"][0]
+    assert rec["verdict"] == "holds" and rec["error"] is None
+    alone = runner.run_single("fake-f-parts", profile="tiny", seed=2, console=_quiet(), package=name)
+    assert rec["measured"]["n"] == alone["measured"]["n"] == 1 + 2 + 3 + 3 * 2
+    assert rec["measured"]["order"] == ["x", "yy", "zzz"], "combine sees the parts in parts() order"
+    assert len(set(rec["measured"]["pids"])) == 3, "each part in its own worker process"
+    assert [p["name"] for p in rec["parts"]] == ["x", "yy", "zzz"]
+    assert rec["seconds"] >= sum(p["seconds"] for p in rec["parts"])
+    assert rec["figures"] and schema.validate(json.loads((out / "results.json").read_text())) == []
+    again = runner.run_report(out, profile="tiny", seed=2, jobs=2, only=["fake-f-parts"], console=_quiet(), package=name)["claims"][0]
+    assert again["cached"] and again["measured"] == rec["measured"]
+    assert cache.last_seconds(out, "fake-f-parts", "yy") == rec["parts"][1]["seconds"]
+    assert cache.last_seconds(out, "fake-f-parts", "nope") is None
+
+
+def test_a_failing_part_makes_the_claim_inconclusive_and_is_retried(fake_lab):
+    name, _, root = fake_lab
+    (root / "src" / name / "f_parts.py").write_text(_module(root, "fake-f-parts", RUN_PARTS))
+    (root / "break-yy").touch()
+    out = root / "out"
+    rec = runner.run_report(out, profile="tiny", jobs=2, only=["fake-f-parts"], console=_quiet(), package=name)["claims"][0]
+    assert rec["verdict"] == "inconclusive"
+    assert "part 'yy'" in rec["reason"] and "RuntimeError: part exploded" in rec["reason"]
+    assert "Traceback" in rec["error"]
+    (root / "break-yy").unlink()
+    rec = runner.run_report(out, profile="tiny", jobs=2, only=["fake-f-parts"], console=_quiet(), package=name)["claims"][0]
+    assert rec["verdict"] == "holds" and not rec["cached"]

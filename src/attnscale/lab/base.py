@@ -17,6 +17,16 @@ An experiment is one module under ``attnscale.lab.experiments`` that defines:
   shows under that figure: what it shows and what to look at. A number in a caption is formatted from
   ``measured``, never typed in.
 
+An experiment made of independent measurements (conditions trained separately) may also define
+
+* ``parts(config) -> list[str]`` - the names of its parts;
+* ``run_part(config, seed, part, progress) -> dict`` - one part's results (picklable);
+* ``combine(config, seed, results) -> dict`` - what ``run`` returns, from ``{part: run_part(...)}``
+  in ``parts`` order; ``run`` must be ``combine`` of every part, so the numbers do not depend on
+  where the parts ran. The local runner then runs the parts as separate tasks side by side in its
+  job slots (a long experiment does not keep one slot busy while the others idle) and combines,
+  judges and plots them when the last one is in.
+
 and may define ``HEADLINE: Headline``: the key of ``measured`` (dotted for nested dicts, e.g.
 ``"slowdown.default/128"``) whose value the report shows as the claim's key number, with what that
 number is in words and its unit (a bare key string is shown under its own name).

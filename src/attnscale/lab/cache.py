@@ -88,12 +88,15 @@ def load(path: Path) -> dict[str, Any] | None:
     return record
 
 
-def last_seconds(outdir: Path, claim_id: str) -> float | None:
-    """How long the claim's most recent cached run took, under any key; ``None`` if it never finished."""
+def last_seconds(outdir: Path, claim_id: str, part: str | None = None) -> float | None:
+    """How long the claim's most recent cached run took (or, with ``part``, that part of it), under
+    any key; ``None`` if it never finished (or had no such part)."""
     name = re.compile(rf"{re.escape(claim_id)}-[0-9a-f]{{16}}\.json")
     entries = [p for p in (outdir / "cache").glob(f"{claim_id}-*.json") if name.fullmatch(p.name)]
     for path in sorted(entries, key=lambda p: p.stat().st_mtime, reverse=True):
         record = load(path)
         if record is not None:
-            return float(record["seconds"])
+            if part is None:
+                return float(record["seconds"])
+            return next((float(p["seconds"]) for p in record.get("parts", []) if p["name"] == part), None)
     return None

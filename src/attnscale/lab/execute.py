@@ -3,6 +3,11 @@
 :func:`execute` is what every executor runs for one :class:`Task`: the local worker processes of
 :mod:`attnscale.lab.runner` and the Ray tasks of :mod:`attnscale.lab.executors`. It never raises
 for the experiment's own errors: they become an ``inconclusive`` record with the traceback.
+
+An experiment with independent parts (``parts(config)``, ``run_part``, ``combine``; see
+:mod:`attnscale.lab.base`) can run them as separate tasks, side by side: :func:`execute_part` runs
+one, and :func:`execute` of a task holding every part's result (``Task.pieces``) combines them into
+what ``run`` would have returned, then judges and plots as usual.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ __all__ = [
     "bare_fields",
     "claim_fields",
     "execute",
+    "execute_part",
     "headline",
     "inconclusive_record",
     "keep",
+    "part_failure",
     "rule_fields",
     "throttled",
 ]
@@ -48,6 +55,16 @@ class Task:
     """The figures' folder as results.json names it, relative to the report (``figures/<id>``)."""
     cache_file: str | None
     """Where to store the record once it succeeds; ``None`` stores nothing."""
+    part: str | None = None
+    """Run only this part of an experiment that has parts (``parts(config)``); :func:`execute`
+    then returns the part's result (see :func:`execute_part`), not a record."""
+    pieces: dict[str, dict[str, Any]] | None = None
+    """Every part's result (from :func:`execute_part`), for the task that combines, judges and plots them."""
+
+    @property
+    def key(self) -> str:
+        """The task's name among the running ones: the claim id, with the part after a colon."""
+        return self.claim_id if self.part is None else f"{self.claim_id}:{self.part}"
 
 
 def claim_fields(claim: Claim) -> dict[str, Any]:
@@ -162,8 +179,20 @@ def execute(task: Task, progress: ProgressFn) -> dict[str, Any]:
         config_json = schema.to_jsonable(asdict(config))
     except Exception:
         return _failure(fields, "set-up", start, config_json)
+    parts: list[dict[str, Any]] = []
     try:
-        measured = module.run(config, task.seed, progress)
+        if task.pieces is None:
+            measured = module.run(config, task.seed, progress)
+        else:
+            parts = [{"name": name, "seconds": p["seconds"], "cpu_seconds": p["cpu_seconds"]} for name, p in task.pieces.items()]
+            failed = next((name for name, p in task.pieces.items() if p["error"] is not None), None)
+            if failed is not None:
+                piece = task.pieces[failed]
+                wall, cpu = _elapsed(start)
+                spent = sum(p["seconds"] for p in parts), sum(p["cpu_seconds"] for p in parts)
+                reason = f"the experiment failed in run (part {failed!r}): {piece['reason']}"
+                return {**inconclusive_record(fields, reason, piece["error"], wall + spent[0], cpu + spent[1], config_json), "parts": parts}
+            measured = module.combine(config, task.seed, {name: p["result"] for name, p in task.pieces.items()})
     except Exception:
         return _failure(fields, "run", start, config_json)
     try:
@@ -193,8 +222,35 @@ def execute(task: Task, progress: ProgressFn) -> dict[str, Any]:
         record["reason"] += f" (figures failed: {type(exc).__name__}: {exc})"
         record["error"] = traceback.format_exc()
     record["seconds"], record["cpu_seconds"] = _elapsed(start)
+    if parts:  # the experiment's own time: its parts' (which ran side by side) and this step's
+        record["seconds"] += sum(p["seconds"] for p in parts)
+        record["cpu_seconds"] += sum(p["cpu_seconds"] for p in parts)
+        record["parts"] = parts
     keep(task, record)
     return record
+
+
+def execute_part(task: Task, progress: ProgressFn) -> dict[str, Any]:
+    """Run part ``task.part`` of an experiment: ``{"result": run_part(...), "seconds", "cpu_seconds",
+    "error": None, "reason": ""}``, or with ``result`` None, the traceback in ``error`` and the
+    exception in ``reason`` when it raised. The record comes from the task that combines the parts."""
+    start = (time.perf_counter(), time.process_time())
+    result, error, reason = None, None, ""
+    try:
+        module = importlib.import_module(task.module_name)
+        config = module.Config.for_profile(task.profile)
+        result = module.run_part(config, task.seed, task.part, progress)
+    except Exception as exc:
+        error, reason = traceback.format_exc(), f"{type(exc).__name__}: {exc}"
+    wall, cpu = _elapsed(start)
+    return {"result": result, "seconds": wall, "cpu_seconds": cpu, "error": error, "reason": reason}
+
+
+def part_failure(exitcode: int | None) -> dict[str, Any]:
+    """:func:`execute_part`'s answer for a part whose process died before it returned one."""
+    how = f"killed by signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
+    reason = f"the process running the part died ({how}) before it returned a result; rerun to retry"
+    return {"result": None, "seconds": 0.0, "cpu_seconds": 0.0, "error": reason, "reason": reason}
 
 
 def keep(task: Task, record: dict[str, Any]) -> None:

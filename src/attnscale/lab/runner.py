@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from dataclasses import replace as replace_fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,11 @@ from .execute import (
     bare_fields,
     claim_fields,
     execute,
+    execute_part,
     headline,
     inconclusive_record,
     keep,
+    part_failure,
     rule_fields,
     throttled,
 )
@@ -125,9 +128,9 @@ def _child(task: Task, messages: Any, driver: int) -> None:
     import torch
 
     torch.set_num_threads(1)  # experiments run side by side, one per core
-    progress = throttled(lambda done, total: messages.put(("progress", task.claim_id, (done, total))))
+    progress = throttled(lambda done, total: messages.put(("progress", task.key, (done, total))))
     try:
-        messages.put(("done", task.claim_id, execute(task, progress)))
+        messages.put(("done", task.key, (execute_part if task.part is not None else execute)(task, progress)))
     except KeyboardInterrupt:  # the report was interrupted; the parent says so
         pass
 
@@ -326,10 +329,14 @@ def run_report(
             figdir = outdir / "figures" / exp.id
             if figdir.is_dir():  # an earlier run may have written figures under other names
                 shutil.rmtree(figdir)
-            pending.append(Task(exp.module_name, exp.id, profile, seed, str(figdir), f"figures/{exp.id}", str(path)))
+            task = Task(exp.module_name, exp.id, profile, seed, str(figdir), f"figures/{exp.id}", str(path))
+            if executor == "local" and hasattr(exp.module, "parts"):  # side by side in the job slots
+                pending += [replace_fields(task, part=name) for name in exp.module.parts(exp.config(profile))]
+            else:
+                pending.append(task)
 
     # Longest first (by the last finished run, unknown ones first), so that a long one does not start last.
-    pending.sort(key=lambda t: -(cache.last_seconds(outdir, t.claim_id) or float("inf")))
+    pending.sort(key=lambda t: -(cache.last_seconds(outdir, t.claim_id, t.part) or float("inf")))
     if executor == "ray":
         executors.run_ray(pending, records, jobs=jobs, address=address, console=console)
     else:
@@ -358,8 +365,14 @@ def _run_pending(pending: list[Task], records: dict[str, dict[str, Any]], jobs: 
     out-of-memory kill) loses only its own result. Workers end with this process, even when it
     is killed with SIGKILL and cannot stop them itself (see ``_end_with``).
     """
+    claims = {t.claim_id for t in pending}
+    expected: dict[str, list[str]] = {}
+    for t in pending:
+        if t.part is not None:
+            expected.setdefault(t.claim_id, []).append(t.part)
+    pieces: dict[str, dict[str, dict[str, Any]]] = {}
     with Progress(*progress_columns(), console=console) as bars:
-        overall = bars.add_task("[bold]claims", total=len(records) + len(pending), completed=len(records))
+        overall = bars.add_task("[bold]claims", total=len(records) + len(claims), completed=len(records))
         for rec in records.values():
             if rec["cached"]:
                 bars.console.print(f"[dim]cached[/]  {rec['id']}: {rec['verdict']}")
@@ -368,27 +381,34 @@ def _run_pending(pending: list[Task], records: dict[str, dict[str, Any]], jobs: 
         waiting = list(pending)
         running: dict[str, tuple[Any, Task, TaskID]] = {}
 
-        def finish(claim_id: str, record: dict[str, Any]) -> None:
-            proc, _, bar = running.pop(claim_id)
+        def finish(key: str, payload: dict[str, Any]) -> None:
+            proc, task, bar = running.pop(key)
             proc.join()
-            records[claim_id] = record
             bars.remove_task(bar)
+            if task.part is not None:  # a part: once all are in, combine them first, before anything else starts
+                got = pieces.setdefault(task.claim_id, {})
+                got[task.part] = payload
+                if len(got) == len(expected[task.claim_id]):
+                    ordered = {name: got[name] for name in expected[task.claim_id]}
+                    waiting.insert(0, replace_fields(task, part=None, pieces=ordered))
+                return
+            records[task.claim_id] = payload
             bars.advance(overall)
-            colour = COLOURS[record["verdict"]]
-            bars.console.print(f"[{colour}]done[/]    {claim_id}: {record['verdict']} ({record['seconds']:.1f} s)")
+            colour = COLOURS[payload["verdict"]]
+            bars.console.print(f"[{colour}]done[/]    {task.claim_id}: {payload['verdict']} ({payload['seconds']:.1f} s)")
 
         def read(block: bool) -> bool:
             try:
-                kind, claim_id, payload = messages.get(timeout=0.1) if block else messages.get_nowait()
+                kind, key, payload = messages.get(timeout=0.1) if block else messages.get_nowait()
             except queue_module.Empty:
                 return False
-            if claim_id not in running:
+            if key not in running:
                 return True
             if kind == "progress":
                 done, total = payload
-                bars.update(running[claim_id][2], completed=done, total=total)
+                bars.update(running[key][2], completed=done, total=total)
             elif kind == "done":
-                finish(claim_id, payload)
+                finish(key, payload)
             return True
 
         try:
@@ -397,14 +417,14 @@ def _run_pending(pending: list[Task], records: dict[str, dict[str, Any]], jobs: 
                     task = waiting.pop(0)
                     proc = ctx.Process(target=_child, args=(task, messages, os.getpid()), name=f"attnscale-{task.claim_id}")
                     proc.start()
-                    running[task.claim_id] = (proc, task, bars.add_task(task.claim_id, total=None))
+                    running[task.key] = (proc, task, bars.add_task(task.key, total=None))
                 read(block=True)
-                for claim_id, (proc, task, _) in list(running.items()):
-                    if claim_id in running and not proc.is_alive():
-                        while claim_id in running and read(block=False):  # its result may still be queued
+                for key, (proc, task, _) in list(running.items()):
+                    if key in running and not proc.is_alive():
+                        while key in running and read(block=False):  # its result may still be queued
                             pass
-                        if claim_id in running:
-                            finish(claim_id, _crash_record(task, proc.exitcode))
+                        if key in running:
+                            finish(key, part_failure(proc.exitcode) if task.part is not None else _crash_record(task, proc.exitcode))
         finally:
             for proc, _, _ in running.values():  # interrupted: stop what is still running
                 proc.terminate()

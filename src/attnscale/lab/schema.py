@@ -38,6 +38,9 @@
           "seconds": 3.1,                          run + judge + plot, wall time, when it was computed
           "cpu_seconds": 2.9,                      the same, CPU time of its process (load-independent)
           "cached": false,                         true: taken from OUT/cache, not recomputed
+          "parts": [{"name": "adamw default/64", "seconds": 20.3, "cpu_seconds": 19.8}],
+                                                   only for an experiment run in parts, side by side:
+                                                   each part's time (the claim's seconds add them up)
           "error": null | "traceback text"         set when the experiment (or its figures) failed
         }
       ]
@@ -117,6 +120,10 @@ _CLAIM = {
         "cpu_seconds": _NUMBER,
         "cached": {"type": "boolean"},
         "error": {"type": ["string", "null"]},
+        "parts": {
+            "type": "array",
+            "items": {"type": "object", "required": ["name", "seconds", "cpu_seconds"], "properties": {"name": _STRING, "seconds": _NUMBER, "cpu_seconds": _NUMBER}},
+        },
     },
 }
 SCHEMA: dict[str, Any] = {

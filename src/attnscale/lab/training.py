@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from ..config import AttentionConfig, AttentionKernel, ScaleMode
 from ..modules import AttentionOutput, MultiHeadAttention
 from ..stats import AttentionStats
+from . import grouped
 from .base import Progress, no_progress
 from .tasks import RecallBatch, Task
 
@@ -53,6 +54,7 @@ __all__ = [
     "median_steps",
     "qk_clip",
     "train",
+    "train_seeds",
 ]
 
 Divisor = Literal["1", "sqrt", "dk"]
@@ -148,6 +150,22 @@ class TemperedLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         gain = self.log_temperature.exp().repeat_interleave(self.head_dim)  # (H * D,), head-major like the q layout
         return super().forward(x) * gain
+
+
+class _GroupedTemperedLinear(grouped.GroupedLinear):
+    """:class:`TemperedLinear` for several members: log-temperatures (G, H)."""
+
+    def __init__(self, layers: list[TemperedLinear]) -> None:
+        super().__init__(layers)
+        self.head_dim = layers[0].head_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        gain = self.log_temperature.exp().repeat_interleave(self.head_dim, dim=-1)  # (G, H * D)
+        out = super().forward(x)  # (G * B, ..., H * D)
+        return (out.unflatten(0, (self.groups, -1)) * gain.reshape(self.groups, *([1] * (out.ndim - 1)), -1)).flatten(0, 1)
+
+
+grouped.register(TemperedLinear, _GroupedTemperedLinear)
 
 
 class _Block(nn.Module):
@@ -264,38 +282,65 @@ class Eval:
 
 def evaluate(model: TinyTransformer, batch: RecallBatch, *, divisor: float | None = None) -> Eval:
     """Accuracy, loss and attention statistics on ``batch`` (no gradients, eval mode)."""
+    if grouped.groups(model) != 1:
+        raise ValueError("evaluate takes a plain model; a stack of models is evaluated member by member inside train_seeds.")
+    return _evaluate(model, batch, divisor=divisor)[0]
+
+
+def _member_means(x: Tensor, G: int) -> Tensor:
+    """(G * B, ...) -> (G,): the mean of each member's rows."""
+    return x.reshape(G, -1).mean(dim=1)
+
+
+def _evaluate(model: nn.Module, batch: RecallBatch, *, divisor: float | None = None) -> list[Eval]:
+    """:func:`evaluate` of each member of a (possibly stacked) model, on ``batch``'s rows of that member."""
+    G = grouped.groups(model)
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        logits, seen = model(batch, divisor=divisor, watch=True)
+        logits, seen = model(batch, divisor=divisor, watch=True)  # logits (G * B, Q, n_values)
     model.train(was_training)
     stats = [out.stats for out in seen]
-    max_prob = torch.stack([s.max_prob for s in stats])  # (layers, B, H, Q)
-    weights = seen[0].weights  # (B, H, Q, S)
-    index = batch.sources[:, None, :, None].expand(-1, weights.shape[1], -1, 1)  # (B, H, Q, 1)
-    return Eval(
-        accuracy=(logits.argmax(-1) == batch.targets).float().mean().item(),
-        loss=F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten()).item(),
-        max_logit=max(s.max_logit.max().item() for s in stats),
-        entropy=torch.stack([s.entropy for s in stats]).mean().item(),
-        saturated=(max_prob > SATURATED).float().mean().item(),
-        max_prob=max_prob.mean().item(),
-        source_prob=weights.gather(-1, index).mean().item(),
-    )
+    max_prob = torch.stack([s.max_prob for s in stats], dim=1)  # (G * B, layers, H, Q)
+    entropy = torch.stack([s.entropy for s in stats], dim=1)  # (G * B, layers, H, Q)
+    max_logit = torch.stack([s.max_logit for s in stats], dim=1)  # (G * B, layers, H, Q)
+    weights = seen[0].weights  # (G * B, H, Q, S)
+    index = batch.sources[:, None, :, None].expand(-1, weights.shape[1], -1, 1)  # (G * B, H, Q, 1)
+    loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none")  # (G * B * Q,)
+    columns = {
+        "accuracy": _member_means((logits.argmax(-1) == batch.targets).float(), G),
+        "loss": _member_means(loss, G),
+        "max_logit": max_logit.reshape(G, -1).amax(dim=1),
+        "entropy": _member_means(entropy, G),
+        "saturated": _member_means((max_prob > SATURATED).float(), G),
+        "max_prob": _member_means(max_prob, G),
+        "source_prob": _member_means(weights.gather(-1, index), G),
+    }
+    values = {name: column.tolist() for name, column in columns.items()}
+    return [Eval(**{name: values[name][g] for name in values}) for g in range(G)]
 
 
 def init_logit_std(model: TinyTransformer, batch: RecallBatch) -> dict[str, float]:
     """Std of the first layer's logits of the query rows at the model's current state, before and
     after the divisor: ``raw`` = std of q.k, ``scaled`` = std of the logits softmax sees."""
+    if grouped.groups(model) != 1:
+        raise ValueError("init_logit_std takes a plain model; got a stack of models.")
+    return _init_logit_std(model, batch)[0]
+
+
+def _init_logit_std(model: nn.Module, batch: RecallBatch) -> list[dict[str, float]]:
+    """:func:`init_logit_std` of each member of a (possibly stacked) model."""
+    G = grouped.groups(model)
     attn = model.blocks[0].attn
     H, D, S = attn.num_heads, attn.head_dim, model.task.context
     with torch.no_grad():
-        x = model.blocks[0].ln1(model.key_emb(batch.keys) + model.value_emb(batch.values))  # (B, T, d_model)
-        q = attn.q_proj(x[:, S:]).unflatten(-1, (H, D)).transpose(1, 2)  # (B, H, Q, D)
-        k = attn.k_proj(x[:, :S]).unflatten(-1, (H, D)).transpose(1, 2)  # (B, H, S, D)
-        raw = q @ k.transpose(-1, -2)  # (B, H, Q, S)
-        q_var = q.var().item()
-    return {"raw": raw.std().item(), "scaled": (raw * attn.scale).std().item(), "q_component_var": q_var}
+        x = model.blocks[0].ln1(model.key_emb(batch.keys) + model.value_emb(batch.values))  # (G * B, T, d_model)
+        q = attn.q_proj(x[:, S:]).unflatten(-1, (H, D)).transpose(1, 2)  # (G * B, H, Q, D)
+        k = attn.k_proj(x[:, :S]).unflatten(-1, (H, D)).transpose(1, 2)  # (G * B, H, S, D)
+        raw = (q @ k.transpose(-1, -2)).reshape(G, -1)  # (G, B * H * Q * S)
+        values = {"raw": raw.std(dim=1), "scaled": (raw * attn.scale).std(dim=1), "q_component_var": q.reshape(G, -1).var(dim=1)}
+        lists = {name: v.tolist() for name, v in values.items()}
+    return [{name: lists[name][g] for name in lists} for g in range(G)]
 
 
 @dataclass
@@ -329,11 +374,13 @@ class RunLog:
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only: biases, LayerNorm gains and log-temperatures keep their
-    scale (decaying a log-temperature would pull the learned scale back to the fixed one)."""
+    scale (decaying a log-temperature would pull the learned scale back to the fixed one). In a
+    stack of models every parameter has a leading member dimension, which does not count."""
     params = list(model.parameters())
+    member = 1 if any(isinstance(m, grouped.GroupedModule) for m in model.modules()) else 0
     return [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if p.ndim - member >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim - member < 2], "weight_decay": 0.0},
     ]
 
 
@@ -342,22 +389,42 @@ def _lr_factor(step: int, warmup: int) -> float:
 
 
 def _optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD with torch's ``foreach`` implementation: the per-parameter update's arithmetic,
-    on every parameter tensor at once (torch's CPU default loops over them in Python, which for
+    """AdamW or SGD with torch's ``fused`` implementation: the per-parameter update's arithmetic in
+    one kernel per parameter (torch's CPU default loops over the parameters in Python, which for
     these tiny models costs about a fifth of a step)."""
     groups = _param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
-    return torch.optim.AdamW(groups, lr=cfg.lr, foreach=True)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
 
 
-def _head_max_logits(seen: list[AttentionOutput]) -> list[Tensor]:
-    """Per layer, each head's largest logit over the batch and all rows: (H,) tensors."""
+def _head_max_logits(seen: list[AttentionOutput], G: int | None = None) -> list[Tensor]:
+    """Per layer, the heads' largest logits over the batch and all rows: (H,) tensors for a plain
+    model (``G`` None), (G, H) for a stack of ``G`` members (each over its own rows)."""
     out = []
     for layer in seen:
         assert layer.stats is not None, "computed with stats=True"
-        out.append(layer.stats.max_logit.amax(dim=(0, 2)))  # (B, H, rows) -> (H,)
+        m = layer.stats.max_logit.unflatten(0, (G or 1, -1)).amax(dim=(1, 3))  # (G * B, H, rows) -> (G, H)
+        out.append(m[0] if G is None else m)
     return out
+
+
+def _clip(model: nn.Module, head_max_logits: list[Tensor], tau: float) -> Tensor:
+    """QK-Clip on a plain model ((H,) maxima per layer) or a stack ((G, H)); the clipped heads per member."""
+    clipped = torch.zeros(head_max_logits[0].shape[:-1], dtype=torch.long)
+    with torch.no_grad():
+        for block, s_max in zip(model.blocks, head_max_logits, strict=True):
+            attn = block.attn
+            assert attn.num_kv_heads == attn.num_heads, "QK-Clip here rescales k per query head"
+            over = s_max > tau  # (..., H)
+            gamma = torch.where(over, tau / s_max.clamp_min(tau), torch.ones_like(s_max))  # (..., H)
+            factor = gamma.sqrt().repeat_interleave(attn.head_dim, dim=-1)  # (..., H * D), head-major like the q/k layout
+            for proj in (attn.q_proj, attn.k_proj):
+                proj.weight.mul_(factor[..., :, None].to(proj.weight.dtype))
+                if proj.bias is not None:
+                    proj.bias.mul_(factor.to(proj.bias.dtype))
+            clipped += over.sum(dim=-1)
+    return clipped
 
 
 def qk_clip(model: TinyTransformer, head_max_logits: list[Tensor], tau: float) -> int:
@@ -384,20 +451,14 @@ def qk_clip(model: TinyTransformer, head_max_logits: list[Tensor], tau: float) -
     >>> torch.allclose(head_max()[0], torch.minimum(before, torch.tensor(tau)), rtol=1e-5)
     True
     """
-    clipped = 0
-    with torch.no_grad():
-        for block, s_max in zip(model.blocks, head_max_logits, strict=True):
-            attn = block.attn
-            assert attn.num_kv_heads == attn.num_heads, "QK-Clip here rescales k per query head"
-            over = s_max > tau  # (H,)
-            gamma = torch.where(over, tau / s_max.clamp_min(tau), torch.ones_like(s_max))  # (H,)
-            factor = gamma.sqrt().repeat_interleave(attn.head_dim)  # (H * D,), head-major like the q/k layout
-            for proj in (attn.q_proj, attn.k_proj):
-                proj.weight.mul_(factor[:, None].to(proj.weight.dtype))
-                if proj.bias is not None:
-                    proj.bias.mul_(factor.to(proj.bias.dtype))
-            clipped += int(over.sum())
-    return clipped
+    if grouped.groups(model) != 1:
+        raise ValueError("qk_clip takes a plain model; got a stack of models.")
+    return int(_clip(model, head_max_logits, tau))
+
+
+def _cat(batches: list[RecallBatch]) -> RecallBatch:
+    """Members' batches as one, member-major along the batch dimension."""
+    return RecallBatch(*(torch.cat([getattr(b, f.name) for b in batches]) for f in fields(RecallBatch)))
 
 
 def train(
@@ -413,38 +474,79 @@ def train(
     Model initialisation draws from ``torch.manual_seed(seed)``; training batches from a generator
     seeded with ``seed``; the held-out batch from a generator seeded with ``seed + 10**6``.
     """
+    return train_seeds(task, model_cfg, train_cfg, [seed], progress=progress)[0]
+
+
+def train_seeds(
+    task: Task,
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    seeds: list[int],
+    *,
+    progress: Progress = no_progress,
+) -> list[tuple[TinyTransformer, RunLog]]:
+    """:func:`train` of each seed, all seeds trained together as one stack of models
+    (:mod:`attnscale.lab.grouped`): one call per layer for all of them, each with its own
+    initialisation, batches, held-out batch, optimizer state and early stop (a seed that reaches
+    ``stop_at`` leaves the stack). Returns each seed's final model and log, in ``seeds``' order;
+    the same as training the seeds one by one but for rounding.
+    """
+    if not seeds:
+        raise ValueError("seeds must hold at least one seed; got an empty list.")
     clip = train_cfg.qk_clip
     if clip is not None and model_cfg.attention is not None and model_cfg.attention.qk_norm != "none":
         raise ValueError(
             "qk_clip rescales W_q and W_k, which QK-norm undoes; got qk_clip with "
             f"attention.qk_norm={model_cfg.attention.qk_norm.value!r}. Use one guard or the other."
         )
-    torch.manual_seed(seed)
-    model = TinyTransformer(task, model_cfg)
-    data = torch.Generator().manual_seed(seed)
-    held_out = task.sample(train_cfg.eval_batch, torch.Generator().manual_seed(seed + 10**6))
+    plain = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        plain.append(TinyTransformer(task, model_cfg))
+    model = grouped.stack(plain)
+    template = plain[0]
+    data = [torch.Generator().manual_seed(seed) for seed in seeds]
+    held_out = [task.sample(train_cfg.eval_batch, torch.Generator().manual_seed(seed + 10**6)) for seed in seeds]
     opt = _optimizer(model, train_cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, train_cfg.warmup))
-    log = RunLog(init_logit_std=init_logit_std(model, held_out))
-    log.append(0, evaluate(model, held_out))
+    logs = [RunLog(init_logit_std=std) for std in _init_logit_std(model, _cat(held_out))]
+    for log, ev in zip(logs, _evaluate(model, _cat(held_out)), strict=True):
+        log.append(0, ev)
+    active = list(range(len(seeds)))  # the seeds still in the stack, in stack order
+    models: list[TinyTransformer | None] = [None] * len(seeds)
     for step in range(1, train_cfg.steps + 1):
-        batch = task.sample(train_cfg.batch, data)
+        G = len(active)
+        batch = _cat([task.sample(train_cfg.batch, data[i]) for i in active])
         logits, seen = model.forward_all_rows(batch, stats=clip is not None)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten())
+        losses = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none")  # (G * B * Q,)
+        loss = _member_means(losses, G).sum()  # each member's gradient is that of its own mean loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
         if clip is not None:
-            log.clipped_heads += qk_clip(model, _head_max_logits(seen), clip)
+            for i, n in zip(active, _clip(model, _head_max_logits(seen, G), clip).tolist(), strict=True):
+                logs[i].clipped_heads += n
         if step % train_cfg.log_every == 0 or step == train_cfg.steps:
-            ev = evaluate(model, held_out)
-            log.append(step, ev)
+            evs = _evaluate(model, _cat([held_out[i] for i in active]))
+            for i, ev in zip(active, evs, strict=True):
+                logs[i].append(step, ev)
             progress(step, train_cfg.steps)
-            if train_cfg.stop_at is not None and ev.accuracy >= train_cfg.stop_at:
-                break
+            if train_cfg.stop_at is not None:
+                done = [j for j, ev in enumerate(evs) if ev.accuracy >= train_cfg.stop_at]
+                for j in done:
+                    models[active[j]] = grouped.member(model, template, j)
+                if done:
+                    remaining = [j for j in range(G) if j not in done]
+                    if not remaining:
+                        active = []
+                        break
+                    grouped.keep(model, remaining, opt)
+                    active = [active[j] for j in remaining]
+    for j, i in enumerate(active):
+        models[i] = grouped.member(model, template, j)
     progress(train_cfg.steps, train_cfg.steps)
-    return model, log
+    return [(m, log) for m, log in zip(models, logs, strict=True)]  # type: ignore[misc]
 
 
 def median_steps(steps: list[int | None]) -> float | None:

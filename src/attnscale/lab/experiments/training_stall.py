@@ -48,9 +48,9 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from ..base import Arm, Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, save_figure
+from ..base import Arm, Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, no_progress, save_figure
 from ..tasks import MQAR
-from ..training import SATURATED, ModelConfig, RunLog, TrainConfig, median_steps, train
+from ..training import SATURATED, ModelConfig, RunLog, TrainConfig, median_steps, train_seeds
 from ..uncertainty import Estimate, Side, estimate, quantisation, ratio, side
 
 CLAIM = Claim(
@@ -145,6 +145,7 @@ CLAIM = Claim(
             "a comparison is clear by Student's t 95% quantile of standard errors for the seed count (12.7 for 2 seeds, 4.30 for 3, 3.18 for 4) instead of 2: from a few seeds their standard deviation is itself uncertain, and the quick profile's 2 seeds gave logit-growth a clear growth on an AMD EPYC where an Intel Xeon's was within noise; training's AdamW and SGD use torch's foreach implementation (the same update on all parameters at once, faster)",
             "812ecb1c85d0c281",
         ),
+        RuleVersion(10, "2026-12-02", "the same measurement and rule, faster: the seeds of each condition train together as one stack of models (attnscale.lab.grouped: each seed as if trained alone, up to rounding), the optimizers run torch's fused update, and the conditions run as parts side by side in the report's job slots; the numbers change by rounding", "62d8eab33200d8f0"),
     ),
 )
 
@@ -234,37 +235,89 @@ def _long_condition(config: Config) -> tuple[str, str, int] | None:
     return ("large" if config.large_init else config.inits[-1], "1", max(config.dks))
 
 
-def run(config: Config, seed: int, progress: Progress) -> dict:
-    task = MQAR(context=config.context, queries=config.queries, n_keys=config.n_keys, n_values=config.n_values)
-    grid = _conditions(config)
+def _task(config: Config) -> MQAR:
+    return MQAR(context=config.context, queries=config.queries, n_keys=config.n_keys, n_values=config.n_values)
+
+
+def _part_conditions(config: Config) -> dict[str, list[tuple[str, str, int]]]:
+    """The conditions of each part, in the grid's order: AdamW ("adamw init/d_k", every divisor;
+    the long run on its own), then SGD ("sgd init/d_k", both divisors). Parts are independent runs
+    of the same measurement, so that a report can train them side by side."""
     long_condition = _long_condition(config)
-    total, done = len(grid) * config.seeds + _sgd_runs(config), 0
+    out: dict[str, list[tuple[str, str, int]]] = {}
+    for cond in _conditions(config):
+        init, _, dk = cond
+        name = f"adamw {init}/{dk}" + (" long" if cond == long_condition else "")
+        out.setdefault(name, []).append(cond)
+    if config.sgd_steps:
+        for cond in _sgd_conditions(config):
+            out.setdefault(f"sgd {cond[0]}/{cond[2]}", []).append(cond)
+    return out
+
+
+def parts(config: Config) -> list[str]:
+    return list(_part_conditions(config))
+
+
+def run_part(config: Config, seed: int, part: str, progress: Progress) -> dict:
+    """Every condition of ``part``: ``{"optimizer|init|divisor/d_k": results}`` (see ``_adamw_condition``, ``_sgd_condition``)."""
+    conditions = _part_conditions(config)[part]
+    optimizer = part.split()[0]
+    task, out = _task(config), {}
+    for c, cond in enumerate(conditions):
+        key = f"{optimizer}|{cond[0]}|{_label(cond[1], cond[2])}"
+        out[key] = (_sgd_condition if optimizer == "sgd" else _adamw_condition)(config, task, seed, cond)
+        progress(c + 1, len(conditions))
+    return out
+
+
+def run(config: Config, seed: int, progress: Progress) -> dict:
+    names = parts(config)
+    results = {}
+    for i, name in enumerate(names):
+        results[name] = run_part(config, seed, name, no_progress)
+        progress(i + 1, len(names))
+    return combine(config, seed, results)
+
+
+def _adamw_condition(config: Config, task: MQAR, seed: int, cond: tuple[str, str, int]) -> dict:
+    """One AdamW condition's seeds: steps to 90%, curves, final saturated shares, mean init logit stds."""
+    init, div, dk = cond
+    model_cfg = ModelConfig(d_model=config.d_model, head_dim=dk, divisor=div, qk_init_gain=INIT_GAINS[init])  # type: ignore[arg-type]
+    long = cond == _long_condition(config)
+    train_cfg = TrainConfig(
+        steps=config.long_steps if long else config.steps,
+        batch=config.batch,
+        lr=config.lr,
+        log_every=config.log_every,
+        eval_batch=config.eval_batch,
+        stop_at=TARGET if long else config.stop_at,  # whether the stall ends is all it must show
+    )
+    out: dict = {"steps": [], "curves": [], "final_saturated": [], "init_std": {"raw": 0.0, "scaled": 0.0}}
+    for _, log in train_seeds(task, model_cfg, train_cfg, [seed + i for i in range(config.seeds)]):
+        out["steps"].append(log.steps_to(TARGET))
+        out["curves"].append(_curve(log))
+        out["final_saturated"].append(log.saturated[-1])
+        for k in ("raw", "scaled"):
+            out["init_std"][k] += log.init_logit_std[k] / config.seeds
+    return out
+
+
+def combine(config: Config, seed: int, results: dict[str, dict]) -> dict:
+    """What ``run`` measures, from every part's ``run_part``."""
+    done = {key: value for part in parts(config) for key, value in results[part].items()}
+    long_condition = _long_condition(config)
     steps: dict[str, dict[str, list[int | None]]] = {}
     curves: dict[str, dict[str, list[dict]]] = {}
     init_std: dict[str, dict[str, dict[str, float]]] = {}
     final_saturated: dict[str, dict[str, list[float]]] = {}
-    for init, div, dk in grid:
+    for init, div, dk in _conditions(config):
         label = _label(div, dk)
-        model_cfg = ModelConfig(d_model=config.d_model, head_dim=dk, divisor=div, qk_init_gain=INIT_GAINS[init])  # type: ignore[arg-type]
-        long = (init, div, dk) == long_condition
-        train_cfg = TrainConfig(
-            steps=config.long_steps if long else config.steps,
-            batch=config.batch,
-            lr=config.lr,
-            log_every=config.log_every,
-            eval_batch=config.eval_batch,
-            stop_at=TARGET if long else config.stop_at,  # whether the stall ends is all it must show
-        )
-        for i in range(config.seeds):
-            _, log = train(task, model_cfg, train_cfg, seed + i)
-            steps.setdefault(init, {}).setdefault(label, []).append(log.steps_to(TARGET))
-            curves.setdefault(init, {}).setdefault(label, []).append(_curve(log))
-            final_saturated.setdefault(init, {}).setdefault(label, []).append(log.saturated[-1])
-            stds = init_std.setdefault(init, {}).setdefault(label, {"raw": 0.0, "scaled": 0.0})
-            for k in ("raw", "scaled"):
-                stds[k] += log.init_logit_std[k] / config.seeds
-            done += 1
-            progress(done, total)
+        cond = done[f"adamw|{init}|{label}"]
+        steps.setdefault(init, {})[label] = cond["steps"]
+        curves.setdefault(init, {})[label] = cond["curves"]
+        final_saturated.setdefault(init, {})[label] = cond["final_saturated"]
+        init_std.setdefault(init, {})[label] = cond["init_std"]
 
     long_run = None
     if long_condition is not None:
@@ -280,7 +333,7 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
         }
 
     medians = {init: {label: median_steps(v) for label, v in by_label.items()} for init, by_label in steps.items()}
-    sgd = _run_sgd(config, task, seed, progress, done, total) if config.sgd_steps else {}
+    sgd = _sgd_measured(config, [done[f"sgd|{c[0]}|{_label(c[1], c[2])}"] for c in _sgd_conditions(config)]) if config.sgd_steps else {}
     measured = {
         "config": asdict(config),
         "target_accuracy": TARGET,
@@ -314,12 +367,6 @@ def run(config: Config, seed: int, progress: Progress) -> dict:
 def _sgd_conditions(config: Config) -> list[tuple[str, str, int]]:
     """(init, divisor, d_k) of the SGD arm: the verdict's inits, with and without the scale."""
     return [(init, div, dk) for init in config.inits for div in ("1", "sqrt") for dk in config.dks]
-
-
-def _sgd_runs(config: Config) -> int:
-    """Runs of the SGD arm if every search stops after its first three learning rates (the progress
-    total grows when a search walks further)."""
-    return len(_sgd_conditions(config)) * config.sgd_seeds * min(3, len(config.sgd_lrs)) if config.sgd_steps else 0
 
 
 def _kept(log: RunLog) -> int | None:
@@ -361,10 +408,48 @@ def _search_lr(ladder: tuple[float, ...], start: float, evaluate: Callable[[floa
             visit(j)
 
 
-def _run_sgd(config: Config, task: MQAR, seed: int, progress: Progress, done: int, total: int) -> dict:
-    """The SGD arm: every condition at the learning rates its ladder search tries, reported at its best
-    one; measured keys with the suffix ``_sgd``, settings under ``sgd``, the medians of every learning
-    rate tried under ``steps_to_90_sgd_by_lr``."""
+def _sgd_condition(config: Config, task: MQAR, seed: int, cond: tuple[str, str, int]) -> dict:
+    """One SGD condition at the learning rates its ladder search tries: each one's median steps
+    (``by_lr``, in the order tried), the best one, and its seeds' steps, curves, final saturated
+    shares, peak logits and best and final accuracies."""
+    init, div, dk = cond
+    model_cfg = ModelConfig(d_model=config.d_model, head_dim=dk, divisor=div, qk_init_gain=INIT_GAINS[init])  # type: ignore[arg-type]
+    logs: dict[float, list[RunLog]] = {}
+    by_lr: dict[str, float | None] = {}
+
+    def evaluate(lr: float) -> float | None:
+        train_cfg = TrainConfig(
+            steps=config.sgd_steps,
+            batch=config.batch,
+            lr=lr,
+            weight_decay=0.0,
+            log_every=config.log_every,
+            eval_batch=config.eval_batch,
+            stop_at=config.stop_at,
+            optimizer="sgd",
+            momentum=config.sgd_momentum,
+        )
+        logs[lr] = [log for _, log in train_seeds(task, model_cfg, train_cfg, [seed + i for i in range(config.sgd_seeds)])]
+        median = median_steps([_kept(log) for log in logs[lr]])
+        by_lr[f"{lr:g}"] = median
+        return median
+
+    best = _best_lr(_search_lr(config.sgd_lrs, config.sgd_lr_start, evaluate))
+    runs = logs[best]
+    return {
+        "by_lr": by_lr,
+        "best": best,
+        "steps": [_kept(log) for log in runs],
+        "curves": [_curve(log) for log in runs],
+        "final_saturated": [log.saturated[-1] for log in runs],
+        "peak_logit": [max(log.max_logit) for log in runs],
+        "accuracy": [{"best": max(log.accuracy), "final": log.accuracy[-1]} for log in runs],
+    }
+
+
+def _sgd_measured(config: Config, conditions: list[dict]) -> dict:
+    """The SGD arm's measured keys (suffix ``_sgd``; settings under ``sgd``; the medians of every
+    learning rate tried under ``steps_to_90_sgd_by_lr``) from ``_sgd_condition`` of each condition."""
     by_lr: dict[str, dict[str, dict[str, float | None]]] = {}
     chosen: dict[str, dict[str, float]] = {}
     steps: dict[str, dict[str, list[int | None]]] = {}
@@ -372,43 +457,16 @@ def _run_sgd(config: Config, task: MQAR, seed: int, progress: Progress, done: in
     final_saturated: dict[str, dict[str, list[float]]] = {}
     peak_logit: dict[str, dict[str, list[float]]] = {}
     accuracy: dict[str, dict[str, list[dict[str, float]]]] = {}
-    conditions = _sgd_conditions(config)
-    for c, (init, div, dk) in enumerate(conditions):
+    for (init, div, dk), cond in zip(_sgd_conditions(config), conditions, strict=True):
         label = _label(div, dk)
-        model_cfg = ModelConfig(d_model=config.d_model, head_dim=dk, divisor=div, qk_init_gain=INIT_GAINS[init])  # type: ignore[arg-type]
-        logs: dict[float, list[RunLog]] = {}
-
-        def evaluate(lr: float) -> float | None:
-            nonlocal done, total
-            train_cfg = TrainConfig(
-                steps=config.sgd_steps,
-                batch=config.batch,
-                lr=lr,
-                weight_decay=0.0,
-                log_every=config.log_every,
-                eval_batch=config.eval_batch,
-                stop_at=config.stop_at,
-                optimizer="sgd",
-                momentum=config.sgd_momentum,
-            )
-            for i in range(config.sgd_seeds):
-                logs.setdefault(lr, []).append(train(task, model_cfg, train_cfg, seed + i)[1])
-                done += 1
-                # the total assumes three learning rates per search: it grows when one walks further
-                total = max(total, done + (len(conditions) - c - 1) * 3 * config.sgd_seeds)
-                progress(done, total)
-            median = median_steps([_kept(log) for log in logs[lr]])
-            by_lr.setdefault(f"{lr:g}", {}).setdefault(init, {})[label] = median
-            return median
-
-        best = _best_lr(_search_lr(config.sgd_lrs, config.sgd_lr_start, evaluate))
-        chosen.setdefault(init, {})[label] = best
-        for log in logs[best]:
-            steps.setdefault(init, {}).setdefault(label, []).append(_kept(log))
-            curves.setdefault(init, {}).setdefault(label, []).append(_curve(log))
-            final_saturated.setdefault(init, {}).setdefault(label, []).append(log.saturated[-1])
-            peak_logit.setdefault(init, {}).setdefault(label, []).append(max(log.max_logit))
-            accuracy.setdefault(init, {}).setdefault(label, []).append({"best": max(log.accuracy), "final": log.accuracy[-1]})
+        for lr, median in cond["by_lr"].items():
+            by_lr.setdefault(lr, {}).setdefault(init, {})[label] = median
+        chosen.setdefault(init, {})[label] = cond["best"]
+        steps.setdefault(init, {})[label] = cond["steps"]
+        curves.setdefault(init, {})[label] = cond["curves"]
+        final_saturated.setdefault(init, {})[label] = cond["final_saturated"]
+        peak_logit.setdefault(init, {})[label] = cond["peak_logit"]
+        accuracy.setdefault(init, {})[label] = cond["accuracy"]
     medians = {init: {label: median_steps(v) for label, v in by_label.items()} for init, by_label in steps.items()}
     return {
         "sgd": {
