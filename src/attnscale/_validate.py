@@ -35,6 +35,7 @@ class Backend(StrEnum):
     MATH = "math"
     TILED = "tiled"
     FUSED = "fused"
+    FLEX = "flex"
 
 
 def fail(arg: str, expected: str, got: object, fix: str, *, exc: type[Exception] = ValueError) -> NoReturn:

@@ -19,6 +19,7 @@ from ._validate import AttentionCall, Backend, check_attention_call, fail
 from .dense import accumulation_dtype, dense_attention
 from .masks import CausalAlignment, add_bias, alibi_bias
 from .stats import AttentionStats, with_nan_rows
+from . import flex
 from .kernels.fused import fused_attention, fused_attention_checked
 from .kernels.fused import supports as fused_supports
 from .tiled import tiled_attention
@@ -31,7 +32,7 @@ _state = threading.local()
 
 def last_backend() -> str | None:
     """Name of the backend that computed this thread's most recent attention call ("torch", "math",
-    "tiled", "fused").
+    "tiled", "fused", "flex").
 
     Also logged at DEBUG level on the ``attnscale`` logger for every call. Calls traced by
     torch.compile or torch.export neither set it nor log.
@@ -109,13 +110,31 @@ def _kernel(call: AttentionCall, query: Tensor, attn_mask: Tensor | None) -> tup
     return (Backend.FUSED, "compiled kernel") if reason is None else (Backend.TILED, reason)
 
 
+def _flex_cannot(
+    query: Tensor, key: Tensor, value: Tensor, call: AttentionCall, attn_mask: Tensor | None, alibi_slopes: Tensor | None, sinks: Tensor | None
+) -> str | None:
+    return flex.cannot(
+        device=query.device, dropout_p=call.dropout_p, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, tensors=(query, key, value)
+    )
+
+
 def _choose(
-    call: AttentionCall, query: Tensor, attn_mask: Tensor | None, *, slopes_need_grad: bool = False
+    call: AttentionCall,
+    query: Tensor,
+    attn_mask: Tensor | None,
+    *,
+    slopes_need_grad: bool = False,
+    flex_cannot: Callable[[], str | None] = lambda: "not asked",
 ) -> tuple[Backend, str]:
     if call.backend is Backend.AUTO:
         reason = _fused_cannot(call)
         if reason is None:
             return Backend.TORCH, "auto: torch's fused kernel computes these semantics"
+        if query.device.type == "cuda":
+            why_not = flex_cannot()
+            if why_not is None:
+                return Backend.FLEX, f"auto: {reason}; FlexAttention on CUDA"
+            reason = f"{reason}; not flex: {why_not}"
         if call.dropout_p > 0.0:
             return Backend.MATH, f"auto: {reason}; dropout (the tiled kernel has none)"
         if slopes_need_grad:
@@ -134,6 +153,10 @@ def _choose(
             repr(call.dropout_p),
             "use backend='math' (or 'auto') for dropout",
         )
+    if call.backend is Backend.FLEX:
+        why_not = flex_cannot()
+        if why_not is not None:
+            fail("backend", "a call FlexAttention can run", f"'flex' with {why_not}", "use backend='tiled' (same semantics, eager) or 'auto'")
     if call.backend is Backend.FUSED:
         kernel, how = _kernel(call, query, attn_mask)
         if kernel is not Backend.FUSED:
@@ -252,6 +275,10 @@ def _run_backend(
             return fused_attention(
                 query, key, value, path=call.path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=call.return_stats
             )
+        if chosen is Backend.FLEX:
+            return flex.flex_attention(
+                query, key, value, path=call.path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=call.return_stats
+            )
         if chosen is Backend.TILED:
             return tiled_attention(
                 query, key, value, path=call.path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=call.return_stats
@@ -312,7 +339,8 @@ def _nan_rows(chosen: Backend, call: AttentionCall, bad_q: Tensor, bad_kv: Tenso
     v = torch.stack([bad_kv.float(), torch.ones_like(bad_kv, dtype=torch.float32)], dim=-1)  # (..., Hkv, S, 2)
     path = dataclasses.replace(call.path, scale=1.0, softcap=None)
     plain = dataclasses.replace(call, D=2, Dv=2, path=path, dropout_p=0.0, alibi=False, sinks=False, return_stats=False)
-    seen, _ = _run_backend(chosen, plain, keep, None, None)(q, k, v)  # (..., H, L, 2)
+    # FlexAttention shares the tiled kernel's visibility; the indicators' D = 2 is below what its GPU kernels take.
+    seen, _ = _run_backend(Backend.TILED if chosen is Backend.FLEX else chosen, plain, keep, None, None)(q, k, v)  # (..., H, L, 2)
     return ((seen[..., 1] > 0) & bad_q) | (seen[..., 0] > 0)
 
 
@@ -433,9 +461,10 @@ def _wide_run(
 ) -> _Run:
     """The backend of the float64 recompute: the chosen one, except torch's SDPA, whose float64
     backward returns NaN gradients for logits near 1e60 (torch 2.13 on CPU, e.g. B=2 H=4 L=S=64
-    D=32 with |q|, |k| ~ 1e30; tests/test_hostile.py): attnscale's own kernel computes those
-    (the math backend for dropout or learned ALiBi slopes, which the kernels lack)."""
-    if chosen is not Backend.TORCH:
+    D=32 with |q|, |k| ~ 1e30; tests/test_hostile.py), and FlexAttention, whose compiled kernels
+    take no float64 on CPU: attnscale's own kernel computes those (the math backend for dropout
+    or learned ALiBi slopes, which the kernels lack)."""
+    if chosen not in (Backend.TORCH, Backend.FLEX):
         return run
     learned = alibi_slopes is not None and alibi_slopes.requires_grad
     own = Backend.MATH if call.dropout_p > 0.0 or learned else _kernel(call, query, attn_mask)[0]
@@ -553,12 +582,16 @@ def scaled_dot_product_attention(
             ``"tiled"`` when the call uses a feature torch lacks (softcap, return_stats, ALiBi,
             sinks, window, bottom-right causal alignment with L != S) or has more than
             ``MATH_MAX_SCORES = 2**26`` scores ``prod(batch) * H * L * S``; ``"math"`` otherwise.
+            On CUDA tensors ``"flex"`` comes before ``"math"`` and ``"tiled"`` wherever it can run.
             ``"torch"`` forces ``torch.nn.functional.scaled_dot_product_attention`` (ALiBi, windows
             and bottom-right alignment become an explicit mask, sinks one more key with a zero
             value; softcap and return_stats raise);
             ``"math"`` forces attnscale's dense implementation, O(L * S) memory; ``"tiled"`` forces
             the online-softmax kernel of :mod:`attnscale.tiled`, O(L + S) memory, no dropout,
-            statistics other than lse carry no gradient. :func:`last_backend` says which one ran.
+            statistics other than lse carry no gradient; ``"flex"`` runs the same score path on
+            torch's FlexAttention (:mod:`attnscale.flex`; compiled on CUDA, forward only on CPU),
+            no dropout, ALiBi slopes and float masks as constants, statistics as on ``"tiled"``.
+            :func:`last_backend` says which one ran.
 
     Softmax and accumulation run in float32 (float64 for float64 inputs) whatever the input dtype,
     so fp16 products above 65504 stay finite; the output has the input dtype. A row with no visible
@@ -620,7 +653,13 @@ def scaled_dot_product_attention(
     if attn_mask is not None and attn_mask.ndim < 2:
         attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.ndim) + tuple(attn_mask.shape))  # (S,) -> (1, S), as torch broadcasts
     slopes_need_grad = alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled()
-    chosen, why = _choose(call, query, attn_mask, slopes_need_grad=slopes_need_grad)
+    chosen, why = _choose(
+        call,
+        query,
+        attn_mask,
+        slopes_need_grad=slopes_need_grad,
+        flex_cannot=lambda: _flex_cannot(query, key, value, call, attn_mask, alibi_slopes, sinks),
+    )
     run = _run_backend(chosen, call, attn_mask, alibi_slopes, sinks)
     rows_ok: Tensor | None = None
     if chosen is Backend.FUSED:  # the kernel checks its rows as it writes them

@@ -11,8 +11,9 @@ starts. Sequence b owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and k
 Every sequence means what :func:`attnscale.scaled_dot_product_attention` computes on its views of
 the packed tensors, so every score-path feature means exactly what it means there. On CPU the
 compiled kernel runs all of them in one call, parallel over heads and every sequence's query blocks;
-otherwise (another backend asked for, CUDA tensors, no kernel, or inputs whose logits could
-overflow float32) each sequence is one ``scaled_dot_product_attention`` call on views (no copy).
+on CUDA FlexAttention does, with a document mask; otherwise (another backend asked for, no kernel,
+or inputs whose logits could overflow float32) each sequence is one ``scaled_dot_product_attention``
+call on views (no copy).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ._validate import (
     check_window,
     fail,
 )
+from . import flex
 from .dense import accumulation_dtype
 from .functional import abs_max, may_overflow, record_backend, scaled_dot_product_attention
 from .kernels.fused import fused_varlen_attention
@@ -241,8 +243,10 @@ def varlen_attention(
         backend: ``"auto"`` and ``"fused"`` run every sequence in one call of the compiled CPU
             kernel where it runs (CPU tensors, kernel built; ``"auto"`` also needs finite inputs
             whose logits cannot overflow float32, else it takes the per-sequence path, which
-            handles those); any other backend runs as in
-            :func:`~attnscale.scaled_dot_product_attention`, one call per sequence.
+            handles those); ``"flex"``, and ``"auto"`` on CUDA tensors where FlexAttention can run
+            the call, run them in one FlexAttention call with a document mask (the same
+            condition on the inputs, else one flex call per sequence); any other backend runs as
+            in :func:`~attnscale.scaled_dot_product_attention`, one call per sequence.
 
     Memory: the packed tensors are never padded or copied (each sequence runs on views of them)
     and GQA never repeats K/V, so memory is O(total tokens) plus one sequence's working set
@@ -289,6 +293,14 @@ def varlen_attention(
     if alibi_slopes is not None:
         check_alibi_values(alibi_slopes, q.dtype)  # the same rule as scaled_dot_product_attention's
     check_sinks(sinks, H, q.device, dtype=q.dtype)
+    if _takes_flex(backend, q, k, v, sinks, alibi_slopes):
+        if q.shape[0] and k.shape[0] and q.shape[-1] and len(_clean_spans(q, k, v, spans, scale, softcap, alibi_slopes)) == len(spans):
+            path = ScorePath(scale=q.shape[-1] ** -0.5 if scale is None else scale, softcap=softcap, causal=is_causal, window=window)
+            cu_q_t, cu_k_t = (torch.tensor(cu, dtype=torch.int64, device=q.device) for cu in (cu_q, cu_k))
+            out, stats = flex.flex_varlen_attention(q, k, v, cu_q_t, cu_k_t, path=path, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=return_stats)
+            record_backend(Backend.FLEX, f"varlen: {len(spans)} sequences in one FlexAttention call")
+            return (out, stats) if return_stats else out
+        # otherwise one call per sequence below, whose checks handle non-finite and overflowing inputs
     clean = _packed_kernel_spans(backend, q, k, v, spans, scale, softcap, alibi_slopes)
     if clean:
         path = ScorePath(scale=q.shape[-1] ** -0.5 if scale is None else scale, softcap=softcap, causal=is_causal, window=window)
@@ -384,6 +396,17 @@ def _traced(
     return (out, stats) if return_stats else out
 
 
+def _takes_flex(backend: Backend, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, alibi_slopes: Tensor | None) -> bool:
+    """Whether the call runs on FlexAttention: ``backend="flex"`` (refused with the reason where
+    it cannot run), or ``"auto"`` on CUDA tensors where it can."""
+    if backend not in (Backend.FLEX, Backend.AUTO) or (backend is Backend.AUTO and q.device.type != "cuda"):
+        return False
+    why_not = flex.cannot(device=q.device, dropout_p=0.0, attn_mask=None, alibi_slopes=alibi_slopes, sinks=sinks, tensors=(q, k, v))
+    if why_not is not None and backend is Backend.FLEX:
+        fail("backend", "a call FlexAttention can run", f"'flex' with {why_not}", "use backend='tiled' (same semantics, eager) or 'auto'")
+    return why_not is None
+
+
 def _finite_abs_max(x: Tensor) -> float:
     """max |x| over x's finite entries (0 if none)."""
     x = x.detach().abs()
@@ -417,6 +440,21 @@ def _packed_kernel_spans(
         return list(range(len(spans)))  # the kernel call itself says why, where it cannot run
     if backend is not Backend.AUTO or not spans or fused_supports(q, None) is not None:
         return []
+    return _clean_spans(q, k, v, spans, scale, softcap, alibi_slopes)
+
+
+def _clean_spans(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spans: list[tuple[_Span, _Span]],
+    scale: float | None,
+    softcap: float | None,
+    alibi_slopes: Tensor | None,
+) -> list[int]:
+    """The sequences a packed call may run without the per-sequence checks: those whose q, k and
+    v rows are all finite, when neither the raw products nor the logits may overflow (see
+    :func:`_packed_kernel_spans`), and none while ALiBi slopes require grad."""
     if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
         return []  # learned slopes: the per-sequence path sends them to a backend that differentiates them
     D = q.shape[-1]
