@@ -575,3 +575,24 @@ def test_cuda_packed_sequences_forward_and_backward_match_math(opts):
     grad = torch.randn_like(out)
     for g, w in zip(torch.autograd.grad((out * grad).sum(), (q, k, v)), torch.autograd.grad((want * grad).sum(), (q, k, v))):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [1, 3, 16, 59])
+def test_half_precision_softcap_through_the_compiled_forward(dtype, D):
+    """16-bit inputs with a small softcap (0.7) through compiled CPU FlexAttention, and with
+    statistics through the eager one: error at most twice the math backend's in the same dtype
+    plus one ulp at 1 (a score_mod that cast the score to float32 and back was off by up to 1.6
+    in float16), statistics within 1e-4 of float64's on the same rounded inputs."""
+    gen = torch.Generator().manual_seed(D)
+    q, k, v = (torch.randn(1, 2, n, D, generator=gen, dtype=torch.float64) for n in (17, 33, 33))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    want, want_stats = run_math(q.double(), k.double(), v.double(), softcap=0.7, return_stats=True)  # of the rounded inputs
+    math_err = (run_math(q, k, v, softcap=0.7).double() - want).abs().max()
+    got = run_flex(q, k, v, softcap=0.7)
+    assert (got.double() - want).abs().max() <= 2 * math_err + torch.finfo(dtype).eps
+    got, stats = run_flex(q, k, v, softcap=0.7, return_stats=True)
+    assert (got.double() - want).abs().max() <= 2 * math_err + torch.finfo(dtype).eps
+    for name in ("lse", "max_logit", "entropy"):
+        assert stats.lse.dtype == torch.float32
+        torch.testing.assert_close(getattr(stats, name).double(), getattr(want_stats, name), rtol=0, atol=1e-4, msg=name)

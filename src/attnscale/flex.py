@@ -181,8 +181,9 @@ def mods(
     depends on the batch and on the head index (False: ``create_block_mask`` may broadcast it).
 
     ``attn_mask`` is broadcastable to (*batch, H, L, S) and ``alibi_slopes`` to (*batch, H); the
-    batch dims are flattened as FlexAttention's B. ``dtype`` is the accumulation dtype the logits
-    are built in (float32, or float64 for float64 inputs). With ``captured`` the constants
+    batch dims are flattened as FlexAttention's B. ``dtype`` is the accumulation dtype (float32,
+    or float64 for float64 inputs) of the captured softcap; the logits are built in the dtype
+    FlexAttention hands the score in. With ``captured`` the constants
     (softcap, offset, window sides) are captured as tensors, so that a compiled FlexAttention does
     not recompile when their values change; without it they are Python numbers, as a traced
     caller needs them (torch 2.13's CPU FlexAttention template cannot read a tensor created
@@ -226,11 +227,11 @@ def mods(
     if alibi_slopes is not None:
         if documents is not None and alibi_slopes.ndim == 2:  # (B, H): a row of slopes per sequence
             per_doc = alibi_slopes.detach()
-            steps.append(lambda s, b, h, i, j: s - per_doc[doc_q[i], h].to(dtype) * (aligned(i) - j).abs())
+            steps.append(lambda s, b, h, i, j: s - per_doc[doc_q[i], h].to(s.dtype) * (aligned(i) - j).abs())
         else:
             slopes = _table(alibi_slopes.detach(), batch, 1)  # (B or 1, H)
             Bs = slopes.shape[0]
-            steps.append(lambda s, b, h, i, j: s - slopes[_pick(Bs, b), h].to(dtype) * (aligned(i) - j).abs())
+            steps.append(lambda s, b, h, i, j: s - slopes[_pick(Bs, b), h].to(s.dtype) * (aligned(i) - j).abs())
     keeps: list[_MaskMod] = []
     if documents is not None:
         keeps.append(lambda b, h, i, j: doc_q[i] == doc_k[j])
@@ -249,9 +250,9 @@ def mods(
             additive = table
 
             def at_float(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-                return additive[_pick(Bm, b), _pick(Hm, h), _pick(Lm, i), _pick(Sm, j)].to(dtype)
+                return additive[_pick(Bm, b), _pick(Hm, h), _pick(Lm, i), _pick(Sm, j)]
 
-            steps.append(lambda s, b, h, i, j: s + at_float(b, h, i, j))
+            steps.append(lambda s, b, h, i, j: s + at_float(b, h, i, j).to(s.dtype))
             keeps.append(lambda b, h, i, j: at_float(b, h, i, j) != -math.inf)
     if path.causal:
         keeps.append(lambda b, h, i, j: j <= aligned(i))
@@ -267,11 +268,15 @@ def mods(
     score_mod = None
     if steps:
 
+        # The score arrives in FlexAttention's accumulation dtype (float32 in its compiled kernels)
+        # and stays in it: casting it to float32 and back inside the mod made torch 2.13's compiled
+        # CPU FlexAttention return wrong float16 outputs (off by up to 1.6 with softcap 0.7;
+        # tests/test_flex.py::test_half_precision_softcap_through_the_compiled_forward).
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            s = score.to(dtype)
+            s = score
             for step in steps:
                 s = step(s, b, h, q_idx, kv_idx)
-            return s.to(score.dtype)
+            return s
 
     mask_mod = None
     if keeps:
@@ -467,17 +472,21 @@ def _run(
     FlexAttention has none), the keys' log-sum-exp (B, H, L), natural log."""
     run = _runner(q.device, q.dtype, want_lse, traced)
     lse_here = want_lse and (run is _eager or _cpu_compiled_has_lse(q.device))
+    # Eager FlexAttention builds the scores in the inputs' dtype: 16-bit inputs get float32
+    # copies there, so that logits, softmax and log-sum-exp are float32 as in its compiled kernels.
+    wide = run is _eager and q.dtype in (torch.float16, torch.bfloat16)
     result = run(
-        q,
-        k,
-        v,
+        q.float() if wide else q,
+        k.float() if wide else k,
+        v.float() if wide else v,
         score_mod=score_mod,
         block_mask=block_mask,
         scale=path.scale,
         enable_gqa=q.shape[-3] != k.shape[-3],
         return_aux=AuxRequest(lse=True) if lse_here else None,
     )
-    return (result[0], result[1].lse) if lse_here else (result, None)
+    out, lse = (result[0], result[1].lse) if lse_here else (result, None)
+    return out.to(q.dtype), lse
 
 
 def _finish(
