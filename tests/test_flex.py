@@ -596,3 +596,16 @@ def test_half_precision_softcap_through_the_compiled_forward(dtype, D):
     for name in ("lse", "max_logit", "entropy"):
         assert stats.lse.dtype == torch.float32
         torch.testing.assert_close(getattr(stats, name).double(), getattr(want_stats, name), rtol=0, atol=1e-4, msg=name)
+
+
+def test_more_mod_structures_than_torchs_recompile_limit_stay_compiled(monkeypatch):
+    """Each mod structure compiles FlexAttention once; past torch's recompile limit (8 by default,
+    1 here) torch would run it eagerly, which holds the whole score matrix. The backend keeps
+    RECOMPILE_LIMIT compilations instead: three structures, three compiled graphs."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    q, k, v = make_inputs(H=2, Hkv=2, L=9, S=9, dtype=torch.float32)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for opts in ({"softcap": 5.0}, {"is_causal": True}, {"window": (2, 1)}):
+        torch.testing.assert_close(run_flex(q, k, v, **opts), run_math(q, k, v, **opts), rtol=0, atol=2e-6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 3

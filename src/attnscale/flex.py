@@ -51,7 +51,7 @@ from .dense import accumulation_dtype, dense_attention, dense_weights
 from .score import ScorePath
 from .stats import AttentionStats
 
-__all__ = ["BLOCK", "CHUNK_SCORES", "Documents", "available", "cannot", "flex_attention", "flex_varlen_attention", "interval_block_mask", "key_intervals", "mods", "sink_epilogue"]
+__all__ = ["BLOCK", "CHUNK_SCORES", "RECOMPILE_LIMIT", "Documents", "available", "cannot", "flex_attention", "flex_varlen_attention", "interval_block_mask", "key_intervals", "mods", "sink_epilogue"]
 
 CHUNK_SCORES = 2**24
 """Scores ``B * H * rows * S`` per chunk of the statistics pass (64 MiB in float32)."""
@@ -395,11 +395,24 @@ def _block_mask(
     return create_block_mask(mask_mod, B if by_batch else None, H if by_head else None, L, S, device=device)
 
 
+RECOMPILE_LIMIT = 64
+"""Compilations of FlexAttention kept for this backend's calls. Each structure of mods (which of
+softcap, ALiBi, masks, windows, packing), dtype and head dim compiles once; torch keeps 8 per
+function by default and then runs FlexAttention eagerly, which holds the whole score matrix."""
+
+
 @functools.cache
 def _compiled() -> Callable[..., object]:
     # Automatic dynamic shapes: the first call compiles for its shape, the first call of another
     # shape once more for every shape (a shape family), so decoding's growing S does not recompile.
-    return torch.compile(_flex_module.flex_attention)
+    compiled = torch.compile(_flex_module.flex_attention)
+
+    def call(*args: object, **kwargs: object) -> object:
+        limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def _runner(device: torch.device, dtype: torch.dtype, want_lse: bool, traced: bool) -> Callable[..., object]:
