@@ -598,14 +598,53 @@ def test_half_precision_softcap_through_the_compiled_forward(dtype, D):
         torch.testing.assert_close(getattr(stats, name).double(), getattr(want_stats, name), rtol=0, atol=1e-4, msg=name)
 
 
-def test_more_mod_structures_than_torchs_recompile_limit_stay_compiled(monkeypatch):
+def test_more_mod_structures_than_torchs_recompile_limit_stay_compiled():
     """Each mod structure compiles FlexAttention once; past torch's recompile limit (8 by default,
     1 here) torch would run it eagerly, which holds the whole score matrix. The backend keeps
     RECOMPILE_LIMIT compilations instead: three structures, three compiled graphs."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     q, k, v = make_inputs(H=2, Hkv=2, L=9, S=9, dtype=torch.float32)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for opts in ({"softcap": 5.0}, {"is_causal": True}, {"window": (2, 1)}):
-        torch.testing.assert_close(run_flex(q, k, v, **opts), run_math(q, k, v, **opts), rtol=0, atol=2e-6)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for opts in ({"softcap": 5.0}, {"is_causal": True}, {"window": (2, 1)}):
+            torch.testing.assert_close(run_flex(q, k, v, **opts), run_math(q, k, v, **opts), rtol=0, atol=2e-6)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 3
+
+
+def test_packed_sequences_are_judged_by_heads_and_rows(monkeypatch):
+    """flex's GPU limits read (H, rows, D) of the packed tensors, not (total, H, D): 3 query heads
+    per key/value head over 300 packed rows is not a decoding call (a stand-in for a CUDA tensor:
+    the rule reads only the device)."""
+    seen = []
+    real = flex.cannot
+
+    def spy(**kwargs):
+        seen.append(tuple(tuple(t.shape) for t in kwargs["tensors"]))
+        return real(**{**kwargs, "device": torch.device("cuda")})
+
+    monkeypatch.setattr(flex, "cannot", spy)
+    cu = torch.tensor([0, 100, 300])
+    q, k, v = torch.randn(300, 6, 16), torch.randn(300, 2, 16), torch.randn(300, 2, 16)
+    with torch.no_grad():
+        attnscale.varlen_attention(q, k, v, cu, cu, backend="flex")
+    assert seen == [((6, 300, 16), (2, 300, 16), (2, 300, 16))]
+    assert attnscale.last_backend() == "flex"
+
+
+@pytest.mark.parametrize("layout", ["expanded", "unfolded", "transposed"])
+def test_inputs_whose_rows_share_memory_are_read_right(layout):
+    """Values expanded along the keys and dims (stride 0) and keys built by unfold (rows
+    overlapping) go to FlexAttention as contiguous copies (its compiled CPU forward read the
+    expanded ones as garbage, up to 2e24); a transposed view is read as it lies."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 9, 8, generator=gen)
+    k = torch.randn(1, 2, 9, 8, generator=gen)
+    v = torch.randn(1, 2, 9, 8, generator=gen)
+    if layout == "expanded":
+        v = torch.randn(1, 2, 1, 1, generator=gen).expand(1, 2, 9, 8)  # one value per head: strides 0 along keys and dims
+    elif layout == "unfolded":
+        k = torch.randn(1, 2, 16, generator=gen).unfold(-1, 8, 1)  # (1, 2, 9, 8): row j is entries j..j+7
+    else:
+        q = torch.randn(1, 9, 2, 8, generator=gen).transpose(1, 2)
+    for opts in ({}, {"softcap": 5.0, "is_causal": True}):
+        torch.testing.assert_close(run_flex(q, k, v, **opts), run_math(q, k, v, **opts), rtol=0, atol=2e-6)

@@ -26,8 +26,8 @@ time, so memory stays O(L + S) per chunk), which carries no gradient, as on the 
 
 Where it runs: on CUDA tensors through ``torch.compile(flex_attention)`` (constants ride in
 captured tensors, so new softcap values, slopes or masks reuse the compiled code; a second shape
-compiles once more with dynamic shapes, which then serve every shape; positional block masks are
-cached). On CPU, torch 2.13's compiled FlexAttention has forward only, no log-sum-exp and no
+compiles once more with dynamic shapes, which then serve every shape (on CPU every shape compiles
+once); positional block masks are cached). On CPU, torch 2.13's compiled FlexAttention has forward only, no log-sum-exp and no
 float64, and its eager implementation has no backward: there this backend runs the compiled
 forward for inference in float32/bfloat16/float16 without sinks or statistics, the eager
 implementation otherwise, and refuses inputs that require grad. Under torch.compile the call enters the caller's graph as one
@@ -56,7 +56,7 @@ __all__ = ["BLOCK", "CHUNK_SCORES", "RECOMPILE_LIMIT", "Documents", "available",
 CHUNK_SCORES = 2**24
 """Scores ``B * H * rows * S`` per chunk of the statistics pass (64 MiB in float32)."""
 
-_COMPILED_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_COMPILED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes compiled FlexAttention takes (on CPU and on GPU)."""
 
 try:  # FlexAttention with AuxRequest: torch >= 2.9
@@ -109,7 +109,7 @@ def _gpu_cannot(query: Tensor, key: Tensor, value: Tensor) -> str | None:
     D, Dv = query.shape[-1], value.shape[-1]
     if min(D, Dv) < 16:
         return f"head dims D = {D}, Dv = {Dv} (FlexAttention's GPU kernels need 16 or more)"
-    if query.dtype not in _COMPILED_CPU_DTYPES:
+    if query.dtype not in _COMPILED_DTYPES:
         return f"{query.dtype} (FlexAttention's GPU kernels take float32, bfloat16 and float16)"
     G = query.shape[-3] // max(1, key.shape[-3])
     if query.shape[-2] < 128 and G & (G - 1):
@@ -402,10 +402,13 @@ function by default and then runs FlexAttention eagerly, which holds the whole s
 
 
 @functools.cache
-def _compiled() -> Callable[..., object]:
-    # Automatic dynamic shapes: the first call compiles for its shape, the first call of another
-    # shape once more for every shape (a shape family), so decoding's growing S does not recompile.
-    compiled = torch.compile(_flex_module.flex_attention)
+def _compiled(device_type: str) -> Callable[..., object]:
+    # On GPUs automatic dynamic shapes: the first call compiles for its shape, the first call of
+    # another shape once more for every shape (a shape family), so decoding's growing S does not
+    # recompile. On CPU static shapes: torch 2.13's CPU template generates C++ that does not
+    # compile for some dynamic shapes ("cur_qSplitSize1 was not declared"; after a packed call of
+    # 342 rows, one of 300 rows with 3 query heads per key head).
+    compiled = torch.compile(_flex_module.flex_attention, dynamic=False if device_type == "cpu" else None)
 
     def call(*args: object, **kwargs: object) -> object:
         limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
@@ -420,9 +423,9 @@ def _runner(device: torch.device, dtype: torch.dtype, want_lse: bool, traced: bo
     eager one where the compiled one lacks what the call needs (log-sum-exp, float64)."""
     if traced:
         return _flex_module.flex_attention
-    if device.type == "cpu" and (want_lse or dtype not in _COMPILED_CPU_DTYPES):
+    if device.type == "cpu" and (want_lse or dtype not in _COMPILED_DTYPES):
         return _eager
-    return _compiled()
+    return _compiled(device.type)
 
 
 def _eager(*args: object, **kwargs: object) -> object:
@@ -483,6 +486,7 @@ def _run(
     """One FlexAttention call on q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv): the output
     (B, H, L, Dv) and, when ``want_lse`` and the FlexAttention that runs has one (compiled CPU
     FlexAttention has none), the keys' log-sum-exp (B, H, L), natural log."""
+    q, k, v = (_readable(t) for t in (q, k, v))
     run = _runner(q.device, q.dtype, want_lse, traced)
     lse_here = want_lse and (run is _eager or _cpu_compiled_has_lse(q.device))
     # Eager FlexAttention builds the scores in the inputs' dtype: 16-bit inputs get float32
@@ -500,6 +504,18 @@ def _run(
     )
     out, lse = (result[0], result[1].lse) if lse_here else (result, None)
     return out.to(q.dtype), lse
+
+
+def _readable(t: Tensor) -> Tensor:
+    """``t`` itself when its last dim is dense and no two of its entries share memory, else a
+    contiguous copy: torch 2.13's compiled CPU FlexAttention read values expanded along the keys
+    and dims (strides 0) as garbage (up to 2e24; tests/test_flex.py)."""
+    reach = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride < reach:  # this dim steps inside the span of a smaller one: entries overlap
+            return t.contiguous()
+        reach = stride * size
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
 def _finish(

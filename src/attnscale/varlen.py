@@ -401,7 +401,8 @@ def _takes_flex(backend: Backend, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor
     it cannot run), or ``"auto"`` on CUDA tensors where it can."""
     if backend not in (Backend.FLEX, Backend.AUTO) or (backend is Backend.AUTO and q.device.type != "cuda"):
         return False
-    why_not = flex.cannot(device=q.device, dropout_p=0.0, attn_mask=None, alibi_slopes=alibi_slopes, sinks=sinks, tensors=(q, k, v))
+    views = tuple(t.transpose(0, 1) for t in (q, k, v))  # (H or Hkv, total, D or Dv): heads, then rows, as flex reads them
+    why_not = flex.cannot(device=q.device, dropout_p=0.0, attn_mask=None, alibi_slopes=alibi_slopes, sinks=sinks, tensors=views)
     if why_not is not None and backend is Backend.FLEX:
         fail("backend", "a call FlexAttention can run", f"'flex' with {why_not}", "use backend='tiled' (same semantics, eager) or 'auto'")
     return why_not is None
