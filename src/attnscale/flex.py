@@ -397,8 +397,9 @@ def _block_mask(
 
 RECOMPILE_LIMIT = 64
 """Compilations of FlexAttention kept for this backend's calls. Each structure of mods (which of
-softcap, ALiBi, masks, windows, packing), dtype and head dim compiles once; torch keeps 8 per
-function by default and then runs FlexAttention eagerly, which holds the whole score matrix."""
+softcap, ALiBi, masks, windows, packing), dtype and head dim compiles once (on CPU each shape
+too); torch keeps 8 per function by default and then runs FlexAttention eagerly, which holds the
+whole score matrix."""
 
 
 @functools.cache
