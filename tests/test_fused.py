@@ -57,10 +57,10 @@ FEATURES = list(
 SHAPES = [(4, 4, 70, 300), (4, 2, 259, 77), (4, 1, 5, 600)]
 
 
-def case_inputs(case, dtype=torch.float64, D=7):
+def case_inputs(case, dtype=torch.float64, D=7, Dv=5):
     softcap, alibi, window, causal, mask_kind = FEATURES[case]
     H, Hkv, L, S = SHAPES[case % len(SHAPES)]
-    q, k, v = make_inputs(H=H, Hkv=Hkv, L=L, S=S, D=D, seed=case, dtype=dtype)
+    q, k, v = make_inputs(H=H, Hkv=Hkv, L=L, S=S, D=D, Dv=Dv, seed=case, dtype=dtype)
     mask = make_mask(mask_kind, H=H, L=L, S=S, seed=case)
     opts = {"softcap": softcap, "window": window}
     if alibi:
@@ -161,16 +161,39 @@ def test_low_precision_error_is_at_most_twice_a_plain_implementations(dtype, cas
     assert err <= 2 * err_math + TOLERANCE_FLOOR[dtype]
 
 
-@pytest.fixture(params=["16-bit products", "float32 copies"])
+@pytest.fixture(params=["brgemm", "oneMKL", "float32 copies"])
 def half_path(request, monkeypatch):
-    """Both ways the kernel takes bfloat16 / float16 inputs, on any CPU: as they are (oneMKL's
-    16-bit products, AMX where present) or as float32 copies (ops.half_products)."""
-    native = request.param == "16-bit products"
+    """Every way the kernel takes bfloat16 / float16 inputs: as they are, bfloat16 with an even head
+    dim through torch's brgemm (oneDNN; from AVX-512 on) and the rest through oneMKL's 16-bit
+    products (on every CPU: oneDNN switched off sends bfloat16 there too), or as float32 copies
+    (ops.half_products). True for the 16-bit paths."""
+    native = request.param != "float32 copies"
     if native and not kernels.load().half_gemm(1):
         pytest.skip("this torch has no oneMKL 16-bit products")
+    if request.param == "brgemm" and not kernels.load().brgemm_runs():
+        pytest.skip("torch's brgemm takes no bfloat16 tiles on this CPU (it needs AVX-512)")
+    if request.param == "oneMKL":
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+        assert not kernels.load().brgemm_runs()
     monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "1" if native else "0")
     assert ops.half_products(torch.bfloat16) is native and ops.half_products(torch.float16) is native
     return native
+
+
+def test_brgemm_takes_bfloat16_products_wherever_torchs_microkernel_runs():
+    """The kernel's probe of torch's brgemm (torch exports no test of it: could_pack asks for AMX)
+    holds on every CPU with AVX-512 (oneDNN's avx512_core: F, BW, VL, DQ): a probe that failed
+    there would quietly send bfloat16 to oneMKL's products, which gain nothing over float32 on AMD
+    CPUs. It fails where oneDNN is switched off and on a CPU without AVX-512 (there brgemm refuses,
+    and oneMKL's products run)."""
+    flags = ops._cpu_flags()
+    assert kernels.load().brgemm_runs() is ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags)
+    torch.backends.mkldnn.enabled = False
+    try:
+        assert kernels.load().brgemm_runs() is False
+    finally:
+        torch.backends.mkldnn.enabled = True
+    assert kernels.load().brgemm_runs() is ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags)
 
 
 def test_the_half_products_switch_refuses_other_values(monkeypatch):
@@ -196,17 +219,18 @@ def _error(got, want):
     return np.abs(got.double().numpy() - want).max()
 
 
-@pytest.mark.parametrize("D", [7, 8])
+@pytest.mark.parametrize("D, Dv", [(7, 5), (8, 5), (8, 6)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", [0, 10, 23, 31, 41, 47, 49, 58, 64, 71])
-def test_half_inputs_outputs_statistics_and_gradients_within_twice_the_math_backends_error(half_path, dtype, case, D):
-    """16-bit inputs on both paths, every feature: the output, lse and gradients against fp64
+def test_half_inputs_outputs_statistics_and_gradients_within_twice_the_math_backends_error(half_path, dtype, case, D, Dv):
+    """16-bit inputs on every path, every feature: the output, lse and gradients against fp64
     (float64 autograd through the reference formula of the same rounded inputs) at most twice the
-    math backend's error in the same dtype, plus the floor. The 16-bit path rounds the weights to
-    the inputs' format before the second product, as torch's CPU kernel does. An even head dim
-    takes torch's brgemm where the CPU runs it (bfloat16; windows start tiles on odd keys, S = 77
-    is odd), an odd one oneMKL's products."""
-    q, k, v, mask, opts = case_inputs(case, dtype, D=D)
+    math backend's error in the same dtype, plus the floor. The 16-bit paths round the weights to
+    the inputs' format before the second product, as torch's CPU kernel does. On the brgemm path an
+    even head dim takes brgemm's forward, and with an even value dim its backward too (the shapes
+    have odd query and key counts, and windows start tiles on odd keys); an odd one takes oneMKL's
+    products."""
+    q, k, v, mask, opts = case_inputs(case, dtype, D=D, Dv=Dv)
     expected = run_reference(q, k, v, mask, **opts)
     out, stats = sdpa(q, k, v, mask, return_stats=True, **opts)
     out_math, stats_math = sdpa(q, k, v, mask, backend="math", return_stats=True, **opts)
@@ -234,16 +258,28 @@ def test_half_inputs_outputs_statistics_and_gradients_within_twice_the_math_back
         assert err <= 2 * err_math + TOLERANCE_FLOOR[dtype]
 
 
+@pytest.mark.parametrize("Hkv", [2, 1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_inputs_of_long_calls_settle_rows_and_stay_within_twice_the_math_backends_error(half_path, dtype):
+def test_half_inputs_of_long_calls_settle_rows_and_stay_within_twice_the_math_backends_error(half_path, dtype, Hkv):
     """1,100 query rows against 1,300 keys (several query blocks and key tiles, so rows settle on
-    an offset), causal + softcap, GQA, and packed sequences: both paths against fp64."""
-    q, k, v = make_inputs(B=1, H=4, Hkv=2, L=1100, S=1300, D=64, Dv=64, dtype=dtype, seed=3)
+    an offset), causal + softcap, GQA and MQA (one key head in a batch of 1: on 2 or more threads
+    the backward runs per query head, the group summed after), and packed sequences: every path
+    against fp64, gradients included."""
+    q, k, v = make_inputs(B=1, H=4, Hkv=Hkv, L=1100, S=1300, D=64, Dv=64, dtype=dtype, seed=3)
     opts = {"is_causal": True, "softcap": 30.0}
     expected = run_reference(q, k, v, None, **opts)
     err = _error(sdpa(q, k, v, **opts), expected)
     err_math = _error(sdpa(q, k, v, backend="math", **opts), expected)
     assert err <= 2 * err_math + TOLERANCE_FLOOR[dtype]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    grads = torch.autograd.grad(sdpa(*leaves, **opts), leaves, grad_out)
+    grads_math = torch.autograd.grad(sdpa(*leaves, backend="math", **opts), leaves, grad_out)
+    wide = [t.double().requires_grad_() for t in (q, k, v)]
+    grads_wide = torch.autograd.grad(sdpa(*wide, backend="math", **opts), wide, grad_out.double())
+    for name, g, gm, gw in zip("qkv", grads, grads_math, grads_wide):
+        err, err_math = (g.double() - gw).abs().max().item(), (gm.double() - gw).abs().max().item()
+        assert err <= 2 * err_math + TOLERANCE_FLOOR[dtype], f"d{name}: {err} against the math backend's {err_math}"
     # the same rows as two packed sequences (each aligned bottom-right, as varlen_attention aligns them)
     opts["causal_alignment"] = "bottom_right"
     cu = torch.tensor([0, 500, 1100]), torch.tensor([0, 600, 1300])

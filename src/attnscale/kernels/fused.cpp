@@ -103,6 +103,9 @@ inline void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, T alpha, con
 // statistics, the output) in float32, as for float32 inputs.
 enum Half16 : int { kNoHalf = 0, kBF16 = 1, kF16 = 2 };
 
+// 16-bit entries as brgemm's bfloat16 operand.
+inline const at::BFloat16* bf16(const uint16_t* x) { return reinterpret_cast<const at::BFloat16*>(x); }
+
 bool half_gemm(int kind) {
   return kind == kBF16 ? cblas_gemm_bf16bf16f32 != nullptr : kind == kF16 ? cblas_gemm_f16f16f32 != nullptr : false;
 }
@@ -296,6 +299,10 @@ struct Problem {
   // keys for every column; s_pad = S rounded up to even, the pad key zero.
   const uint16_t *kpack = nullptr, *vpack = nullptr;
   int64_t s_pad = 0;
+  // The backward's other two brgemm operands (with kpack; vpack stays null there): each key head's
+  // v^T (Dv/2, s_pad, 2), pairs of columns for every key, as kpack; and k (s_pad/2, D, 2), pairs
+  // of keys for every column, as vpack.
+  const uint16_t *vtpack = nullptr, *kpairs = nullptr;
 
   int64_t G() const { return H / Hkv; }
   // The largest tile this problem has: scratch is sized by it, not by the block sizes (one query
@@ -345,7 +352,7 @@ struct Problem {
     const int64_t hi = std::max(hi0, hi1);  // spans move right with i
     // Packed values pair keys (2j, 2j + 1): tiles start on an even key; the key before lo that this
     // adds is hidden from every row of the block (weight 0), and block_k is even.
-    if (vpack) lo = std::max<int64_t>(0, lo & ~int64_t(1));
+    if (kpack) lo = std::max<int64_t>(0, lo & ~int64_t(1));
     std::vector<std::pair<int64_t, int64_t>> tiles;
     for (int64_t b0 = 0; b0 < S; b0 += block_k) {
       const int64_t j0 = std::max(b0, lo), j1 = std::min(b0 + block_k, hi);
@@ -755,8 +762,8 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
         if constexpr (std::is_same_v<T, float>) {
           if (P.kpack)  // x (rows, width) = q (rows, D) k^T, the packed k^T's columns j0..
             at::native::cpublas::brgemm(rows, width, P.D, P.q_sl, P.s_pad, width, false,
-                                        reinterpret_cast<const at::BFloat16*>(qh),
-                                        reinterpret_cast<const at::BFloat16*>(P.kpack + (b * P.Hkv + hk) * P.D * P.s_pad + 2 * j0),
+                                        bf16(qh),
+                                        bf16(P.kpack + (b * P.Hkv + hk) * P.D * P.s_pad + 2 * j0),
                                         x, true);
           else if (P.half)
             gemm16(P.half, 'T', 'N', width, rows, P.D, alpha, kh + j0 * P.k_sl, P.k_sl, qh, P.q_sl, 0.0f, x, width);
@@ -838,8 +845,8 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
           if (P.kpack) {  // acc (rows, Dv) += p (rows, pstride) v, the packed v's keys j0..
             if (pstride != width)
               for (int64_t r = 0; r < rows; ++r) pb[r * pstride + width] = 0;  // the pair's second key: weight 0
-            at::native::cpublas::brgemm(rows, P.Dv, pstride, pstride, P.Dv, P.Dv, true, reinterpret_cast<const at::BFloat16*>(pb),
-                                        reinterpret_cast<const at::BFloat16*>(P.vpack + (b * P.Hkv + hk) * P.s_pad * P.Dv + j0 * P.Dv),
+            at::native::cpublas::brgemm(rows, P.Dv, pstride, pstride, P.Dv, P.Dv, true, bf16(pb),
+                                        bf16(P.vpack + (b * P.Hkv + hk) * P.s_pad * P.Dv + j0 * P.Dv),
                                         acc.data(), true);
           } else if (P.half) {  // the weights in the inputs' format, products accumulated in float32 (as torch)
             gemm16(P.half, 'N', 'N', P.Dv, rows, width, 1.0f, vh + j0 * P.v_sl, P.v_sl, pb, width, 1.0f, acc.data(), P.Dv);
@@ -979,52 +986,103 @@ std::vector<T> key_norms(const Problem<T>& P) {
   return key_norms_of(P, P.k, P.v);
 }
 
-// Whether brgemm takes this problem's products: bfloat16 where torch's oneDNN microkernel runs
-// (AMX or AVX512-BF16: could_pack), an even head dim (VNNI pairs of d), one plain problem (packed
-// sequences start their keys anywhere; they take oneMKL's products), and values with columns
-// (brgemm takes no empty product: Dv = 0 goes to oneMKL's, which skips it).
-template <typename T>
-bool takes_brgemm(const Problem<T>& P) {
-  return P.half == kBF16 && P.spans == nullptr && P.D % 2 == 0 && P.D > 0 && P.S > 0 && P.Dv > 0 &&
-         at::native::cpublas::could_pack(at::kBFloat16);
+// Whether torch's brgemm multiplies bfloat16 tiles in VNNI-2 layout here: its oneDNN microkernel
+// runs from AVX-512 on (natively with AVX512-BF16 or AMX), with oneDNN enabled
+// (torch.backends.mkldnn); elsewhere brgemm refuses such calls. torch exports no test of its own
+// (could_pack asks for AMX, which its packing routine needs, not brgemm), so one 2 x 2 x 2 product
+// is tried, once; whether oneDNN is enabled is asked on every call (the user may switch it off).
+bool brgemm_runs() {
+  if (!at::globalContext().userEnabledMkldnn()) return false;
+  static const bool runs = [] {
+    const uint16_t one = 0x3f80, two = 0x4000;  // bfloat16 1 and 2
+    const uint16_t a[4] = {one, two, one, one}, b[4] = {one, one, two, one};  // b: [k pair][n][2]
+    float c[4] = {0, 0, 0, 0};
+    try {
+      at::native::cpublas::brgemm(2, 2, 2, 2, 2, 2, false, bf16(a), bf16(b), c, true);
+      at::native::cpublas::brgemm_release(true);
+    } catch (const c10::Error&) {
+      return false;
+    }
+    // a = [[1, 2], [1, 1]], b = [[1, 2], [1, 1]] (b's VNNI pairs: column 0 (1, 1), column 1 (2, 1))
+    return c[0] == 3.0f && c[1] == 4.0f && c[2] == 2.0f && c[3] == 3.0f;
+  }();
+  return runs;
 }
 
-// Every key head's k^T and v in brgemm's VNNI-2 layout (Problem::kpack, vpack), in the buffer given.
+// Whether brgemm takes this problem's products: bfloat16 where it runs (brgemm_runs), an even head
+// dim (VNNI pairs of d), one plain problem (packed sequences start their keys anywhere; they take
+// oneMKL's products), and values with columns (brgemm takes no empty product: Dv = 0 goes to
+// oneMKL's, which skips it).
+template <typename T>
+bool takes_brgemm(const Problem<T>& P) {
+  return P.half == kBF16 && P.spans == nullptr && P.D % 2 == 0 && P.D > 0 && P.S > 0 && P.Dv > 0 && brgemm_runs();
+}
+
+// Rows a, b (b null: zeros) of 16-bit entries interleaved as brgemm's VNNI-2 pair row, width pairs.
+inline void pair_rows(const uint16_t* a, const uint16_t* b, int64_t width, uint16_t* out) {
+  uint32_t* o = reinterpret_cast<uint32_t*>(out);
+  if (b)
+    for (int64_t c = 0; c < width; ++c) o[c] = uint32_t(a[c]) | uint32_t(b[c]) << 16;
+  else
+    for (int64_t c = 0; c < width; ++c) o[c] = uint32_t(a[c]);
+}
+
+// brgemm's VNNI-2 layouts of a key head's (S, width) rows x (row stride sl, 16-bit entries):
+// transposed, (width/2, s_pad, 2): the pair (x[j][2p], x[j][2p + 1]) at [p][j] (width even);
+// paired, (s_pad/2, width, 2): rows (2i, 2i + 1) interleaved per column, [i][c][2]. The pad row
+// (S odd) is zero in both.
+inline void pack_transposed(const uint16_t* x, int64_t sl, int64_t S, int64_t width, int64_t s_pad, uint16_t* out) {
+  // One 32-bit move per pair, 16 rows at a time, so that each pair row is written 64 contiguous
+  // bytes at a time.
+  uint32_t* d = reinterpret_cast<uint32_t*>(out);
+  constexpr int64_t rows = 16;
+  for (int64_t j0 = 0; j0 < S; j0 += rows) {
+    const int64_t j1 = std::min(j0 + rows, S);
+    for (int64_t p = 0; p < width / 2; ++p) {
+      uint32_t* row = d + p * s_pad;
+      for (int64_t j = j0; j < j1; ++j) std::memcpy(row + j, x + j * sl + 2 * p, sizeof(uint32_t));
+    }
+  }
+  if (s_pad != S)
+    for (int64_t p = 0; p < width / 2; ++p) d[p * s_pad + S] = 0;
+}
+
+inline void pack_paired(const uint16_t* x, int64_t sl, int64_t S, int64_t width, int64_t s_pad, uint16_t* out) {
+  for (int64_t j = 0; j < s_pad; j += 2) {
+    pair_rows(x + j * sl, j + 1 < S ? x + (j + 1) * sl : nullptr, width, out + j * width);
+  }
+}
+
+// Every key head's k^T and v in brgemm's VNNI-2 layouts (Problem::kpack, vpack), in the buffer given.
 template <typename T>
 void pack_heads(Problem<T>& P, uint16_t* kpack, uint16_t* vpack) {
-  const int64_t D = P.D, Dv = P.Dv, S = P.S, s_pad = (S + 1) & ~int64_t(1);
+  const int64_t D = P.D, Dv = P.Dv, s_pad = (P.S + 1) & ~int64_t(1);
   at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t bi = bh / P.Hkv, hk = bh % P.Hkv;
-      const uint16_t* k = P.kh + bi * P.k_sb + hk * P.k_sh;
-      const uint16_t* v = P.vh + bi * P.v_sb + hk * P.v_sh;
-      // k^T: the pair (k[j][2p], k[j][2p + 1]) at [p][j], one 32-bit move each; the pad key zero.
-      // 16 keys at a time, so that each pair row is written 64 contiguous bytes at a time.
-      uint32_t* kd = reinterpret_cast<uint32_t*>(kpack + bh * D * s_pad);
-      constexpr int64_t keys = 16;
-      for (int64_t j0 = 0; j0 < S; j0 += keys) {
-        const int64_t j1 = std::min(j0 + keys, S);
-        for (int64_t p = 0; p < D / 2; ++p) {
-          uint32_t* row = kd + p * s_pad;
-          for (int64_t j = j0; j < j1; ++j) std::memcpy(row + j, k + j * P.k_sl + 2 * p, sizeof(uint32_t));
-        }
-      }
-      if (s_pad != S)
-        for (int64_t p = 0; p < D / 2; ++p) kd[p * s_pad + S] = 0;
-      // v: keys (2i, 2i + 1) interleaved per column, [i][c][2]; the pad key zero.
-      uint16_t* vd = vpack + bh * s_pad * Dv;
-      for (int64_t j = 0; j < s_pad; j += 2) {
-        const uint16_t* a = v + j * P.v_sl;
-        const uint16_t* b2 = j + 1 < S ? v + (j + 1) * P.v_sl : nullptr;
-        uint16_t* out = vd + j * Dv;
-        for (int64_t c = 0; c < Dv; ++c) {
-          out[2 * c] = a[c];
-          out[2 * c + 1] = b2 ? b2[c] : uint16_t(0);
-        }
-      }
+      pack_transposed(P.kh + bi * P.k_sb + hk * P.k_sh, P.k_sl, P.S, D, s_pad, kpack + bh * D * s_pad);
+      pack_paired(P.vh + bi * P.v_sb + hk * P.v_sh, P.v_sl, P.S, Dv, s_pad, vpack + bh * s_pad * Dv);
     }
   });
   P.kpack = kpack, P.vpack = vpack, P.s_pad = s_pad;
+}
+
+// The backward's three (Problem::kpack, vtpack, kpairs), in the buffer given: B Hkv s_pad (2 D + Dv)
+// entries.
+template <typename T>
+void pack_heads_backward(Problem<T>& P, uint16_t* buffer) {
+  const int64_t D = P.D, Dv = P.Dv, s_pad = (P.S + 1) & ~int64_t(1), heads = P.B * P.Hkv;
+  uint16_t *kpack = buffer, *vtpack = kpack + heads * D * s_pad, *kpairs = vtpack + heads * Dv * s_pad;
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t bi = bh / P.Hkv, hk = bh % P.Hkv;
+      const uint16_t* k = P.kh + bi * P.k_sb + hk * P.k_sh;
+      pack_transposed(k, P.k_sl, P.S, D, s_pad, kpack + bh * D * s_pad);
+      pack_transposed(P.vh + bi * P.v_sb + hk * P.v_sh, P.v_sl, P.S, Dv, s_pad, vtpack + bh * Dv * s_pad);
+      pack_paired(k, P.k_sl, P.S, D, s_pad, kpairs + bh * s_pad * D);
+    }
+  });
+  P.kpack = kpack, P.vtpack = vtpack, P.kpairs = kpairs, P.s_pad = s_pad;
 }
 
 // Parallel over batch, heads and query blocks (packed: heads and every sequence's query blocks).
@@ -1066,12 +1124,39 @@ struct BackwardIO {
 template <typename T>
 struct BackwardScratch {
   Scratch<T> sbuf, tbuf, dpbuf, dqb;
-  Scratch<uint16_t> p16, ds16;  // 16-bit inputs: the weights and dS in their format, for the products
+  // 16-bit inputs: the weights and dS in their format, for the products; with brgemm (rows and
+  // keys rounded up to even, pads zero) dS row by row (ds16, padded rows of keys), the weights and
+  // dS in pairs of rows (pv, dsv: VNNI-2), and the query block's q^T and dout^T (qt, dot).
+  Scratch<uint16_t> p16, ds16, pv, dsv, qt, dot;
+  // With brgemm, the task's dk^T (D, S) and dv^T (Dv, S): brgemm writes rows of C, and these are
+  // the rows that take a tile's keys as columns; transposed into dk, dv once per task.
+  Scratch<T> dkt, dvt;
+  bool brgemm;
   explicit BackwardScratch(const Problem<T>& P)
       : sbuf(P.tile_rows() * P.tile_width()), tbuf(P.softcap != T(0) ? P.tile_rows() * P.tile_width() : 0),
         dpbuf(P.tile_rows() * P.tile_width()), dqb(P.tile_rows() * P.D),
-        p16(P.half ? P.tile_rows() * P.tile_width() : 0), ds16(P.half ? P.tile_rows() * P.tile_width() : 0) {}
+        p16(P.half ? even(P.tile_rows()) * even(P.tile_width()) : 0),
+        ds16(P.half ? even(P.tile_rows()) * even(P.tile_width()) : 0),
+        pv(P.kpack ? even(P.tile_rows()) * P.tile_width() : 0), dsv(P.kpack ? even(P.tile_rows()) * P.tile_width() : 0),
+        qt(P.kpack ? P.D * even(P.tile_rows()) : 0), dot(P.kpack ? P.Dv * even(P.tile_rows()) : 0),
+        dkt(P.kpack ? P.D * P.S : 0), dvt(P.kpack ? P.Dv * P.S : 0), brgemm(P.kpack != nullptr) {}
+  ~BackwardScratch() {
+    if (brgemm) at::native::cpublas::brgemm_release(true);
+  }
+  BackwardScratch(BackwardScratch&&) = delete;
+  static int64_t even(int64_t n) { return (n + 1) & ~int64_t(1); }
 };
+
+// rows x cols 16-bit entries (row stride ld) transposed into (cols, rows_pad), the pad column zero.
+inline void transpose16(const uint16_t* x, int64_t ld, int64_t rows, int64_t cols, int64_t rows_pad, uint16_t* out) {
+  constexpr int64_t tile = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += tile)
+    for (int64_t c0 = 0; c0 < cols; c0 += tile)
+      for (int64_t c = c0; c < std::min(c0 + tile, cols); ++c)
+        for (int64_t r = r0; r < std::min(r0 + tile, rows); ++r) out[c * rows_pad + r] = x[r * ld + c];
+  for (int64_t r = rows; r < rows_pad; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[c * rows_pad + r] = 0;
+}
 
 // float32 rows as 16-bit ones of the format `kind` (Half16), n entries.
 inline void round_to(int kind, const float* x, int64_t n, uint16_t* out) {
@@ -1104,6 +1189,17 @@ void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int6
       const int64_t kv_head = IO.grouped ? b * P.Hkv + hk : b * P.H + h;
       T* dk = IO.dk + (kv_head * P.k_rows + P.k_out_start) * P.D;
       T* dv = IO.dv + (kv_head * P.k_rows + P.k_out_start) * P.Dv;
+      // brgemm (bfloat16, P.kpack): x = q k^T and dp = dout v^T on the packed k^T, v^T; dq += dS k
+      // on the packed k; dk^T += q^T dS and dv^T += dout^T p on dS and p in pairs of rows (W.dkt,
+      // W.dvt: the caller transposes them into dk, dv).
+      const bool packed = P.kpack != nullptr;
+      const int64_t rows_pad = BackwardScratch<T>::even(std::min(P.block_q, P.L));
+      const uint16_t *kt_head = nullptr, *vt_head = nullptr, *kp_head = nullptr;
+      if (packed) {
+        const int64_t bh = b * P.Hkv + hk;
+        kt_head = P.kpack + bh * P.D * P.s_pad, vt_head = P.vtpack + bh * P.Dv * P.s_pad, kp_head = P.kpairs + bh * P.s_pad * P.D;
+      }
+      const T pre = packed ? alpha : T(1);  // brgemm's products come unscaled: score_row scales them
       for (int64_t qb = 0; qb < nqb; ++qb) {
         const int64_t i0 = qb * P.block_q, i1 = std::min(i0 + P.block_q, P.L), rows = i1 - i0;
         const T* q = half ? nullptr : P.q + b * P.q_sb + h * P.q_sh + i0 * P.q_sl;
@@ -1112,6 +1208,11 @@ void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int6
         const T* dout = IO.dout + row0 * P.Dv;
         const uint16_t* dout16 = half ? IO.dout16 + row0 * P.Dv : nullptr;
         std::fill(dqb.begin(), dqb.begin() + rows * P.D, T(0));
+        const int64_t rp = BackwardScratch<T>::even(rows);  // brgemm: the products over rows take pairs
+        if (packed) {
+          transpose16(qh, P.q_sl, rows, P.D, rp, W.qt.data());
+          transpose16(dout16, P.Dv, rows, P.Dv, rp, W.dot.data());
+        }
         for (auto [j0, j1] : P.key_tiles(i0, i1)) {
           const int64_t width = j1 - j0;
           T* x = sbuf.data();
@@ -1125,11 +1226,16 @@ void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int6
             }
             gemm(ta, tb, mm, nn, kk, a, A, lda, Bm, ldb, beta, C, ldc);
           };
-          product('T', 'N', width, rows, P.D, alpha, k + (half ? 0 : j0 * P.k_sl), kh ? kh + j0 * P.k_sl : nullptr, P.k_sl,
-                  q, qh, P.q_sl, T(0), x, width);
+          if constexpr (std::is_same_v<T, float>) {
+            if (packed)  // x (rows, width) = q k^T, the packed k^T's columns j0.. (as the forward)
+              at::native::cpublas::brgemm(rows, width, P.D, P.q_sl, P.s_pad, width, false, bf16(qh), bf16(kt_head + 2 * j0), x, true);
+          }
+          if (!packed)
+            product('T', 'N', width, rows, P.D, alpha, k + (half ? 0 : j0 * P.k_sl), kh ? kh + j0 * P.k_sl : nullptr, P.k_sl,
+                    q, qh, P.q_sl, T(0), x, width);
           for (int64_t r = 0; r < rows; ++r) {  // p = exp(s - m) / l: the forward's weights
             T* xr = x + r * width;
-            score_row(P, b, h, i0 + r, j0, width, xr, capped ? t + r * width : nullptr);
+            score_row(P, b, h, i0 + r, j0, width, xr, capped ? t + r * width : nullptr, nullptr, true, pre);
             exp_row(xr, width, IO.m[row0 + r]);
             const Vec vl(IO.l[row0 + r]);
             int64_t c = 0;
@@ -1139,11 +1245,20 @@ void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int6
           uint16_t* p16 = half ? W.p16.data() : nullptr;
           if constexpr (std::is_same_v<T, float>)
             if (half) round_to(P.half, x, rows * width, p16);
-          // dV += P^T dO ; dP = dO V^T
-          product('N', 'T', P.Dv, width, rows, T(1), dout, dout16, P.Dv, x, p16, width, T(1), dv + j0 * P.Dv, P.Dv);
           T* dp = dpbuf.data();
-          product('T', 'N', width, rows, P.Dv, T(1), v + (half ? 0 : j0 * P.v_sl), vh ? vh + j0 * P.v_sl : nullptr, P.v_sl,
-                  dout, dout16, P.Dv, T(0), dp, width);
+          if constexpr (std::is_same_v<T, float>) {
+            if (packed) {  // dv^T (Dv, width) += dout^T p ; dp (rows, width) = dout v^T
+              for (int64_t r = 0; r < rp; r += 2)
+                pair_rows(p16 + r * width, r + 1 < rows ? p16 + (r + 1) * width : nullptr, width, W.pv.data() + r * width);
+              at::native::cpublas::brgemm(P.Dv, width, rp, rp, width, P.S, true, bf16(W.dot.data()), bf16(W.pv.data()), W.dvt.data() + j0, true);
+              at::native::cpublas::brgemm(rows, width, P.Dv, P.Dv, P.s_pad, width, false, bf16(dout16), bf16(vt_head + 2 * j0), dp, true);
+            }
+          }
+          if (!packed) {  // dV += P^T dO ; dP = dO V^T
+            product('N', 'T', P.Dv, width, rows, T(1), dout, dout16, P.Dv, x, p16, width, T(1), dv + j0 * P.Dv, P.Dv);
+            product('T', 'N', width, rows, P.Dv, T(1), v + (half ? 0 : j0 * P.v_sl), vh ? vh + j0 * P.v_sl : nullptr, P.v_sl,
+                    dout, dout16, P.Dv, T(0), dp, width);
+          }
           for (int64_t r = 0; r < rows; ++r) {  // dS = P (dP - delta), times (1 - t^2) with softcap
             const T* pr = x + r * width;
             T* dr = dp + r * width;
@@ -1162,8 +1277,21 @@ void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int6
             }
           }
           uint16_t* ds16 = half ? W.ds16.data() : nullptr;
-          if constexpr (std::is_same_v<T, float>)
+          if constexpr (std::is_same_v<T, float>) {
+            if (packed) {  // dq (rows, D) += dS k ; dk^T (D, width) += q^T dS (the scale multiplies both at the end)
+              const int64_t wp = BackwardScratch<T>::even(width);  // brgemm pairs keys: the pad key's dS is 0
+              for (int64_t r = 0; r < rows; ++r) {
+                round_to(P.half, dp + r * width, width, ds16 + r * wp);
+                if (wp != width) ds16[r * wp + width] = 0;
+              }
+              for (int64_t r = 0; r < rp; r += 2)
+                pair_rows(ds16 + r * wp, r + 1 < rows ? ds16 + (r + 1) * wp : nullptr, width, W.dsv.data() + r * width);
+              at::native::cpublas::brgemm(rows, P.D, wp, wp, P.D, P.D, true, bf16(ds16), bf16(kp_head + j0 * P.D), dqb.data(), true);
+              at::native::cpublas::brgemm(P.D, width, rp, rp, width, P.S, true, bf16(W.qt.data()), bf16(W.dsv.data()), W.dkt.data() + j0, true);
+              continue;
+            }
             if (half) round_to(P.half, dp, rows * width, ds16);
+          }
           // dQ += dS K ; dK += dS^T Q (the scale multiplies both at the end)
           product('N', 'N', P.D, rows, width, T(1), k + (half ? 0 : j0 * P.k_sl), kh ? kh + j0 * P.k_sl : nullptr, P.k_sl,
                   dp, ds16, width, T(1), dqb.data(), P.D);
@@ -1183,19 +1311,42 @@ void scale_dk(const Problem<T>& P, const BackwardIO<T>& IO, int64_t kv_head) {
   for (int64_t e = 0; e < P.S * P.D; ++e) dk[e] *= P.scale;
 }
 
+// With brgemm: dk, dv rows of (batch-and-head index) kv_head from the task's dk^T (times the
+// scale) and dv^T, 16 x 16 blocks at a time.
+template <typename T>
+void write_dk_dv(const Problem<T>& P, const BackwardIO<T>& IO, int64_t kv_head, const BackwardScratch<T>& W) {
+  T* dk = IO.dk + (kv_head * P.k_rows + P.k_out_start) * P.D;
+  T* dv = IO.dv + (kv_head * P.k_rows + P.k_out_start) * P.Dv;
+  auto transpose = [&](const T* src, int64_t cols, T factor, T* dst) {  // src (cols, S) -> dst (S, cols)
+    constexpr int64_t tile = 16;
+    for (int64_t j0 = 0; j0 < P.S; j0 += tile)
+      for (int64_t c0 = 0; c0 < cols; c0 += tile)
+        for (int64_t j = j0; j < std::min(j0 + tile, P.S); ++j)
+          for (int64_t c = c0; c < std::min(c0 + tile, cols); ++c) dst[j * cols + c] = src[c * P.S + j] * factor;
+  };
+  transpose(W.dkt.data(), P.D, P.scale, dk);
+  transpose(W.dvt.data(), P.Dv, T(1), dv);
+}
+
 // Parallel over batch and heads (packed: heads and sequences; a sequence's rows of dq, dk, dv are
 // its own, so tasks never write the same memory).
 template <typename T>
 void backward_kernel(const Problem<T>& P, const BackwardIO<T>& IO) {
   const int64_t G = P.G(), heads = IO.grouped ? P.Hkv : P.H;  // one task per (sequence or batch, heads)
   auto run = [&](const Problem<T>& Q, int64_t b, int64_t head, BackwardScratch<T>& W) {
-    if (IO.grouped) {
-      for (int64_t h = head * G; h < (head + 1) * G; ++h) backward_head(Q, IO, b, h, W);
-      scale_dk(Q, IO, b * Q.Hkv + head);
-    } else {
-      backward_head(Q, IO, b, head, W);
-      scale_dk(Q, IO, b * Q.H + head);
+    if (W.brgemm) {
+      std::fill(W.dkt.begin(), W.dkt.end(), T(0));
+      std::fill(W.dvt.begin(), W.dvt.end(), T(0));
     }
+    if (IO.grouped)
+      for (int64_t h = head * G; h < (head + 1) * G; ++h) backward_head(Q, IO, b, h, W);
+    else
+      backward_head(Q, IO, b, head, W);
+    const int64_t kv_head = IO.grouped ? b * Q.Hkv + head : b * Q.H + head;
+    if (W.brgemm)
+      write_dk_dv(Q, IO, kv_head, W);
+    else
+      scale_dk(Q, IO, kv_head);
   };
   auto make = [&] { return BackwardScratch<T>(P); };
   if (P.spans) {
@@ -1383,6 +1534,12 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
                             l.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
                             dv.data_ptr<scalar_t>(), grouped};
     if (half) IO.dout16 = static_cast<const uint16_t*>(dout16.const_data_ptr());
+    std::unique_ptr<uint16_t[]> packed;  // brgemm's k^T, v^T and k, every key head
+    if (takes_brgemm(P) && P.Dv % 2 == 0) {  // dout v^T pairs v's columns
+      const int64_t s_pad = (P.S + 1) & ~int64_t(1);
+      packed.reset(new uint16_t[P.B * P.Hkv * s_pad * (2 * P.D + P.Dv)]);  // every entry written
+      pack_heads_backward(P, packed.get());
+    }
     backward_kernel(P, IO);
   });
   return {dq, dk, dv};
@@ -1427,6 +1584,7 @@ std::tuple<torch::Tensor, torch::Tensor> weights_op(const torch::Tensor& x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward", &forward, "attnscale fused attention forward: ([out, lse, m, l[, max_logit, max_prob, entropy, visible]], rows_ok)");
+  module.def("brgemm_runs", &brgemm_runs, "whether bfloat16 products with an even head dim go through torch's brgemm (oneDNN) here, not oneMKL");
   module.def("half_gemm", &half_gemm, "whether 16-bit q, k, v of this format (1 bfloat16, 2 float16) can be passed as they are (oneMKL's products)");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");
   module.def("weights", &weights_op, "the softmax's exp of centred scores, and exp_u20 floored the same way (float32, 1-d, a multiple of 8 long)");

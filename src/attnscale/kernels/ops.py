@@ -87,7 +87,8 @@ def _half_hardware(dtype: torch.dtype) -> bool:
 @torch.compiler.assume_constant_result
 def half_products(dtype: torch.dtype) -> bool:
     """Whether the kernel takes ``dtype`` q, k, v as they are, multiplying them in that format with
-    float32 accumulation (oneMKL; AMX where present), rather than float32 copies. Both give
+    float32 accumulation (bfloat16 with an even head dim through torch's brgemm where it runs,
+    from AVX-512 on; otherwise oneMKL), rather than float32 copies. Both give
     float32 softmax, statistics and output; the 16-bit path also rounds the weights to ``dtype``
     for the second product, as torch's CPU kernel does. ``ATTNSCALE_HALF_PRODUCTS=1`` (or ``0``)
     forces the choice on any CPU, e.g. to test both paths. A constant to torch.compile: a traced
