@@ -37,6 +37,18 @@ def test_the_committed_runs_were_judged_by_the_current_rules(summary, profile):
         assert claim["rule_version"] == exp.claim.rule_history[-1].version
 
 
+def test_the_default_run_held_to_avx2_code_reached_the_published_verdicts():
+    """The README says the default run reached every published verdict with torch, oneMKL, oneDNN
+    and the compiled kernel held to AVX2 code: results/default_avx2_paths.json is that run's summary,
+    and a re-recorded published.json must be reproduced that way again (or the README changed)."""
+    other = json.loads((ROOT / "results" / "default_avx2_paths.json").read_text(encoding="utf-8"))
+    assert (other["profile"], other["seed"]) == ("default", 0) and re.fullmatch(r"[0-9a-f]{40}", other["commit"])
+    verdicts = {c["id"]: (c["verdict"], c["rule_version"]) for c in PUBLISHED["claims"]}
+    assert {c["id"]: (c["verdict"], c["rule_version"]) for c in other["claims"]} == verdicts
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert f"at {other['commit'][:7]}; `results/default_avx2_paths.json`) it reaches the same {len(verdicts)} verdicts" in readme
+
+
 FAST = (
     "softmax-peak-example", "qknorm-double-shrink", "flash-exp2", "quant-folding", "fp16-secondary", "linear-attention",
     "alibi-order", "rope-variance", "length-scaling", "saturation-example", "jacobian-collapse", "mup-correlated",
