@@ -593,8 +593,7 @@ def flex_varlen_attention(
             slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.ndim == 2 else alibi_slopes
             seq = dataclasses.replace(path, q_offset=(k1 - k0) - (q1 - q0))  # bottom-right
             parts.append(_statistics(qd[..., q0:q1, :], kd[..., k0:k1, :], seq, None, slopes, sinks, (1, H, q1 - q0)))
-        names = [f.name for f in dataclasses.fields(parts[0]) if getattr(parts[0], f.name) is not None]
-        return AttentionStats(**{name: torch.cat([getattr(p, name) for p in parts], dim=-1) for name in names})
+        return _join_rows(parts)
 
     out, stats = _finish(out, lse, statistics, sinks=sinks, return_stats=return_stats, dtype=q.dtype)
     out = out[0].transpose(0, 1)  # (total_q, H, Dv)
@@ -660,6 +659,11 @@ def _statistics(
             )
             assert stats is not None
             parts.append(_full_rows(stats, (*rows[:-1], i1 - i0)))
+    return _join_rows(parts)
+
+
+def _join_rows(parts: list[AttentionStats]) -> AttentionStats:
+    """Statistics of consecutive row ranges joined along the rows (the last dim)."""
     names = [f.name for f in dataclasses.fields(parts[0]) if getattr(parts[0], f.name) is not None]
     return AttentionStats(**{name: torch.cat([getattr(p, name) for p in parts], dim=-1) for name in names})
 

@@ -124,7 +124,7 @@ def _choose(
     attn_mask: Tensor | None,
     *,
     slopes_need_grad: bool = False,
-    flex_cannot: Callable[[], str | None] = lambda: "not asked",
+    flex_cannot: Callable[[], str | None],
 ) -> tuple[Backend, str]:
     if call.backend is Backend.AUTO:
         reason = _fused_cannot(call)
