@@ -292,6 +292,51 @@ def test_half_inputs_of_long_calls_settle_rows_and_stay_within_twice_the_math_ba
         assert _error(got[q0:q1].transpose(0, 1).unsqueeze(0), want) <= 2 * err_math + TOLERANCE_FLOOR[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_packed_sequences_outputs_and_gradients_within_twice_the_math_backends_error(half_path, dtype):
+    """Packed sequences in 16-bit formats on every path, forward and backward: odd lengths (so
+    sequences start on odd keys; brgemm packs each sequence's keys on its own, paired from its
+    first), a sequence without queries, one without keys, GQA, causal + softcap + window. Each
+    sequence's output and the gradients of its q, k, v rows against fp64 at most twice the math
+    backend's error on that sequence alone, plus the floor."""
+    lens_q, lens_k = [37, 0, 300, 5, 129, 2], [41, 3, 301, 0, 130, 2]
+    H, Hkv, D, Dv = 4, 2, 16, 8
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(sum(lens_q), H, D, generator=gen, dtype=torch.float64).to(dtype)
+    k = torch.randn(sum(lens_k), Hkv, D, generator=gen, dtype=torch.float64).to(dtype)
+    v = torch.randn(sum(lens_k), Hkv, Dv, generator=gen, dtype=torch.float64).to(dtype)
+    dout = torch.randn(sum(lens_q), H, Dv, generator=gen, dtype=torch.float64).to(dtype)
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)]) for lens in (lens_q, lens_k))
+    opts = {"is_causal": True, "softcap": 5.0, "window": (60, None)}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attnscale.varlen_attention(*leaves, cu_q, cu_k, backend="fused", **opts)
+    out.backward(dout)
+    assert out.dtype == dtype and all(t.grad.dtype == dtype for t in leaves)
+
+    def rows(t, cu, b):  # sequence b's rows of a packed tensor as (1, heads, n, d)
+        return t[int(cu[b]) : int(cu[b + 1])].transpose(0, 1).unsqueeze(0)
+
+    for b in range(len(lens_q)):
+        if lens_q[b] == 0:
+            continue
+        seq = [rows(q, cu_q, b), rows(k, cu_k, b), rows(v, cu_k, b)]
+        grad_out = rows(dout, cu_q, b)
+        seq_opts = dict(opts, causal_alignment="bottom_right")  # as varlen_attention aligns each sequence
+        wide = [t.double().requires_grad_() for t in seq]
+        want = sdpa(*wide, backend="math", **seq_opts)
+        want_grads = torch.autograd.grad(want, wide, grad_out.double()) if lens_k[b] else [torch.zeros_like(t) for t in wide]
+        narrow = [t.clone().requires_grad_() for t in seq]
+        math = sdpa(*narrow, backend="math", **seq_opts)
+        math_grads = torch.autograd.grad(math, narrow, grad_out) if lens_k[b] else [torch.zeros_like(t) for t in narrow]
+        got = [rows(out.detach(), cu_q, b), rows(leaves[0].grad, cu_q, b), rows(leaves[1].grad, cu_k, b), rows(leaves[2].grad, cu_k, b)]
+        for name, g, gm, gw in zip(("out", "dq", "dk", "dv"), got, [math.detach(), *math_grads], [want.detach(), *want_grads]):
+            assert g.shape == gw.shape, name
+            if g.numel() == 0:  # the keys of a sequence without keys
+                continue
+            err, err_math = (g.double() - gw).abs().max().item(), (gm.double() - gw).abs().max().item()
+            assert err <= 2 * err_math + TOLERANCE_FLOOR[dtype], f"sequence {b}, {name}: {err} against the math backend's {err_math}"
+
+
 def test_float32_tanh_is_within_2_ulp_odd_and_keeps_nan():
     """The softcap's tanh (a polynomial near 0, exp farther out) on every 127th positive float32
     bit pattern (17 million values, every binade): 1.78 ulp at most from float64 tanh (measured)."""

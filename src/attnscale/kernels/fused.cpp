@@ -256,6 +256,12 @@ inline Vectorized<float> vexp_weights(const Vectorized<float>& x, const Vectoriz
 }
 #endif
 
+// brgemm's operands of each packed sequence (Problem::seq_packs), indexed by sequence.
+struct SequencePacks {
+  std::vector<const uint16_t*> kpack, vpack, vtpack, kpairs;
+  std::vector<int64_t> s_pad;
+};
+
 template <typename T>
 struct Problem {
   const T* q;
@@ -293,16 +299,20 @@ struct Problem {
   // are null; half says which format (Half16).
   const uint16_t *qh = nullptr, *kh = nullptr, *vh = nullptr;
   int half = kNoHalf;
-  // 16-bit inputs multiplied by torch's brgemm (AMX tiles; at::native::cpublas::could_pack), null
-  // otherwise: each key head's k^T and v packed once per call in VNNI-2 pairs (pack_heads):
-  // kpack (D/2, s_pad, 2) per head, pairs of d for every key; vpack (s_pad/2, Dv, 2), pairs of
-  // keys for every column; s_pad = S rounded up to even, the pad key zero.
+  // 16-bit inputs multiplied by torch's brgemm (takes_brgemm), null otherwise: each key head's
+  // k^T and v packed once per call in VNNI-2 pairs (pack_problem): kpack (D/2, s_pad, 2) per head,
+  // pairs of d for every key; vpack (s_pad/2, Dv, 2), pairs of keys for every column; s_pad = S
+  // rounded up to even, the pad key zero.
   const uint16_t *kpack = nullptr, *vpack = nullptr;
   int64_t s_pad = 0;
   // The backward's other two brgemm operands (with kpack; vpack stays null there): each key head's
   // v^T (Dv/2, s_pad, 2), pairs of columns for every key, as kpack; and k (s_pad/2, D, 2), pairs
   // of keys for every column, as vpack.
   const uint16_t *vtpack = nullptr, *kpairs = nullptr;
+  // Packed sequences with brgemm: each sequence's keys packed on their own, paired from its first
+  // key (sequence(s) takes its operands from here); the packed problem's own pointers stay null.
+  const SequencePacks* seq_packs = nullptr;
+  bool brgemm() const { return kpack != nullptr || seq_packs != nullptr; }
 
   int64_t G() const { return H / Hkv; }
   // The largest tile this problem has: scratch is sized by it, not by the block sizes (one query
@@ -327,6 +337,11 @@ struct Problem {
     P.q_offset = P.S - P.L, P.q_start = 0, P.k_start = 0;
     if (alibi) P.alibi += s * al_sb;
     P.o_start = q0, P.k_out_start = k0;
+    if (seq_packs) {
+      P.kpack = seq_packs->kpack[s], P.vpack = seq_packs->vpack[s], P.vtpack = seq_packs->vtpack[s];
+      P.kpairs = seq_packs->kpairs[s], P.s_pad = seq_packs->s_pad[s];
+      P.seq_packs = nullptr;
+    }
     return P;
   }
   int64_t q_blocks() const { return (L + block_q - 1) / block_q; }
@@ -703,7 +718,7 @@ struct ForwardScratch {
   explicit ForwardScratch(const Problem<T>& P)
       : sbuf(P.tile_rows() * P.tile_width()), acc(P.tile_rows() * P.Dv), m(P.tile_rows()), l(P.tile_rows()),
         w(P.tile_rows()), bound(P.tile_rows()), pbuf(P.half ? P.tile_rows() * (P.tile_width() + 1) : 0),
-        seen(P.tile_rows()), settled(P.tile_rows()), brgemm(P.kpack != nullptr) {}
+        seen(P.tile_rows()), settled(P.tile_rows()), brgemm(P.brgemm()) {}
   // The thread's AMX tile state, set up by brgemm's first call, released with the scratch.
   bool brgemm;
   ~ForwardScratch() {
@@ -1010,12 +1025,12 @@ bool brgemm_runs() {
 }
 
 // Whether brgemm takes this problem's products: bfloat16 where it runs (brgemm_runs), an even head
-// dim (VNNI pairs of d), one plain problem (packed sequences start their keys anywhere; they take
-// oneMKL's products), and values with columns (brgemm takes no empty product: Dv = 0 goes to
-// oneMKL's, which skips it).
+// dim (VNNI pairs of d), and values with columns (brgemm takes no empty product: Dv = 0 goes to
+// oneMKL's, which skips it). The backward also needs an even value dim (dout v^T pairs v's columns).
 template <typename T>
-bool takes_brgemm(const Problem<T>& P) {
-  return P.half == kBF16 && P.spans == nullptr && P.D % 2 == 0 && P.D > 0 && P.S > 0 && P.Dv > 0 && brgemm_runs();
+bool takes_brgemm(const Problem<T>& P, bool backward) {
+  return P.half == kBF16 && P.D % 2 == 0 && P.D > 0 && P.S > 0 && P.Dv > 0 && (!backward || P.Dv % 2 == 0) &&
+         brgemm_runs();
 }
 
 // Rows a, b (b null: zeros) of 16-bit entries interleaved as brgemm's VNNI-2 pair row, width pairs.
@@ -1053,36 +1068,62 @@ inline void pack_paired(const uint16_t* x, int64_t sl, int64_t S, int64_t width,
   }
 }
 
-// Every key head's k^T and v in brgemm's VNNI-2 layouts (Problem::kpack, vpack), in the buffer given.
+// brgemm's operands of every key head in VNNI-2 layouts, in memory of their own: the forward's
+// k^T and v (Problem::kpack, vpack), or the backward's k^T, v^T and k (kpack, vtpack, kpairs).
+// Packed sequences pack each sequence's keys on their own (Problem::seq_packs, in seqs).
 template <typename T>
-void pack_heads(Problem<T>& P, uint16_t* kpack, uint16_t* vpack) {
-  const int64_t D = P.D, Dv = P.Dv, s_pad = (P.S + 1) & ~int64_t(1);
-  at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t bi = bh / P.Hkv, hk = bh % P.Hkv;
-      pack_transposed(P.kh + bi * P.k_sb + hk * P.k_sh, P.k_sl, P.S, D, s_pad, kpack + bh * D * s_pad);
-      pack_paired(P.vh + bi * P.v_sb + hk * P.v_sh, P.v_sl, P.S, Dv, s_pad, vpack + bh * s_pad * Dv);
+std::unique_ptr<uint16_t[]> pack_problem(Problem<T>& P, bool backward, SequencePacks& seqs) {
+  const int64_t D = P.D, Dv = P.Dv, n = P.spans ? P.nseq : 1;
+  const int64_t per_key = backward ? 2 * D + Dv : D + Dv;
+  std::vector<Problem<T>> parts;
+  std::vector<int64_t> start{0};
+  for (int64_t s = 0; s < n; ++s) {
+    parts.push_back(P.spans ? P.sequence(s) : P);
+    const Problem<T>& Q = parts.back();
+    start.push_back(start.back() + Q.B * Q.Hkv * ((Q.S + 1) & ~int64_t(1)) * per_key);
+  }
+  std::unique_ptr<uint16_t[]> memory(new uint16_t[std::max<int64_t>(start.back(), 1)]);  // every entry written
+  for (int64_t s = 0; s < n; ++s) {
+    Problem<T>& Q = parts[s];
+    const int64_t s_pad = (Q.S + 1) & ~int64_t(1), heads = Q.B * Q.Hkv;
+    uint16_t* kpack = memory.get() + start[s];
+    uint16_t* second = kpack + heads * D * s_pad;  // v (forward) or v^T (backward)
+    Q.kpack = kpack, Q.s_pad = s_pad;
+    if (backward)
+      Q.vtpack = second, Q.kpairs = second + heads * Dv * s_pad;
+    else
+      Q.vpack = second;
+  }
+  std::vector<std::pair<int64_t, int64_t>> units;  // (part, batch-and-key-head)
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t bh = 0; bh < parts[s].B * parts[s].Hkv; ++bh) units.emplace_back(s, bh);
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const auto [s, bh] = units[u];
+      const Problem<T>& Q = parts[s];
+      const int64_t bi = bh / Q.Hkv, hk = bh % Q.Hkv;
+      const uint16_t* k = Q.kh + bi * Q.k_sb + hk * Q.k_sh;
+      const uint16_t* v = Q.vh + bi * Q.v_sb + hk * Q.v_sh;
+      pack_transposed(k, Q.k_sl, Q.S, D, Q.s_pad, const_cast<uint16_t*>(Q.kpack) + bh * D * Q.s_pad);
+      if (backward) {
+        pack_transposed(v, Q.v_sl, Q.S, Dv, Q.s_pad, const_cast<uint16_t*>(Q.vtpack) + bh * Dv * Q.s_pad);
+        pack_paired(k, Q.k_sl, Q.S, D, Q.s_pad, const_cast<uint16_t*>(Q.kpairs) + bh * Q.s_pad * D);
+      } else {
+        pack_paired(v, Q.v_sl, Q.S, Dv, Q.s_pad, const_cast<uint16_t*>(Q.vpack) + bh * Q.s_pad * Dv);
+      }
     }
   });
-  P.kpack = kpack, P.vpack = vpack, P.s_pad = s_pad;
-}
-
-// The backward's three (Problem::kpack, vtpack, kpairs), in the buffer given: B Hkv s_pad (2 D + Dv)
-// entries.
-template <typename T>
-void pack_heads_backward(Problem<T>& P, uint16_t* buffer) {
-  const int64_t D = P.D, Dv = P.Dv, s_pad = (P.S + 1) & ~int64_t(1), heads = P.B * P.Hkv;
-  uint16_t *kpack = buffer, *vtpack = kpack + heads * D * s_pad, *kpairs = vtpack + heads * Dv * s_pad;
-  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t bi = bh / P.Hkv, hk = bh % P.Hkv;
-      const uint16_t* k = P.kh + bi * P.k_sb + hk * P.k_sh;
-      pack_transposed(k, P.k_sl, P.S, D, s_pad, kpack + bh * D * s_pad);
-      pack_transposed(P.vh + bi * P.v_sb + hk * P.v_sh, P.v_sl, P.S, Dv, s_pad, vtpack + bh * Dv * s_pad);
-      pack_paired(k, P.k_sl, P.S, D, s_pad, kpairs + bh * s_pad * D);
+  if (P.spans) {
+    for (const Problem<T>& Q : parts) {
+      seqs.kpack.push_back(Q.kpack), seqs.vpack.push_back(Q.vpack), seqs.vtpack.push_back(Q.vtpack);
+      seqs.kpairs.push_back(Q.kpairs), seqs.s_pad.push_back(Q.s_pad);
     }
-  });
-  P.kpack = kpack, P.vtpack = vtpack, P.kpairs = kpairs, P.s_pad = s_pad;
+    P.seq_packs = &seqs;
+  } else {
+    P.kpack = parts[0].kpack, P.vpack = parts[0].vpack, P.vtpack = parts[0].vtpack, P.kpairs = parts[0].kpairs;
+    P.s_pad = parts[0].s_pad;
+  }
+  return memory;
 }
 
 // Parallel over batch, heads and query blocks (packed: heads and every sequence's query blocks).
@@ -1137,9 +1178,9 @@ struct BackwardScratch {
         dpbuf(P.tile_rows() * P.tile_width()), dqb(P.tile_rows() * P.D),
         p16(P.half ? even(P.tile_rows()) * even(P.tile_width()) : 0),
         ds16(P.half ? even(P.tile_rows()) * even(P.tile_width()) : 0),
-        pv(P.kpack ? even(P.tile_rows()) * P.tile_width() : 0), dsv(P.kpack ? even(P.tile_rows()) * P.tile_width() : 0),
-        qt(P.kpack ? P.D * even(P.tile_rows()) : 0), dot(P.kpack ? P.Dv * even(P.tile_rows()) : 0),
-        dkt(P.kpack ? P.D * P.S : 0), dvt(P.kpack ? P.Dv * P.S : 0), brgemm(P.kpack != nullptr) {}
+        pv(P.brgemm() ? even(P.tile_rows()) * P.tile_width() : 0), dsv(P.brgemm() ? even(P.tile_rows()) * P.tile_width() : 0),
+        qt(P.brgemm() ? P.D * even(P.tile_rows()) : 0), dot(P.brgemm() ? P.Dv * even(P.tile_rows()) : 0),
+        dkt(P.brgemm() ? P.D * P.S : 0), dvt(P.brgemm() ? P.Dv * P.S : 0), brgemm(P.brgemm()) {}
   ~BackwardScratch() {
     if (brgemm) at::native::cpublas::brgemm_release(true);
   }
@@ -1334,9 +1375,9 @@ template <typename T>
 void backward_kernel(const Problem<T>& P, const BackwardIO<T>& IO) {
   const int64_t G = P.G(), heads = IO.grouped ? P.Hkv : P.H;  // one task per (sequence or batch, heads)
   auto run = [&](const Problem<T>& Q, int64_t b, int64_t head, BackwardScratch<T>& W) {
-    if (W.brgemm) {
-      std::fill(W.dkt.begin(), W.dkt.end(), T(0));
-      std::fill(W.dvt.begin(), W.dvt.end(), T(0));
+    if (W.brgemm) {  // this problem's keys only (a packed sequence's are a share of the scratch)
+      std::fill(W.dkt.begin(), W.dkt.begin() + Q.D * Q.S, T(0));
+      std::fill(W.dvt.begin(), W.dvt.begin() + Q.Dv * Q.S, T(0));
     }
     if (IO.grouped)
       for (int64_t h = head * G; h < (head + 1) * G; ++h) backward_head(Q, IO, b, h, W);
@@ -1473,12 +1514,9 @@ std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, con
       kmax = key_norms(P);
       P.kmax = kmax.data();
     }
+    SequencePacks seqs;
     std::unique_ptr<uint16_t[]> packed;  // brgemm's k^T and v, every key head (P.kpack, P.vpack)
-    if (takes_brgemm(P)) {
-      const int64_t s_pad = (P.S + 1) & ~int64_t(1), heads = P.B * P.Hkv;
-      packed.reset(new uint16_t[heads * s_pad * (P.D + P.Dv)]);  // every entry written by pack_heads
-      pack_heads(P, packed.get(), packed.get() + heads * s_pad * P.D);
-    }
+    if (takes_brgemm(P, false)) packed = pack_problem(P, false, seqs);
     ForwardOut<scalar_t> O{out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
                            l.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr, &suspect};
     if (P.half == kBF16) {
@@ -1534,12 +1572,9 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
                             l.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
                             dv.data_ptr<scalar_t>(), grouped};
     if (half) IO.dout16 = static_cast<const uint16_t*>(dout16.const_data_ptr());
+    SequencePacks seqs;
     std::unique_ptr<uint16_t[]> packed;  // brgemm's k^T, v^T and k, every key head
-    if (takes_brgemm(P) && P.Dv % 2 == 0) {  // dout v^T pairs v's columns
-      const int64_t s_pad = (P.S + 1) & ~int64_t(1);
-      packed.reset(new uint16_t[P.B * P.Hkv * s_pad * (2 * P.D + P.Dv)]);  // every entry written
-      pack_heads_backward(P, packed.get());
-    }
+    if (takes_brgemm(P, true)) packed = pack_problem(P, true, seqs);
     backward_kernel(P, IO);
   });
   return {dq, dk, dv};
