@@ -1234,7 +1234,6 @@ void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int6
       // on the packed k; dk^T += q^T dS and dv^T += dout^T p on dS and p in pairs of rows (W.dkt,
       // W.dvt: the caller transposes them into dk, dv).
       const bool packed = P.kpack != nullptr;
-      const int64_t rows_pad = BackwardScratch<T>::even(std::min(P.block_q, P.L));
       const uint16_t *kt_head = nullptr, *vt_head = nullptr, *kp_head = nullptr;
       if (packed) {
         const int64_t bh = b * P.Hkv + hk;
