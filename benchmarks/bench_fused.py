@@ -27,6 +27,7 @@ case: (1024, 0) at L = 8192 against torch's causal kernel, with the share of key
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import subprocess
@@ -297,15 +298,19 @@ def tanh_row(repeats: int) -> dict:
 VARLEN_LENGTHS = (32, 1024)  # sequence lengths drawn uniformly in this range
 
 
-def varlen_row(threads: int, repeats: int, n_seq: int = 32) -> dict:
-    """Packed causal attention over ``n_seq`` sequences of random lengths (H = 8, D = 64, float32,
-    forward): varlen_attention's one kernel call and its per-sequence path (backend="tiled", the
-    eager fallback), against torch's SDPA called once per sequence (the plain problem, causal)."""
+VARLEN_ERROR = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # largest |error| against torch per sequence
+
+
+def varlen_row(threads: int, repeats: int, n_seq: int = 32, dtype: torch.dtype = torch.float32) -> dict:
+    """Packed causal attention over ``n_seq`` sequences of random lengths (H = 8, D = 64, forward,
+    float32 or bfloat16): varlen_attention's one kernel call and its per-sequence path
+    (backend="tiled", the eager fallback), against torch's SDPA called once per sequence (the plain
+    problem, causal, same dtype)."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(1)
     lengths = torch.randint(VARLEN_LENGTHS[0], VARLEN_LENGTHS[1] + 1, (n_seq,), generator=gen).tolist()
     total, H, D = sum(lengths), 8, 64
-    q, k, v = (torch.randn(total, H, D, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(total, H, D, generator=gen).to(dtype) for _ in range(3))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
 
     def per_sequence_torch() -> None:
@@ -318,16 +323,16 @@ def varlen_row(threads: int, repeats: int, n_seq: int = 32) -> dict:
         for b in range(n_seq):
             rows = slice(int(cu[b]), int(cu[b + 1]))
             want = F.scaled_dot_product_attention(*(t[rows].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True)[0].transpose(0, 1)
-            err = (packed[rows] - want).abs().max().item()
-            if not err <= 1e-4:
-                raise SystemExit(f"bench_fused: wrong varlen output for sequence {b}: max |error| {err:.3g} > 1e-4; nothing timed")
+            err = (packed[rows].float() - want.float()).abs().max().item()
+            if not err <= VARLEN_ERROR[dtype]:
+                raise SystemExit(f"bench_fused: wrong varlen output for sequence {b}: max |error| {err:.3g} > {VARLEN_ERROR[dtype]:g}; nothing timed")
     fns = {
         "packed kernel": lambda: attnscale.varlen_attention(q, k, v, cu, cu, is_causal=True),
         "per-sequence tiled": lambda: attnscale.varlen_attention(q, k, v, cu, cu, is_causal=True, backend="tiled"),
         "torch per sequence": per_sequence_torch,
     }
     times = {name: statistics.median(t) for name, t in interleaved(fns, repeats).items()}
-    return {"threads": threads, "sequences": n_seq, "tokens": total, "seconds": times,
+    return {"threads": threads, "sequences": n_seq, "tokens": total, "dtype": str(dtype).removeprefix("torch."), "seconds": times,
             "ratio": {name: times[name] / times["torch per sequence"] for name in fns}}
 
 
@@ -390,7 +395,8 @@ def markdown(result: dict) -> str:
         out.append(f"- window {tuple(w['window'] if 'window' in w else WINDOW)} at L = {w['L']}, {w['threads']} thread{'s' * (w['threads'] != 1)}: "
                    f"{w['ratio']:.2f}x torch's causal time, seeing {w['key_share']:.2f} of its keys")
     for r in result.get("varlen", []):
-        out.append(f"- varlen, {r['threads']} thread{'s' * (r['threads'] != 1)}, {r['sequences']} causal sequences ({r['tokens']} tokens): packed kernel "
+        dtype = "" if r.get("dtype", "float32") == "float32" else f" {r['dtype']}"  # runs before bfloat16's row had float32 only
+        out.append(f"- varlen{dtype}, {r['threads']} thread{'s' * (r['threads'] != 1)}, {r['sequences']} causal sequences ({r['tokens']} tokens): packed kernel "
                    f"{r['ratio']['packed kernel']:.2f}x torch's SDPA once per sequence, per-sequence tiled path {r['ratio']['per-sequence tiled']:.2f}x")
     for t in counts:
         g = [r for r in result["rows"] if r["threads"] == t and "gflops" in r]
@@ -446,10 +452,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tanh:
         return 0
     result["varlen"] = []
-    for t in threads:
-        r = varlen_row(t, repeats)
+    for t, dtype in itertools.product(threads, (torch.float32, torch.bfloat16)):
+        r = varlen_row(t, repeats, dtype=dtype)
         result["varlen"].append(r)
-        print(f"threads={t} varlen, {r['sequences']} causal sequences of {VARLEN_LENGTHS[0]}-{VARLEN_LENGTHS[1]} tokens ({r['tokens']} in all), "
+        print(f"threads={t} varlen {r['dtype']}, {r['sequences']} causal sequences of {VARLEN_LENGTHS[0]}-{VARLEN_LENGTHS[1]} tokens ({r['tokens']} in all), "
               f"against torch's SDPA once per sequence: packed kernel {r['ratio']['packed kernel']:.2f}x, "
               f"per-sequence tiled path {r['ratio']['per-sequence tiled']:.2f}x", flush=True)
     if args.varlen:
