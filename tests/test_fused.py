@@ -183,9 +183,9 @@ def half_path(request, monkeypatch):
 def test_brgemm_takes_bfloat16_products_wherever_torchs_microkernel_runs():
     """The kernel's probe of torch's brgemm (torch exports no test of it: could_pack asks for AMX)
     holds on every CPU with AVX-512 (oneDNN's avx512_core: F, BW, VL, DQ): a probe that failed
-    there would quietly send bfloat16 to oneMKL's products, which gain nothing over float32 on AMD
-    CPUs. It fails where oneDNN is switched off and on a CPU without AVX-512 (there brgemm refuses,
-    and oneMKL's products run)."""
+    there would quietly send bfloat16 to oneMKL's products instead (as could_pack did on AVX-512
+    CPUs without AMX). It fails where oneDNN is switched off and on a CPU without AVX-512 (there
+    brgemm refuses, and oneMKL's products run)."""
     flags = ops._cpu_flags()
     assert kernels.load().brgemm_runs() is ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags)
     torch.backends.mkldnn.enabled = False
