@@ -27,6 +27,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -1083,14 +1084,17 @@ std::unique_ptr<uint16_t[]> pack_problem(Problem<T>& P, bool backward, SequenceP
     start.push_back(start.back() + Q.B * Q.Hkv * ((Q.S + 1) & ~int64_t(1)) * per_key);
   }
   std::unique_ptr<uint16_t[]> memory(new uint16_t[std::max<int64_t>(start.back(), 1)]);  // every entry written
+  // Each part's k^T, then v (forward) or v^T (backward), then k (backward), where packing writes them.
+  std::vector<std::array<uint16_t*, 3>> out(n);
   for (int64_t s = 0; s < n; ++s) {
     Problem<T>& Q = parts[s];
     const int64_t s_pad = (Q.S + 1) & ~int64_t(1), heads = Q.B * Q.Hkv;
     uint16_t* kpack = memory.get() + start[s];
-    uint16_t* second = kpack + heads * D * s_pad;  // v (forward) or v^T (backward)
+    uint16_t* second = kpack + heads * D * s_pad;
+    out[s] = {kpack, second, backward ? second + heads * Dv * s_pad : nullptr};
     Q.kpack = kpack, Q.s_pad = s_pad;
     if (backward)
-      Q.vtpack = second, Q.kpairs = second + heads * Dv * s_pad;
+      Q.vtpack = second, Q.kpairs = out[s][2];
     else
       Q.vpack = second;
   }
@@ -1104,12 +1108,13 @@ std::unique_ptr<uint16_t[]> pack_problem(Problem<T>& P, bool backward, SequenceP
       const int64_t bi = bh / Q.Hkv, hk = bh % Q.Hkv;
       const uint16_t* k = Q.kh + bi * Q.k_sb + hk * Q.k_sh;
       const uint16_t* v = Q.vh + bi * Q.v_sb + hk * Q.v_sh;
-      pack_transposed(k, Q.k_sl, Q.S, D, Q.s_pad, const_cast<uint16_t*>(Q.kpack) + bh * D * Q.s_pad);
+      const auto& [kt, second, kp] = out[s];
+      pack_transposed(k, Q.k_sl, Q.S, D, Q.s_pad, kt + bh * D * Q.s_pad);
       if (backward) {
-        pack_transposed(v, Q.v_sl, Q.S, Dv, Q.s_pad, const_cast<uint16_t*>(Q.vtpack) + bh * Dv * Q.s_pad);
-        pack_paired(k, Q.k_sl, Q.S, D, Q.s_pad, const_cast<uint16_t*>(Q.kpairs) + bh * Q.s_pad * D);
+        pack_transposed(v, Q.v_sl, Q.S, Dv, Q.s_pad, second + bh * Dv * Q.s_pad);
+        pack_paired(k, Q.k_sl, Q.S, D, Q.s_pad, kp + bh * Q.s_pad * D);
       } else {
-        pack_paired(v, Q.v_sl, Q.S, Dv, Q.s_pad, const_cast<uint16_t*>(Q.vpack) + bh * Q.s_pad * Dv);
+        pack_paired(v, Q.v_sl, Q.S, Dv, Q.s_pad, second + bh * Q.s_pad * Dv);
       }
     }
   });
