@@ -15,6 +15,7 @@ cells meet them.
     python benchmarks/bench_fused.py --varlen           # the tanh, then packed sequences only
     python benchmarks/bench_fused.py --markdown out.json  # the README's table from a --json run
     python benchmarks/bench_fused.py --blocks           # the kernel's tile shapes compared
+    python benchmarks/bench_fused.py --cases bf16 fp16  # only the cases whose name contains a word given
 
 Before any timing, every case's output is checked once per shape against the math backend (its
 first and last 64 query rows): a wrong output fails the run (exit 1) and nothing is timed.
@@ -129,7 +130,7 @@ CHECKED = {
 CHECK_ROWS = 64  # query rows at each end of the sequence checked against the math backend
 
 
-def output_errors(L: int, D: int, H: int = 8) -> dict[str, float]:
+def output_errors(L: int, D: int, names: Sequence[str], H: int = 8) -> dict[str, float]:
     """Each case's largest |error| against the math backend (the same call on the first and last
     CHECK_ROWS query rows; causal ones against the keys up to the last of them, bottom-right
     aligned, so that each row sits at its own position and sees the keys it sees in the full call),
@@ -138,8 +139,10 @@ def output_errors(L: int, D: int, H: int = 8) -> dict[str, float]:
     ours = attnscale.scaled_dot_product_attention
     errors = {}
     with torch.no_grad():
-        for name, (names, options, _) in CHECKED.items():
-            q, k, v = (t[n] for n in (("q", "k", "v") if names == "qkv" else names.split(",")))
+        for name, (operands, options, _) in CHECKED.items():
+            if name not in names:
+                continue
+            q, k, v = (t[n] for n in (("q", "k", "v") if operands == "qkv" else operands.split(",")))
             options = dict(options)
             if options.pop("alibi", False):
                 options["alibi_slopes"] = attnscale.alibi_slopes(H)
@@ -201,10 +204,17 @@ def cases(L: int, D: int, H: int = 8) -> dict[str, tuple[Callable[[], object], C
     }
 
 
-def speed(L: int, D: int, threads: int, repeats: int) -> list[dict]:
+def selected(words: Sequence[str] | None) -> list[str]:
+    """The cases whose name contains one of ``words`` (all without words), in the table's order."""
+    return [name for name in CHECKED if not words or any(w in name for w in words)]
+
+
+def speed(L: int, D: int, threads: int, repeats: int, names: Sequence[str]) -> list[dict]:
     torch.set_num_threads(threads)
     rows = []
     for name, (base, mine) in cases(L, D).items():
+        if name not in names:
+            continue
         grad = "backward" in name
         with torch.set_grad_enabled(grad):
             times = interleaved({"torch": base, "attnscale": mine}, repeats)
@@ -426,11 +436,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--varlen", action="store_true", help="only time packed sequences (varlen_attention)")
     parser.add_argument("--markdown", metavar="JSON", help="print the README's table from a --json file and exit")
     parser.add_argument("--blocks", action="store_true", help="only compare the kernel's tile shapes")
+    parser.add_argument("--cases", nargs="+", metavar="WORD", help="only the cases whose name contains one of these words (e.g. bf16 decoding); no tanh, varlen, window or memory rows")
     args = parser.parse_args(argv)
     if args.markdown:
         with open(args.markdown) as f:
             print(markdown(json.load(f)))
         return 0
+    if args.cases and (args.tanh or args.varlen or args.blocks):
+        parser.error("--cases: expected alone (it times the cases chosen), got it with --tanh, --varlen or --blocks. Fix: run them apart")
+    names = selected(args.cases)
+    if not names:
+        parser.error(f"--cases: expected words found in a case's name, got {args.cases}; the cases: {'; '.join(CHECKED)}")
     if not kernels.available():
         print(f"bench_fused: the compiled kernel is unavailable ({kernels.unavailable_reason()})", file=sys.stderr)
         return 1
@@ -446,27 +462,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cells = ", ".join(f"{name} {x:.2f}x" for name, x in r["ratio"].items())
                 print(f"threads={t} L={r['L']:5d} D={r['D']:3d} {what}: {cells}", flush=True)
         return 0
-    r = result["tanh"] = tanh_row(repeats)
-    print(f"threads=1 tanh, ns per float32: |x| < 0.625 kernel {r['kernel near']:.2f}, torch {r['torch near']:.2f}; "
-          f"|x| in [0.7, 3] kernel {r['kernel far']:.2f}, torch {r['torch far']:.2f}", flush=True)
-    if args.tanh:
-        return 0
-    result["varlen"] = []
-    for t, dtype in itertools.product(threads, (torch.float32, torch.bfloat16)):
-        r = varlen_row(t, repeats, dtype=dtype)
-        result["varlen"].append(r)
-        print(f"threads={t} varlen {r['dtype']}, {r['sequences']} causal sequences of {VARLEN_LENGTHS[0]}-{VARLEN_LENGTHS[1]} tokens ({r['tokens']} in all), "
-              f"against torch's SDPA once per sequence: packed kernel {r['ratio']['packed kernel']:.2f}x, "
-              f"per-sequence tiled path {r['ratio']['per-sequence tiled']:.2f}x", flush=True)
-    if args.varlen:
-        return 0
+    if not args.cases:  # the tanh and packed sequences: with --cases, only the cases chosen
+        r = result["tanh"] = tanh_row(repeats)
+        print(f"threads=1 tanh, ns per float32: |x| < 0.625 kernel {r['kernel near']:.2f}, torch {r['torch near']:.2f}; "
+              f"|x| in [0.7, 3] kernel {r['kernel far']:.2f}, torch {r['torch far']:.2f}", flush=True)
+        if args.tanh:
+            return 0
+        result["varlen"] = []
+        for t, dtype in itertools.product(threads, (torch.float32, torch.bfloat16)):
+            r = varlen_row(t, repeats, dtype=dtype)
+            result["varlen"].append(r)
+            print(f"threads={t} varlen {r['dtype']}, {r['sequences']} causal sequences of {VARLEN_LENGTHS[0]}-{VARLEN_LENGTHS[1]} tokens ({r['tokens']} in all), "
+                  f"against torch's SDPA once per sequence: packed kernel {r['ratio']['packed kernel']:.2f}x, "
+                  f"per-sequence tiled path {r['ratio']['per-sequence tiled']:.2f}x", flush=True)
+        if args.varlen:
+            return 0
     run = describe()
     result.update(run)
     print(f"CPU: {run['cpu']}, torch {run['torch']}, commit {run['commit']}", flush=True)
     result["output_errors"], wrong = {}, []
     for L in lengths:  # every timed case's output, once per shape, against the math backend
         for D in dims:
-            for name, err in output_errors(L, D).items():
+            for name, err in output_errors(L, D, names).items():
                 result["output_errors"][f"L={L} D={D} {name}"] = err
                 if not err <= CHECKED[name][2]:  # NaN fails too
                     wrong.append(f"L={L} D={D} {name}: max |error| {err:.3g} > {CHECKED[name][2]:g}")
@@ -478,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["peaks"][t] = gemm_peak(t)
         for L in lengths:
             for D in dims:
-                for row in speed(L, D, t, repeats):
+                for row in speed(L, D, t, repeats, names):
                     result["rows"].append(row)
                     met = "met" if row["ratio"] <= row["target"] else "MISSED"
                     print(f"threads={t} L={L:5d} D={D:3d}  {row['case']:40s} {row['ratio']:5.2f}x (target {row['target']:.2f}x, {met}; ran {row['backend']})", flush=True)
@@ -488,14 +505,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             r["gflops"] = flops / r["attnscale_s"] / 1e9
             r["torch_gflops"] = flops / r["torch_s"] / 1e9
             print(f"threads={t} L={r['L']:5d} D={r['D']:3d}  causal GFLOP/s: fused {r['gflops']:.1f}, torch {r['torch_gflops']:.1f}, GEMM peak {result['peaks'][t]:.1f}")
-        if not args.quick:
+        if not (args.quick or args.cases):
             w = window_row(t, repeats)
             result["windows"].append(w)
             print(f"threads={t} window {WINDOW} at L = {w['L']}: {w['ratio']:.2f}x torch's causal time, seeing {w['key_share']:.2f} of its keys")
     if args.json:  # before the memory run, which a crash of its subprocess must not cost
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    if not (args.quick or args.no_memory):
+    if not (args.quick or args.no_memory or args.cases):
         m = memory_row(16384, 64, default_threads)
         result["memory"] = m
         print(f"memory: forward+backward at L = S = 16384, D = 64, softcap, window {WINDOW}: {m['growth_mib']:.0f} MiB in {m['seconds']:.1f} s")

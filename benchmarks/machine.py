@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -13,8 +14,14 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_THREADS = torch.get_num_threads()
 
 
+# Variables that hold torch, oneMKL, oneDNN or the kernel to other code than the CPU's best: a run
+# under any of them is named with them, so that its figures are not read as the CPU's own.
+HOLDS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "ATTNSCALE_KERNEL_ISA", "ATTNSCALE_HALF_PRODUCTS")
+
+
 def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), with the vector extensions that matter here."""
+    """The CPU's model name (``/proc/cpuinfo``), with the vector extensions that matter here, and
+    the variables of HOLDS the run was under."""
     name, flags = platform.processor() or "unknown CPU", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -27,6 +34,9 @@ def cpu_name() -> str:
     isa = [label for flag, label in (("avx512f", "AVX-512"), ("amx_bf16", "AMX"), ("avx2", "AVX2")) if flag in flags]
     if "AVX-512" in isa:
         isa.remove("AVX2")
+    held = [f"{var}={os.environ[var]}" for var in HOLDS if os.environ.get(var, "").strip()]
+    if held:
+        isa.append("run with " + " ".join(held))
     return f"{name} ({', '.join(isa)})" if isa else name
 
 

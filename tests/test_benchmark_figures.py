@@ -51,3 +51,23 @@ def test_each_figure_block_is_the_rendering_of_its_recorded_run(doc, data, scrip
     assert "+dirty" not in recorded["commit"] and recorded["commit"] != "unknown", f"{data} was not recorded at a commit"
     assert recorded["cpu"]  # every figure names its CPU
     assert text == _benchmark(script).markdown(recorded), f"{doc.name}: rerun `python {script} --markdown {data}` and paste its output"
+
+
+def test_a_run_held_to_other_code_is_named_with_the_variables_that_held_it(monkeypatch):
+    machine = _benchmark("benchmarks/machine.py")
+    for var in machine.HOLDS:
+        monkeypatch.delenv(var, raising=False)
+    own = machine.cpu_name()
+    assert "run with" not in own
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ATTNSCALE_KERNEL_ISA", "avx2")
+    assert machine.cpu_name().endswith("run with ATEN_CPU_CAPABILITY=avx2 ATTNSCALE_KERNEL_ISA=avx2)")
+
+
+def test_bench_fused_times_only_the_cases_asked_for():
+    bench = _benchmark("benchmarks/bench_fused.py")
+    assert bench.selected(None) == list(bench.CHECKED) == list(bench.TARGETS)
+    assert bench.selected(["bf16"]) == [name for name in bench.TARGETS if name.startswith("bf16")]
+    assert bench.selected(["decoding", "fp16"]) == ["decoding (L = 1, S = 4 L) with softcap", "fp16 causal + softcap, forward"]
+    with pytest.raises(SystemExit):  # a word no case has: an error naming the cases, nothing timed
+        bench.main(["--cases", "int8"])
