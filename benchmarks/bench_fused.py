@@ -16,6 +16,7 @@ cells meet them.
     python benchmarks/bench_fused.py --markdown out.json  # the README's table from a --json run
     python benchmarks/bench_fused.py --blocks           # the kernel's tile shapes compared
     python benchmarks/bench_fused.py --cases bf16 fp16  # only the cases whose name contains a word given
+    python benchmarks/bench_fused.py --half-paths       # 16-bit forwards: float32 copies vs 16-bit products
 
 Before any timing, every case's output is checked once per shape against the math backend (its
 first and last 64 query rows): a wrong output fails the run (exit 1) and nothing is timed.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -346,6 +348,49 @@ def varlen_row(threads: int, repeats: int, n_seq: int = 32, dtype: torch.dtype =
             "ratio": {name: times[name] / times["torch per sequence"] for name in fns}}
 
 
+HALF_CASES = ("bf16 causal + softcap, forward", "fp16 causal + softcap, forward", "bf16 non-causal with statistics, forward")
+HALF_PATHS = {"float32 copies": "0", "16-bit products": "1"}  # path -> ATTNSCALE_HALF_PRODUCTS
+
+
+def _under(value: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn run with ATTNSCALE_HALF_PRODUCTS=value (read on every call), restored after."""
+    def run() -> object:
+        before = os.environ.get("ATTNSCALE_HALF_PRODUCTS")
+        os.environ["ATTNSCALE_HALF_PRODUCTS"] = value
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ["ATTNSCALE_HALF_PRODUCTS"]
+            else:
+                os.environ["ATTNSCALE_HALF_PRODUCTS"] = before
+
+    return run
+
+
+def half_paths_rows(L: int, D: int, threads: int, repeats: int) -> list[dict]:
+    """The 16-bit forward cases taken each way the kernel can take 16-bit inputs (float32 copies;
+    the inputs as they are, through brgemm or oneMKL's products), interleaved with torch's SDPA on
+    the plain problem in the same dtype: which path is faster on this CPU. Each path's output is
+    checked against the math backend first (the paths a torch without oneMKL lacks are left out)."""
+    ext = kernels.load()
+    paths = {p: v for p, v in HALF_PATHS.items() if v == "0" or (ext.half_gemm(1) and ext.half_gemm(2))}
+    for path, value in paths.items():
+        errors = _under(value, lambda: output_errors(L, D, HALF_CASES))()
+        wrong = {name: err for name, err in errors.items() if not err <= CHECKED[name][2]}
+        if wrong:
+            raise SystemExit(f"bench_fused: wrong outputs with {path} at L={L} D={D}: {wrong}; nothing timed")
+    torch.set_num_threads(threads)
+    rows = []
+    for name, (base, mine) in cases(L, D).items():
+        if name not in HALF_CASES:
+            continue
+        with torch.no_grad():
+            times = interleaved({"torch": base, **{p: _under(v, mine) for p, v in paths.items()}}, repeats)
+        rows.append({"case": name, "L": L, "D": D, "threads": threads, "ratio": {p: ratio(times, p, "torch") for p in paths}})
+    return rows
+
+
 BLOCK_SHAPES = ((64, 256), (128, 256), (256, 256), (128, 512), (256, 512))
 
 
@@ -436,14 +481,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--varlen", action="store_true", help="only time packed sequences (varlen_attention)")
     parser.add_argument("--markdown", metavar="JSON", help="print the README's table from a --json file and exit")
     parser.add_argument("--blocks", action="store_true", help="only compare the kernel's tile shapes")
+    parser.add_argument("--half-paths", action="store_true", help="only the 16-bit forward cases, float32 copies against 16-bit products (ATTNSCALE_HALF_PRODUCTS=0 / 1)")
     parser.add_argument("--cases", nargs="+", metavar="WORD", help="only the cases whose name contains one of these words (e.g. bf16 decoding); no tanh, varlen, window or memory rows")
     args = parser.parse_args(argv)
     if args.markdown:
         with open(args.markdown) as f:
             print(markdown(json.load(f)))
         return 0
-    if args.cases and (args.tanh or args.varlen or args.blocks):
-        parser.error("--cases: expected alone (it times the cases chosen), got it with --tanh, --varlen or --blocks. Fix: run them apart")
+    if args.cases and (args.tanh or args.varlen or args.blocks or args.half_paths):
+        parser.error("--cases: expected alone (it times the cases chosen), got it with --tanh, --varlen, --blocks or --half-paths. Fix: run them apart")
     names = selected(args.cases)
     if not names:
         parser.error(f"--cases: expected words found in a case's name, got {args.cases}; the cases: {'; '.join(CHECKED)}")
@@ -455,6 +501,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths, dims, repeats = ([2048], [64], 3) if args.quick else (args.lengths, args.dims, args.repeats)
     result: dict = {"schema": SCHEMA, "default_threads": default_threads, "rows": [], "windows": [], "peaks": {}}
     result["command"] = " ".join(["python benchmarks/bench_fused.py", *(sys.argv[1:] if argv is None else argv)])
+    if args.half_paths:
+        result.update(describe())
+        result["half_paths"] = []
+        print(f"CPU: {result['cpu']}, torch {result['torch']}, commit {result['commit']}", flush=True)
+        for t in threads:
+            for L in lengths:
+                for D in dims:
+                    for r in half_paths_rows(L, D, t, repeats):
+                        result["half_paths"].append(r)
+                        cells = ", ".join(f"{path} {x:.2f}x" for path, x in r["ratio"].items())
+                        print(f"threads={t} L={L:5d} D={D:3d}  {r['case']:40s} {cells}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     if args.blocks:
         for t in threads:
             for r in blocks_rows(t, repeats):

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"<!-- (benchmarks/recorded/[\w.]+\.json): python (benchmarks/bench_\w+\.py) --markdown \1 -->\n(.*?)\n<!-- end \1 -->", re.S)
@@ -71,3 +72,24 @@ def test_bench_fused_times_only_the_cases_asked_for():
     assert bench.selected(["decoding", "fp16"]) == ["decoding (L = 1, S = 4 L) with softcap", "fp16 causal + softcap, forward"]
     with pytest.raises(SystemExit):  # a word no case has: an error naming the cases, nothing timed
         bench.main(["--cases", "int8"])
+
+
+@pytest.mark.skipif(__import__("attnscale").kernels.build_precondition() is not None, reason="the compiled kernel cannot be had here")
+def test_bench_fused_half_paths_time_each_way_the_kernel_takes_16_bit_inputs(monkeypatch, tmp_path):
+    """--half-paths toggles ATTNSCALE_HALF_PRODUCTS per call (and restores it): each path is the one
+    it is named for, and every row has a ratio per path after each path's output was checked."""
+    from attnscale.kernels import ops
+
+    bench = _benchmark("benchmarks/bench_fused.py")
+    monkeypatch.delenv("ATTNSCALE_HALF_PRODUCTS", raising=False)
+    assert bench._under("0", lambda: ops.half_products(torch.bfloat16))() is False
+    assert bench._under("1", lambda: ops.half_products(torch.bfloat16))() is True
+    assert "ATTNSCALE_HALF_PRODUCTS" not in __import__("os").environ
+    out, threads = tmp_path / "half.json", torch.get_num_threads()
+    try:
+        assert bench.main(["--half-paths", "--lengths", "96", "--dims", "16", "--threads", "1", "--repeats", "1", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = json.loads(out.read_text())["half_paths"]
+    assert [r["case"] for r in rows] == list(bench.HALF_CASES)
+    assert all(set(r["ratio"]) == set(bench.HALF_PATHS) and all(x > 0 for x in r["ratio"].values()) for r in rows)
