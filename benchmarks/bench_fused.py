@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -355,31 +356,33 @@ HALF_PATHS = {"float32 copies": "0", "16-bit products": "1"}  # path -> ATTNSCAL
 def _under(value: str, fn: Callable[[], object]) -> Callable[[], object]:
     """fn run with ATTNSCALE_HALF_PRODUCTS=value (read on every call), restored after."""
     def run() -> object:
-        before = os.environ.get("ATTNSCALE_HALF_PRODUCTS")
-        os.environ["ATTNSCALE_HALF_PRODUCTS"] = value
-        try:
+        with mock.patch.dict(os.environ, {"ATTNSCALE_HALF_PRODUCTS": value}):
             return fn()
-        finally:
-            if before is None:
-                del os.environ["ATTNSCALE_HALF_PRODUCTS"]
-            else:
-                os.environ["ATTNSCALE_HALF_PRODUCTS"] = before
 
     return run
 
 
-def half_paths_rows(L: int, D: int, threads: int, repeats: int) -> list[dict]:
+def half_paths() -> dict[str, str]:
+    """HALF_PATHS less the 16-bit products where this torch lacks oneMKL's (bfloat16 and float16)."""
+    ext = kernels.load()
+    return {p: v for p, v in HALF_PATHS.items() if v == "0" or (ext.half_gemm(1) and ext.half_gemm(2))}
+
+
+def half_paths_wrong(L: int, D: int, paths: dict[str, str]) -> list[str]:
+    """The 16-bit forward cases whose output, taken each of ``paths``, is off the math backend."""
+    wrong = []
+    for path, value in paths.items():
+        for name, err in _under(value, lambda: output_errors(L, D, HALF_CASES))().items():
+            if not err <= CHECKED[name][2]:  # NaN fails too
+                wrong.append(f"L={L} D={D} {name} with {path}: max |error| {err:.3g} > {CHECKED[name][2]:g}")
+    return wrong
+
+
+def half_paths_rows(L: int, D: int, threads: int, repeats: int, paths: dict[str, str]) -> list[dict]:
     """The 16-bit forward cases taken each way the kernel can take 16-bit inputs (float32 copies;
     the inputs as they are, through brgemm or oneMKL's products), interleaved with torch's SDPA on
-    the plain problem in the same dtype: which path is faster on this CPU. Each path's output is
-    checked against the math backend first (the paths a torch without oneMKL lacks are left out)."""
-    ext = kernels.load()
-    paths = {p: v for p, v in HALF_PATHS.items() if v == "0" or (ext.half_gemm(1) and ext.half_gemm(2))}
-    for path, value in paths.items():
-        errors = _under(value, lambda: output_errors(L, D, HALF_CASES))()
-        wrong = {name: err for name, err in errors.items() if not err <= CHECKED[name][2]}
-        if wrong:
-            raise SystemExit(f"bench_fused: wrong outputs with {path} at L={L} D={D}: {wrong}; nothing timed")
+    the plain problem in the same dtype: which path is faster on this CPU (outputs checked first
+    by :func:`half_paths_wrong`)."""
     torch.set_num_threads(threads)
     rows = []
     for name, (base, mine) in cases(L, D).items():
@@ -477,19 +480,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--json", metavar="PATH")
-    parser.add_argument("--tanh", action="store_true", help="only time the kernel's tanh against torch.tanh")
-    parser.add_argument("--varlen", action="store_true", help="only time packed sequences (varlen_attention)")
-    parser.add_argument("--markdown", metavar="JSON", help="print the README's table from a --json file and exit")
-    parser.add_argument("--blocks", action="store_true", help="only compare the kernel's tile shapes")
-    parser.add_argument("--half-paths", action="store_true", help="only the 16-bit forward cases, float32 copies against 16-bit products (ATTNSCALE_HALF_PRODUCTS=0 / 1)")
-    parser.add_argument("--cases", nargs="+", metavar="WORD", help="only the cases whose name contains one of these words (e.g. bf16 decoding); no tanh, varlen, window or memory rows")
+    mode = parser.add_mutually_exclusive_group()  # each runs alone: none is silently dropped for another
+    mode.add_argument("--tanh", action="store_true", help="only time the kernel's tanh against torch.tanh")
+    mode.add_argument("--varlen", action="store_true", help="only time packed sequences (varlen_attention)")
+    mode.add_argument("--markdown", metavar="JSON", help="print the README's table from a --json file and exit")
+    mode.add_argument("--blocks", action="store_true", help="only compare the kernel's tile shapes")
+    mode.add_argument("--half-paths", action="store_true", help="only the 16-bit forward cases, float32 copies against 16-bit products (ATTNSCALE_HALF_PRODUCTS=0 / 1)")
+    mode.add_argument("--cases", nargs="+", metavar="WORD", help="only the cases whose name contains one of these words (e.g. bf16 decoding); no tanh, varlen, window or memory rows")
     args = parser.parse_args(argv)
     if args.markdown:
         with open(args.markdown) as f:
             print(markdown(json.load(f)))
         return 0
-    if args.cases and (args.tanh or args.varlen or args.blocks or args.half_paths):
-        parser.error("--cases: expected alone (it times the cases chosen), got it with --tanh, --varlen, --blocks or --half-paths. Fix: run them apart")
     names = selected(args.cases)
     if not names:
         parser.error(f"--cases: expected words found in a case's name, got {args.cases}; the cases: {'; '.join(CHECKED)}")
@@ -505,10 +507,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         result.update(describe())
         result["half_paths"] = []
         print(f"CPU: {result['cpu']}, torch {result['torch']}, commit {result['commit']}", flush=True)
+        paths = half_paths()
+        wrong = [line for L in lengths for D in dims for line in half_paths_wrong(L, D, paths)]
+        if wrong:
+            print("bench_fused: wrong outputs, nothing timed:\n  " + "\n  ".join(wrong), file=sys.stderr)
+            return 1
         for t in threads:
             for L in lengths:
                 for D in dims:
-                    for r in half_paths_rows(L, D, t, repeats):
+                    for r in half_paths_rows(L, D, t, repeats, paths):
                         result["half_paths"].append(r)
                         cells = ", ".join(f"{path} {x:.2f}x" for path, x in r["ratio"].items())
                         print(f"threads={t} L={L:5d} D={D:3d}  {r['case']:40s} {cells}", flush=True)

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from attnscale import kernels
+from attnscale.kernels import ops
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"<!-- (benchmarks/recorded/[\w.]+\.json): python (benchmarks/bench_\w+\.py) --markdown \1 -->\n(.*?)\n<!-- end \1 -->", re.S)
@@ -72,19 +76,20 @@ def test_bench_fused_times_only_the_cases_asked_for():
     assert bench.selected(["decoding", "fp16"]) == ["decoding (L = 1, S = 4 L) with softcap", "fp16 causal + softcap, forward"]
     with pytest.raises(SystemExit):  # a word no case has: an error naming the cases, nothing timed
         bench.main(["--cases", "int8"])
+    for other in (["--tanh"], ["--varlen"], ["--blocks"], ["--half-paths"], ["--markdown", "x.json"]):
+        with pytest.raises(SystemExit):  # another mode beside --cases: an error, never one of them dropped
+            bench.main(["--cases", "bf16", *other])
 
 
-@pytest.mark.skipif(__import__("attnscale").kernels.build_precondition() is not None, reason="the compiled kernel cannot be had here")
+@pytest.mark.skipif(kernels.build_precondition() is not None, reason="the compiled kernel cannot be had here")
 def test_bench_fused_half_paths_time_each_way_the_kernel_takes_16_bit_inputs(monkeypatch, tmp_path):
     """--half-paths toggles ATTNSCALE_HALF_PRODUCTS per call (and restores it): each path is the one
     it is named for, and every row has a ratio per path after each path's output was checked."""
-    from attnscale.kernels import ops
-
     bench = _benchmark("benchmarks/bench_fused.py")
     monkeypatch.delenv("ATTNSCALE_HALF_PRODUCTS", raising=False)
     assert bench._under("0", lambda: ops.half_products(torch.bfloat16))() is False
     assert bench._under("1", lambda: ops.half_products(torch.bfloat16))() is True
-    assert "ATTNSCALE_HALF_PRODUCTS" not in __import__("os").environ
+    assert "ATTNSCALE_HALF_PRODUCTS" not in os.environ
     out, threads = tmp_path / "half.json", torch.get_num_threads()
     try:
         assert bench.main(["--half-paths", "--lengths", "96", "--dims", "16", "--threads", "1", "--repeats", "1", "--json", str(out)]) == 0
