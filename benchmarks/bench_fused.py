@@ -16,7 +16,7 @@ cells meet them.
     python benchmarks/bench_fused.py --markdown out.json  # the README's table from a --json run
     python benchmarks/bench_fused.py --blocks           # the kernel's tile shapes compared
     python benchmarks/bench_fused.py --cases bf16 fp16  # only the cases whose name contains a word given
-    python benchmarks/bench_fused.py --half-paths       # 16-bit forwards: float32 copies vs 16-bit products
+    python benchmarks/bench_fused.py --half-paths       # 16-bit forwards: float32 tiles vs 16-bit products
 
 Before any timing, every case's output is checked once per shape against the math backend (its
 first and last 64 query rows): a wrong output fails the run (exit 1) and nothing is timed.
@@ -350,7 +350,7 @@ def varlen_row(threads: int, repeats: int, n_seq: int = 32, dtype: torch.dtype =
 
 
 HALF_CASES = ("bf16 causal + softcap, forward", "fp16 causal + softcap, forward", "bf16 non-causal with statistics, forward")
-HALF_PATHS = {"float32 copies": "0", "16-bit products": "1"}  # path -> ATTNSCALE_HALF_PRODUCTS
+HALF_PATHS = {"float32 tiles": "0", "16-bit products": "1"}  # path -> ATTNSCALE_HALF_PRODUCTS
 
 
 def _under(value: str, fn: Callable[[], object]) -> Callable[[], object]:
@@ -379,7 +379,7 @@ def half_paths_wrong(L: int, D: int, paths: dict[str, str]) -> list[str]:
 
 
 def half_paths_rows(L: int, D: int, threads: int, repeats: int, paths: dict[str, str]) -> list[dict]:
-    """The 16-bit forward cases taken each way the kernel can take 16-bit inputs (float32 copies;
+    """The 16-bit forward cases taken each way the kernel can take 16-bit inputs (float32 tiles;
     the inputs as they are, through brgemm or oneMKL's products), interleaved with torch's SDPA on
     the plain problem in the same dtype: which path is faster on this CPU (outputs checked first
     by :func:`half_paths_wrong`)."""
@@ -485,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--varlen", action="store_true", help="only time packed sequences (varlen_attention)")
     mode.add_argument("--markdown", metavar="JSON", help="print the README's table from a --json file and exit")
     mode.add_argument("--blocks", action="store_true", help="only compare the kernel's tile shapes")
-    mode.add_argument("--half-paths", action="store_true", help="only the 16-bit forward cases, float32 copies against 16-bit products (ATTNSCALE_HALF_PRODUCTS=0 / 1)")
+    mode.add_argument("--half-paths", action="store_true", help="only the 16-bit forward cases, float32 tiles against 16-bit products (ATTNSCALE_HALF_PRODUCTS=0 / 1)")
     mode.add_argument("--cases", nargs="+", metavar="WORD", help="only the cases whose name contains one of these words (e.g. bf16 decoding); no tanh, varlen, window or memory rows")
     args = parser.parse_args(argv)
     if args.markdown:

@@ -161,13 +161,13 @@ def test_low_precision_error_is_at_most_twice_a_plain_implementations(dtype, cas
     assert err <= 2 * err_math + TOLERANCE_FLOOR[dtype]
 
 
-@pytest.fixture(params=["brgemm", "oneMKL", "float32 copies"])
+@pytest.fixture(params=["brgemm", "oneMKL", "float32 tiles"])
 def half_path(request, monkeypatch):
     """Every way the kernel takes bfloat16 / float16 inputs: as they are, bfloat16 with an even head
     dim through torch's brgemm (oneDNN; from AVX-512 on) and the rest through oneMKL's 16-bit
-    products (on every CPU: oneDNN switched off sends bfloat16 there too), or as float32 copies
-    (ops.half_products). True for the 16-bit paths."""
-    native = request.param != "float32 copies"
+    products (on every CPU: oneDNN switched off sends bfloat16 there too), or converted to float32
+    tile by tile inside the kernel (ops.half_products). True for the 16-bit paths."""
+    native = request.param != "float32 tiles"
     if native and not kernels.load().half_gemm(1):
         pytest.skip("this torch has no oneMKL 16-bit products")
     if request.param == "brgemm" and not kernels.load().brgemm_runs():
@@ -380,7 +380,7 @@ def test_float32_softmax_weights_are_exp_u20_bit_for_bit_zero_below_the_floor_an
 
 def _kernel_forward(q, k, v, scale, *, softcap=0.0, stats=False):
     """The kernel's own outputs (out, lse, m, l): m is the offset each row's weights were taken against."""
-    args = (scale, softcap, False, 0, -1, -1, 0, 0, None, None, stats, ops.BLOCK_Q, ops.BLOCK_K, None)
+    args = (scale, softcap, False, 0, -1, -1, 0, 0, None, None, stats, ops.BLOCK_Q, ops.BLOCK_K, None, False)
     (out, lse, m, l, *_), _ = kernels.load().forward(q, k, v, *args)
     return out, lse, m, l
 
@@ -551,9 +551,9 @@ def test_the_kernels_row_verdict_is_the_output_check_it_replaces():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_kernels_row_check_holds_of_the_rounded_16_bit_output(half_path, dtype):
-    """Given 16-bit inputs as they are, the kernel checks each float32 row against the format's
-    range, so its verdict is that of the rounded output; given float32 copies it gives none. A row
-    whose float32 value, half the format's smallest subnormal, rounds to 0 is no row that looks right."""
+    """Given 16-bit inputs, on every path, the kernel checks each float32 row against the format's
+    range, so its verdict is that of the rounded output. A row whose float32 value, half the
+    format's smallest subnormal, rounds to 0 is no row that looks right."""
     from attnscale.functional import _row_peaks, _rows_look_right
     from attnscale.score import ScorePath
 
@@ -570,10 +570,7 @@ def test_the_kernels_row_check_holds_of_the_rounded_16_bit_output(half_path, dty
         out, _, rows_ok = fused.fused_attention_checked(q, k, v, path=path)
         assert out.dtype == dtype
         assert _rows_look_right(_row_peaks(out)) is looks_right
-        if half_path:
-            assert bool(rows_ok) is looks_right
-        else:
-            assert rows_ok is None
+        assert bool(rows_ok) is looks_right
 
 
 def test_results_are_deterministic_run_to_run():
@@ -724,7 +721,7 @@ def test_rows_that_settle_give_the_reference_outputs_and_gradients(opts):
 
 def test_forcing_16_bit_products_without_them_is_an_error(monkeypatch):
     """ATTNSCALE_HALF_PRODUCTS=1 where the kernel has no 16-bit products refuses, rather than
-    quietly taking float32 copies."""
+    quietly taking float32 tiles."""
     monkeypatch.setattr(ops, "load", lambda: None)
     monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "1")
     with pytest.raises(RuntimeError, match=r"ATTNSCALE_HALF_PRODUCTS=1: expected 16-bit products, got no compiled kernel.*Fix: unset"):

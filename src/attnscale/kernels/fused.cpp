@@ -15,9 +15,11 @@
 // Shapes (attnscale's legend): q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), last dims
 // contiguous; masks (B, H, L, S) and slopes (B, H) as strided views (stride 0 broadcasts).
 // Arithmetic is in the inputs' dtype, float32 or float64; bfloat16 and float16 q, k, v (Half16) are
-// multiplied as they are with float32 accumulation, the rest in float32, where the caller passes them
-// (ops.half_products; elsewhere it converts them to float32). The backward's five products take
-// them the same way (with dout, the weights and dS in their format).
+// computed in float32: where the CPU multiplies 16-bit tiles natively (the caller's half_products
+// flag, ops.half_products) the products take them as they are with float32 accumulation, and the
+// backward's five products take them the same way (with dout, the weights and dS in their format);
+// elsewhere the forward converts each tile to float32 in scratch of its own (Problem::widen), and
+// the caller passes the backward float32 copies.
 
 #include <torch/extension.h>
 
@@ -147,6 +149,28 @@ void round_row(const float* x, int64_t width, H* out) {
   int64_t c = 0;
   for (; c + 2 * n <= width; c += 2 * n) at::vec::convert_from_float<H>(Vec::loadu(x + c), Vec::loadu(x + c + n)).store(out + c);
   for (; c < width; ++c) out[c] = static_cast<H>(x[c]);
+}
+
+// rows x cols 16-bit entries (row stride ld) of the format `kind` (Half16) as contiguous float32
+// rows: a tile of q, k or v for the float32 products of Problem::widen. Exact (every bfloat16 and
+// float16 value is a float32 one).
+template <typename T>
+void widen_rows(int kind, const uint16_t* x, int64_t ld, int64_t rows, int64_t cols, T* out) {
+  if constexpr (std::is_same_v<T, float>) {
+    using Vec = Vectorized<float>;
+    constexpr int64_t n = Vec::size();
+    auto row = [&](const auto* src, float* dst) {
+      int64_t c = 0;
+      for (; c + n <= cols; c += n) load_float(src + c).store(dst + c);
+      for (; c < cols; ++c) dst[c] = static_cast<float>(src[c]);
+    };
+    for (int64_t r = 0; r < rows; ++r) {
+      if (kind == kBF16)
+        row(reinterpret_cast<const at::BFloat16*>(x + r * ld), out + r * cols);
+      else
+        row(reinterpret_cast<const at::Half*>(x + r * ld), out + r * cols);
+    }
+  }
 }
 
 // Weights below exp(floor) times the row maximum's are set to 0: a matmul whose products fall
@@ -300,6 +324,10 @@ struct Problem {
   // are null; half says which format (Half16).
   const uint16_t *qh = nullptr, *kh = nullptr, *vh = nullptr;
   int half = kNoHalf;
+  // 16-bit inputs on a CPU without native 16-bit products (forward only): each tile of q, k, v is
+  // converted to float32 in the thread's scratch and multiplied by sgemm, the weights stay float32;
+  // no copy of the whole inputs, and the output rows are checked here as the 16-bit path's are.
+  bool widen = false;
   // 16-bit inputs multiplied by torch's brgemm (takes_brgemm), null otherwise: each key head's
   // k^T and v packed once per call in VNNI-2 pairs (pack_problem): kpack (D/2, s_pad, 2) per head,
   // pairs of d for every key; vpack (s_pad/2, Dv, 2), pairs of keys for every column; s_pad = S
@@ -713,13 +741,15 @@ struct ForwardOut {
 template <typename T>
 struct ForwardScratch {
   Scratch<T> sbuf, acc, m, l, w, bound;
-  Scratch<uint16_t> pbuf;  // 16-bit inputs: the tile's weights, rounded for the second product
+  Scratch<uint16_t> pbuf;  // 16-bit products: the tile's weights, rounded for the second product
+  Scratch<T> wq, wk, wv;   // Problem::widen: the block's q and the tile's k, v in float32
   std::vector<int64_t> seen;
   std::vector<char> settled;
   explicit ForwardScratch(const Problem<T>& P)
       : sbuf(P.tile_rows() * P.tile_width()), acc(P.tile_rows() * P.Dv), m(P.tile_rows()), l(P.tile_rows()),
-        w(P.tile_rows()), bound(P.tile_rows()), pbuf(P.half ? P.tile_rows() * (P.tile_width() + 1) : 0),
-        seen(P.tile_rows()), settled(P.tile_rows()), brgemm(P.brgemm()) {}
+        w(P.tile_rows()), bound(P.tile_rows()), pbuf(P.half && !P.widen ? P.tile_rows() * (P.tile_width() + 1) : 0),
+        wq(P.widen ? P.tile_rows() * P.D : 0), wk(P.widen ? P.tile_width() * P.D : 0),
+        wv(P.widen ? P.tile_width() * P.Dv : 0), seen(P.tile_rows()), settled(P.tile_rows()), brgemm(P.brgemm()) {}
   // The thread's AMX tile state, set up by brgemm's first call, released with the scratch.
   bool brgemm;
   ~ForwardScratch() {
@@ -749,6 +779,14 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
       const uint16_t* qh = P.half ? P.qh + q_at : nullptr;
       const uint16_t* kh = P.half ? P.kh + k_at : nullptr;
       const uint16_t* vh = P.half ? P.vh + v_at : nullptr;
+      // The 16-bit format of the products' operands (the weights rounded to it), or none: float
+      // inputs, and 16-bit ones that Problem::widen multiplies as float32 tiles.
+      const int h16 = P.widen ? kNoHalf : P.half;
+      int64_t q_ld = P.q_sl;
+      if (P.widen) {  // the block's q rows in float32, once
+        widen_rows(P.half, qh, P.q_sl, rows, P.D, W.wq.data());
+        q = W.wq.data(), q_ld = P.D;
+      }
       // A settled offset: Cauchy-Schwarz bounds every logit of row i, s_ij <= u_i = alpha |q_i|
       // max_j |k_j| (with softcap, softcap tanh of that). Once the row's running max m has reached
       // u_i - 34.5 (float32; -floor / 2), no later weight exp(s - m) can exceed exp(34.5) = 1e15, so
@@ -775,27 +813,36 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
       for (auto [j0, j1] : P.key_tiles(i0, i1)) {
         const int64_t width = j1 - j0;
         T* x = sbuf.data();
+        // The tile's float keys and values (widen: converted to the scratch) and their row strides.
+        const T* kt = k ? k + j0 * P.k_sl : nullptr;
+        const T* vt = v ? v + j0 * P.v_sl : nullptr;
+        int64_t k_ld = P.k_sl, v_ld = P.v_sl;
+        if (P.widen) {
+          widen_rows(P.half, kh + j0 * P.k_sl, P.k_sl, width, P.D, W.wk.data());
+          widen_rows(P.half, vh + j0 * P.v_sl, P.v_sl, width, P.Dv, W.wv.data());
+          kt = W.wk.data(), vt = W.wv.data(), k_ld = P.D, v_ld = P.Dv;
+        }
         if constexpr (std::is_same_v<T, float>) {
           if (P.kpack)  // x (rows, width) = q (rows, D) k^T, the packed k^T's columns j0..
             at::native::cpublas::brgemm(rows, width, P.D, P.q_sl, P.s_pad, width, false,
                                         bf16(qh),
                                         bf16(P.kpack + (b * P.Hkv + hk) * P.D * P.s_pad + 2 * j0),
                                         x, true);
-          else if (P.half)
-            gemm16(P.half, 'T', 'N', width, rows, P.D, alpha, kh + j0 * P.k_sl, P.k_sl, qh, P.q_sl, 0.0f, x, width);
+          else if (h16)
+            gemm16(h16, 'T', 'N', width, rows, P.D, alpha, kh + j0 * P.k_sl, P.k_sl, qh, P.q_sl, 0.0f, x, width);
           else
-            gemm('T', 'N', width, rows, P.D, alpha, k + j0 * P.k_sl, P.k_sl, q, P.q_sl, T(0), x, width);
+            gemm('T', 'N', width, rows, P.D, alpha, kt, k_ld, q, q_ld, T(0), x, width);
         } else {
-          gemm('T', 'N', width, rows, P.D, alpha, k + j0 * P.k_sl, P.k_sl, q, P.q_sl, T(0), x, width);
+          gemm('T', 'N', width, rows, P.D, alpha, kt, k_ld, q, q_ld, T(0), x, width);
         }
         // 16-bit inputs: the weights go to pbuf in the inputs' format, row by row as they are
         // made (pstride apart: brgemm pairs keys, so its rows have an even length, the pad key 0).
         const int64_t pstride = P.kpack ? (width + 1) & ~int64_t(1) : width;
-        uint16_t* const pb = P.half ? W.pbuf.data() : nullptr;
+        uint16_t* const pb = h16 ? W.pbuf.data() : nullptr;
         auto weights = [&](T* xr, T centre, int64_t r) -> T {  // sum exp(x - centre) of row r
           if constexpr (std::is_same_v<T, float>) {
-            if (P.half == kBF16) return exp_row_to(xr, width, centre, reinterpret_cast<at::BFloat16*>(pb + r * pstride));
-            if (P.half == kF16) return exp_row_to(xr, width, centre, reinterpret_cast<at::Half*>(pb + r * pstride));
+            if (h16 == kBF16) return exp_row_to(xr, width, centre, reinterpret_cast<at::BFloat16*>(pb + r * pstride));
+            if (h16 == kF16) return exp_row_to(xr, width, centre, reinterpret_cast<at::Half*>(pb + r * pstride));
           }
           return exp_row(xr, width, centre);
         };
@@ -803,11 +850,11 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
           T* xr = x + r * width;
           if (settled[r] && !P.bmask) {  // one pass: no ALiBi or float mask where rows settle
             if constexpr (std::is_same_v<T, float>) {
-              if (P.half == kBF16) {
+              if (h16 == kBF16) {
                 l[r] += settled_row(P, i0 + r, j0, width, xr, m[r], pre, reinterpret_cast<at::BFloat16*>(pb + r * pstride));
                 continue;
               }
-              if (P.half == kF16) {
+              if (h16 == kF16) {
                 l[r] += settled_row(P, i0 + r, j0, width, xr, m[r], pre, reinterpret_cast<at::Half*>(pb + r * pstride));
                 continue;
               }
@@ -835,9 +882,9 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
             T weighted;
             T sum;
             if constexpr (std::is_same_v<T, float>) {
-              if (P.half == kBF16)
+              if (h16 == kBF16)
                 sum = exp_row_weighted_to(xr, width, m_new, &weighted, reinterpret_cast<at::BFloat16*>(pb + r * pstride));
-              else if (P.half == kF16)
+              else if (h16 == kF16)
                 sum = exp_row_weighted_to(xr, width, m_new, &weighted, reinterpret_cast<at::Half*>(pb + r * pstride));
               else
                 sum = exp_row_weighted(xr, width, m_new, &weighted);
@@ -864,13 +911,13 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
             at::native::cpublas::brgemm(rows, P.Dv, pstride, pstride, P.Dv, P.Dv, true, bf16(pb),
                                         bf16(P.vpack + (b * P.Hkv + hk) * P.s_pad * P.Dv + j0 * P.Dv),
                                         acc.data(), true);
-          } else if (P.half) {  // the weights in the inputs' format, products accumulated in float32 (as torch)
-            gemm16(P.half, 'N', 'N', P.Dv, rows, width, 1.0f, vh + j0 * P.v_sl, P.v_sl, pb, width, 1.0f, acc.data(), P.Dv);
+          } else if (h16) {  // the weights in the inputs' format, products accumulated in float32 (as torch)
+            gemm16(h16, 'N', 'N', P.Dv, rows, width, 1.0f, vh + j0 * P.v_sl, P.v_sl, pb, width, 1.0f, acc.data(), P.Dv);
           } else {
-            gemm('N', 'N', P.Dv, rows, width, T(1), v + j0 * P.v_sl, P.v_sl, x, width, T(1), acc.data(), P.Dv);
+            gemm('N', 'N', P.Dv, rows, width, T(1), vt, v_ld, x, width, T(1), acc.data(), P.Dv);
           }
         } else {
-          gemm('N', 'N', P.Dv, rows, width, T(1), v + j0 * P.v_sl, P.v_sl, x, width, T(1), acc.data(), P.Dv);
+          gemm('N', 'N', P.Dv, rows, width, T(1), vt, v_ld, x, width, T(1), acc.data(), P.Dv);
         }
       }
       const int64_t row0 = (b * P.H + h) * P.o_rows + P.o_start + i0;
@@ -1030,7 +1077,7 @@ bool brgemm_runs() {
 // oneMKL's, which skips it). The backward also needs an even value dim (dout v^T pairs v's columns).
 template <typename T>
 bool takes_brgemm(const Problem<T>& P, bool backward) {
-  return P.half == kBF16 && P.D % 2 == 0 && P.D > 0 && P.S > 0 && P.Dv > 0 && (!backward || P.Dv % 2 == 0) &&
+  return P.half == kBF16 && !P.widen && P.D % 2 == 0 && P.D > 0 && P.S > 0 && P.Dv > 0 && (!backward || P.Dv % 2 == 0) &&
          brgemm_runs();
 }
 
@@ -1414,7 +1461,7 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
                         double softcap, bool causal, int64_t q_offset, int64_t left, int64_t right, int64_t q_start,
                         int64_t k_start, const c10::optional<torch::Tensor>& alibi,
                         const c10::optional<torch::Tensor>& mask, int64_t block_q, int64_t block_k,
-                        const c10::optional<torch::Tensor>& spans) {
+                        const c10::optional<torch::Tensor>& spans, bool half_products = true) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attnscale fused kernel: q, k, v must be 4-d");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "attnscale fused kernel: last dims must be contiguous");
   // BLAS reads each (n, d) matrix with leading dimension = the row stride: rows must not overlap
@@ -1423,11 +1470,13 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
   TORCH_CHECK(rows_apart(q) && rows_apart(k) && rows_apart(v), "attnscale fused kernel: rows must not overlap (row stride >= head dim)");
   Problem<T> P{};
   const auto half = half_kind(q);
-  if (half) {  // 16-bit inputs: float problems only (forward)
+  if (half) {  // 16-bit inputs: float problems only
     TORCH_CHECK((std::is_same_v<T, float>) && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
                 "attnscale fused kernel: 16-bit q, k, v share one format and compute in float32");
-    TORCH_CHECK(half_gemm(half), "attnscale fused kernel: this torch has no 16-bit products (oneMKL); pass float32 inputs");
+    TORCH_CHECK(!half_products || half_gemm(half),
+                "attnscale fused kernel: this torch has no 16-bit products (oneMKL); pass half_products=False or float32 inputs");
     P.half = half;
+    P.widen = !half_products;
     P.qh = static_cast<const uint16_t*>(q.const_data_ptr());
     P.kh = static_cast<const uint16_t*>(k.const_data_ptr());
     P.vh = static_cast<const uint16_t*>(v.const_data_ptr());
@@ -1478,12 +1527,13 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
 
 // Returns the outputs and whether every output row is finite and not all zeros (rows of packed
 // sequences without keys are not visited and not counted); for 16-bit inputs, also once rounded
-// to their format.
+// to their format. half_products (16-bit inputs only): multiply them as they are (oneMKL or
+// brgemm), or as float32 tiles converted in the kernel (Problem::widen).
 std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                                    double softcap, bool causal, int64_t q_offset, int64_t left, int64_t right,
                                    int64_t q_start, int64_t k_start, const c10::optional<torch::Tensor>& alibi,
                                    const c10::optional<torch::Tensor>& mask, bool with_stats, int64_t block_q,
-                                   int64_t block_k, const c10::optional<torch::Tensor>& spans) {
+                                   int64_t block_k, const c10::optional<torch::Tensor>& spans, bool half_products) {
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
   // Packed: rows of sequences without keys are not visited; they keep an empty row's values.
   const bool packed = spans.has_value();
@@ -1506,7 +1556,7 @@ std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, con
   std::atomic<bool> suspect{false};
   AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_forward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
-                                    mask, block_q, block_k, spans);
+                                    mask, block_q, block_k, spans, half_products);
     // Settling needs a bound on every logit (no ALiBi, no float mask) and no exact maximum (no
     // statistics), and pays only for rows that see more than one key tile. Its strided pass over
     // k and v costs several query rows' products: packed sequences (each row sees only its own
@@ -1550,7 +1600,8 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
                                     const c10::optional<torch::Tensor>& spans) {
   // 16-bit inputs: the products take them as they are, and dout rounded to their format (the
   // gradient of an output the caller rounded to it); gradients come back in float32, for the
-  // caller to round.
+  // caller to round. (A forward that widened its tiles is differentiated on float32 copies: the
+  // caller passes those.)
   const torch::Tensor &q = q16, &k = k16, &v = v16;
   const auto half = half_kind(q);
   const auto dt = half ? at::kFloat : q.scalar_type();

@@ -6,7 +6,8 @@ BLAS product, one fused pass over the score path and the online softmax, one BLA
 parallel over batch, heads and query blocks on every core. float32 and float64 run natively;
 float16 and bfloat16 accumulate in float32 (as every attnscale backend does) and the output is cast
 back: where the CPU multiplies them natively (:func:`ops.half_products`: AMX, AVX512-BF16/FP16)
-the products take the 16-bit inputs as they are, as torch's CPU kernel does, else float32 copies. Sinks enter through :func:`attnscale.tiled.merge_sinks` on the kernel's
+the products take the 16-bit inputs as they are, as torch's CPU kernel does; elsewhere the kernel
+converts each tile to float32 as it goes (no copy of the inputs). Sinks enter through :func:`attnscale.tiled.merge_sinks` on the kernel's
 ``(out, lse)``, as in the tiled kernel. ALiBi slopes are constants; a float mask that requires
 grad is refused (``backend="auto"`` sends it to the tiled kernel).
 """
@@ -130,10 +131,10 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, ali
     autograd rule; the layout changes here are plain torch ops)."""
     acc = accumulation_dtype(query.dtype)
     L, S = query.shape[-2], key.shape[-2]
-    inputs = query.dtype if ops.half_products(query.dtype) else acc
-    q, k, v = (_flat(t, spec, inputs) for t in (query, key, value))
+    q, k, v = (_flat(t, spec, query.dtype) for t in (query, key, value))  # 16-bit ones as they are
     m4, slopes = _flat_mask(mask, spec, L, S, acc), _flat_slopes(alibi, spec, acc)
-    out, lse, _, _, *stats, rows_ok = ops.forward(q, k, v, slopes, m4, None, *spec.args(), spec.with_stats, spec.block_q, spec.block_k)
+    products16 = ops.half_products(query.dtype)
+    out, lse, _, _, *stats, rows_ok = ops.forward(q, k, v, slopes, m4, None, *spec.args(), spec.with_stats, spec.block_q, spec.block_k, products16)
     stats = stats if spec.with_stats else []
     if len(spec.batch) == 1:  # the kernel's (B, H, L, .) is the caller's shape already
         return [out, lse, *stats], rows_ok
@@ -195,8 +196,8 @@ def fused_attention_checked(
     """:func:`fused_attention`, and whether every row of the returned output is finite and not all
     zeros, as the kernel saw while writing it (Dv = 0: True), as a 0-d bool tensor: the check
     :func:`attnscale.scaled_dot_product_attention` makes of every output, without passes of its
-    own. None where the kernel's rows are not the returned ones (sinks rescale them; 16-bit inputs
-    passed as float32 copies are rounded after) or no kernel ran: the caller checks the output
+    own (for 16-bit inputs, of the output rounded to their format). None where the kernel's rows
+    are not the returned ones (sinks rescale them) or no kernel ran: the caller checks the output
     itself."""
     _check_runnable(query, attn_mask, alibi_slopes)
     if query.shape[-2] == 0 or key.shape[-2] == 0:  # nothing to tile: the eager kernel's empty results
@@ -223,11 +224,9 @@ def fused_attention_checked(
     if squeeze:  # no batch dims: the kernel's batch of one
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     (out, lse, *rest), verdict = _forward(query, key, value, attn_mask, alibi_slopes, spec)
-    rows_ok: Tensor | None = verdict
-    # The kernel's verdict holds of the rounded output where it saw the 16-bit inputs (it then
-    # checks each row against the format's range), not of float32 copies.
-    if sinks is not None or (out.dtype != query.dtype and not ops.half_products(query.dtype)):
-        rows_ok = None
+    # For 16-bit inputs the kernel checks each row against the format's range too, so its verdict
+    # holds of the rounded output.
+    rows_ok: Tensor | None = verdict if sinks is None else None
     if sinks is not None:
         out, _ = merge_sinks(out, lse, sinks)
     if out.dtype != query.dtype:
@@ -277,10 +276,8 @@ def fused_varlen_attention(
     slopes = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.detach().to(accumulation_dtype(query.dtype)).expand(B, H)
-    acc = accumulation_dtype(query.dtype)
-    inputs = query.dtype if ops.half_products(query.dtype) else acc
-    q, k, v = (_packed(t, inputs) for t in (query, key, value))  # (1, heads, total, d) views
-    out, lse, _, _, *rest, _ = ops.forward(q, k, v, slopes, None, table, *_packed_args(path), return_stats, 0, 0)
+    q, k, v = (_packed(t, query.dtype) for t in (query, key, value))  # (1, heads, total, d) views
+    out, lse, _, _, *rest, _ = ops.forward(q, k, v, slopes, None, table, *_packed_args(path), return_stats, 0, 0, ops.half_products(query.dtype))
     out, lse = out[0].transpose(0, 1), lse[0]  # (total_q, H, Dv), (H, total_q)
     if sinks is not None:
         # merge_sinks takes (..., H, L, Dv) and (..., H, L): the packed rows as L.

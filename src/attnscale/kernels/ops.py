@@ -8,8 +8,7 @@ the kernel's batch. The ops take the kernel's own layout (``fused.py`` makes it 
 ops, which trace as they are):
 
     q (B, H, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv)   one dtype, rows BLAS can read: float32,
-                                                           float64, or bfloat16/float16 where
-                                                           half_products() says so
+                                                           float64, bfloat16 or float16
     alibi (B, H) strided, mask (B, H, L, S) strided        None where absent
     spans (nseq, 4) int64                                  packed sequences (B = 1), else None
 
@@ -19,6 +18,9 @@ ops, which trace as they are):
 all zeros (the check :func:`attnscale.scaled_dot_product_attention` makes of its outputs in eager
 mode). Only ``out`` and ``lse`` carry gradients. ``block_q``/``block_k`` of 0 take the defaults,
 chosen inside the op from the actual sizes, so a traced graph does not depend on them.
+``half_products`` (16-bit inputs; :func:`half_products` gives it): multiply the 16-bit tiles as
+they are, or convert each tile to float32 inside the kernel (the backward then takes float32
+copies); either way the softmax, statistics and output are float32.
 ``fused_backward`` returns ``dq, dk, dv`` in the inputs' dtype, with dk, dv per key head.
 
 The backward has no derivative of its own: first-order gradients work everywhere (also under
@@ -76,8 +78,8 @@ def _cpu_flags() -> frozenset[str]:
 @functools.cache
 def _half_hardware(dtype: torch.dtype) -> bool:
     """Whether the CPU multiplies ``dtype`` tiles natively (bfloat16: AVX512-BF16 or AMX; float16:
-    AVX512-FP16 or AMX-FP16). Elsewhere oneMKL's 16-bit products emulate and the kernel takes
-    float32 copies instead."""
+    AVX512-FP16 or AMX-FP16). Elsewhere oneMKL's 16-bit products emulate and the kernel converts
+    each tile to float32 instead."""
     flags = _cpu_flags()
     if dtype == torch.bfloat16:
         return bool({"avx512_bf16", "amx_bf16"} & flags)
@@ -88,7 +90,7 @@ def _half_hardware(dtype: torch.dtype) -> bool:
 def half_products(dtype: torch.dtype) -> bool:
     """Whether the kernel takes ``dtype`` q, k, v as they are, multiplying them in that format with
     float32 accumulation (bfloat16 with an even head dim through torch's brgemm where it runs,
-    from AVX-512 on; otherwise oneMKL), rather than float32 copies. Both give
+    from AVX-512 on; otherwise oneMKL), rather than as float32 tiles converted in the kernel. Both give
     float32 softmax, statistics and output; the 16-bit path also rounds the weights to ``dtype``
     for the second product, as torch's CPU kernel does. ``ATTNSCALE_HALF_PRODUCTS=1`` (or ``0``)
     forces the choice on any CPU, e.g. to test both paths. A constant to torch.compile: a traced
@@ -100,11 +102,11 @@ def half_products(dtype: torch.dtype) -> bool:
         raise ValueError(f"{_HALF_ENV}: expected 0 or 1 (or unset: chosen from the CPU), got {forced!r}. Fix: unset it or pass 0 or 1")
     kernel = load()
     if kernel is None or not kernel.half_gemm(_HALF_KIND[dtype]):
-        if forced == "1":  # asked for, and not to be had: never a silent float32 copy
+        if forced == "1":  # asked for, and not to be had: never silent float32 tiles
             raise RuntimeError(
                 f"{_HALF_ENV}=1: expected 16-bit products, got "
                 f"{'no compiled kernel' if kernel is None else 'a torch without oneMKL 16-bit products'}. "
-                f"Fix: unset {_HALF_ENV} (or set it to 0) to take float32 copies"
+                f"Fix: unset {_HALF_ENV} (or set it to 0) to take float32 tiles"
             )
         return False
     return forced == "1" if forced else _half_hardware(dtype)
@@ -153,16 +155,18 @@ def fused_forward(
     with_stats: bool,
     block_q: int,
     block_k: int,
+    half_products: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k)
+    return run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products)
 
 
-def run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k):
+def run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products):
     """What ``fused_forward`` computes, on real CPU tensors: the kernel's forward itself."""
     block_q, block_k = _blocks(block_q, block_k, causal, left, right, q.shape[2], spans)
     (out, lse, m, l, *stats), rows_ok = _kernel().forward(
-        q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi, mask, with_stats, block_q, block_k, spans
-    )
+        q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi, mask, with_stats, block_q, block_k, spans,
+        half_products,
+    )  # fmt: skip
     if not with_stats:
         empty = out.new_empty(0)  # the outputs' dtype (float32 for 16-bit inputs)
         stats = [empty, empty.clone(), empty.clone(), q.new_empty(0, dtype=torch.int64)]
@@ -170,7 +174,7 @@ def run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, l
 
 
 @fused_forward.register_fake
-def _(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k):
+def _(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products):
     B, H, L = q.shape[0], q.shape[1], q.shape[2]
     rows = (B, H, L)
     stat = rows if with_stats else (0,)
@@ -210,8 +214,12 @@ def fused_backward(
     k_start: int,
     block_q: int,
     block_k: int,
+    half_products: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     block_q, block_k = _blocks(block_q, block_k, causal, left, right, q.shape[2], spans)
+    dtype = q.dtype
+    if dtype in HALF and not half_products:  # the forward's float32 tiles: the same values, as whole copies
+        q, k, v = q.float(), k.float(), v.float()
     dq, dk, dv = _kernel().backward(
         q, k, v, dout.contiguous(), delta.contiguous(), m.contiguous(), l.contiguous(),
         scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi, mask, block_q, block_k, spans,
@@ -219,13 +227,13 @@ def fused_backward(
     B, H, Hkv, S = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
     if dk.shape[1] != Hkv:  # per query head: a group's heads share k
         dk, dv = (t.view(B, Hkv, H // Hkv, S, t.shape[-1]).sum(2) for t in (dk, dv))
-    if q.dtype in HALF:  # computed in float32 from 16-bit inputs: rounded once, to the inputs' format
-        dq, dk, dv = dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+    if dtype in HALF:  # computed in float32 from 16-bit inputs: rounded once, to the inputs' format
+        dq, dk, dv = dq.to(dtype), dk.to(dtype), dv.to(dtype)
     return dq, dk, dv
 
 
 @fused_backward.register_fake
-def _(q, k, v, dout, delta, m, l, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, block_q, block_k):
+def _(q, k, v, dout, delta, m, l, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, block_q, block_k, half_products):
     return torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -234,18 +242,18 @@ def setup_forward(ctx, inputs, output) -> None:
     q, k, v, alibi, mask, spans, *options = inputs
     out, _, m, l, *rest = output
     ctx.save_for_backward(q, k, v, alibi, mask, spans, out, m, l)
-    ctx.options = options  # scale .. k_start, with_stats, block_q, block_k
+    ctx.options = options  # scale .. k_start, with_stats, block_q, block_k, half_products
     ctx.mark_non_differentiable(m, l, *rest)  # only out and lse carry gradients
 
 
 def backward_forward(ctx, dout, dlse, *unused):
     """Gradients of q, k, v through ``fused_backward`` (None for every other input)."""
     q, k, v, alibi, mask, spans, out, m, l = ctx.saved_tensors
-    *scalars, _with_stats, block_q, block_k = ctx.options
+    *scalars, _with_stats, block_q, block_k, products16 = ctx.options
     with torch.no_grad():  # the backward has no derivative: see first_order
         # D_i = rowsum(dO * O) - dlse_i (FlashAttention-2; a gradient on lse adds p dlse to dS)
         delta = (dout * out).sum(-1) - dlse
-        dq, dk, dv = fused_backward(q, k, v, dout, delta, m, l, alibi, mask, spans, *scalars, block_q, block_k)
+        dq, dk, dv = fused_backward(q, k, v, dout, delta, m, l, alibi, mask, spans, *scalars, block_q, block_k, products16)
     return first_order("fused", (q, k, v), dq, dk, dv) + (None,) * (3 + len(ctx.options))
 
 
@@ -293,8 +301,8 @@ class FusedForward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k):  # type: ignore[override]
-        args = (q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k)
+    def forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products):  # type: ignore[override]
+        args = (q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products)
         return fused_forward(*args) if tracing(q, k, v) else run_forward(*args)
 
     @staticmethod
