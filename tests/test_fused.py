@@ -573,6 +573,26 @@ def test_the_kernels_row_check_holds_of_the_rounded_16_bit_output(half_path, dty
         assert bool(rows_ok) is looks_right
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_inputs_reach_the_kernel_as_they_are_on_every_path(half_path, dtype, monkeypatch):
+    """No whole float32 copy of q, k, v on either path: the kernel gets the 16-bit tensors and the
+    path to take them (the float32 tiles convert inside it), plain calls and packed sequences alike."""
+    seen = []
+    real = ops.run_forward
+
+    def spy(q, k, v, *rest):
+        seen.append((q.dtype, k.dtype, v.dtype, rest[-1]))
+        return real(q, k, v, *rest)
+
+    monkeypatch.setattr(ops, "run_forward", spy)
+    q, k, v = (torch.randn(1, 2, 40, 8, dtype=dtype) for _ in range(3))
+    out = sdpa(q, k, v, is_causal=True, softcap=5.0, backend="fused")
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    packed = attnscale.varlen_attention(*(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu, softcap=5.0, backend="fused")
+    assert out.dtype == packed.dtype == dtype
+    assert seen == [(dtype, dtype, dtype, half_path)] * 2
+
+
 def test_results_are_deterministic_run_to_run():
     q, k, v = make_inputs(B=2, H=4, Hkv=1, L=300, S=500, D=32, Dv=32, dtype=torch.float32)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
