@@ -627,29 +627,23 @@ float exp_row_weighted_to(const float* x, int64_t width, float m, float* weighte
 // the row's span; x is not written. Each entry takes score_row's and exp_row's operations on it,
 // in the same order, so its weight has their bits (the row's last entries, fewer than a vector pair,
 // take the scalar forms).
-template <typename T, typename O>
-T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T* x, T m, T pre, O* out) {
+// settled_row's vector pairs over [c, hi), specialised on the softcap and the pending factor: the
+// constants are values here, so they stay in registers (as captured references they were reloaded
+// after every store, since a float store may alias them); the results are the same operations.
+template <bool kCap, bool kScaled, typename T, typename O>
+int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* out, Vectorized<T>* sum) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
-  int64_t lo, hi;
-  P.row_span(i, &lo, &hi);
-  lo = std::clamp<int64_t>(lo - j0, 0, width);
-  hi = std::clamp<int64_t>(hi - j0, lo, width);
-  std::fill(out, out + lo, O(0));
-  std::fill(out + hi, out + width, O(0));
-  const T cap = P.softcap;
   const Vec vm(m), vfloor(exp_floor<T>()), vcap(cap), vpre(pre);
-  const bool scaled = pre != T(1);
-  auto weight = [&](int64_t c) {
-    Vec raw = Vec::loadu(x + c);
-    if (scaled) raw = raw * vpre;
-    const Vec s = cap != T(0) ? at::vec::fmadd(vtanh(raw), vcap, raw - raw) : raw;
-    return vexp_weights(s - vm, vfloor);
-  };
-  Vec acc(T(0));
-  int64_t c = lo;
+  Vec acc = *sum;
   for (; c + 2 * n <= hi; c += 2 * n) {
-    const Vec p0 = weight(c), p1 = weight(c + n);
+    Vec r0 = Vec::loadu(x + c), r1 = Vec::loadu(x + c + n);
+    if constexpr (kScaled) r0 = r0 * vpre, r1 = r1 * vpre;
+    if constexpr (kCap) {
+      r0 = at::vec::fmadd(vtanh(r0), vcap, r0 - r0);
+      r1 = at::vec::fmadd(vtanh(r1), vcap, r1 - r1);
+    }
+    const Vec p0 = vexp_weights(r0 - vm, vfloor), p1 = vexp_weights(r1 - vm, vfloor);
     if constexpr (std::is_same_v<O, T>) {
       p0.store(out + c);
       p1.store(out + c + n);
@@ -658,6 +652,33 @@ T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T
     }
     acc = acc + p0 + p1;
   }
+  *sum = acc;
+  return c;
+}
+
+// score_row then exp_row (or exp_row_to) in one pass, for a row that settled on its offset m
+// (forward_block) in a problem without ALiBi or masks: the products x (times pre) through the
+// softcap, exp(s - m) and the sum, written to out (T, or the 16-bit format of the inputs), 0 outside
+// the row's span; x is not written. Each entry takes score_row's and exp_row's operations on it,
+// in the same order, so its weight has their bits (the row's last entries, fewer than a vector pair,
+// take the scalar forms).
+template <typename T, typename O>
+T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T* x, T m, T pre, O* out) {
+  using Vec = Vectorized<T>;
+  int64_t lo, hi;
+  P.row_span(i, &lo, &hi);
+  lo = std::clamp<int64_t>(lo - j0, 0, width);
+  hi = std::clamp<int64_t>(hi - j0, lo, width);
+  std::fill(out, out + lo, O(0));
+  std::fill(out + hi, out + width, O(0));
+  const T cap = P.softcap;
+  const bool scaled = pre != T(1);
+  Vec acc(T(0));
+  int64_t c;
+  if (cap != T(0))
+    c = scaled ? settled_pairs<true, true>(x, lo, hi, m, cap, pre, out, &acc) : settled_pairs<true, false>(x, lo, hi, m, cap, pre, out, &acc);
+  else
+    c = scaled ? settled_pairs<false, true>(x, lo, hi, m, cap, pre, out, &acc) : settled_pairs<false, false>(x, lo, hi, m, cap, pre, out, &acc);
   T sum = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return a + b; }, acc);
   for (; c < hi; ++c) {
     T xc = scaled ? x[c] * pre : x[c];
