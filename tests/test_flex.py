@@ -325,10 +325,10 @@ def test_auto_never_takes_flex_on_cpu():
 
 
 def test_auto_on_cuda_prefers_torch_then_flex_then_the_rest():
-    """The rule on a CUDA tensor (a stand-in: the rule reads only its device): torch's fused
+    """The rule on a CUDA tensor (a stand-in: the rule reads only where it lies): torch's fused
     kernel where it is exact, FlexAttention where it can run, otherwise as on CPU."""
     call, _ = _call()
-    gpu = types.SimpleNamespace(device=torch.device("cuda"))
+    gpu = types.SimpleNamespace(device=torch.device("cuda"), is_cpu=False, is_meta=False, is_cuda=True)
     assert _choose(call, gpu, None, flex_cannot=lambda: None)[0].value == "torch"
     call, _ = _call(softcap=5.0)
     assert _choose(call, gpu, None, flex_cannot=lambda: None)[0].value == "flex"

@@ -383,7 +383,7 @@ def test_float32_softmax_weights_are_exp_u20_bit_for_bit_zero_below_the_floor_an
 def _kernel_forward(q, k, v, scale, *, softcap=0.0, stats=False):
     """The kernel's own outputs (out, lse, m, l): m is the offset each row's weights were taken against."""
     args = (scale, softcap, False, 0, -1, -1, 0, 0, None, None, stats, ops.BLOCK_Q, ops.BLOCK_K, None, False)
-    (out, lse, m, l, *_), _ = kernels.load().forward(q, k, v, *args)
+    out, lse, m, l, *_ = kernels.load().forward(q, k, v, *args)
     return out, lse, m, l
 
 

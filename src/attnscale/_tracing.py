@@ -16,6 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["refuse_jit_trace", "tracing"]
 
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
 
 def tracing(*tensors: object) -> bool:
     """True under torch.compile / torch.export, or when a tensor has no data to look at: fake,
@@ -24,7 +26,8 @@ def tracing(*tensors: object) -> bool:
     if torch.compiler.is_compiling():
         return True
     for t in tensors:
-        if isinstance(t, Tensor) and (t.device.type == "meta" or isinstance(t, FakeTensor) or torch._C._functorch.is_functorch_wrapped_tensor(t)):
+        # is_meta, not device.type: every call asks, and making a torch.device costs several times more
+        if isinstance(t, Tensor) and (t.is_meta or isinstance(t, FakeTensor) or _functorch_wrapped(t)):
             return True
     return False
 

@@ -169,7 +169,7 @@ def check_tensors(query: object, key: object, value: object) -> None:
     for name, t in (("key", key), ("value", value)):
         if t.dtype != query.dtype:
             fail(name, f"the query's dtype {query.dtype}", f"dtype {t.dtype}", f"cast it: {name}.to(query.dtype)", exc=TypeError)
-        if t.device != query.device:
+        if not (t.is_cpu and query.is_cpu) and t.device != query.device:  # two CPU tensors: no torch.device made
             fail(name, f"the query's device {query.device}", f"device {t.device}", f"move it: {name}.to(query.device)")
         if t.ndim != query.ndim:
             fail(name, f"{query.ndim} dims like the query", _shape(t), "give query, key and value the same number of dims (use unsqueeze for broadcast batch dims)")
@@ -278,7 +278,8 @@ def check_attention_call(
             fail("alibi_slopes", f"the query's device {query.device}", f"device {alibi_slopes.device}", "move it to the query's device")
         if values:
             check_alibi_values(alibi_slopes, query.dtype)
-    check_sinks(sinks, H, query.device, values=values, dtype=query.dtype)
+    if sinks is not None:
+        check_sinks(sinks, H, query.device, values=values, dtype=query.dtype)
     path = ScorePath(
         scale=scale if scale is not None else 1.0 / math.sqrt(D),
         softcap=softcap,

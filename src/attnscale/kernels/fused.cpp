@@ -1550,7 +1550,11 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
 // sequences without keys are not visited and not counted); for 16-bit inputs, also once rounded
 // to their format. half_products (16-bit inputs only): multiply them as they are (oneMKL or
 // brgemm), or as float32 tiles converted in the kernel (Problem::widen).
-std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
+// [out, lse, m, l, max_logit, max_prob, entropy, visible, rows_ok]: the statistics empty (0 long)
+// without with_stats, rows_ok a 0-d bool tensor. All made here, so a decoding step's Python makes
+// no tensors of its own after the call (each torch op from Python then costs more than its share:
+// the kernel has just streamed k and v through the caches).
+std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
                                    double softcap, bool causal, int64_t q_offset, int64_t left, int64_t right,
                                    int64_t q_start, int64_t k_start, const c10::optional<torch::Tensor>& alibi,
                                    const c10::optional<torch::Tensor>& mask, bool with_stats, int64_t block_q,
@@ -1573,6 +1577,9 @@ std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, con
     result.push_back(make({B, H, L}, 0.0, dt));   // max_prob
     result.push_back(make({B, H, L}, 0.0, dt));   // entropy
     result.push_back(make({B, H, L}, 0.0, torch::kInt64));  // visible
+  } else {
+    for (int i = 0; i < 3; ++i) result.push_back(torch::empty({0}, q.options().dtype(dt)));
+    result.push_back(torch::empty({0}, q.options().dtype(torch::kInt64)));
   }
   std::atomic<bool> suspect{false};
   AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_forward", [&] {
@@ -1609,7 +1616,8 @@ std::tuple<std::vector<torch::Tensor>, bool> forward(const torch::Tensor& q, con
     }
     forward_kernel(P, O);
   });
-  return {result, !suspect.load()};
+  result.push_back(torch::scalar_tensor(!suspect.load(), q.options().dtype(torch::kBool)));
+  return result;
 }
 
 std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tensor& k16, const torch::Tensor& v16,
@@ -1694,7 +1702,7 @@ std::tuple<torch::Tensor, torch::Tensor> weights_op(const torch::Tensor& x) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("forward", &forward, "attnscale fused attention forward: ([out, lse, m, l[, max_logit, max_prob, entropy, visible]], rows_ok)");
+  module.def("forward", &forward, "attnscale fused attention forward: [out, lse, m, l, max_logit, max_prob, entropy, visible (empty without statistics), rows_ok (0-d bool)]");
   module.def("brgemm_runs", &brgemm_runs, "whether bfloat16 products with an even head dim go through torch's brgemm (oneDNN) here, not oneMKL");
   module.def("half_gemm", &half_gemm, "whether 16-bit q, k, v of this format (1 bfloat16, 2 float16) can be passed as they are (oneMKL's products)");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");

@@ -62,7 +62,7 @@ class _Spec(NamedTuple):
 
 def supports(query: Tensor, attn_mask: Tensor | None) -> str | None:
     """Why the fused kernel cannot take this call (None if it can)."""
-    if query.device.type not in ("cpu", "meta"):  # meta: shapes only, from the op's fake rule
+    if not (query.is_cpu or query.is_meta):  # meta: shapes only, from the op's fake rule
         return "not a CPU tensor"
     if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
         return "a float attn_mask that requires grad"

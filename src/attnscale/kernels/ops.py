@@ -163,14 +163,11 @@ def fused_forward(
 def run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products):
     """What ``fused_forward`` computes, on real CPU tensors: the kernel's forward itself."""
     block_q, block_k = _blocks(block_q, block_k, causal, left, right, q.shape[2], spans)
-    (out, lse, m, l, *stats), rows_ok = _kernel().forward(
+    # The kernel makes every output, the empty statistics and the verdict too (see fused.cpp).
+    return tuple(_kernel().forward(
         q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi, mask, with_stats, block_q, block_k, spans,
         half_products,
-    )  # fmt: skip
-    if not with_stats:
-        empty = out.new_empty(0)  # the outputs' dtype (float32 for 16-bit inputs)
-        stats = [empty, empty.clone(), empty.clone(), q.new_empty(0, dtype=torch.int64)]
-    return out, lse, m, l, *stats, torch.tensor(rows_ok)
+    ))  # fmt: skip
 
 
 @fused_forward.register_fake
@@ -321,12 +318,10 @@ def forward(*args: object) -> tuple[Tensor, ...]:
     be asked for, else the kernel itself (dispatching a Python custom op is a visible share of a
     decoding step: bench_fused.py's decoding case)."""
     q, k, v = args[:3]
-    if torch.compiler.is_compiling():
-        return fused_forward(*args)
-    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (q, k, v)):  # type: ignore[arg-type]
+    if not tracing(q, k, v):  # eager (the common case first: each check it passes costs)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):  # type: ignore[union-attr]
+            return FusedForward.apply(*args)
+        return run_forward(*args)
+    if not torch.compiler.is_compiling() and any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (q, k, v)):  # type: ignore[arg-type]
         return FusedForward.apply(*args)
-    if tracing(q, k, v):  # fake or meta
-        return fused_forward(*args)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):  # type: ignore[union-attr]
-        return FusedForward.apply(*args)
-    return run_forward(*args)
+    return fused_forward(*args)  # compiling, or fake / meta tensors
