@@ -621,12 +621,6 @@ float exp_row_weighted_to(const float* x, int64_t width, float m, float* weighte
   return sum;
 }
 
-// score_row then exp_row (or exp_row_to) in one pass, for a row that settled on its offset m
-// (forward_block) in a problem without ALiBi or masks: the products x (times pre) through the
-// softcap, exp(s - m) and the sum, written to out (T, or the 16-bit format of the inputs), 0 outside
-// the row's span; x is not written. Each entry takes score_row's and exp_row's operations on it,
-// in the same order, so its weight has their bits (the row's last entries, fewer than a vector pair,
-// take the scalar forms).
 // settled_row's vector pairs over [c, hi), specialised on the softcap and the pending factor: the
 // constants are values here, so they stay in registers (as captured references they were reloaded
 // after every store, since a float store may alias them); the results are the same operations.
