@@ -14,14 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._tracing import refuse_jit_trace, tracing
-from ._validate import AttentionCall, Backend, check_attention_call, fail
+from ._tracing import _functorch_wrapped, refuse_jit_trace, tracing
+from ._validate import _SCORE_MAX, AttentionCall, Backend, check_attention_call, fail
 from .dense import accumulation_dtype, dense_attention
 from .masks import CausalAlignment, add_bias, alibi_bias
 from .stats import AttentionStats, with_nan_rows
 from . import flex
 from .kernels.fused import fused_attention, fused_attention_checked
+from .kernels.fused import _blas_rows
 from .kernels.fused import supports as fused_supports
+from .kernels import ops as kernel_ops
 from .tiled import tiled_attention
 
 __all__ = ["Backend", "abs_max", "last_backend", "may_overflow", "record_backend", "scaled_dot_product_attention"]
@@ -57,6 +59,60 @@ def _torch_cannot(call: AttentionCall) -> str | None:
     if call.return_stats:
         return "return_stats"
     return None
+
+
+def _plain_softcapped(
+    query: object, key: object, value: object, attn_mask: object, dropout_p: object, is_causal: object, scale: object,
+    enable_gqa: object, causal_alignment: object, softcap: object, alibi_slopes: object, window: object, sinks: object,
+    return_stats: object, backend: object,
+) -> Tensor | None:
+    """The output of a plain softcapped call, the common decoding step of softcapped models, by the
+    shortest route; None for any other call, which then takes the full path.
+
+    Plain: float32 or float64 CPU tensors (of type Tensor, none traced, wrapped or requiring a
+    gradient) of shapes (B, H, L, D), (B, H, S, D), (B, H, S, Dv) with every size >= 1 and rows BLAS
+    reads as they lie; a float softcap and scale (or None) within the scores' range; every other
+    option at its default and ``backend`` "auto". There the full path validates the same things,
+    chooses the compiled kernel and calls it with the same arguments, so this is its output, bit for
+    bit (``tests/test_functional.py``); it skips the Python that costs most right after the kernel
+    has streamed k and v through the caches. A row the kernel does not vouch for (NaN, inf or
+    zero) sends the call down the full path, which diagnoses it."""
+    if torch.compiler.is_compiling():
+        return None
+    if (type(softcap) is not float or attn_mask is not None or alibi_slopes is not None or window is not None or sinks is not None
+            or return_stats is not False or is_causal is not False or enable_gqa is not False or type(dropout_p) is not float
+            or dropout_p != 0.0 or not (scale is None or type(scale) is float)
+            or not (backend is Backend.AUTO or (type(backend) is str and backend == "auto"))
+            or not (causal_alignment is CausalAlignment.TOP_LEFT or (type(causal_alignment) is str and causal_alignment == "top_left"))):
+        return None
+    if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
+        return None
+    dtype = query.dtype
+    if (dtype is not torch.float32 and dtype is not torch.float64) or key.dtype is not dtype or value.dtype is not dtype:
+        return None
+    top = _SCORE_MAX[dtype]
+    if not 0.0 < softcap <= top or not (scale is None or 0.0 < scale <= top):  # NaN fails both
+        return None
+    if not (query.is_cpu and key.is_cpu and value.is_cpu) or query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        return None
+    B, H, L, D = query.shape
+    Bk, Hk, S, Dk = key.shape
+    Bv, Hv, Sv, Dv = value.shape
+    if not (B == Bk == Bv and H == Hk == Hv and D == Dk and S == Sv and min(B, H, L, D, S, Dv) > 0):
+        return None
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return None
+    if _functorch_wrapped(query) or _functorch_wrapped(key) or _functorch_wrapped(value):
+        return None
+    if not (_blas_rows(query) and _blas_rows(key) and _blas_rows(value)) or fused_supports(query, None) is not None:
+        return None
+    path_scale = scale if scale is not None else 1.0 / math.sqrt(D)  # as check_attention_call makes it
+    # The arguments fused_attention_checked passes for this call: no stats, the kernel's own blocks.
+    result = kernel_ops.run_forward(query, key, value, None, None, None, path_scale, softcap, False, 0, -1, -1, 0, 0, False, 0, 0, False)
+    if not bool(result[8]):
+        return None
+    _record(Backend.FUSED, "auto: softcap; compiled kernel")
+    return result[0]
 
 
 def _fused_cannot(call: AttentionCall) -> str | None:
@@ -631,6 +687,12 @@ def scaled_dot_product_attention(
     # Static checks -> choose -> call the backend; then, in eager mode only, the checks of the
     # output that need values (see attnscale._tracing): none of it while tracing.
     refuse_jit_trace("scaled_dot_product_attention")
+    out = _plain_softcapped(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, softcap, alibi_slopes, window, sinks,
+        return_stats, backend,
+    )  # fmt: skip
+    if out is not None:
+        return out
     traced = tracing(query, key, value)
     call = check_attention_call(
         query,
