@@ -87,6 +87,22 @@ def test_tiled_stats_float32_against_math(mag):
         assert np.array_equal(np.isfinite(getattr(tiled, name).numpy()), finite)
 
 
+@pytest.mark.parametrize("mag", [1e7, 1e14, 1e15], ids=["gaps-1e14", "gaps-1e29", "maxima-above-1e31"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("backend", ["tiled", "fused", "math"])
+def test_entropy_of_rows_with_huge_logit_gaps(backend, dtype, mag):
+    """Logits of +-mag^2 (one-hot rows: entropy 0 where one key dominates). The tiled kernel once
+    gave a weight it floors at 1.2e-30 the term 1.2e-30 times its logit gap (entropy 0.15 at gaps
+    of 1e29, 25 beside 3 keys at 1e30), and NaN where a row's first maximum exceeded 1e31 (its
+    running max starts at float32's lowest, and 0 * -inf)."""
+    q, k, v, keep = make_case(dtype=dtype, seed=4, mag=mag, L=40, S=300)
+    opts = dict(attn_mask=keep, enable_gqa=True, return_stats=True, is_causal=True)
+    _, stats = attnscale.scaled_dot_product_attention(q, k, v, backend=backend, **opts)
+    _, expected = reference.attention(q.numpy(), k.numpy(), v.numpy(), attn_mask=keep.numpy(), return_stats=True, is_causal=True)
+    assert expected["entropy"].max() < 1e-6  # the premise: no two keys of a row within rounding of each other
+    np.testing.assert_allclose(stats.entropy.numpy(), expected["entropy"], rtol=0, atol=1e-6)
+
+
 def test_stats_lse_gradient_on_tiled_matches_math():
     q, k, v, keep = make_case(seed=5)
     q.requires_grad_()

@@ -526,8 +526,14 @@ def _online_block(
             centred = torch.add(m_new.neg().unsqueeze(-1), s, alpha=cap, out=s)
         if w is not None:
             p = _exp_(centred.clone(), keep, lowest)
-            # Re-centre the running sum of p * (s - m) on the new max, then add this tile's.
-            w = alpha * (w + l * (m - m_new)) + (p * centred.masked_fill_(p == 0, 0.0)).sum(dim=-1)
+            # Re-centre the running sum of p log p on the new max (where alpha = 0 the old keys'
+            # share is 0: m - m_new may be -inf beside l = 0), then add this tile's. log p is the
+            # centred logit as _exp_ clamped it: p * (s - m) would give a floored weight a term
+            # of 1.2e-30 times a logit gap of any size (0.15 at a gap of 1e29).
+            w = torch.where(alpha == 0, 0.0, alpha * (w + l * (m - m_new)))
+            if centred.device.type == "cpu":
+                centred.clamp_min_(_EXP_FLOOR[centred.dtype])
+            w = w + (p * centred.masked_fill_(p == 0, 0.0)).sum(dim=-1)
         else:
             p = _exp_(centred, keep, lowest)
         l = torch.addcmul(p.sum(dim=-1), alpha, l)  # alpha l + rowsum(p)
