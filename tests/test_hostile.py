@@ -313,6 +313,57 @@ def test_infinite_entries_are_missing_like_nan(backend, value):
     assert_matches(sdpa(q, k, v, backend=backend, **options), ref, atol=1e-5)
 
 
+def minus_inf_products(value, dtype=torch.float32, *, H=2, Hkv=2, L=L, S=S, key=5) -> tuple[torch.Tensor, ...]:
+    """q, k, v with an infinite entry in k (at key ``key`` of batch 1, k-head 0, dim 2) whose product
+    with every query row is -inf: IEEE arithmetic gives that key weight 0 and leaves every row
+    finite, where the rules make each row that sees the key NaN. (A random q gives some rows +inf
+    or NaN products, and the output check alone finds those.)"""
+    q, k, v = qkv(2, H, L, 8, S=S, Hkv=Hkv, Dv=5, seed=7, dtype=dtype)
+    k[1, 0, key, 2] = value
+    q[..., 2] = q[..., 2].abs().clamp_min(0.5) * (-1 if value > 0 else 1)
+    return q, k, v
+
+
+@pytest.mark.parametrize("situation", list(SITUATIONS))
+@pytest.mark.parametrize("value", [math.inf, -math.inf])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_inf_in_k_whose_products_are_all_minus_inf_is_missing_too(backend, value, situation):
+    q, k, v = minus_inf_products(value)
+    options = SITUATIONS[situation]
+    ref = oracle(q, k, v, **options)
+    assert ref.isnan().any() and not ref.isnan().all()
+    assert_matches(sdpa(q, k, v, backend=backend, **options), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(alibi_slopes=attnscale.alibi_slopes(4)), dict(return_stats=True), dict(attn_mask=float_mask(), sinks=torch.tensor([0.5, -1.0, 0.0, 2.0]))],
+    ids=["alibi", "stats", "float-mask-sinks"],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("backend", OWN_BACKENDS)
+def test_an_inf_in_k_whose_products_are_all_minus_inf_with_gqa_features_and_dtypes(backend, dtype, options):
+    q, k, v = minus_inf_products(math.inf, dtype, H=4, Hkv=2)
+    out = sdpa(q, k, v, enable_gqa=True, backend=backend, **options)
+    ref = oracle(q, k, v, **options)
+    if options.get("return_stats"):
+        (out, stats), (ref, ref_stats) = out, ref
+        np.testing.assert_array_equal(stats.lse.isnan().numpy(), np.isnan(ref_stats["lse"]))
+    assert ref.isnan().any() and not ref.isnan().all()
+    assert_matches(out, ref, atol={torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float32: 1e-5, torch.float64: 1e-12}[dtype])
+
+
+@pytest.mark.parametrize("hidden", [False, True], ids=["visible", "hidden-by-causal"])
+def test_an_inf_in_k_whose_products_are_all_minus_inf_over_many_key_tiles(hidden):
+    # 1100 rows and keys: the compiled kernel meets the key in one of several key tiles, beside
+    # rows that have settled on their offset (key 1000 is hidden from the causal rows before it).
+    q, k, v = minus_inf_products(-math.inf, L=1100, S=1100, key=1000)
+    options = dict(is_causal=True, softcap=30.0) if hidden else {}
+    ref = oracle(q, k, v, **options)
+    assert ref.isnan().any() and not ref.isnan().all()
+    assert_matches(sdpa(q, k, v, backend="fused", **options), ref, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sinks_and_slopes_are_validated_as_they_are_used(backend):
     # float64 values that are finite, but +inf in float32, where float32 inputs are scored: the
@@ -420,6 +471,48 @@ def test_gradients_are_finite_and_right_for_the_finite_rows(backend):
     for got, want in zip(leaves, clean):
         assert torch.isfinite(got.grad).all()
         torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)
+
+
+def key_3_hidden(kind: str) -> dict:
+    """Options that hide key 3 from every row and leave every row some key (an empty row is a zero
+    output row, which sends a call down the careful path by itself)."""
+    keep = torch.ones(L, S, dtype=torch.bool)
+    keep[:, 3] = False
+    if kind == "bool-mask":
+        return dict(attn_mask=keep)
+    if kind == "float-mask":
+        return dict(attn_mask=torch.zeros(L, S).masked_fill(~keep, -math.inf))
+    return dict(attn_mask=keep, is_causal=True, causal_alignment="bottom_right")
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("situation", ["bool-mask", "float-mask", "bool-mask-causal"])
+@pytest.mark.parametrize("backend", GRAD_BACKENDS)
+def test_gradients_with_a_non_finite_key_hidden_from_every_row(backend, situation, value, softcap):
+    # Every output row is finite, so only a look at k finds the entry; dS k once multiplied the
+    # hidden key's zero by it: NaN gradients from the compiled and tiled kernels (and the math
+    # backend's, for a key hidden by causal alone, as in the last key of a top-left causal call
+    # with L < S, below).
+    # A softcap: a NaN bound on the logits once lost its NaN in max(softcap, NaN) = softcap.
+    if softcap is not None and backend == "torch":
+        pytest.skip("torch's SDPA has no softcap")
+    q, k, v = poisoned(value=value, where=[("k", 0, 3, 2)])  # (a NaN in v's row: a NaN output row, which is looked at)
+    options = key_3_hidden(situation)
+    for options in (options, dict(is_causal=True)) if situation == "bool-mask" else (options,):
+        options = dict(options, softcap=softcap)
+        if options.get("is_causal") and "attn_mask" not in options:
+            q, k, v = poisoned(value=value, where=[("k", 0, S - 1, 2)])
+        ref = oracle(q, k, v, **options)
+        assert not ref.isnan().any()
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = sdpa(*leaves, backend=backend, **options)
+        assert_matches(out.detach(), ref, atol=1e-5)
+        out.sum().backward()
+        clean = [torch.where(torch.isfinite(t), t, 0.0).requires_grad_() for t in (q, k, v)]
+        sdpa(*clean, backend="math", **options).sum().backward()
+        for got, want in zip(leaves, clean):
+            torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -478,17 +478,33 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
   int64_t c = lo;
   const bool alibi = P.alibi != nullptr;  // a local: the loops below test it in a register
   const bool scaled = pre != T(1);  // products not yet multiplied by their factor (brgemm has none)
+  // Every loop below turns an infinite product (an inf in q or k, or overflow) into NaN with
+  // + (raw - raw), which is 0 for a finite one: as -inf it would hide its key and leave the row
+  // finite, where the rules make a row that sees a non-finite key NaN; as NaN the row check
+  // reports the row. Only rows that never settle can meet one (their bound is inf or NaN), so
+  // want_max is false only where no product is infinite.
   if (cap == T(0) && !alibi && !fm) {  // the products are the logits: only their maximum, if wanted
     if (scaled && want_max) {
       for (; c + n <= hi; c += n) {
-        const Vec xv = Vec::loadu(x + c) * vpre;
+        const Vec raw = Vec::loadu(x + c);
+        const Vec xv = at::vec::fmadd(raw, vpre, raw - raw);
         xv.store(x + c);
         vmax = at::vec::maximum(vmax, xv);
       }
     } else if (scaled) {
       for (; c + n <= hi; c += n) (Vec::loadu(x + c) * vpre).store(x + c);
-    } else if (want_max) {
-      for (; c + n <= hi; c += n) vmax = at::vec::maximum(vmax, Vec::loadu(x + c));
+    } else if (want_max && P.bmask) {  // the mask below re-reads x: the NaN must be in it
+      for (; c + n <= hi; c += n) {
+        const Vec raw = Vec::loadu(x + c);
+        const Vec xv = raw + (raw - raw);
+        xv.store(x + c);
+        vmax = at::vec::maximum(vmax, xv);
+      }
+    } else if (want_max) {  // x may keep -inf: the NaN maximum makes the row NaN
+      for (; c + n <= hi; c += n) {
+        const Vec raw = Vec::loadu(x + c);
+        vmax = at::vec::maximum(vmax, raw + (raw - raw));
+      }
     } else {
       c = hi;  // nothing to compute: the span's logits are the products as they stand
     }
@@ -510,6 +526,8 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
         const Vec th = vtanh(xv);
         if (t) th.store(t + c);
         xv = at::vec::fmadd(th, vcap, xv - xv);  // an infinite product gives NaN, as above
+      } else {
+        xv = xv + (xv - xv);
       }
       if (alibi) xv = xv - vslope * (Vec(static_cast<T>(p - c)) - iota).abs();  // exact below 2^24 keys
       if (fm) xv = xv + Vec::loadu(fm + c);
@@ -524,6 +542,8 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
       const T th = stanh(xc);
       if (t) t[c] = th;
       xc = cap * th + (xc - xc);  // an infinite product gives NaN, as above
+    } else if (want_max) {
+      xc = xc + (xc - xc);
     }
     if (alibi) xc -= slope * static_cast<T>(std::abs(p - c));
     if (fm) xc += fm[c * P.m_ss];
