@@ -367,7 +367,7 @@ def _row_peaks(out: Tensor) -> Tensor:
 
 def _rows_look_right(peaks: Tensor) -> bool:
     """Whether every output row is finite and not all zeros, from :func:`_row_peaks`: the fast
-    path's only check, O(L * Dv).
+    path's check of the output, O(L * Dv) (:func:`_rows_may_hide_trouble` looks at k).
 
     A NaN or inf row comes from non-finite inputs or from products that overflowed. A zero row is
     often right (no visible key, zero values) but not always: torch's kernel returns zeros for a row
@@ -679,8 +679,11 @@ def scaled_dot_product_attention(
     hidden from a row (mask, causal, window, ``-inf`` in a float mask) never affect it, and a row
     with no visible key is zeros. NaN rows have NaN statistics (``visible_keys`` excepted), and
     gradients stay finite: NaN rows pass none back. Both cases cost the fast path one check of
-    the output, O(L * Dv) (the tiled kernel also a bound on the logits, O((L + S) * D)); only
-    when a row is NaN, inf or zero is the call diagnosed further.
+    the output, O(L * Dv), and one sum over k, O(S * D) (the compiled kernel: only when gradients
+    are wanted, as it reports an infinite logit itself; the tiled kernel: a bound on the logits,
+    O((L + S) * D), instead): an inf in k whose products with a row are all -inf gives that key
+    weight 0 and the row a finite output. Only when a row is NaN, inf or zero, or k holds a NaN
+    or inf, is the call diagnosed further.
 
     Under torch.compile and torch.export, and for FakeTensor, meta or torch.func-wrapped inputs,
     the call traces as one graph (the compiled kernel is ``torch.ops.attnscale.fused_forward``)
