@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["refuse_jit_trace", "tracing"]
+__all__ = ["refuse_jit_trace", "tracing", "under_vmap"]
 
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
@@ -30,6 +30,13 @@ def tracing(*tensors: object) -> bool:
         if isinstance(t, Tensor) and (t.is_meta or isinstance(t, FakeTensor) or _functorch_wrapped(t)):
             return True
     return False
+
+
+def under_vmap() -> bool:
+    """True inside a torch.func.vmap (at any level of nested transforms), where an autograd
+    Function without a batching rule, such as the eager tiled kernel's, cannot run."""
+    stack = torch._C._functorch.get_interpreter_stack()
+    return stack is not None and any(level.key() == torch._C._functorch.TransformType.Vmap for level in stack)
 
 
 def refuse_jit_trace(entry: str) -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._tracing import _functorch_wrapped, refuse_jit_trace, tracing
+from ._tracing import _functorch_wrapped, refuse_jit_trace, tracing, under_vmap
 from ._validate import _SCORE_MAX, AttentionCall, Backend, check_attention_call, fail
 from .dense import accumulation_dtype, dense_attention
 from .masks import CausalAlignment, add_bias, alibi_bias
@@ -201,6 +201,8 @@ def _choose(
             return Backend.MATH, f"auto: {reason}"
         why = feature if feature is not None else f"{reason}; {scores} scores > MATH_MAX_SCORES"
         kernel, how = _kernel(call, query, attn_mask)
+        if kernel is Backend.TILED and under_vmap():
+            return Backend.MATH, f"auto: {why}; {how}; under vmap, where the tiled kernel has no batching rule"
         return kernel, f"auto: {why}; {how}"
     if call.backend in (Backend.TILED, Backend.FUSED) and call.dropout_p > 0.0:
         fail(
@@ -208,6 +210,13 @@ def _choose(
             f"0.0 with backend={call.backend.value!r} (the {call.backend.value} kernel has no dropout)",
             repr(call.dropout_p),
             "use backend='math' (or 'auto') for dropout",
+        )
+    if call.backend is Backend.TILED and under_vmap():
+        fail(
+            "backend",
+            "a backend with a batching rule under torch.func.vmap",
+            "'tiled' (an autograd Function without one)",
+            "use backend='auto' or 'math' (or 'fused' where the compiled kernel runs) inside vmap",
         )
     if call.backend is Backend.FLEX:
         why_not = flex_cannot()
