@@ -821,20 +821,26 @@ PLAIN = {  # name -> (dtype, B, H, L, S, D, Dv, options, layout)
     "one key, D = 1": (torch.float32, 1, 2, 3, 1, 1, 2, dict(softcap=1.0, backend=attnscale.Backend.AUTO), "contiguous"),
     "heads-second layout": (torch.float32, 2, 4, 9, 33, 16, 16, dict(softcap=50.0, backend="auto"), "transposed"),
     "float64, a tight cap": (torch.float64, 1, 2, 4, 2100, 32, 32, dict(softcap=0.5, dropout_p=0.0), "contiguous"),
+    "bfloat16 decoding step": (torch.bfloat16, 1, 8, 1, 600, 64, 64, dict(softcap=30.0), "contiguous"),
+    "float16, heads-second": (torch.float16, 2, 4, 3, 40, 16, 16, dict(softcap=20.0), "transposed"),
+    "GQA decoding step": (torch.float32, 1, 8, 1, 600, 64, 64, dict(softcap=30.0, enable_gqa=True), "contiguous"),
+    "bfloat16 GQA, odd D": (torch.bfloat16, 2, 6, 2, 33, 15, 15, dict(softcap=30.0, enable_gqa=True), "contiguous"),
 }
+KV_HEADS = {"GQA decoding step": 2, "bfloat16 GQA, odd D": 3}  # the others: one key head per query head
 
 
-def _plain_inputs(dtype, B, H, L, S, D, Dv, layout):
+def _plain_inputs(dtype, B, H, L, S, D, Dv, layout, Hkv=None):
     gen = torch.Generator().manual_seed(7)
+    shapes = ((H, L, D), (Hkv or H, S, D), (Hkv or H, S, Dv))
     if layout == "transposed":  # (B, n, H, d) storage, as projections lay it out
-        return tuple(randn(B, n, H, d, gen=gen, dtype=dtype, std=3.0).transpose(1, 2) for n, d in ((L, D), (S, D), (S, Dv)))
-    return tuple(randn(B, H, n, d, gen=gen, dtype=dtype, std=3.0) for n, d in ((L, D), (S, D), (S, Dv)))
+        return tuple(randn(B, n, h, d, gen=gen, dtype=dtype, std=3.0).transpose(1, 2) for h, n, d in shapes)
+    return tuple(randn(B, h, n, d, gen=gen, dtype=dtype, std=3.0) for h, n, d in shapes)
 
 
 @pytest.mark.parametrize("name", list(PLAIN))
 def test_plain_softcapped_calls_take_the_short_route_to_the_full_paths_bits(monkeypatch, caplog, name):
     dtype, B, H, L, S, D, Dv, options, layout = PLAIN[name]
-    q, k, v = _plain_inputs(dtype, B, H, L, S, D, Dv, layout)
+    q, k, v = _plain_inputs(dtype, B, H, L, S, D, Dv, layout, KV_HEADS.get(name))
     calls = _short_route_probe(monkeypatch)
     with caplog.at_level(logging.DEBUG, logger="attnscale"):
         out = sdpa(q, k, v, **options)
@@ -886,13 +892,17 @@ def test_calls_that_are_not_plain_take_the_full_path(monkeypatch, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["bfloat16", "requires grad", "one key head", "3-d", "overlapping key rows", "a NaN query row", "meta tensors"]
+    "name", ["mixed dtypes", "requires grad", "one key head", "3-d", "overlapping key rows", "a NaN query row", "meta tensors"]
 )
 def test_tensors_that_are_not_plain_take_the_full_path(monkeypatch, name):
     gen = torch.Generator().manual_seed(5)
     q, k, v = randn(1, 2, 3, 4, gen=gen, dtype=torch.float32), randn(1, 2, 6, 4, gen=gen, dtype=torch.float32), randn(1, 2, 6, 4, gen=gen, dtype=torch.float32)
-    if name == "bfloat16":
-        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    if name == "mixed dtypes":  # the full path refuses them, with its reason
+        calls = _short_route_probe(monkeypatch)
+        with pytest.raises(TypeError, match=r"^key: expected the query's dtype"):
+            sdpa(q, k.bfloat16(), v, softcap=5.0)
+        assert calls == [1]
+        return
     elif name == "requires grad":
         q = q.requires_grad_()
     elif name == "one key head":

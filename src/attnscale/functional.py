@@ -69,18 +69,19 @@ def _plain_softcapped(
     """The output of a plain softcapped call, the common decoding step of softcapped models, by the
     shortest route; None for any other call, which then takes the full path.
 
-    Plain: float32 or float64 CPU tensors (of type Tensor, none traced, wrapped or requiring a
-    gradient) of shapes (B, H, L, D), (B, H, S, D), (B, H, S, Dv) with every size >= 1 and rows BLAS
-    reads as they lie; a float softcap and scale (or None) within the scores' range; every other
-    option at its default and ``backend`` "auto". There the full path validates the same things,
-    chooses the compiled kernel and calls it with the same arguments, so this is its output, bit for
-    bit (``tests/test_functional.py``); it skips the Python that costs most right after the kernel
-    has streamed k and v through the caches. A row the kernel does not vouch for (NaN, inf or
-    zero) sends the call down the full path, which diagnoses it."""
+    Plain: CPU tensors of one dtype the compiled kernel takes (float32, float64, bfloat16,
+    float16; of type Tensor, none traced, wrapped or requiring a gradient) of shapes (B, H, L, D),
+    (B, Hkv, S, D), (B, Hkv, S, Dv) with every size >= 1, Hkv = H (or, with ``enable_gqa=True``, a
+    divisor of H) and rows BLAS reads as they lie; a float softcap and scale (or None) within the
+    scores' range; every other option at its default and ``backend`` "auto". There the full path
+    validates the same things, chooses the compiled kernel and calls it with the same arguments,
+    so this is its output, bit for bit (``tests/test_functional.py``); it skips the Python that
+    costs most right after the kernel has streamed k and v through the caches. A row the kernel
+    does not vouch for (NaN, inf or zero) sends the call down the full path, which diagnoses it."""
     if torch.compiler.is_compiling():
         return None
     if (type(softcap) is not float or attn_mask is not None or alibi_slopes is not None or window is not None or sinks is not None
-            or return_stats is not False or is_causal is not False or enable_gqa is not False or type(dropout_p) is not float
+            or return_stats is not False or is_causal is not False or type(enable_gqa) is not bool or type(dropout_p) is not float
             or dropout_p != 0.0 or not (scale is None or type(scale) is float)
             or not (backend is Backend.AUTO or (type(backend) is str and backend == "auto"))
             or not (causal_alignment is CausalAlignment.TOP_LEFT or (type(causal_alignment) is str and causal_alignment == "top_left"))):
@@ -88,7 +89,7 @@ def _plain_softcapped(
     if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
         return None
     dtype = query.dtype
-    if (dtype is not torch.float32 and dtype is not torch.float64) or key.dtype is not dtype or value.dtype is not dtype:
+    if dtype not in _SCORE_MAX or key.dtype is not dtype or value.dtype is not dtype:
         return None
     top = _SCORE_MAX[dtype]
     if not 0.0 < softcap <= top or not (scale is None or 0.0 < scale <= top):  # NaN fails both
@@ -98,7 +99,9 @@ def _plain_softcapped(
     B, H, L, D = query.shape
     Bk, Hk, S, Dk = key.shape
     Bv, Hv, Sv, Dv = value.shape
-    if not (B == Bk == Bv and H == Hk == Hv and D == Dk and S == Sv and min(B, H, L, D, S, Dv) > 0):
+    if not (B == Bk == Bv and Hk == Hv and D == Dk and S == Sv and min(B, H, L, D, S, Dv) > 0):
+        return None
+    if Hk != H and not (enable_gqa and H % Hk == 0):  # (one key head without enable_gqa broadcasts: the full path)
         return None
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return None
@@ -108,11 +111,13 @@ def _plain_softcapped(
         return None
     path_scale = scale if scale is not None else 1.0 / math.sqrt(D)  # as check_attention_call makes it
     # The arguments fused_attention_checked passes for this call: no stats, the kernel's own blocks.
-    result = kernel_ops.run_forward(query, key, value, None, None, None, path_scale, softcap, False, 0, -1, -1, 0, 0, False, 0, 0, False)
-    if not bool(result[8]):
+    half = kernel_ops.half_products(dtype)
+    result = kernel_ops.run_forward(query, key, value, None, None, None, path_scale, softcap, False, 0, -1, -1, 0, 0, False, 0, 0, half)
+    if not bool(result[8]):  # for 16-bit inputs, of the output rounded to their format
         return None
     _record(Backend.FUSED, "auto: softcap; compiled kernel")
-    return result[0]
+    out = result[0]
+    return out if out.dtype is dtype else out.to(dtype)
 
 
 def _fused_cannot(call: AttentionCall) -> str | None:
