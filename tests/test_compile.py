@@ -152,6 +152,24 @@ def test_every_feature_compiles_to_one_graph_equal_to_eager(feature):
     assert_same_forward_and_backward(model, torch.compile(model, fullgraph=True, backend="aot_eager"), x)
 
 
+# Dynamo instantiates the autograd Function while it traces it (torch 2.13), and torch warns of that.
+@pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not be instantiated:DeprecationWarning")
+def test_the_tiled_kernel_compiles_to_one_graph_equal_to_eager():
+    """Without the compiled kernel too: backend="tiled" (and auto, where it has no kernel) asks
+    whether a vmap is active, which dynamo cannot trace; under torch.compile it must not ask."""
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 2, 9, 8, generator=gen)
+
+    def f(x):
+        return attnscale.scaled_dot_product_attention(x, x, x, softcap=5.0, is_causal=True, backend="tiled")
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(f)(q)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(q), f(q), rtol=0, atol=1e-6)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("native", ["0", "1"])

@@ -34,7 +34,11 @@ def tracing(*tensors: object) -> bool:
 
 def under_vmap() -> bool:
     """True inside a torch.func.vmap (at any level of nested transforms), where an autograd
-    Function without a batching rule, such as the eager tiled kernel's, cannot run."""
+    Function without a batching rule, such as the eager tiled kernel's, cannot run. False while
+    torch.compile traces: dynamo cannot trace the interpreter stack's query (a graph break), and
+    the traced graph carries no vmap of its own."""
+    if torch.compiler.is_compiling():
+        return False
     stack = torch._C._functorch.get_interpreter_stack()
     return stack is not None and any(level.key() == torch._C._functorch.TransformType.Vmap for level in stack)
 

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from .._autograd import first_order
-from .._tracing import tracing
+from .._tracing import _functorch_wrapped, tracing
 from . import load
 
 __all__ = ["BLOCK_K", "BLOCK_K_FEW_ROWS", "BLOCK_Q", "FEW_ROWS", "HALF", "SHORT", "FusedForward", "backward_forward", "default_blocks", "forward", "half_products", "run_forward", "setup_forward"]
@@ -322,6 +322,6 @@ def forward(*args: object) -> tuple[Tensor, ...]:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):  # type: ignore[union-attr]
             return FusedForward.apply(*args)
         return run_forward(*args)
-    if not torch.compiler.is_compiling() and any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (q, k, v)):  # type: ignore[arg-type]
+    if not torch.compiler.is_compiling() and any(_functorch_wrapped(t) for t in (q, k, v)):  # type: ignore[arg-type]
         return FusedForward.apply(*args)
     return fused_forward(*args)  # compiling, or fake / meta tensors
