@@ -648,3 +648,27 @@ def test_inputs_whose_rows_share_memory_are_read_right(layout):
         q = torch.randn(1, 9, 2, 8, generator=gen).transpose(1, 2)
     for opts in ({}, {"softcap": 5.0, "is_causal": True}):
         torch.testing.assert_close(run_flex(q, k, v, **opts), run_math(q, k, v, **opts), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize(("D", "dtype"), [(8, torch.float32), (16, torch.float32), (8, torch.bfloat16)])
+def test_small_head_dims_in_avx2_code_are_right(D, dtype):
+    """Compiled CPU FlexAttention generated as for a CPU without AVX-512 (inductor's
+    ``cpp.simdlen`` 256, the AVX2 code such CPUs get): key lengths that leave a block of 8 keys
+    (8, 24; 136 = 128 + 8 under a block mask's 128-key splits) at head dims 8 and 16 were off by
+    up to 1.2 or NaN; q and k now reach it padded to 24 dims. Error against float64 at most
+    twice the math backend's in the same dtype plus one ulp at 1."""
+    import torch._inductor.config as inductor_config
+
+    eps = torch.finfo(dtype).eps
+    torch._dynamo.reset()
+    try:
+        with inductor_config.patch({"cpp.simdlen": 256}):
+            for L, S, opts in [(1, 8, {}), (6, 24, {"softcap": 5.0}), (3, 136, {"is_causal": True, "window": (140, 0)})]:
+                q, k, v = make_inputs(B=1, H=2, Hkv=2, L=L, S=S, D=D, Dv=D, seed=L)
+                want = run_math(q, k, v, **opts)
+                q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+                math_err = (run_math(q, k, v, **opts).double() - want).abs().max()
+                err = (run_flex(q, k, v, **opts).double() - want).abs().max()
+                assert err <= 2 * math_err + eps, (L, S, opts, err.item(), math_err.item())
+    finally:
+        torch._dynamo.reset()  # the graphs compiled here hold AVX2 code

@@ -422,6 +422,17 @@ def _compiled(device_type: str) -> Callable[..., object]:
     return call
 
 
+_CPU_MIN_HEAD_DIM = 24
+"""q and k reach compiled CPU FlexAttention with at least this many dims (zero-padded). torch
+2.13's CPU template multiplies q k^T in blocks of 16 keys; on a block of 8 keys (a key length
+8 mod 16 in some split) with a head dim D below 24 and a multiple of the vector width (8 floats
+in AVX2 code, as on CPUs without AVX-512), its micro-GEMM stores 16 columns: the extra 8 land on
+the row maxima and sums behind the score buffer and the keys past the block are read. Outputs
+were off by up to 1.2 or NaN at D 8 and 16 in float32 and bfloat16
+(tests/test_flex.py::test_small_head_dims_in_avx2_code_are_right); from D 24 it takes its other
+product, which handles such blocks."""
+
+
 def _runner(device: torch.device, dtype: torch.dtype, want_lse: bool, traced: bool) -> Callable[..., object]:
     """Which FlexAttention to call: the caller's graph (traced), the compiled one, or on CPU the
     eager one where the compiled one lacks what the call needs (log-sum-exp, float64)."""
@@ -492,6 +503,10 @@ def _run(
     FlexAttention has none), the keys' log-sum-exp (B, H, L), natural log."""
     q, k, v = (_readable(t) for t in (q, k, v))
     run = _runner(q.device, q.dtype, want_lse, traced)
+    if q.device.type == "cpu" and run is not _eager and q.shape[-1] < _CPU_MIN_HEAD_DIM:
+        # Zero dims add nothing to q k^T; the scale is passed, not read from D.
+        pad = (0, _CPU_MIN_HEAD_DIM - q.shape[-1])
+        q, k = torch.nn.functional.pad(q, pad), torch.nn.functional.pad(k, pad)
     lse_here = want_lse and (run is _eager or _cpu_compiled_has_lse(q.device))
     # Eager FlexAttention builds the scores in the inputs' dtype: 16-bit inputs get float32
     # copies there, so that logits, softmax and log-sum-exp are float32 as in its compiled kernels.
