@@ -194,6 +194,23 @@ def test_16_bit_inputs_compile_to_one_graph_on_either_path(monkeypatch, dtype, n
 
 
 @needs_kernel
+def test_16_bit_decoding_and_longer_calls_under_dynamic_shapes_equal_eager(monkeypatch):
+    """Unforced, the 16-bit path depends on the query length (float32 tiles up to FEW_ROWS rows
+    without grouped heads): under dynamic shapes that is a guard, so decoding steps and longer
+    calls each compile once (no graph break) and equal eager's outputs bit for bit."""
+    monkeypatch.delenv("ATTNSCALE_HALF_PRODUCTS", raising=False)
+    model = Block(softcap=5.0).to(torch.bfloat16)
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
+    with torch.no_grad():
+        for L in (3, 5, 40, 64, 7):
+            x = inputs(L).to(torch.bfloat16)
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    assert counter.frame_count <= 2
+
+
+@needs_kernel
 def test_packed_sequences_compile_to_one_graph_equal_to_eager():
     model, x, cu = Packed(), torch.randn(30, H * D, generator=torch.Generator().manual_seed(2)), torch.tensor([0, 4, 21, 30], dtype=torch.int32)
     torch._dynamo.reset()

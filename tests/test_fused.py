@@ -206,6 +206,28 @@ def test_the_half_products_switch_refuses_other_values(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decoding_without_grouped_heads_takes_float32_tiles(monkeypatch, dtype):
+    """Unforced, a call of at most FEW_ROWS query rows with one query head per key head takes
+    float32 tiles on every CPU; more rows or grouped heads take the CPU's choice; the switch forces
+    either. The call's output is then the float32-tile path's, bit for bit."""
+    monkeypatch.delenv("ATTNSCALE_HALF_PRODUCTS", raising=False)
+    cpu = ops.half_products(dtype)
+    assert ops.half_products(dtype, 1) is False and ops.half_products(dtype, ops.FEW_ROWS, 1) is False
+    assert ops.half_products(dtype, ops.FEW_ROWS + 1, 1) is cpu and ops.half_products(dtype, 1, 2) is cpu
+    monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "0")
+    assert ops.half_products(dtype, 1024, 1) is False
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, n, 64, generator=gen).to(dtype) for n in (3, 300, 300))
+    want = sdpa(q, k, v, softcap=30.0, backend="fused")
+    monkeypatch.delenv("ATTNSCALE_HALF_PRODUCTS")
+    assert torch.equal(sdpa(q, k, v, softcap=30.0, backend="fused"), want)
+    assert torch.equal(sdpa(q, k, v, softcap=30.0), want)  # the short route decides alike
+    if kernels.load().half_gemm(1):
+        monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "1")
+        assert ops.half_products(dtype, 1, 1) is True
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_values_without_columns_give_empty_outputs_on_both_paths(half_path, dtype):
     """Dv = 0 (brgemm takes no empty product: such calls go to oneMKL's, which skips it)."""
     q, k = torch.randn(1, 2, 600, 8, dtype=dtype), torch.randn(1, 2, 700, 8, dtype=dtype)

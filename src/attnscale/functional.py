@@ -111,7 +111,7 @@ def _plain_softcapped(
         return None
     path_scale = scale if scale is not None else 1.0 / math.sqrt(D)  # as check_attention_call makes it
     # The arguments fused_attention_checked passes for this call: no stats, the kernel's own blocks.
-    half = kernel_ops.half_products(dtype)
+    half = kernel_ops.half_products(dtype, L, H // Hk)
     result = kernel_ops.run_forward(query, key, value, None, None, None, path_scale, softcap, False, 0, -1, -1, 0, 0, False, 0, 0, half)
     if not bool(result[8]):  # for 16-bit inputs, of the output rounded to their format
         return None

@@ -133,7 +133,7 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, ali
     L, S = query.shape[-2], key.shape[-2]
     q, k, v = (_flat(t, spec, query.dtype) for t in (query, key, value))  # 16-bit ones as they are
     m4, slopes = _flat_mask(mask, spec, L, S, acc), _flat_slopes(alibi, spec, acc)
-    products16 = ops.half_products(query.dtype)
+    products16 = ops.half_products(query.dtype, L, spec.H // spec.Hkv)
     out, lse, _, _, *stats, rows_ok = ops.forward(q, k, v, slopes, m4, None, *spec.args(), spec.with_stats, spec.block_q, spec.block_k, products16)
     stats = stats if spec.with_stats else []
     if len(spec.batch) == 1:  # the kernel's (B, H, L, .) is the caller's shape already

@@ -86,15 +86,26 @@ def _half_hardware(dtype: torch.dtype) -> bool:
     return bool({"avx512_fp16", "amx_fp16"} & flags)
 
 
-@torch.compiler.assume_constant_result
-def half_products(dtype: torch.dtype) -> bool:
+def half_products(dtype: torch.dtype, rows: int | None = None, group: int = 1) -> bool:
     """Whether the kernel takes ``dtype`` q, k, v as they are, multiplying them in that format with
     float32 accumulation (bfloat16 with an even head dim through torch's brgemm where it runs,
     from AVX-512 on; otherwise oneMKL), rather than as float32 tiles converted in the kernel. Both give
     float32 softmax, statistics and output; the 16-bit path also rounds the weights to ``dtype``
-    for the second product, as torch's CPU kernel does. ``ATTNSCALE_HALF_PRODUCTS=1`` (or ``0``)
-    forces the choice on any CPU, e.g. to test both paths. A constant to torch.compile: a traced
-    graph keeps the choice it was traced with."""
+    for the second product, as torch's CPU kernel does. A call of at most ``FEW_ROWS`` query
+    ``rows`` with one query head per key head (``group``) takes float32 tiles: there each key and
+    value row serves a few products, and converting it in the kernel costs less than packing it
+    for the 16-bit products. With grouped heads the 16-bit path stays: the tiles convert each
+    key and value row once per query head. ``ATTNSCALE_HALF_PRODUCTS=1`` (or ``0``) forces the choice on any CPU and call, e.g. to
+    test both paths. A constant to torch.compile: a traced graph keeps the choice it was traced with."""
+    if dtype not in HALF:
+        return False
+    if rows is not None and group == 1 and rows <= FEW_ROWS:  # of symbolic sizes: a guard
+        return _half_products(dtype, True)
+    return _half_products(dtype, False)
+
+
+@torch.compiler.assume_constant_result
+def _half_products(dtype: torch.dtype, few_rows: bool) -> bool:
     if dtype not in HALF:
         return False
     forced = os.environ.get(_HALF_ENV, "").strip()
@@ -109,7 +120,9 @@ def half_products(dtype: torch.dtype) -> bool:
                 f"Fix: unset {_HALF_ENV} (or set it to 0) to take float32 tiles"
             )
         return False
-    return forced == "1" if forced else _half_hardware(dtype)
+    if forced:
+        return forced == "1"
+    return not few_rows and _half_hardware(dtype)
 
 
 def default_blocks(causal: bool, windowed: bool, L: int, spans: Tensor | None) -> tuple[int, int]:
