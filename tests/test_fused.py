@@ -205,6 +205,48 @@ def test_the_half_products_switch_refuses_other_values(monkeypatch):
     assert ops.half_products(torch.float32) is False  # float32 and float64 never ask
 
 
+def test_brgemm_packing_memory_kept_between_calls_carries_nothing_over(monkeypatch):
+    """brgemm's packed k^T and v live in memory the calling thread keeps from call to call: calls
+    of other sizes (odd and even key counts, grouped heads, packed sequences, backward passes) in
+    between, and one that leaves inf everywhere in it, leave each call's outputs and gradients bit
+    for bit as they were."""
+    if not kernels.load().brgemm_runs():
+        pytest.skip("torch's brgemm takes no bfloat16 tiles on this CPU (it needs AVX-512)")
+    from attnscale.score import ScorePath
+
+    monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "1")
+    gen = torch.Generator().manual_seed(11)
+
+    def make(B, H, Hkv, L, S, D):
+        return [t.to(torch.bfloat16) for t in (torch.randn(B, H, L, D, generator=gen), torch.randn(B, Hkv, S, D, generator=gen), torch.randn(B, Hkv, S, D, generator=gen))]
+
+    def kernel(q, k, v, causal=False):  # the kernel itself: no look at the inputs, no second try
+        return fused.fused_attention(q, k, v, path=ScorePath(scale=0.125, softcap=20.0, causal=causal))[0]
+
+    q, k, v = make(2, 4, 4, 40, 4001, 64)
+    k.fill_(float("inf")), v.fill_(float("inf"))
+    poison = lambda q=q, k=k, v=v: kernel(q, k, v)  # noqa: E731  leaves inf in the kept memory, which any stale read turns into NaN
+    calls = []
+    for B, H, Hkv, L, S, D in [(2, 4, 4, 40, 1031, 64), (1, 4, 2, 33, 97, 32), (3, 2, 2, 20, 2051, 16)]:
+        q, k, v = make(B, H, Hkv, L, S, D)
+        calls.append(lambda q=q, k=k, v=v: kernel(q, k, v, causal=True))
+
+        def grads(q=q, k=k, v=v):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            return torch.autograd.grad(kernel(*leaves).float().square().sum(), leaves)
+
+        calls.append(grads)
+    q, k, v = (torch.randn(300, 4, 32, generator=gen).to(torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, 17, 250, 300])
+    calls.append(lambda: attnscale.varlen_attention(q, k, v, cu, cu, is_causal=True, softcap=20.0, backend="fused"))
+    first = [call() for call in calls]
+    for i in (2, 0, 5, 4, 1, 3, 6, 0):
+        poison()
+        again = calls[i]()
+        for a, b in zip(again if isinstance(again, tuple) else (again,), first[i] if isinstance(first[i], tuple) else (first[i],)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=str(i))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decoding_without_grouped_heads_takes_float32_tiles(monkeypatch, dtype):
     """Unforced, a call of at most FEW_ROWS query rows with one query head per key head takes
