@@ -1153,9 +1153,9 @@ inline void pack_paired(const uint16_t* x, int64_t sl, int64_t S, int64_t width,
 
 // Memory for one call's packed operands (n entries), valid until the calling thread's next call.
 // Up to kPackKeep bytes it is the calling thread's, kept from call to call: an allocation that
-// large comes fresh from the system (mmap), and faulting its pages in on every call cost as much
-// as the products themselves (bfloat16, B 4, H 8, L 32, S 4096, D 64, one thread: 32 MiB, a call
-// took twice as long as with the memory kept). Larger ones are the call's own (in own).
+// large comes fresh from the system (mmap), and faulting its pages in on every call can cost as
+// much as the products themselves (bfloat16 calls of a few dozen query rows). Larger ones are the
+// call's own (in own).
 constexpr int64_t kPackKeep = int64_t(64) << 20;
 
 uint16_t* pack_memory(int64_t n, std::unique_ptr<uint16_t[]>& own) {

@@ -95,8 +95,9 @@ def half_products(dtype: torch.dtype, rows: int | None = None, group: int = 1) -
     ``rows`` with one query head per key head (``group``) takes float32 tiles: there each key and
     value row serves a few products, and converting it in the kernel costs less than packing it
     for the 16-bit products. With grouped heads the 16-bit path stays: the tiles convert each
-    key and value row once per query head. ``ATTNSCALE_HALF_PRODUCTS=1`` (or ``0``) forces the choice on any CPU and call, e.g. to
-    test both paths. A constant to torch.compile: a traced graph keeps the choice it was traced with."""
+    key and value row once per query head. ``ATTNSCALE_HALF_PRODUCTS=1`` (or ``0``) forces the
+    choice on any CPU and call, e.g. to test both paths. A constant to torch.compile: a traced
+    graph keeps the choice it was traced with (under dynamic shapes, a guard on the rows)."""
     if dtype not in HALF:
         return False
     if rows is not None and group == 1 and rows <= FEW_ROWS:  # of symbolic sizes: a guard
