@@ -106,9 +106,7 @@ def half_products(dtype: torch.dtype, rows: int | None = None, group: int = 1) -
 
 
 @torch.compiler.assume_constant_result
-def _half_products(dtype: torch.dtype, few_rows: bool) -> bool:
-    if dtype not in HALF:
-        return False
+def _half_products(dtype: torch.dtype, few_rows: bool) -> bool:  # dtype in HALF
     forced = os.environ.get(_HALF_ENV, "").strip()
     if forced not in ("", "0", "1"):
         raise ValueError(f"{_HALF_ENV}: expected 0 or 1 (or unset: chosen from the CPU), got {forced!r}. Fix: unset it or pass 0 or 1")
