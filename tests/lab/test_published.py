@@ -49,6 +49,20 @@ def test_the_default_run_held_to_avx2_code_reached_the_published_verdicts():
     assert f"at {other['commit'][:7]}; `results/default_avx2_paths.json`) it reaches the same {len(verdicts)} verdicts" in readme
 
 
+def test_the_default_run_on_an_intel_xeon_reached_the_published_verdicts():
+    """The README says the default run on a second CPU model (an Intel Xeon with AMX) reached every
+    published verdict by the same rules: results/default_intel_xeon_amx.json is that run's summary."""
+    other = json.loads((ROOT / "results" / "default_intel_xeon_amx.json").read_text(encoding="utf-8"))
+    assert (other["profile"], other["seed"]) == ("default", 0) and re.fullmatch(r"[0-9a-f]{40}", other["commit"])
+    assert "Intel" in other["environment"]["cpu"] and "Intel" not in PUBLISHED["environment"]["cpu"]
+    rules = {c["id"]: (c["verdict"], c["rule_version"], c["rule_fingerprint"]) for c in PUBLISHED["claims"]}
+    assert {c["id"]: (c["verdict"], c["rule_version"], c["rule_fingerprint"]) for c in other["claims"]} == rules
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    minutes = other["seconds"] / 60
+    assert f"(at {other['commit'][:7]}, by the same rules; `results/default_intel_xeon_amx.json`, {minutes:.1f} min)" in readme
+    assert f"reaches the same {len(rules)} verdicts" in readme
+
+
 FAST = (
     "softmax-peak-example", "qknorm-double-shrink", "flash-exp2", "quant-folding", "fp16-secondary", "linear-attention",
     "alibi-order", "rope-variance", "length-scaling", "saturation-example", "jacobian-collapse", "mup-correlated",
