@@ -93,7 +93,7 @@ def test_a_killed_build_leaves_nothing_that_blocks_the_next_one(tmp_path):
 
 @pytest.mark.slow
 @needs_a_compiler
-@pytest.mark.skipif(kernels.isa() != "avx512", reason="no AVX-512 on this CPU: only the AVX2 kernel can run here, and the suite runs it")
+@pytest.mark.skipif(kernels.isa() not in ("avx512", "avx512_bf16"), reason="no AVX-512 on this CPU: only the AVX2 kernel can run here, and the suite runs it")
 def test_the_avx2_kernel_passes_the_kernel_tests_on_an_avx512_cpu():
     """The suite runs the widest build (AVX-512 here); this runs the AVX2 build's tests too, in
     its own process and build, so that both ISAs' paths are tested where the CPU has both."""
@@ -107,3 +107,48 @@ def test_the_avx2_kernel_passes_the_kernel_tests_on_an_avx512_cpu():
         capture_output=True, text=True, env=env, cwd=root, timeout=900,
     )
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+_BF16_OUTPUTS = """
+import sys, torch, attnscale
+from attnscale import kernels
+assert kernels.available(), kernels.unavailable_reason()
+torch.manual_seed(0)
+out = [kernels.isa()]
+# (L, S, D, causal, softcap, statistics, query heads per key head): rows that settle and rows that
+# do not, tails shorter than a vector pair, several key tiles, statistics, grouped heads.
+for L, S, D, causal, cap, stats, group in [(300, 301, 64, True, 30.0, False, 1), (1030, 1030, 128, True, None, False, 1),
+                                          (64, 2100, 64, False, None, True, 1), (520, 1200, 32, True, 50.0, False, 2),
+                                          (33, 700, 64, False, 5.0, True, 1)]:
+    q = torch.randn(2, 2 * group, L, D).bfloat16().requires_grad_()
+    k, v = (torch.randn(2, 2, S, D).bfloat16().requires_grad_() for _ in range(2))
+    got = attnscale.scaled_dot_product_attention(q, k, v, backend="fused", is_causal=causal, softcap=cap,
+                                                 return_stats=stats, enable_gqa=group > 1)
+    o, st = (got, None) if torch.is_tensor(got) else got
+    out.append(o.detach())
+    if st is not None:
+        out += [t for t in vars(st).values() if torch.is_tensor(t)]
+    out += list(torch.autograd.grad(o.float().square().sum(), (q, k, v)))
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+@needs_a_compiler
+@pytest.mark.skipif(kernels.isa() != "avx512_bf16", reason="no AVX512-BF16 on this CPU: the build with its conversion cannot run here")
+def test_the_cpus_bfloat16_conversion_gives_atens_bits(tmp_path):
+    """Built for AVX512-BF16, the kernel rounds bfloat16 softmax weights with the CPU's own
+    instruction; built for plain AVX-512 (ATTNSCALE_KERNEL_ISA=avx512), with ATen's vectors. Every
+    output, statistic and gradient must agree bit for bit (each build in its own process)."""
+    import torch
+
+    results = {}
+    for isa in ("avx512_bf16", "avx512"):
+        path = tmp_path / f"{isa}.pt"
+        done = subprocess.run([sys.executable, "-c", _BF16_OUTPUTS, str(path)], capture_output=True, text=True,
+                              env={**os.environ, "ATTNSCALE_KERNEL_ISA": isa}, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[isa] = torch.load(path)
+    wide, plain = results["avx512_bf16"], results["avx512"]
+    assert (wide[0], plain[0]) == ("avx512_bf16", "avx512") and len(wide) == len(plain) > 20
+    assert [i for i, (a, b) in enumerate(zip(wide[1:], plain[1:])) if not torch.equal(a, b)] == []

@@ -36,10 +36,12 @@ __all__ = ["available", "build", "build_precondition", "isa", "kernel_dir", "lib
 
 _SOURCE = Path(__file__).with_name("fused.cpp")
 # The widest vectors the CPU has, as ATen's own CPU_CAPABILITY builds: AVX-512 (F, BW, VL, DQ;
-# 16 floats a vector), else AVX2 + FMA + F16C (8; x86-64 from 2013 on; F16C converts float16,
-# which ATen's AVX2 vectors use). ATTNSCALE_KERNEL_ISA=avx2 builds the AVX2 kernel on an AVX-512
-# CPU (its tests run both).
+# 16 floats a vector), with AVX512-BF16 where present (its one-instruction conversion of the
+# softmax weights to bfloat16), else AVX2 + FMA + F16C (8; x86-64 from 2013 on; F16C converts
+# float16, which ATen's AVX2 vectors use). ATTNSCALE_KERNEL_ISA=avx512 or avx2 builds a narrower
+# kernel on a wider CPU (the tests run them too).
 _ISA_FLAGS = {
+    "avx512_bf16": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx512_bf16"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx512bf16", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-DATTNSCALE_AVX512_BF16"]),
     "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]),
     "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]),
 }
@@ -56,7 +58,7 @@ def kernel_dir() -> Path:
 
 
 def isa() -> str | None:
-    """The vector ISA the kernel is built for here: "avx512", "avx2", or None (neither)."""
+    """The vector ISA the kernel is built for here: "avx512_bf16", "avx512", "avx2", or None (none of them)."""
     try:
         words = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
