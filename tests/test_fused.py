@@ -444,9 +444,9 @@ def test_float32_softmax_weights_are_exp_u20_bit_for_bit_zero_below_the_floor_an
         kernels.load().weights(special[:7])
 
 
-def _kernel_forward(q, k, v, scale, *, softcap=0.0, stats=False):
+def _kernel_forward(q, k, v, scale, *, softcap=0.0, stats=False, half_products=False):
     """The kernel's own outputs (out, lse, m, l): m is the offset each row's weights were taken against."""
-    args = (scale, softcap, False, 0, -1, -1, 0, 0, None, None, stats, ops.BLOCK_Q, ops.BLOCK_K, None, False)
+    args = (scale, softcap, False, 0, -1, -1, 0, 0, None, None, stats, ops.BLOCK_Q, ops.BLOCK_K, None, half_products)
     out, lse, m, l, *_ = kernels.load().forward(q, k, v, *args)
     return out, lse, m, l
 
@@ -487,6 +487,30 @@ def test_rows_settle_on_a_max_near_their_bound_and_only_then():
     ka = -axis.expand(1, 1, 4 * ops.BLOCK_K, 16) + 1e-3 * torch.randn(1, 1, 4 * ops.BLOCK_K, 16, generator=gen)
     _, _, m, _ = _kernel_forward(qa, ka, v[:, :1], 0.45)
     torch.testing.assert_close(m.double(), (qa.double() @ ka.double().transpose(-1, -2) * 0.45).amax(-1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("softcap", "a"), [(0.0, 5.0), (100.0, 8.0)])
+def test_settled_rows_give_weights_far_below_their_offset_zero(dtype, softcap, a):
+    """A settled row drops the floor's test from its weights only where no logit can lie more than
+    60 below its offset (m + bound <= 60). Here every row settles on logit +L0 in the first key tile
+    (L0 = 50, or 100 tanh(0.8) = 66.4 under softcap 100) with a bound of L0, and its later tiles hold
+    logits -L0: exp(-2 L0) is far under float32's floor, so their weights must be 0 (without the
+    floor's test they come out as garbage: exp's exponent bits wrap below 2^-126)."""
+    L, S, D = 1024, 3 * ops.BLOCK_K, 16
+    q = torch.zeros(1, 1, L, D)
+    q[..., 0] = a
+    k = torch.zeros(1, 1, S, D)
+    k[..., :, 0] = 10.0
+    k[..., ops.BLOCK_K :, 0] = -10.0  # (B, H, S, D): +a 10 in the first tile, -a 10 after
+    v = torch.randn(1, 1, S, D, generator=torch.Generator().manual_seed(0))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out, _, m, _ = _kernel_forward(q, k, v, 1.0, softcap=softcap, half_products=ops.half_products(dtype))  # 16-bit products where the CPU has them
+    top = 10.0 * a if softcap == 0 else softcap * math.tanh(10.0 * a / softcap)
+    assert torch.allclose(m.double(), torch.full_like(m.double(), top), rtol=1e-6)  # settled on the first tile's max
+    want = v[0, 0, : ops.BLOCK_K].double().mean(0).expand(L, D)  # the first tile's values, equally weighted
+    err = (out[0, 0].double() - want).abs().max().item()
+    assert err <= (1e-6 if dtype == torch.float32 else 1e-2), err
 
 
 @pytest.mark.parametrize("mag", [1.0, 3.0])

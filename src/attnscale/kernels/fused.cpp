@@ -144,7 +144,7 @@ inline Vectorized<T> load_as(const E* x) {
 // Two vectors of softmax weights as one of 16-bit entries H, the second product's operand (round
 // to nearest even, as torch's casts). Built for AVX512-BF16 (ATTNSCALE_AVX512_BF16), bfloat16
 // takes the CPU's own conversion, VCVTNE2PS2BF16: one instruction where ATen's vectors take a
-// dozen (perf showed them a fifth of a softcapped row's time). It rounds alike but reads a
+// dozen (costly in a softcapped row, perf showed). It rounds alike but reads a
 // denormal float as zero: weights are 0, at least exp(exp_floor) = 1e-30 (a normal float), inf or
 // NaN, so every weight gets ATen's bits but a NaN's, which stays a NaN.
 template <typename H>
@@ -227,8 +227,14 @@ __attribute__((always_inline)) inline Vectorized<float> vtanh(const Vectorized<f
   p = at::vec::fmadd(p, y, V(-3.333328195e-01f));
   const V near = x * at::vec::fmadd(y, p, V(1.0f));  // x (1 + x^2 P): keeps the sign of -0
   const V a = x.abs();
+#if defined(CPU_CAPABILITY_AVX512)
+  // The test on a mask register, without ATen's widening of the comparison to a vector first.
+  if (_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.625f), _CMP_GE_OQ) == 0) return near;
+  const V far = a >= V(0.625f);
+#else
   const V far = a >= V(0.625f);  // false for NaN: the polynomial keeps it
   if (!any_lane(far)) return near;
+#endif
   const V e = (at::vec::minimum(a, V(10.0f)) * V(2.0f)).exp_u20();
   const V t = V(1.0f) - V(2.0f) / (e + V(1.0f));
   return V::blendv(near, V::blendv(t, V(0.0f) - t, x < V(0.0f)), far);
@@ -292,6 +298,43 @@ inline Vectorized<float> vexp_weights(const Vectorized<float>& x, const Vectoriz
   poly = _mm512_fmadd_ps(r, poly, _mm512_set1_ps(1.0f));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
   return _mm512_mask_blend_ps(drop, _mm512_mul_ps(poly, _mm512_castsi512_ps(bits)), _mm512_setzero_ps());
+}
+#endif
+
+// vexp_weights for x known to be at least the floor and at most 34.5 (float32): the floor's test,
+// and the max that keeps -inf out of the polynomial, are left out; the same bits.
+template <typename T>
+inline Vectorized<T> vexp_unfloored(const Vectorized<T>& x) {
+  return vexp_weights(x, Vectorized<T>(exp_floor<T>()));
+}
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+template <>
+inline Vectorized<float> vexp_unfloored(const Vectorized<float>& x) {
+  const __m256 src = x;
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(src, _mm256_castsi256_ps(_mm256_set1_epi32(0x3fb8aa3b)), _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_fnmadd_ps(fx, _mm256_castsi256_ps(_mm256_set1_epi32(0x3f317218)), src);
+  __m256 poly = _mm256_fmadd_ps(r, _mm256_set1_ps(0.00828929059f), _mm256_set1_ps(0.0418978221f));
+  poly = _mm256_fmadd_ps(r, poly, _mm256_set1_ps(0.166676521f));
+  poly = _mm256_fmadd_ps(r, poly, _mm256_set1_ps(0.499991506f));
+  poly = _mm256_fmadd_ps(r, poly, _mm256_set1_ps(0.999999701f));
+  poly = _mm256_fmadd_ps(r, poly, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(poly, _mm256_castsi256_ps(bits));
+}
+#elif defined(CPU_CAPABILITY_AVX512)
+template <>
+inline Vectorized<float> vexp_unfloored(const Vectorized<float>& x) {
+  const __m512 src = x;
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(src, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b)), _mm512_set1_ps(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(fx, _mm512_castsi512_ps(_mm512_set1_epi32(0x3f317218)), src);
+  __m512 poly = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
+  poly = _mm512_fmadd_ps(r, poly, _mm512_set1_ps(0.166676521f));
+  poly = _mm512_fmadd_ps(r, poly, _mm512_set1_ps(0.499991506f));
+  poly = _mm512_fmadd_ps(r, poly, _mm512_set1_ps(0.999999701f));
+  poly = _mm512_fmadd_ps(r, poly, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(poly, _mm512_castsi512_ps(bits));
 }
 #endif
 
@@ -658,20 +701,27 @@ float exp_row_weighted_to(const float* x, int64_t width, float m, float* weighte
 // settled_row's vector pairs over [c, hi), specialised on the softcap and the pending factor: the
 // constants are values here, so they stay in registers (as captured references they were reloaded
 // after every store, since a float store may alias them); the results are the same operations.
-template <bool kCap, bool kScaled, typename T, typename O>
+// A settled row's products are finite (its bound is), so the softcap's + (raw - raw) is +0 there,
+// a constant. With kFloor false the caller knows that no weight falls under the floor
+// (vexp_unfloored).
+template <bool kCap, bool kScaled, bool kFloor, typename T, typename O>
 int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* out, Vectorized<T>* sum) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
-  const Vec vm(m), vfloor(exp_floor<T>()), vcap(cap), vpre(pre);
+  const Vec vm(m), vfloor(exp_floor<T>()), vcap(cap), vpre(pre), zero(T(0));
   Vec acc = *sum;
   for (; c + 2 * n <= hi; c += 2 * n) {
     Vec r0 = Vec::loadu(x + c), r1 = Vec::loadu(x + c + n);
     if constexpr (kScaled) r0 = r0 * vpre, r1 = r1 * vpre;
-    if constexpr (kCap) {
-      r0 = at::vec::fmadd(vtanh(r0), vcap, r0 - r0);
-      r1 = at::vec::fmadd(vtanh(r1), vcap, r1 - r1);
+    if constexpr (kCap) {  // an FMA with +0, not a product: the compiler would fuse a product with the - m below
+      r0 = at::vec::fmadd(vtanh(r0), vcap, zero);
+      r1 = at::vec::fmadd(vtanh(r1), vcap, zero);
     }
-    const Vec p0 = vexp_weights(r0 - vm, vfloor), p1 = vexp_weights(r1 - vm, vfloor);
+    Vec p0, p1;
+    if constexpr (kFloor)
+      p0 = vexp_weights(r0 - vm, vfloor), p1 = vexp_weights(r1 - vm, vfloor);
+    else
+      p0 = vexp_unfloored(r0 - vm), p1 = vexp_unfloored(r1 - vm);
     if constexpr (std::is_same_v<O, T>) {
       p0.store(out + c);
       p1.store(out + c + n);
@@ -689,9 +739,10 @@ int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* o
 // softcap, exp(s - m) and the sum, written to out (T, or the 16-bit format of the inputs), 0 outside
 // the row's span; x is not written. Each entry takes score_row's and exp_row's operations on it,
 // in the same order, so its weight has their bits (the row's last entries, fewer than a vector pair,
-// take the scalar forms).
+// take the scalar forms). floored false: the caller knows every logit of the span is at least
+// m + exp_floor (forward_block), so no weight needs the floor's test.
 template <typename T, typename O>
-T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T* x, T m, T pre, O* out) {
+T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T* x, T m, T pre, O* out, bool floored) {
   using Vec = Vectorized<T>;
   int64_t lo, hi;
   P.row_span(i, &lo, &hi);
@@ -703,10 +754,15 @@ T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T
   const bool scaled = pre != T(1);
   Vec acc(T(0));
   int64_t c;
-  if (cap != T(0))
-    c = scaled ? settled_pairs<true, true>(x, lo, hi, m, cap, pre, out, &acc) : settled_pairs<true, false>(x, lo, hi, m, cap, pre, out, &acc);
-  else
-    c = scaled ? settled_pairs<false, true>(x, lo, hi, m, cap, pre, out, &acc) : settled_pairs<false, false>(x, lo, hi, m, cap, pre, out, &acc);
+  auto pairs = [&](auto floor) {
+    constexpr bool kFloor = decltype(floor)::value;
+    if (cap != T(0))
+      return scaled ? settled_pairs<true, true, kFloor>(x, lo, hi, m, cap, pre, out, &acc)
+                    : settled_pairs<true, false, kFloor>(x, lo, hi, m, cap, pre, out, &acc);
+    return scaled ? settled_pairs<false, true, kFloor>(x, lo, hi, m, cap, pre, out, &acc)
+                  : settled_pairs<false, false, kFloor>(x, lo, hi, m, cap, pre, out, &acc);
+  };
+  c = floored ? pairs(std::true_type{}) : pairs(std::false_type{});
   T sum = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return a + b; }, acc);
   for (; c < hi; ++c) {
     T xc = scaled ? x[c] * pre : x[c];
@@ -898,17 +954,21 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
         for (int64_t r = 0; r < rows; ++r) {
           T* xr = x + r * width;
           if (settled[r] && !P.bmask) {  // one pass: no ALiBi or float mask where rows settle
+            // Every logit of the row is at least -bound (no ALiBi or mask here): where m + bound
+            // stays 9 short of -floor (a margin far above the products' rounding), no weight
+            // reaches the floor (a NaN keeps the test).
+            const bool floored = !(m[r] + bound[r] <= -exp_floor<T>() - T(9));
             if constexpr (std::is_same_v<T, float>) {
               if (h16 == kBF16) {
-                l[r] += settled_row(P, i0 + r, j0, width, xr, m[r], pre, reinterpret_cast<at::BFloat16*>(pb + r * pstride));
+                l[r] += settled_row(P, i0 + r, j0, width, xr, m[r], pre, reinterpret_cast<at::BFloat16*>(pb + r * pstride), floored);
                 continue;
               }
               if (h16 == kF16) {
-                l[r] += settled_row(P, i0 + r, j0, width, xr, m[r], pre, reinterpret_cast<at::Half*>(pb + r * pstride));
+                l[r] += settled_row(P, i0 + r, j0, width, xr, m[r], pre, reinterpret_cast<at::Half*>(pb + r * pstride), floored);
                 continue;
               }
             }
-            l[r] += settled_row(P, i0 + r, j0, width, xr, m[r], pre, xr);  // in place: each entry read before written
+            l[r] += settled_row(P, i0 + r, j0, width, xr, m[r], pre, xr, floored);  // in place: each entry read before written
             continue;
           }
           if (settled[r]) {  // hidden keys are -inf, so weight 0
