@@ -258,6 +258,13 @@ inline double stanh(double x) { return std::tanh(x); }
 inline Vectorized<float> vexp(const Vectorized<float>& x) { return x.exp_u20(); }
 inline Vectorized<double> vexp(const Vectorized<double>& x) { return x.exp(); }
 
+// exp(x) for x known to lie in [floor, 34.5] (float32): vexp_weights' steps without the floor's
+// test (settled rows, where no logit can fall under it: forward_block), and their core.
+template <typename T>
+inline Vectorized<T> vexp_unfloored(const Vectorized<T>& x) {
+  return vexp(x);
+}
+
 // The softmax's weights: exp(x) for x = s - m, 0 where x < floor (-inf included), NaN for NaN; x <= 0
 // with a running max, x <= 34.5 (float32) in rows that settled (forward_block). For float on AVX2
 // this is exp_u20 specialised to that range, with the same bits on [floor, 34.5]: exp_u20 clamps x
@@ -269,46 +276,6 @@ inline Vectorized<double> vexp(const Vectorized<double>& x) { return x.exp(); }
 template <typename T>
 inline Vectorized<T> vexp_weights(const Vectorized<T>& x, const Vectorized<T>& floor) {
   return Vectorized<T>::blendv(vexp(x), Vectorized<T>(T(0)), x < floor);
-}
-#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
-template <>
-inline Vectorized<float> vexp_weights(const Vectorized<float>& x, const Vectorized<float>& floor) {
-  const __m256 drop = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);  // false for NaN
-  const __m256 src = _mm256_max_ps(floor, x);               // x for NaN
-  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(src, _mm256_castsi256_ps(_mm256_set1_epi32(0x3fb8aa3b)), _mm256_set1_ps(0.5f)));
-  const __m256 r = _mm256_fnmadd_ps(fx, _mm256_castsi256_ps(_mm256_set1_epi32(0x3f317218)), src);
-  __m256 poly = _mm256_fmadd_ps(r, _mm256_set1_ps(0.00828929059f), _mm256_set1_ps(0.0418978221f));
-  poly = _mm256_fmadd_ps(r, poly, _mm256_set1_ps(0.166676521f));
-  poly = _mm256_fmadd_ps(r, poly, _mm256_set1_ps(0.499991506f));
-  poly = _mm256_fmadd_ps(r, poly, _mm256_set1_ps(0.999999701f));
-  poly = _mm256_fmadd_ps(r, poly, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_blendv_ps(_mm256_mul_ps(poly, _mm256_castsi256_ps(bits)), _mm256_setzero_ps(), drop);
-}
-#elif defined(CPU_CAPABILITY_AVX512)
-// The same steps on 16 lanes (exp_u20's AVX-512 polynomial is the AVX2 one).
-template <>
-inline Vectorized<float> vexp_weights(const Vectorized<float>& x, const Vectorized<float>& floor) {
-  const __mmask16 drop = _mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ);  // false for NaN
-  const __m512 src = _mm512_max_ps(floor, x);                       // x for NaN
-  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(src, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b)), _mm512_set1_ps(0.5f)),
-                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(fx, _mm512_castsi512_ps(_mm512_set1_epi32(0x3f317218)), src);
-  __m512 poly = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
-  poly = _mm512_fmadd_ps(r, poly, _mm512_set1_ps(0.166676521f));
-  poly = _mm512_fmadd_ps(r, poly, _mm512_set1_ps(0.499991506f));
-  poly = _mm512_fmadd_ps(r, poly, _mm512_set1_ps(0.999999701f));
-  poly = _mm512_fmadd_ps(r, poly, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_mask_blend_ps(drop, _mm512_mul_ps(poly, _mm512_castsi512_ps(bits)), _mm512_setzero_ps());
-}
-#endif
-
-// vexp_weights for x known to be at least the floor and at most 34.5 (float32): the floor's test,
-// and the max that keeps -inf out of the polynomial, are left out; the same bits.
-template <typename T>
-inline Vectorized<T> vexp_unfloored(const Vectorized<T>& x) {
-  return vexp_weights(x, Vectorized<T>(exp_floor<T>()));
 }
 #if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
 template <>
@@ -324,7 +291,14 @@ inline Vectorized<float> vexp_unfloored(const Vectorized<float>& x) {
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(poly, _mm256_castsi256_ps(bits));
 }
+template <>
+inline Vectorized<float> vexp_weights(const Vectorized<float>& x, const Vectorized<float>& floor) {
+  const __m256 drop = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);                        // false for NaN
+  const __m256 value = vexp_unfloored(Vectorized<float>(_mm256_max_ps(floor, x)));  // x for NaN
+  return _mm256_blendv_ps(value, _mm256_setzero_ps(), drop);
+}
 #elif defined(CPU_CAPABILITY_AVX512)
+// The same steps on 16 lanes (exp_u20's AVX-512 polynomial is the AVX2 one).
 template <>
 inline Vectorized<float> vexp_unfloored(const Vectorized<float>& x) {
   const __m512 src = x;
@@ -338,6 +312,12 @@ inline Vectorized<float> vexp_unfloored(const Vectorized<float>& x) {
   poly = _mm512_fmadd_ps(r, poly, _mm512_set1_ps(1.0f));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(poly, _mm512_castsi512_ps(bits));
+}
+template <>
+inline Vectorized<float> vexp_weights(const Vectorized<float>& x, const Vectorized<float>& floor) {
+  const __mmask16 drop = _mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ);                  // false for NaN
+  const __m512 value = vexp_unfloored(Vectorized<float>(_mm512_max_ps(floor, x)));  // x for NaN
+  return _mm512_mask_blend_ps(drop, value, _mm512_setzero_ps());
 }
 #endif
 
