@@ -397,10 +397,11 @@ def half_paths_rows(L: int, D: int, threads: int, repeats: int, paths: dict[str,
 BLOCK_SHAPES = ((64, 256), (128, 256), (256, 256), (128, 512), (256, 512))
 
 
-def blocks_rows(threads: int, repeats: int) -> list[dict]:
+def blocks_rows(threads: int, repeats: int, dtype: torch.dtype = torch.float32) -> list[dict]:
     """The kernel's forward at several (query rows x keys) tile shapes, against torch's SDPA on the
-    same problem: causal at L = 8192, D = 128 and L = 4096, D = 64; non-causal with statistics at
-    L = 2048, D = 128 and L = 4096, D = 64."""
+    plain problem in the same dtype: causal at L = 8192, D = 128 and L = 4096, D = 64 (bfloat16:
+    with softcap, as its target case); non-causal with statistics at L = 2048, D = 128 and
+    L = 4096, D = 64."""
     from attnscale.kernels.fused import fused_attention
     from attnscale.score import ScorePath
 
@@ -408,14 +409,23 @@ def blocks_rows(threads: int, repeats: int) -> list[dict]:
     rows = []
     for L, D, causal in ((8192, 128, True), (4096, 64, True), (2048, 128, False), (4096, 64, False)):
         gen = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, 8, L, D, generator=gen) for _ in range(3))
-        path = ScorePath(scale=D**-0.5, causal=causal)
+        q, k, v = (torch.randn(1, 8, L, D, generator=gen).to(dtype) for _ in range(3))
+        softcap = SOFTCAP if causal and dtype != torch.float32 else None
+        path = ScorePath(scale=D**-0.5, causal=causal, softcap=softcap)
         fns: dict[str, Callable[[], object]] = {"torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
         for bq, bk in BLOCK_SHAPES:
             fns[f"{bq}x{bk}"] = lambda bq=bq, bk=bk: fused_attention(q, k, v, path=path, return_stats=not causal, block_q=bq, block_k=bk)
         with torch.no_grad():
+            # Every shape's output against the math backend in float32 first (CHECKED's bounds).
+            want = attnscale.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, softcap=softcap, backend="math")
+            for name, fn in fns.items():
+                if name != "torch":
+                    out = fn()
+                    err = ((out[0] if isinstance(out, tuple) else out).float() - want).abs().max().item()
+                    if not err <= (1e-4 if dtype == torch.float32 else 3e-2):
+                        raise SystemExit(f"--blocks: {name} at L {L}, D {D} is off by {err:.3g}")
             times = interleaved(fns, repeats)
-        rows.append({"threads": threads, "L": L, "D": D, "causal": causal,
+        rows.append({"threads": threads, "L": L, "D": D, "causal": causal, "dtype": str(dtype).removeprefix("torch."), "softcap": softcap,
                      "ratio": {name: ratio(times, name, "torch") for name in fns if name != "torch"}})
     return rows
 
@@ -484,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--tanh", action="store_true", help="only time the kernel's tanh against torch.tanh")
     mode.add_argument("--varlen", action="store_true", help="only time packed sequences (varlen_attention)")
     mode.add_argument("--markdown", metavar="JSON", help="print the README's table from a --json file and exit")
-    mode.add_argument("--blocks", action="store_true", help="only compare the kernel's tile shapes")
+    mode.add_argument("--blocks", action="store_true", help="only compare the kernel's tile shapes (float32, and bfloat16 with a softcapped causal case)")
     mode.add_argument("--half-paths", action="store_true", help="only the 16-bit forward cases, float32 tiles against 16-bit products (ATTNSCALE_HALF_PRODUCTS=0 / 1)")
     mode.add_argument("--cases", nargs="+", metavar="WORD", help="only the cases whose name contains one of these words (e.g. bf16 decoding); no tanh, varlen, window or memory rows")
     args = parser.parse_args(argv)
@@ -524,11 +534,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dump(result, f, indent=1)
         return 0
     if args.blocks:
-        for t in threads:
-            for r in blocks_rows(t, repeats):
-                what = "causal" if r["causal"] else "non-causal + statistics"
+        for t, dtype in itertools.product(threads, (torch.float32, torch.bfloat16)):
+            for r in blocks_rows(t, repeats, dtype):
+                what = ("causal" + (" + softcap" if r["softcap"] else "")) if r["causal"] else "non-causal + statistics"
                 cells = ", ".join(f"{name} {x:.2f}x" for name, x in r["ratio"].items())
-                print(f"threads={t} L={r['L']:5d} D={r['D']:3d} {what}: {cells}", flush=True)
+                print(f"threads={t} {r['dtype']:8s} L={r['L']:5d} D={r['D']:3d} {what}: {cells}", flush=True)
         return 0
     if not args.cases:  # the tanh and packed sequences: with --cases, only the cases chosen
         r = result["tanh"] = tanh_row(repeats)
