@@ -231,16 +231,21 @@ __attribute__((always_inline)) inline Vectorized<float> vtanh(const Vectorized<f
   const V near = x * at::vec::fmadd(y, p, V(1.0f));  // x (1 + x^2 P): keeps the sign of -0
   const V a = x.abs();
 #if defined(CPU_CAPABILITY_AVX512)
-  // The test on a mask register, without ATen's widening of the comparison to a vector first.
-  if (_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.625f), _CMP_GE_OQ) == 0) return near;
-  const V far = a >= V(0.625f);
+  // The comparison on a mask register, without ATen's widening of it to a vector.
+  const __mmask16 far = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.625f), _CMP_GE_OQ);  // false for NaN: the polynomial keeps it
+  if (far == 0) return near;
 #else
   const V far = a >= V(0.625f);  // false for NaN: the polynomial keeps it
   if (!any_lane(far)) return near;
 #endif
   const V e = (at::vec::minimum(a, V(10.0f)) * V(2.0f)).exp_u20();
   const V t = V(1.0f) - V(2.0f) / (e + V(1.0f));
-  return V::blendv(near, V::blendv(t, V(0.0f) - t, x < V(0.0f)), far);
+  const V signed_t = V::blendv(t, V(0.0f) - t, x < V(0.0f));
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_mask_blend_ps(far, near, signed_t);
+#else
+  return V::blendv(near, signed_t, far);
+#endif
 }
 // The same function on one float (the tails of rows), lane 0 of the vector one: bit-identical.
 inline float stanh(float x) {
@@ -1221,9 +1226,9 @@ struct PackFree {
 using PackPtr = std::unique_ptr<uint16_t[], PackFree>;
 
 // n entries on a 2 MiB boundary, advised to huge pages (the packs' rows are long strides apart).
-// From malloc, a pack's place in the caches depended on where the process's memory lay: a bfloat16
-// forward (B 1, H 8, L = S = 4096, D 128, causal, softcap, one thread, Intel Xeon with AMX) took
-// 87 or 108 ms from one process to the next (always 87-88 with address randomisation off).
+// From malloc, a pack's place in the caches depended on where the process's memory lay, and the
+// same bfloat16 forward ran markedly slower in some processes than in others (never with address
+// randomisation off); on the boundary every process runs at the fast time.
 PackPtr pack_alloc(int64_t n) {
   constexpr size_t huge = size_t(2) << 20;
   const size_t bytes = (size_t(n) * sizeof(uint16_t) + huge - 1) / huge * huge;
