@@ -452,13 +452,13 @@ def _kernel_forward(q, k, v, scale, *, softcap=0.0, stats=False, half_products=F
 
 
 def test_rows_settle_on_a_max_near_their_bound_and_only_then():
-    """Without statistics, ALiBi, a float mask or packed sequences, and with at least 1024 query
-    rows and more than one key tile, a row whose running max m has come within 34.5 of its
-    Cauchy-Schwarz bound u_i = scale |q_i| max_j |k_j| keeps m as its offset for its later key
-    tiles (the saved m is then the first tile's maximum, not the row's); every other row, and every
-    row with statistics or fewer rows, ends on its true maximum (1.1e-6 at most from the float64
-    maxima, measured). Huge values keep the running max (weights up to e^34.5 could overflow their
-    sum)."""
+    """Without ALiBi, a float mask or packed sequences, and with at least 1024 query rows and more
+    than one key tile, a row whose running max m has come within 34.5 of its Cauchy-Schwarz bound
+    u_i = scale |q_i| max_j |k_j| keeps m as its offset for its later key tiles (the saved m is
+    then the first tile's maximum, not the row's; with statistics the max logit is still the row's);
+    every other row, and every row of fewer rows, ends on its true maximum (1.1e-6 at most from the
+    float64 maxima, measured). Huge values keep the running max (weights up to e^34.5 could
+    overflow their sum)."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 1024, 16, generator=gen)  # (B, H, L, D)
     k = torch.randn(1, 2, 4 * ops.BLOCK_K, 16, generator=gen)  # four key tiles
@@ -471,8 +471,10 @@ def test_rows_settle_on_a_max_near_their_bound_and_only_then():
         _, _, m, _ = _kernel_forward(q, k, v, scale, softcap=softcap)
         want = first_tile_max if softcap == 0 else softcap * torch.tanh(first_tile_max / softcap)
         torch.testing.assert_close(m.double(), want, rtol=0, atol=1.2e-6)
-    _, _, m, _ = _kernel_forward(q, k, v, scale, stats=True)
-    torch.testing.assert_close(m.double(), row_max, rtol=0, atol=1.2e-6)
+    args = (scale, 0.0, False, 0, -1, -1, 0, 0, None, None, True, ops.BLOCK_Q, ops.BLOCK_K, None, False)
+    _, _, m, _, max_logit, *_ = kernels.load().forward(q, k, v, *args)
+    torch.testing.assert_close(m.double(), first_tile_max, rtol=0, atol=1.2e-6)
+    torch.testing.assert_close(max_logit.double(), row_max, rtol=0, atol=1.2e-6)
     _, _, m, _ = _kernel_forward(q[:, :, :1023].contiguous(), k, v, scale)
     torch.testing.assert_close(m.double(), row_max[:, :, :1023], rtol=0, atol=1.2e-6)
     out, _, m, _ = _kernel_forward(q, k, v * 1e30, scale)
@@ -807,9 +809,9 @@ SETTLING = [
 
 @pytest.mark.parametrize("opts", SETTLING, ids=lambda o: "-".join(o) or "plain")
 def test_rows_that_settle_give_the_reference_outputs_and_gradients(opts):
-    """Calls where rows settle on an offset (1024+ query rows, several key tiles, no ALiBi, float
-    mask or statistics) against float64, with each feature that allows it: the settled rows'
-    outputs and gradients, not only their offsets."""
+    """Calls where rows settle on an offset (1024+ query rows, several key tiles, no ALiBi or float
+    mask) against float64, with each feature that allows it: the settled rows' outputs, statistics
+    and gradients, not only their offsets."""
     opts = dict(opts)
     Hkv = 1 if opts.pop("gqa", False) else 2
     q, k, v = make_inputs(B=1, H=2, Hkv=Hkv, L=1024, S=3 * ops.BLOCK_K + 40, D=16, Dv=8, seed=7)
@@ -827,6 +829,66 @@ def test_rows_that_settle_give_the_reference_outputs_and_gradients(opts):
     expected = torch.autograd.grad((sdpa(*leaves, mask, backend="math", **opts) * grad_out).sum(), leaves)
     for name, g, w in zip("qkv", got, expected):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12, msg=f"d{name}")
+    with torch.no_grad():
+        out, stats = sdpa(q, k, v, mask, return_stats=True, **opts)
+    want, want_stats = run_reference(q.detach(), k.detach(), v.detach(), mask, return_stats=True, **opts)
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=1e-12)
+    for name in ("lse", "max_logit", "max_prob", "entropy", "visible_keys"):
+        np.testing.assert_allclose(getattr(stats, name).numpy(), want_stats[name], rtol=0, atol=1e-12, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("opts", [{}, {"softcap": 20.0}, {"is_causal": True}], ids=["plain", "softcap", "causal"])
+def test_statistics_of_rows_that_settle_stay_within_twice_the_math_backends_error(dtype, opts):
+    """Statistics of a long call (rows settle on an offset) in each dtype: every statistic within
+    twice the math backend's error of float64 (plus the dtype's floor), as the output."""
+    q, k, v = make_inputs(B=1, H=2, Hkv=2, L=1100, S=3 * ops.BLOCK_K + 40, D=64, Dv=64, dtype=dtype, seed=8)
+    if dtype == torch.float32:  # some rows settle before their maximum
+        _, _, m, _ = _kernel_forward(q, k, v, 64**-0.5)
+        assert (m.double() < (q.double() @ k.double().transpose(-1, -2)).amax(-1) * 64**-0.5 - 1e-6).any()
+    with torch.no_grad():
+        _, got = sdpa(q, k, v, return_stats=True, **opts)
+        _, math = sdpa(q, k, v, backend="math", return_stats=True, **opts)
+        _, wide = sdpa(q.double(), k.double(), v.double(), backend="math", return_stats=True, **opts)
+    for name in ("lse", "max_logit", "max_prob", "entropy"):
+        want = getattr(wide, name)
+        err = (getattr(got, name).double() - want).abs().max().item()
+        err_math = (getattr(math, name).double() - want).abs().max().item()
+        assert err <= 2 * err_math + TOLERANCE_FLOOR[dtype], f"{name}: {err} against the math backend's {err_math}"
+    assert torch.equal(got.visible_keys, wide.visible_keys)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("delta", [5.0, 20.0, 34.0])
+def test_a_settled_rows_entropy_is_good_to_a_unit_in_the_last_place_of_its_offsets_distance(dtype, delta):
+    """A row settles on its first tile's maximum 6 (its bound is 6 + delta), and a key of a later
+    tile reaches 6 + delta: its entropy is then log l - w / l against an offset delta below the
+    maximum, two numbers near delta whose difference keeps their rounding. The error stays within
+    twice the math backend's plus one unit in the last place of 34.5 in float32 (2^-18 = 3.8e-6
+    nats; measured 1.9e-6 at delta 20 and 34, where the math backend's is 6e-8 and 4e-12);
+    max_prob within 2 float32 ulps of 1."""
+    gen = torch.Generator().manual_seed(9)
+    D, L, S = 16, 1024, 4 * ops.BLOCK_K
+    q = torch.zeros(1, 1, L, D)
+    q[..., 0] = 6.0
+    q[..., 1:] = 0.01 * torch.randn(1, 1, L, D - 1, generator=gen)
+    k = 0.1 * torch.randn(1, 1, S, D, generator=gen)
+    k[..., 0] = torch.rand(S, generator=gen) * (6 - delta) / 6  # logits below 6 ... and far below the bound
+    k[0, 0, 5, 0] = 1.0  # the first tile's maximum: 6
+    k[0, 0, 2 * ops.BLOCK_K + 7, 0] = (6 + delta) / 6  # the row's: 6 + delta, in the third tile
+    v = torch.randn(1, 1, S, 8, generator=gen)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    _, _, m, _ = _kernel_forward(q.float(), k.float(), v.float(), 1.0)
+    assert (m < 6.5).all()  # every row settled on the first tile's maximum
+    with torch.no_grad():
+        _, got = sdpa(q, k, v, scale=1.0, return_stats=True)
+        _, math = sdpa(q, k, v, scale=1.0, backend="math", return_stats=True)
+        _, wide = sdpa(q.double(), k.double(), v.double(), scale=1.0, backend="math", return_stats=True)
+    err, err_math = ((s.entropy.double() - wide.entropy).abs().max().item() for s in (got, math))
+    assert err <= 2 * err_math + 2.0**-18, f"{err} against the math backend's {err_math}"
+    err, err_math = ((s.max_prob.double() - wide.max_prob).abs().max().item() for s in (got, math))
+    assert err <= 2 * err_math + 2 * 2.0**-23, f"{err} against the math backend's {err_math}"
+    torch.testing.assert_close(got.max_logit.double(), wide.max_logit, rtol=0, atol=2e-5)
 
 
 def test_forcing_16_bit_products_without_them_is_an_error(monkeypatch):

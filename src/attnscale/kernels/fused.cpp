@@ -691,13 +691,15 @@ float exp_row_weighted_to(const float* x, int64_t width, float m, float* weighte
 // after every store, since a float store may alias them); the results are the same operations.
 // A settled row's products are finite (its bound is), so the softcap's + (raw - raw) is +0 there,
 // a constant. With kFloor false the caller knows that no weight falls under the floor
-// (vexp_unfloored).
-template <bool kCap, bool kScaled, bool kFloor, typename T, typename O>
-int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* out, Vectorized<T>* sum) {
+// (vexp_unfloored). With kStats also the logits' maximum (*top) and sum p (s - m) (*weighted): a
+// weight under the floor is 0 and its finite s - m gives a 0 term.
+template <bool kCap, bool kScaled, bool kFloor, bool kStats, typename T, typename O>
+int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* out, Vectorized<T>* sum,
+                      Vectorized<T>* weighted, Vectorized<T>* top) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
   const Vec vm(m), vfloor(exp_floor<T>()), vcap(cap), vpre(pre), zero(T(0));
-  Vec acc = *sum;
+  Vec acc = *sum, wacc = *weighted, vtop = *top;
   for (; c + 2 * n <= hi; c += 2 * n) {
     Vec r0 = Vec::loadu(x + c), r1 = Vec::loadu(x + c + n);
     if constexpr (kScaled) r0 = r0 * vpre, r1 = r1 * vpre;
@@ -705,11 +707,12 @@ int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* o
       r0 = at::vec::fmadd(vtanh(r0), vcap, zero);
       r1 = at::vec::fmadd(vtanh(r1), vcap, zero);
     }
+    const Vec c0 = r0 - vm, c1 = r1 - vm;
     Vec p0, p1;
     if constexpr (kFloor)
-      p0 = vexp_weights(r0 - vm, vfloor), p1 = vexp_weights(r1 - vm, vfloor);
+      p0 = vexp_weights(c0, vfloor), p1 = vexp_weights(c1, vfloor);
     else
-      p0 = vexp_unfloored(r0 - vm), p1 = vexp_unfloored(r1 - vm);
+      p0 = vexp_unfloored(c0), p1 = vexp_unfloored(c1);
     if constexpr (std::is_same_v<O, T>) {
       p0.store(out + c);
       p1.store(out + c + n);
@@ -717,10 +720,21 @@ int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* o
       weights_to<O>(p0, p1).store(out + c);
     }
     acc = acc + p0 + p1;
+    if constexpr (kStats) {
+      wacc = wacc + p0 * c0 + p1 * c1;
+      vtop = at::vec::maximum(vtop, at::vec::maximum(r0, r1));
+    }
   }
-  *sum = acc;
+  *sum = acc, *weighted = wacc, *top = vtop;
   return c;
 }
+
+// What settled_row adds for the statistics: sum p (s - m), the largest logit, the visible keys.
+template <typename T>
+struct SettledStats {
+  T weighted, top;
+  int64_t visible;
+};
 
 // score_row then exp_row (or exp_row_to) in one pass, for a row that settled on its offset m
 // (forward_block) in a problem without ALiBi or masks: the products x (times pre) through the
@@ -728,9 +742,11 @@ int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* o
 // the row's span; x is not written. Each entry takes score_row's and exp_row's operations on it,
 // in the same order, so its weight has their bits (the row's last entries, fewer than a vector pair,
 // take the scalar forms). floored false: the caller knows every logit of the span is at least
-// m + exp_floor (forward_block), so no weight needs the floor's test.
+// m + exp_floor (forward_block), so no weight needs the floor's test. stats (or null): the tile's
+// sum p (s - m), largest logit (-inf without a visible key) and visible keys, written there.
 template <typename T, typename O>
-T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T* x, T m, T pre, O* out, bool floored) {
+T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T* x, T m, T pre, O* out, bool floored,
+              SettledStats<T>* stats = nullptr) {
   using Vec = Vectorized<T>;
   int64_t lo, hi;
   P.row_span(i, &lo, &hi);
@@ -740,18 +756,25 @@ T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T
   std::fill(out + hi, out + width, O(0));
   const T cap = P.softcap;
   const bool scaled = pre != T(1);
-  Vec acc(T(0));
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  Vec acc(T(0)), wacc(T(0)), vtop(neg_inf);
   int64_t c;
-  auto pairs = [&](auto floor) {
-    constexpr bool kFloor = decltype(floor)::value;
+  auto pairs = [&](auto floor, auto with_stats) {
+    constexpr bool kFloor = decltype(floor)::value, kStats = decltype(with_stats)::value;
     if (cap != T(0))
-      return scaled ? settled_pairs<true, true, kFloor>(x, lo, hi, m, cap, pre, out, &acc)
-                    : settled_pairs<true, false, kFloor>(x, lo, hi, m, cap, pre, out, &acc);
-    return scaled ? settled_pairs<false, true, kFloor>(x, lo, hi, m, cap, pre, out, &acc)
-                  : settled_pairs<false, false, kFloor>(x, lo, hi, m, cap, pre, out, &acc);
+      return scaled ? settled_pairs<true, true, kFloor, kStats>(x, lo, hi, m, cap, pre, out, &acc, &wacc, &vtop)
+                    : settled_pairs<true, false, kFloor, kStats>(x, lo, hi, m, cap, pre, out, &acc, &wacc, &vtop);
+    return scaled ? settled_pairs<false, true, kFloor, kStats>(x, lo, hi, m, cap, pre, out, &acc, &wacc, &vtop)
+                  : settled_pairs<false, false, kFloor, kStats>(x, lo, hi, m, cap, pre, out, &acc, &wacc, &vtop);
   };
-  c = floored ? pairs(std::true_type{}) : pairs(std::false_type{});
-  T sum = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return a + b; }, acc);
+  if (stats)
+    c = floored ? pairs(std::true_type{}, std::true_type{}) : pairs(std::false_type{}, std::true_type{});
+  else
+    c = floored ? pairs(std::true_type{}, std::false_type{}) : pairs(std::false_type{}, std::false_type{});
+  auto add = [](const Vec& a, const Vec& b) { return a + b; };
+  T sum = at::vec::vec_reduce_all<T>(add, acc);
+  T weighted = at::vec::vec_reduce_all<T>(add, wacc);
+  T top = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, vtop);
   for (; c < hi; ++c) {
     T xc = scaled ? x[c] * pre : x[c];
     if (cap != T(0)) xc = cap * stanh(xc) + (xc - xc);
@@ -759,7 +782,10 @@ T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T
     const T p = centred < exp_floor<T>() ? T(0) : std::exp(centred);
     out[c] = static_cast<O>(p);
     sum += p;
+    weighted += p * centred;
+    top = std::max(top, xc);
   }
+  if (stats) *stats = SettledStats<T>{weighted, top, hi - lo};
   return sum;
 }
 
@@ -833,14 +859,14 @@ struct ForwardOut {
 // One thread's buffers for forward blocks.
 template <typename T>
 struct ForwardScratch {
-  Scratch<T> sbuf, acc, m, l, w, bound;
+  Scratch<T> sbuf, acc, m, l, w, bound, top;  // top: the largest logit so far (statistics)
   Scratch<uint16_t> pbuf;  // 16-bit products: the tile's weights, rounded for the second product
   Scratch<T> wq, wk, wv;   // Problem::widen: the block's q and the tile's k, v in float32
   std::vector<int64_t> seen;
   std::vector<char> settled;
   explicit ForwardScratch(const Problem<T>& P)
       : sbuf(P.tile_rows() * P.tile_width()), acc(P.tile_rows() * P.Dv), m(P.tile_rows()), l(P.tile_rows()),
-        w(P.tile_rows()), bound(P.tile_rows()), pbuf(P.half && !P.widen ? P.tile_rows() * (P.tile_width() + 1) : 0),
+        w(P.tile_rows()), bound(P.tile_rows()), top(P.tile_rows()), pbuf(P.half && !P.widen ? P.tile_rows() * (P.tile_width() + 1) : 0),
         wq(P.widen ? P.tile_rows() * P.D : 0), wk(P.widen ? P.tile_width() * P.D : 0),
         wv(P.widen ? P.tile_width() * P.Dv : 0), seen(P.tile_rows()), settled(P.tile_rows()), brgemm(P.brgemm()) {}
   // The thread's AMX tile state, set up by brgemm's first call, released with the scratch.
@@ -858,7 +884,7 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
   const bool stats = O.max_logit != nullptr;
   const T alpha = P.softcap != T(0) ? P.scale / P.softcap : P.scale;
   const T neg_inf = -std::numeric_limits<T>::infinity();
-  Scratch<T>&sbuf = W.sbuf, &acc = W.acc, &m = W.m, &l = W.l, &w = W.w, &bound = W.bound;
+  Scratch<T>&sbuf = W.sbuf, &acc = W.acc, &m = W.m, &l = W.l, &w = W.w, &bound = W.bound, &top = W.top;
   std::vector<int64_t>& seen = W.seen;
   std::vector<char>& settled = W.settled;
   {
@@ -886,8 +912,10 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
       // the row keeps m as its offset from then on: its later tiles need no max pass and no
       // rescaling of the sum or the accumulator. m is an actual logit of the row, so the row's
       // largest weight is at least 1 and precision is the running max's. (key_norms refuses the
-      // bound where values are so large that 1e15 times their sum could overflow.)
-      const bool settles = P.kmax != nullptr && !stats;
+      // bound where values are so large that 1e15 times their sum could overflow.) With
+      // statistics a settled row also keeps its largest logit (top) apart from m, and sum p (s - m)
+      // against m: the entropy, log l - w / l, does not depend on the offset.
+      const bool settles = P.kmax != nullptr;
       const T limit = -exp_floor<T>() / 2;
       std::fill(settled.begin(), settled.end(), 0);
       if (settles) {
@@ -901,6 +929,7 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), T(0));
       std::fill(w.begin(), w.end(), T(0));
+      std::fill(top.begin(), top.end(), neg_inf);
       std::fill(seen.begin(), seen.end(), 0);
       const T pre = P.kpack ? alpha : T(1);  // brgemm's products come unscaled: score_row scales them
       for (auto [j0, j1] : P.key_tiles(i0, i1)) {
@@ -939,6 +968,14 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
           }
           return exp_row(xr, width, centre);
         };
+        auto weighted_weights = [&](T* xr, T centre, int64_t r, T* weighted) -> T {  // also sum p (x - centre)
+          if constexpr (std::is_same_v<T, float>) {
+            if (h16 == kBF16)
+              return exp_row_weighted_to(xr, width, centre, weighted, reinterpret_cast<at::BFloat16*>(pb + r * pstride));
+            if (h16 == kF16) return exp_row_weighted_to(xr, width, centre, weighted, reinterpret_cast<at::Half*>(pb + r * pstride));
+          }
+          return exp_row_weighted(xr, width, centre, weighted);
+        };
         for (int64_t r = 0; r < rows; ++r) {
           T* xr = x + r * width;
           if (settled[r] && !P.bmask) {  // one pass: no ALiBi or float mask where rows settle
@@ -946,22 +983,34 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
             // stays 9 short of -floor (a margin far above the products' rounding), no weight
             // reaches the floor (a NaN keeps the test).
             const bool floored = !(m[r] + bound[r] <= -exp_floor<T>() - T(9));
+            SettledStats<T> tile;
+            SettledStats<T>* const st = stats ? &tile : nullptr;
+            T sum;
             if constexpr (std::is_same_v<T, float>) {
-              if (h16 == kBF16) {
-                l[r] += settled_row(P, i0 + r, j0, width, xr, m[r], pre, reinterpret_cast<at::BFloat16*>(pb + r * pstride), floored);
-                continue;
-              }
-              if (h16 == kF16) {
-                l[r] += settled_row(P, i0 + r, j0, width, xr, m[r], pre, reinterpret_cast<at::Half*>(pb + r * pstride), floored);
-                continue;
-              }
+              if (h16 == kBF16)
+                sum = settled_row(P, i0 + r, j0, width, xr, m[r], pre, reinterpret_cast<at::BFloat16*>(pb + r * pstride), floored, st);
+              else if (h16 == kF16)
+                sum = settled_row(P, i0 + r, j0, width, xr, m[r], pre, reinterpret_cast<at::Half*>(pb + r * pstride), floored, st);
+              else
+                sum = settled_row(P, i0 + r, j0, width, xr, m[r], pre, xr, floored, st);  // in place: each entry read before written
+            } else {
+              sum = settled_row(P, i0 + r, j0, width, xr, m[r], pre, xr, floored, st);
             }
-            l[r] += settled_row(P, i0 + r, j0, width, xr, m[r], pre, xr, floored);  // in place: each entry read before written
+            l[r] += sum;
+            if (stats) w[r] += tile.weighted, top[r] = std::max(top[r], tile.top), seen[r] += tile.visible;
             continue;
           }
           if (settled[r]) {  // hidden keys are -inf, so weight 0
-            score_row(P, b, h, i0 + r, j0, width, xr, static_cast<T*>(nullptr), nullptr, false, pre);
-            l[r] += weights(xr, m[r], r);
+            if (stats) {
+              int64_t visible = 0;
+              const T tile_max = score_row(P, b, h, i0 + r, j0, width, xr, static_cast<T*>(nullptr), &visible, true, pre);
+              T weighted;
+              l[r] += weighted_weights(xr, m[r], r, &weighted);
+              w[r] += weighted, top[r] = std::max(top[r], tile_max), seen[r] += visible;
+            } else {
+              score_row(P, b, h, i0 + r, j0, width, xr, static_cast<T*>(nullptr), nullptr, false, pre);
+              l[r] += weights(xr, m[r], r);
+            }
             continue;
           }
           int64_t visible = 0;
@@ -977,17 +1026,7 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
           const T rescale = std::exp(m[r] - m_new);  // 0 while m = -inf
           if (stats) {
             T weighted;
-            T sum;
-            if constexpr (std::is_same_v<T, float>) {
-              if (h16 == kBF16)
-                sum = exp_row_weighted_to(xr, width, m_new, &weighted, reinterpret_cast<at::BFloat16*>(pb + r * pstride));
-              else if (h16 == kF16)
-                sum = exp_row_weighted_to(xr, width, m_new, &weighted, reinterpret_cast<at::Half*>(pb + r * pstride));
-              else
-                sum = exp_row_weighted(xr, width, m_new, &weighted);
-            } else {
-              sum = exp_row_weighted(xr, width, m_new, &weighted);
-            }
+            const T sum = weighted_weights(xr, m_new, r, &weighted);
             // Re-centre the running sum of p (s - m) on the new max, then add this tile's.
             w[r] = l[r] > T(0) ? rescale * (w[r] + l[r] * (m[r] - m_new)) + weighted : weighted;
             l[r] = rescale * l[r] + sum;
@@ -998,7 +1037,7 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
             T* ar = acc.data() + r * P.Dv;
             for (int64_t c = 0; c < P.Dv; ++c) ar[c] *= rescale;
           }
-          m[r] = m_new;
+          m[r] = m_new, top[r] = m_new;
           settled[r] = settles && bound[r] - m_new <= limit;  // false for NaN
         }
         if constexpr (std::is_same_v<T, float>) {
@@ -1052,8 +1091,9 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
         O.m[row0 + r] = has ? m[r] : T(0);
         O.l[row0 + r] = safe;
         if (stats) {
-          O.max_logit[row0 + r] = has ? m[r] : neg_inf;
-          O.max_prob[row0 + r] = has ? T(1) / safe : T(0);
+          O.max_logit[row0 + r] = has ? top[r] : neg_inf;
+          // exp(top - m) / l: 1 / l where the row never settled (top = m; NaN: NaN either way).
+          O.max_prob[row0 + r] = has ? (top[r] == m[r] ? T(1) : std::exp(top[r] - m[r])) / safe : T(0);
           O.entropy[row0 + r] = has ? std::max(T(0), std::log(safe) - w[r] / safe) : T(0);
           O.visible[row0 + r] = seen[r];
         }
@@ -1705,13 +1745,12 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
   AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_forward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
                                     mask, block_q, block_k, spans, half_products);
-    // Settling needs a bound on every logit (no ALiBi, no float mask) and no exact maximum (no
-    // statistics), and pays only for rows that see more than one key tile. Its strided pass over
+    // Settling needs a bound on every logit (no ALiBi, no float mask), and pays only for rows that see more than one key tile. Its strided pass over
     // k and v costs several query rows' products: packed sequences (each row sees only its own
     // sequence's keys, so the pass costs more than it saves there) and calls with fewer than 1024
     // query rows go without.
     std::vector<scalar_t> kmax;
-    if (!with_stats && P.alibi == nullptr && P.fmask == nullptr && P.spans == nullptr && P.L >= 1024 &&
+    if (P.alibi == nullptr && P.fmask == nullptr && P.spans == nullptr && P.L >= 1024 &&
         P.S > P.block_k) {
       kmax = key_norms(P);
       P.kmax = kmax.data();
