@@ -922,7 +922,9 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
         const T kn = P.kmax[b * P.Hkv + hk];
         for (int64_t r = 0; r < rows; ++r) {
           const T u = std::abs(alpha) * std::sqrt(query_norm2(P, q, qh, r)) * kn;
-          bound[r] = P.softcap != T(0) ? P.softcap * std::tanh(u) : u;  // NaN or inf: never settles
+          // NaN or inf (an inf or NaN in q or k, or overflow): never settles, softcap or not, so that
+          // the unsettled path sees the infinite product (the softcap would bound it to a finite logit).
+          bound[r] = P.softcap != T(0) && std::isfinite(u) ? P.softcap * std::tanh(u) : u;
         }
       }
       std::fill(acc.begin(), acc.begin() + rows * P.Dv, T(0));
