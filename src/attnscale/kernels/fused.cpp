@@ -326,6 +326,22 @@ inline Vectorized<float> vexp_weights(const Vectorized<float>& x, const Vectoriz
 }
 #endif
 
+// Weights that stay in T (float32 or float64 outputs) in a row's last, partial vector: the 1-ulp
+// exp (Sleef's), 0 under the floor, NaN for NaN. Short rows (packed sequences, decoding) are
+// mostly such a vector, and keep its accuracy where exp_u20's error reaches 2 ulp; 16-bit
+// weights, rounded after, take vexp_weights there too.
+template <typename T>
+inline Vectorized<T> vexp_accurate(const Vectorized<T>& x, const Vectorized<T>& floor) {
+  return Vectorized<T>::blendv(x.exp(), Vectorized<T>(T(0)), x < floor);
+}
+
+// The lanes [0, count) of a vector: a row's last, partial one (its lanes past the row read as 0,
+// are set to 0 by a select, whatever they gave, and are not written).
+template <typename T>
+inline Vectorized<T> first_lanes(int64_t count) {
+  return Vectorized<T>::arange(T(0), T(1)) < Vectorized<T>(static_cast<T>(count));
+}
+
 // brgemm's operands of each packed sequence (Problem::seq_packs), indexed by sequence.
 struct SequencePacks {
   std::vector<const uint16_t*> kpack, vpack, vtpack, kpairs;
@@ -528,57 +544,67 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
   // finite, where the rules make a row that sees a non-finite key NaN; as NaN the row check
   // reports the row. Only rows that never settle can meet one (their bound is inf or NaN), so
   // want_max is false only where no product is infinite.
+  // Each loop runs over whole vectors, then once over the span's last entries, fewer than a
+  // vector, as a partial one: its lanes past hi read as 0, are not written and miss the maximum.
+  const Vec vneg_inf(neg_inf);
+  auto span = [&](auto&& body) __attribute__((always_inline)) {
+    for (; c + n <= hi; c += n) body(c, n);
+    if (c < hi) body(c, hi - c), c = hi;
+  };
+  auto keep_max = [&](const Vec& xv, int64_t count) __attribute__((always_inline)) {
+    vmax = at::vec::maximum(vmax, count == n ? xv : Vec::blendv(vneg_inf, xv, first_lanes<T>(count)));
+  };
   if (cap == T(0) && !alibi && !fm) {  // the products are the logits: only their maximum, if wanted
     if (scaled && want_max) {
-      for (; c + n <= hi; c += n) {
-        const Vec raw = Vec::loadu(x + c);
+      span([&](int64_t c, int64_t count) __attribute__((always_inline)) {
+        const Vec raw = Vec::loadu(x + c, count);
         const Vec xv = at::vec::fmadd(raw, vpre, raw - raw);
-        xv.store(x + c);
-        vmax = at::vec::maximum(vmax, xv);
-      }
+        xv.store(x + c, count);
+        keep_max(xv, count);
+      });
     } else if (scaled) {
-      for (; c + n <= hi; c += n) (Vec::loadu(x + c) * vpre).store(x + c);
+      span([&](int64_t c, int64_t count) __attribute__((always_inline)) { (Vec::loadu(x + c, count) * vpre).store(x + c, count); });
     } else if (want_max && P.bmask) {  // the mask below re-reads x: the NaN must be in it
-      for (; c + n <= hi; c += n) {
-        const Vec raw = Vec::loadu(x + c);
+      span([&](int64_t c, int64_t count) __attribute__((always_inline)) {
+        const Vec raw = Vec::loadu(x + c, count);
         const Vec xv = raw + (raw - raw);
-        xv.store(x + c);
-        vmax = at::vec::maximum(vmax, xv);
-      }
+        xv.store(x + c, count);
+        keep_max(xv, count);
+      });
     } else if (want_max) {  // x may keep -inf: the NaN maximum makes the row NaN
-      for (; c + n <= hi; c += n) {
-        const Vec raw = Vec::loadu(x + c);
-        vmax = at::vec::maximum(vmax, raw + (raw - raw));
-      }
+      span([&](int64_t c, int64_t count) __attribute__((always_inline)) {
+        const Vec raw = Vec::loadu(x + c, count);
+        keep_max(raw + (raw - raw), count);
+      });
     } else {
       c = hi;  // nothing to compute: the span's logits are the products as they stand
     }
   } else if (!alibi && !fm) {  // softcap only, the common case: its own loop, nothing else tested
-    for (; c + n <= hi; c += n) {
-      const Vec raw = scaled ? Vec::loadu(x + c) * vpre : Vec::loadu(x + c);
+    span([&](int64_t c, int64_t count) __attribute__((always_inline)) {
+      const Vec raw = scaled ? Vec::loadu(x + c, count) * vpre : Vec::loadu(x + c, count);
       const Vec th = vtanh(raw);
-      if (t) th.store(t + c);
+      if (t) th.store(t + c, count);
       // + (raw - raw): 0 for a finite product, NaN for an infinite one (overflow, or an inf in q
       // or k), which tanh would cap to a finite logit that no row check could tell from a right one.
       const Vec xv = at::vec::fmadd(th, vcap, raw - raw);
-      xv.store(x + c);
-      vmax = at::vec::maximum(vmax, xv);
-    }
+      xv.store(x + c, count);
+      keep_max(xv, count);
+    });
   } else if (!fm || P.m_ss == 1) {
-    for (; c + n <= hi; c += n) {
-      Vec xv = scaled ? Vec::loadu(x + c) * vpre : Vec::loadu(x + c);
+    span([&](int64_t c, int64_t count) __attribute__((always_inline)) {
+      Vec xv = scaled ? Vec::loadu(x + c, count) * vpre : Vec::loadu(x + c, count);
       if (cap != T(0)) {
         const Vec th = vtanh(xv);
-        if (t) th.store(t + c);
+        if (t) th.store(t + c, count);
         xv = at::vec::fmadd(th, vcap, xv - xv);  // an infinite product gives NaN, as above
       } else {
         xv = xv + (xv - xv);
       }
       if (alibi) xv = xv - vslope * (Vec(static_cast<T>(p - c)) - iota).abs();  // exact below 2^24 keys
-      if (fm) xv = xv + Vec::loadu(fm + c);
-      xv.store(x + c);
-      vmax = at::vec::maximum(vmax, xv);
-    }
+      if (fm) xv = xv + Vec::loadu(fm + c, count);
+      xv.store(x + c, count);
+      keep_max(xv, count);
+    });
   }
   T m = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& v) { return at::vec::maximum(a, v); }, vmax);
   for (; c < hi; ++c) {
@@ -610,6 +636,7 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
 }
 
 // p = exp(x - m) for one row, 0 where x - m < floor (hidden keys, -inf, included); returns sum p.
+// The row's last entries, fewer than a vector, take a partial one (vexp_accurate).
 template <typename T>
 T exp_row(T* x, int64_t width, T m) {
   using Vec = Vectorized<T>;
@@ -623,14 +650,12 @@ T exp_row(T* x, int64_t width, T m) {
     p.store(x + c);
     acc = acc + p;
   }
-  T sum = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return a + b; }, acc);
-  for (; c < width; ++c) {
-    const T centred = x[c] - m;
-    const T p = centred < exp_floor<T>() ? T(0) : std::exp(centred);
-    x[c] = p;
-    sum += p;
+  if (c < width) {
+    const Vec p = Vec::blendv(Vec(T(0)), vexp_accurate(Vec::loadu(x + c, width - c) - vm, vfloor), first_lanes<T>(width - c));
+    p.store(x + c, width - c);
+    acc = acc + p;
   }
-  return sum;
+  return at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return a + b; }, acc);
 }
 
 // exp_row for 16-bit inputs: the weights written to out, rounded to H for the second product (x
@@ -648,17 +673,20 @@ float exp_row_to(const float* x, int64_t width, float m, H* out) {
     weights_to<H>(p0, p1).store(out + c);
     acc = acc + p0 + p1;
   }
-  float sum = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, acc);
-  for (; c < width; ++c) {
-    const float centred = x[c] - m;
-    const float p = centred < exp_floor<float>() ? 0.0f : std::exp(centred);
-    out[c] = static_cast<H>(p);
-    sum += p;
+  if (c < width) {  // fewer than a pair left: partial vectors, as exp_row
+    const int64_t rest = width - c, n0 = std::min(n, rest), n1 = rest - n0;
+    const Vec zero(0.0f);
+    const Vec p0 = Vec::blendv(zero, vexp_weights(Vec::loadu(x + c, n0) - vm, vfloor), first_lanes<float>(n0));
+    const Vec p1 = n1 > 0 ? Vec::blendv(zero, vexp_weights(Vec::loadu(x + c + n, n1) - vm, vfloor), first_lanes<float>(n1)) : zero;
+    weights_to<H>(p0, p1).store(out + c, static_cast<int>(rest));
+    acc = acc + p0 + p1;
   }
-  return sum;
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, acc);
 }
 
-// exp_row_weighted for 16-bit inputs: the weights written to out in H (x keeps the logits).
+// exp_row_weighted for 16-bit inputs: the weights written to out in H (x keeps the logits). The
+// weighted sums are explicit FMAs here and below: left to the compiler, a + p * c was contracted
+// in one build (ISA) and not in another, and the entropy's bits differed between them.
 template <typename H>
 float exp_row_weighted_to(const float* x, int64_t width, float m, float* weighted, H* out) {
   using Vec = Vectorized<float>;
@@ -671,19 +699,21 @@ float exp_row_weighted_to(const float* x, int64_t width, float m, float* weighte
     const Vec p0 = vexp_weights(c0, vfloor), p1 = vexp_weights(c1, vfloor);
     weights_to<H>(p0, p1).store(out + c);
     acc = acc + p0 + p1;
-    wacc = wacc + p0 * Vec::blendv(c0, zero, c0 < vfloor) + p1 * Vec::blendv(c1, zero, c1 < vfloor);
+    wacc = at::vec::fmadd(p1, Vec::blendv(c1, zero, c1 < vfloor), at::vec::fmadd(p0, Vec::blendv(c0, zero, c0 < vfloor), wacc));
+  }
+  if (c < width) {  // fewer than a pair left: partial vectors, as exp_row
+    const int64_t rest = width - c, n0 = std::min(n, rest), n1 = rest - n0;
+    const Vec in0 = first_lanes<float>(n0), in1 = first_lanes<float>(n1);
+    const Vec c0 = Vec::blendv(zero, Vec::loadu(x + c, n0) - vm, in0);  // lanes past the row: 0, weight 0 below
+    const Vec c1 = n1 > 0 ? Vec::blendv(zero, Vec::loadu(x + c + n, n1) - vm, in1) : zero;
+    const Vec p0 = Vec::blendv(zero, vexp_weights(c0, vfloor), in0), p1 = Vec::blendv(zero, vexp_weights(c1, vfloor), in1);
+    weights_to<H>(p0, p1).store(out + c, static_cast<int>(rest));
+    acc = acc + p0 + p1;
+    wacc = at::vec::fmadd(p1, Vec::blendv(c1, zero, c1 < vfloor), at::vec::fmadd(p0, Vec::blendv(c0, zero, c0 < vfloor), wacc));
   }
   auto add = [](const Vec& a, const Vec& b) { return a + b; };
-  float sum = at::vec::vec_reduce_all<float>(add, acc), w = at::vec::vec_reduce_all<float>(add, wacc);
-  for (; c < width; ++c) {
-    const float centred = x[c] - m;
-    const float p = centred < exp_floor<float>() ? 0.0f : std::exp(centred);
-    out[c] = static_cast<H>(p);
-    sum += p;
-    w += centred < exp_floor<float>() ? 0.0f : p * centred;
-  }
-  *weighted = w;
-  return sum;
+  *weighted = at::vec::vec_reduce_all<float>(add, wacc);
+  return at::vec::vec_reduce_all<float>(add, acc);
 }
 
 // settled_row's vector pairs over [c, hi), specialised on the softcap and the pending factor: the
@@ -692,7 +722,9 @@ float exp_row_weighted_to(const float* x, int64_t width, float m, float* weighte
 // A settled row's products are finite (its bound is), so the softcap's + (raw - raw) is +0 there,
 // a constant. With kFloor false the caller knows that no weight falls under the floor
 // (vexp_unfloored). With kStats also the logits' maximum (*top) and sum p (s - m) (*weighted): a
-// weight under the floor is 0 and its finite s - m gives a 0 term.
+// weight under the floor is 0 and its finite s - m gives a 0 term. The last entries, fewer than a
+// pair, take the same operations on partial vectors (the lanes past hi read as 0, weigh 0 and are
+// not written); their weights in T take vexp_accurate.
 template <bool kCap, bool kScaled, bool kFloor, bool kStats, typename T, typename O>
 int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* out, Vectorized<T>* sum,
                       Vectorized<T>* weighted, Vectorized<T>* top) {
@@ -700,19 +732,22 @@ int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* o
   constexpr int64_t n = Vec::size();
   const Vec vm(m), vfloor(exp_floor<T>()), vcap(cap), vpre(pre), zero(T(0));
   Vec acc = *sum, wacc = *weighted, vtop = *top;
-  for (; c + 2 * n <= hi; c += 2 * n) {
-    Vec r0 = Vec::loadu(x + c), r1 = Vec::loadu(x + c + n);
+  // Logits r and centred logits cr of raw products r, then their weights p.
+  auto pair = [&](Vec& r0, Vec& r1, Vec& c0, Vec& c1, Vec& p0, Vec& p1) __attribute__((always_inline)) {
     if constexpr (kScaled) r0 = r0 * vpre, r1 = r1 * vpre;
     if constexpr (kCap) {  // an FMA with +0, not a product: the compiler would fuse a product with the - m below
       r0 = at::vec::fmadd(vtanh(r0), vcap, zero);
       r1 = at::vec::fmadd(vtanh(r1), vcap, zero);
     }
-    const Vec c0 = r0 - vm, c1 = r1 - vm;
-    Vec p0, p1;
+    c0 = r0 - vm, c1 = r1 - vm;
     if constexpr (kFloor)
       p0 = vexp_weights(c0, vfloor), p1 = vexp_weights(c1, vfloor);
     else
       p0 = vexp_unfloored(c0), p1 = vexp_unfloored(c1);
+  };
+  for (; c + 2 * n <= hi; c += 2 * n) {
+    Vec r0 = Vec::loadu(x + c), r1 = Vec::loadu(x + c + n), c0, c1, p0, p1;
+    pair(r0, r1, c0, c1, p0, p1);
     if constexpr (std::is_same_v<O, T>) {
       p0.store(out + c);
       p1.store(out + c + n);
@@ -721,9 +756,30 @@ int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* o
     }
     acc = acc + p0 + p1;
     if constexpr (kStats) {
-      wacc = wacc + p0 * c0 + p1 * c1;
+      wacc = at::vec::fmadd(p1, c1, at::vec::fmadd(p0, c0, wacc));
       vtop = at::vec::maximum(vtop, at::vec::maximum(r0, r1));
     }
+  }
+  if (c < hi) {
+    const int64_t rest = hi - c, n0 = std::min(n, rest), n1 = rest - n0;
+    Vec r0 = Vec::loadu(x + c, n0), r1 = n1 > 0 ? Vec::loadu(x + c + n, n1) : zero, c0, c1, p0, p1;
+    pair(r0, r1, c0, c1, p0, p1);
+    if constexpr (std::is_same_v<O, T>) p0 = vexp_accurate(c0, vfloor), p1 = vexp_accurate(c1, vfloor);
+    const Vec iota = Vec::arange(T(0), T(1)), in0 = iota < Vec(T(n0)), in1 = iota < Vec(T(n1));
+    p0 = Vec::blendv(zero, p0, in0), p1 = Vec::blendv(zero, p1, in1);  // a select: whatever the lanes past hi gave
+    if constexpr (std::is_same_v<O, T>) {
+      p0.store(out + c, n0);
+      if (n1 > 0) p1.store(out + c + n, n1);
+    } else {
+      weights_to<O>(p0, p1).store(out + c, static_cast<int>(rest));
+    }
+    acc = acc + p0 + p1;
+    if constexpr (kStats) {
+      const Vec neg_inf(-std::numeric_limits<T>::infinity());
+      wacc = at::vec::fmadd(p1, Vec::blendv(zero, c1, in1), at::vec::fmadd(p0, Vec::blendv(zero, c0, in0), wacc));
+      vtop = at::vec::maximum(vtop, at::vec::maximum(Vec::blendv(neg_inf, r0, in0), Vec::blendv(neg_inf, r1, in1)));
+    }
+    c = hi;
   }
   *sum = acc, *weighted = wacc, *top = vtop;
   return c;
@@ -740,8 +796,8 @@ struct SettledStats {
 // (forward_block) in a problem without ALiBi or masks: the products x (times pre) through the
 // softcap, exp(s - m) and the sum, written to out (T, or the 16-bit format of the inputs), 0 outside
 // the row's span; x is not written. Each entry takes score_row's and exp_row's operations on it,
-// in the same order, so its weight has their bits (the row's last entries, fewer than a vector pair,
-// take the scalar forms). floored false: the caller knows every logit of the span is at least
+// in the same order, so its weight has their bits (the row's last entries, fewer than a vector
+// pair, take partial vectors: settled_pairs). floored false: the caller knows every logit of the span is at least
 // m + exp_floor (forward_block), so no weight needs the floor's test. stats (or null): the tile's
 // sum p (s - m), largest logit (-inf without a visible key) and visible keys, written there.
 template <typename T, typename O>
@@ -775,16 +831,7 @@ T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T
   T sum = at::vec::vec_reduce_all<T>(add, acc);
   T weighted = at::vec::vec_reduce_all<T>(add, wacc);
   T top = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, vtop);
-  for (; c < hi; ++c) {
-    T xc = scaled ? x[c] * pre : x[c];
-    if (cap != T(0)) xc = cap * stanh(xc) + (xc - xc);
-    const T centred = xc - m;
-    const T p = centred < exp_floor<T>() ? T(0) : std::exp(centred);
-    out[c] = static_cast<O>(p);
-    sum += p;
-    weighted += p * centred;
-    top = std::max(top, xc);
-  }
+  TORCH_INTERNAL_ASSERT(c == hi);
   if (stats) *stats = SettledStats<T>{weighted, top, hi - lo};
   return sum;
 }
@@ -803,19 +850,19 @@ T exp_row_weighted(T* x, int64_t width, T m, T* weighted) {
     const Vec p = vexp_weights(centred, vfloor);
     p.store(x + c);
     acc = acc + p;
-    wacc = wacc + p * Vec::blendv(centred, zero, drop);
+    wacc = at::vec::fmadd(p, Vec::blendv(centred, zero, drop), wacc);
+  }
+  if (c < width) {  // a partial vector, as exp_row
+    const Vec in = first_lanes<T>(width - c);
+    const Vec centred = Vec::blendv(zero, Vec::loadu(x + c, width - c) - vm, in);
+    const Vec p = Vec::blendv(zero, vexp_accurate(centred, vfloor), in);
+    p.store(x + c, width - c);
+    acc = acc + p;
+    wacc = at::vec::fmadd(p, Vec::blendv(centred, zero, centred < vfloor), wacc);
   }
   auto add = [](const Vec& a, const Vec& b) { return a + b; };
-  T sum = at::vec::vec_reduce_all<T>(add, acc), w = at::vec::vec_reduce_all<T>(add, wacc);
-  for (; c < width; ++c) {
-    const T centred = x[c] - m;
-    const T p = centred < exp_floor<T>() ? T(0) : std::exp(centred);
-    x[c] = p;
-    sum += p;
-    w += centred < exp_floor<T>() ? T(0) : p * centred;
-  }
-  *weighted = w;
-  return sum;
+  *weighted = at::vec::vec_reduce_all<T>(add, wacc);
+  return at::vec::vec_reduce_all<T>(add, acc);
 }
 
 
