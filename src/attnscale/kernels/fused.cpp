@@ -967,11 +967,19 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
       std::fill(settled.begin(), settled.end(), 0);
       if (settles) {
         const T kn = P.kmax[b * P.Hkv + hk];
-        for (int64_t r = 0; r < rows; ++r) {
-          const T u = std::abs(alpha) * std::sqrt(query_norm2(P, q, qh, r)) * kn;
-          // NaN or inf (an inf or NaN in q or k, or overflow): never settles, softcap or not, so that
-          // the unsettled path sees the infinite product (the softcap would bound it to a finite logit).
-          bound[r] = P.softcap != T(0) && std::isfinite(u) ? P.softcap * std::tanh(u) : u;
+        for (int64_t r = 0; r < rows; ++r) bound[r] = std::abs(alpha) * std::sqrt(query_norm2(P, q, qh, r)) * kn;
+        if (P.softcap != T(0)) {
+          // softcap tanh(u), with the score path's tanh, in vectors (libm's, row by row, showed in
+          // profiles). Where u is NaN or inf (an inf or NaN in q or k, or overflow) the bound stays
+          // u, so the row never settles, softcap or not: the unsettled path sees the infinite
+          // product, which a settled row's softcap would bound to a finite logit.
+          using Vec = Vectorized<T>;
+          const Vec vcap(P.softcap), zero(T(0));
+          for (int64_t r = 0; r < rows; r += Vec::size()) {
+            const int64_t count = std::min<int64_t>(Vec::size(), rows - r);
+            const Vec u = Vec::loadu(bound.data() + r, count);
+            Vec::blendv(u, vcap * vtanh(u), (u - u) == zero).store(bound.data() + r, count);
+          }
         }
       }
       std::fill(acc.begin(), acc.begin() + rows * P.Dv, T(0));
@@ -1183,56 +1191,59 @@ std::vector<std::pair<int64_t, int64_t>> sequence_blocks(const Problem<T>& P) {
   return blocks;
 }
 
-// max_j |k_j| per key head, (B, Hkv) (NaN if some |k_j| is NaN): the settled offset's key side
+// max_j |k_j| of one key head (NaN if some |k_j| is NaN): the settled offset's key side
 // (forward_block). Inf where the head's values are so large (max |v| above max / (256 S e^limit))
 // that weights up to e^limit could overflow the accumulator: such heads keep the running max.
 template <typename T, typename E>
-std::vector<T> key_norms_of(const Problem<T>& P, const E* k_all, const E* v_all) {
+T head_key_norm(const Problem<T>& P, const E* k, const E* v) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
-  std::vector<T> out(P.B * P.Hkv);
-  at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const E* k = k_all + (bh / P.Hkv) * P.k_sb + (bh % P.Hkv) * P.k_sh;
-      T best = T(0);
-      for (int64_t j = 0; j < P.S; ++j) {
-        const T ss = sum_squares<T>(k + j * P.k_sl, P.D);
-        if (std::isnan(ss)) {
-          best = ss;
-          break;
-        }
-        best = std::max(best, ss);
-      }
-      const E* v = v_all + (bh / P.Hkv) * P.v_sb + (bh % P.Hkv) * P.v_sh;
-      Vec vpeak(T(0));
-      T vmax = T(0);
-      for (int64_t j = 0; j < P.S; ++j) {
-        const E* vr = v + j * P.v_sl;
-        int64_t c = 0;
-        for (; c + n <= P.Dv; c += n) vpeak = at::vec::maximum(vpeak, load_as<T>(vr + c).abs());  // NaN stays
-        for (; c < P.Dv; ++c) {
-          const T e = static_cast<T>(vr[c]);
-          vmax = std::isnan(e) ? e : std::max(vmax, std::abs(e));
-        }
-      }
-      const T peak = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, vpeak);
-      if (std::isnan(peak) || peak > vmax) vmax = peak;  // a NaN (in either) stays, and fails the test below
-      const T room = std::numeric_limits<T>::max() / (T(256) * static_cast<T>(P.S) * std::exp(-exp_floor<T>() / 2));
-      out[bh] = vmax <= room ? std::sqrt(best) : std::numeric_limits<T>::infinity();
+  T best = T(0);
+  for (int64_t j = 0; j < P.S; ++j) {
+    const T ss = sum_squares<T>(k + j * P.k_sl, P.D);
+    if (std::isnan(ss)) {
+      best = ss;
+      break;
     }
-  });
-  return out;
+    best = std::max(best, ss);
+  }
+  Vec vpeak(T(0));
+  T vmax = T(0);
+  for (int64_t j = 0; j < P.S; ++j) {
+    const E* vr = v + j * P.v_sl;
+    int64_t c = 0;
+    for (; c + n <= P.Dv; c += n) vpeak = at::vec::maximum(vpeak, load_as<T>(vr + c).abs());  // NaN stays
+    for (; c < P.Dv; ++c) {
+      const T e = static_cast<T>(vr[c]);
+      vmax = std::isnan(e) ? e : std::max(vmax, std::abs(e));
+    }
+  }
+  const T peak = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, vpeak);
+  if (std::isnan(peak) || peak > vmax) vmax = peak;  // a NaN (in either) stays, and fails the test below
+  const T room = std::numeric_limits<T>::max() / (T(256) * static_cast<T>(P.S) * std::exp(-exp_floor<T>() / 2));
+  return vmax <= room ? std::sqrt(best) : std::numeric_limits<T>::infinity();
+}
+
+// head_key_norm of key head bh (batch bh / Hkv), in whichever format the problem's k and v are.
+template <typename T>
+T key_norm(const Problem<T>& P, int64_t bh) {
+  const int64_t k_at = (bh / P.Hkv) * P.k_sb + (bh % P.Hkv) * P.k_sh, v_at = (bh / P.Hkv) * P.v_sb + (bh % P.Hkv) * P.v_sh;
+  if constexpr (std::is_same_v<T, float>) {
+    if (P.half == kBF16)
+      return head_key_norm(P, reinterpret_cast<const at::BFloat16*>(P.kh + k_at), reinterpret_cast<const at::BFloat16*>(P.vh + v_at));
+    if (P.half == kF16)
+      return head_key_norm(P, reinterpret_cast<const at::Half*>(P.kh + k_at), reinterpret_cast<const at::Half*>(P.vh + v_at));
+  }
+  return head_key_norm(P, P.k + k_at, P.v + v_at);
 }
 
 template <typename T>
 std::vector<T> key_norms(const Problem<T>& P) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (P.half == kBF16)
-      return key_norms_of(P, reinterpret_cast<const at::BFloat16*>(P.kh), reinterpret_cast<const at::BFloat16*>(P.vh));
-    if (P.half == kF16)
-      return key_norms_of(P, reinterpret_cast<const at::Half*>(P.kh), reinterpret_cast<const at::Half*>(P.vh));
-  }
-  return key_norms_of(P, P.k, P.v);
+  std::vector<T> out(P.B * P.Hkv);
+  at::parallel_for(0, P.B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) out[bh] = key_norm(P, bh);
+  });
+  return out;
 }
 
 // Whether torch's brgemm multiplies bfloat16 tiles in VNNI-2 layout here: its oneDNN microkernel
@@ -1348,8 +1359,10 @@ uint16_t* pack_memory(int64_t n, PackPtr& own) {
 // written): the forward's k^T and v (Problem::kpack, vpack), or the backward's k^T, v^T and k
 // (kpack, vtpack, kpairs). Packed sequences pack each sequence's keys on their own
 // (Problem::seq_packs, in seqs). Returns the call's own memory (null where the thread's serves).
+// kmax (or null; not with packed sequences): each key head's key_norm, taken just before its
+// packing reads the same k and v, which then come from the caches.
 template <typename T>
-PackPtr pack_problem(Problem<T>& P, bool backward, SequencePacks& seqs) {
+PackPtr pack_problem(Problem<T>& P, bool backward, SequencePacks& seqs, T* kmax = nullptr) {
   const int64_t D = P.D, Dv = P.Dv, n = P.spans ? P.nseq : 1;
   const int64_t per_key = backward ? 2 * D + Dv : D + Dv;
   std::vector<Problem<T>> parts;
@@ -1386,6 +1399,7 @@ PackPtr pack_problem(Problem<T>& P, bool backward, SequencePacks& seqs) {
       const uint16_t* k = Q.kh + bi * Q.k_sb + hk * Q.k_sh;
       const uint16_t* v = Q.vh + bi * Q.v_sb + hk * Q.v_sh;
       const auto& [kt, second, kp] = out[s];
+      if (kmax) kmax[bh] = key_norm(Q, bh);
       pack_transposed(k, Q.k_sl, Q.S, D, Q.s_pad, kt + bh * D * Q.s_pad);
       if (backward) {
         pack_transposed(v, Q.v_sl, Q.S, Dv, Q.s_pad, second + bh * Dv * Q.s_pad);
@@ -1794,19 +1808,22 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
   AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_forward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
                                     mask, block_q, block_k, spans, half_products);
-    // Settling needs a bound on every logit (no ALiBi, no float mask), and pays only for rows that see more than one key tile. Its strided pass over
-    // k and v costs several query rows' products: packed sequences (each row sees only its own
+    // Settling needs a bound on every logit (no ALiBi, no float mask), and pays only for rows that
+    // see more than one key tile. Its pass over k and v (with brgemm, head by head beside the
+    // packing) costs several query rows' products: packed sequences (each row sees only its own
     // sequence's keys, so the pass costs more than it saves there) and calls with fewer than 1024
     // query rows go without.
     std::vector<scalar_t> kmax;
-    if (P.alibi == nullptr && P.fmask == nullptr && P.spans == nullptr && P.L >= 1024 &&
-        P.S > P.block_k) {
-      kmax = key_norms(P);
-      P.kmax = kmax.data();
-    }
+    const bool settles = P.alibi == nullptr && P.fmask == nullptr && P.spans == nullptr && P.L >= 1024 && P.S > P.block_k;
+    const bool brgemm = takes_brgemm(P, false);
+    if (settles && !brgemm) kmax = key_norms(P);
     SequencePacks seqs;
     PackPtr packed;  // brgemm's k^T and v, every key head (P.kpack, P.vpack)
-    if (takes_brgemm(P, false)) packed = pack_problem(P, false, seqs);
+    if (brgemm) {
+      if (settles) kmax.resize(P.B * P.Hkv);
+      packed = pack_problem(P, false, seqs, settles ? kmax.data() : nullptr);
+    }
+    if (settles) P.kmax = kmax.data();
     ForwardOut<scalar_t> O{out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
                            l.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr, &suspect};
     if (P.half == kBF16) {
