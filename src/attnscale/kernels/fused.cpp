@@ -5,9 +5,9 @@
 // score path (scale folded into the product; softcap; ALiBi; float mask; causal / window /
 // bool-mask visibility), the running max, exp, the row sum and the statistics, then one BLAS
 // product p v. Tiles that causality or the window hide are never computed, and each query block
-// only visits the key range its rows can see. Where every logit is bounded in advance (no ALiBi,
-// float mask or statistics), a row whose running max comes close enough to its bound keeps that
-// max from then on, and its later tiles skip the max pass and the rescaling (forward_block). The
+// only visits the key range its rows can see. Where every logit is bounded in advance (no ALiBi
+// or float mask), a row whose running max comes close enough to its bound keeps that max from
+// then on, and its later tiles skip the max pass and the rescaling (forward_block). The
 // backward pass recomputes each tile exactly as the forward did (same tiles, same products, same
 // order of operations) and normalises with the forward's own (m, l), so the weights it
 // differentiates are the forward's.
@@ -378,8 +378,8 @@ struct Problem {
   const int64_t* spans = nullptr;
   int64_t nseq = 0;
   // The largest |k_j| of each key head, (B, Hkv), where the forward's rows may settle on an
-  // offset (see forward_block); null where they may not (ALiBi, a float mask, statistics, packed
-  // sequences, fewer than 1024 query rows, a single key tile).
+  // offset (see forward_block); null where they may not (ALiBi, a float mask, packed sequences,
+  // fewer than 1024 query rows, a single key tile).
   const T* kmax = nullptr;
   // 16-bit inputs (float only): q, k, v are qh, kh, vh (same strides, in elements) and q, k, v
   // are null; half says which format (Half16).
