@@ -491,6 +491,37 @@ def test_rows_settle_on_a_max_near_their_bound_and_only_then():
     torch.testing.assert_close(m.double(), (qa.double() @ ka.double().transpose(-1, -2) * 0.45).amax(-1), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("top", [47.0, 47.5])
+def test_bfloat16_rows_with_a_bound_of_at_most_47_25_settle_before_their_first_tile(top):
+    """Weights rounded to bfloat16, no statistics: a row whose bound u (here exactly top, from
+    |q| = 8 and max |k| = top / 8) is at most 47.25 takes the offset u - 34.5 from its first key
+    tile on; its logits in [-u, u] give weights in [e^-60, e^34.5]. Logits spread over that whole
+    range, the output stays within twice the math backend's error of float64. A bound above 47.25
+    keeps the running max until it settles (the saved m is then an actual logit, the first
+    tile's largest). With float32 tiles (no 16-bit products here) the weights are float32 and
+    nothing settles early."""
+    gen = torch.Generator().manual_seed(10)
+    D, L, S = 16, 1024, 3 * ops.BLOCK_K
+    q = torch.zeros(1, 1, L, D)
+    q[..., 0] = 8.0
+    k = torch.zeros(1, 1, S, D)
+    k[..., 0] = (torch.rand(S, generator=gen) * 2 - 1) * top / 8
+    k[0, 0, 0, 0], k[0, 0, -1, 0] = -top / 8, top / 8  # both ends of the range, in bfloat16 exactly
+    v = torch.randn(1, 1, S, 8, generator=gen)
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    products16 = ops.half_products(torch.bfloat16)
+    _, _, m, _ = _kernel_forward(q, k, v, 1.0, half_products=products16)
+    first_tile_max = (q.double() @ k.double()[..., : ops.BLOCK_K, :].transpose(-1, -2)).amax(-1)
+    if products16 and top <= 47.25:
+        assert (m == top - 34.5).all()
+    else:
+        torch.testing.assert_close(m.double(), first_tile_max, rtol=0, atol=1e-5)
+    want = sdpa(q.double(), k.double(), v.double(), scale=1.0, backend="math")
+    err = (sdpa(q, k, v, scale=1.0).double() - want).abs().max().item()
+    err_math = (sdpa(q, k, v, scale=1.0, backend="math").double() - want).abs().max().item()
+    assert err <= 2 * err_math + TOLERANCE_FLOOR[torch.bfloat16], f"{err} against the math backend's {err_math}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("softcap", "a"), [(0.0, 5.0), (100.0, 8.0)])
 def test_settled_rows_give_weights_far_below_their_offset_zero(dtype, softcap, a):

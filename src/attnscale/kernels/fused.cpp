@@ -988,6 +988,18 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
       std::fill(w.begin(), w.end(), T(0));
       std::fill(top.begin(), top.end(), neg_inf);
       std::fill(seen.begin(), seen.end(), 0);
+      // Weights rounded to bfloat16 (without statistics): a row whose bound is at most 47.25
+      // settles before its first tile, on the offset bound - 34.5. Its logits lie in [-bound,
+      // bound], so its weights lie in [e^-60, e^34.5]: none overflows, none reaches the floor
+      // (settled_row's unfloored form), and bfloat16 has float32's range. The offset is no logit
+      // of the row, so s - m keeps the rounding of numbers up to 47 + 34.5 (a few float32 ulps of
+      // them), far under bfloat16's; float32 and float16 weights, and statistics, keep the
+      // running max until it settles.
+      if (settles && !stats && h16 == kBF16) {
+        for (int64_t r = 0; r < rows; ++r) {
+          if (bound[r] <= T(47.25)) m[r] = bound[r] - limit, settled[r] = 1;  // false for NaN or inf
+        }
+      }
       const T pre = P.kpack ? alpha : T(1);  // brgemm's products come unscaled: score_row scales them
       for (auto [j0, j1] : P.key_tiles(i0, i1)) {
         const int64_t width = j1 - j0;
