@@ -732,7 +732,7 @@ int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* o
   constexpr int64_t n = Vec::size();
   const Vec vm(m), vfloor(exp_floor<T>()), vcap(cap), vpre(pre), zero(T(0));
   Vec acc = *sum, wacc = *weighted, vtop = *top;
-  // Logits r and centred logits cr of raw products r, then their weights p.
+  // The logits r (from the raw products r), their centred values c = r - m and weights p.
   auto pair = [&](Vec& r0, Vec& r1, Vec& c0, Vec& c1, Vec& p0, Vec& p1) __attribute__((always_inline)) {
     if constexpr (kScaled) r0 = r0 * vpre, r1 = r1 * vpre;
     if constexpr (kCap) {  // an FMA with +0, not a product: the compiler would fuse a product with the - m below
@@ -765,7 +765,7 @@ int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* o
     Vec r0 = Vec::loadu(x + c, n0), r1 = n1 > 0 ? Vec::loadu(x + c + n, n1) : zero, c0, c1, p0, p1;
     pair(r0, r1, c0, c1, p0, p1);
     if constexpr (std::is_same_v<O, T>) p0 = vexp_accurate(c0, vfloor), p1 = vexp_accurate(c1, vfloor);
-    const Vec iota = Vec::arange(T(0), T(1)), in0 = iota < Vec(T(n0)), in1 = iota < Vec(T(n1));
+    const Vec in0 = first_lanes<T>(n0), in1 = first_lanes<T>(n1);
     p0 = Vec::blendv(zero, p0, in0), p1 = Vec::blendv(zero, p1, in1);  // a select: whatever the lanes past hi gave
     if constexpr (std::is_same_v<O, T>) {
       p0.store(out + c, n0);
@@ -796,10 +796,11 @@ struct SettledStats {
 // (forward_block) in a problem without ALiBi or masks: the products x (times pre) through the
 // softcap, exp(s - m) and the sum, written to out (T, or the 16-bit format of the inputs), 0 outside
 // the row's span; x is not written. Each entry takes score_row's and exp_row's operations on it,
-// in the same order, so its weight has their bits (the row's last entries, fewer than a vector
-// pair, take partial vectors: settled_pairs). floored false: the caller knows every logit of the span is at least
-// m + exp_floor (forward_block), so no weight needs the floor's test. stats (or null): the tile's
-// sum p (s - m), largest logit (-inf without a visible key) and visible keys, written there.
+// in the same order, so its weight has their bits, but for the row's last entries, fewer than a
+// vector pair (settled_pairs' partial vectors, which need not fall where exp_row's do). floored
+// false: the caller knows every logit of the span is at least m + exp_floor (forward_block), so no
+// weight needs the floor's test. stats (or null): the tile's sum p (s - m), largest logit (-inf
+// without a visible key) and visible keys, written there.
 template <typename T, typename O>
 T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T* x, T m, T pre, O* out, bool floored,
               SettledStats<T>* stats = nullptr) {
@@ -957,8 +958,9 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
       // max_j |k_j| (with softcap, softcap tanh of that). Once the row's running max m has reached
       // u_i - 34.5 (float32; -floor / 2), no later weight exp(s - m) can exceed exp(34.5) = 1e15, so
       // the row keeps m as its offset from then on: its later tiles need no max pass and no
-      // rescaling of the sum or the accumulator. m is an actual logit of the row, so the row's
-      // largest weight is at least 1 and precision is the running max's. (key_norms refuses the
+      // rescaling of the sum or the accumulator. m is an actual logit of the row (but for the
+      // bfloat16 rows below), so the row's largest weight is at least 1 and precision is the
+      // running max's. (key_norms refuses the
       // bound where values are so large that 1e15 times their sum could overflow.) With
       // statistics a settled row also keeps its largest logit (top) apart from m, and sum p (s - m)
       // against m: the entropy, log l - w / l, does not depend on the offset.
