@@ -732,14 +732,16 @@ int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* o
   constexpr int64_t n = Vec::size();
   const Vec vm(m), vfloor(exp_floor<T>()), vcap(cap), vpre(pre), zero(T(0));
   Vec acc = *sum, wacc = *weighted, vtop = *top;
-  // The logits r (from the raw products r), their centred values c = r - m and weights p.
-  auto pair = [&](Vec& r0, Vec& r1, Vec& c0, Vec& c1, Vec& p0, Vec& p1) __attribute__((always_inline)) {
+  // The logits r (from the raw products r) and their centred values c = r - m.
+  auto centre = [&](Vec& r0, Vec& r1, Vec& c0, Vec& c1) __attribute__((always_inline)) {
     if constexpr (kScaled) r0 = r0 * vpre, r1 = r1 * vpre;
     if constexpr (kCap) {  // an FMA with +0, not a product: the compiler would fuse a product with the - m below
       r0 = at::vec::fmadd(vtanh(r0), vcap, zero);
       r1 = at::vec::fmadd(vtanh(r1), vcap, zero);
     }
     c0 = r0 - vm, c1 = r1 - vm;
+  };
+  auto weigh = [&](const Vec& c0, const Vec& c1, Vec& p0, Vec& p1) __attribute__((always_inline)) {
     if constexpr (kFloor)
       p0 = vexp_weights(c0, vfloor), p1 = vexp_weights(c1, vfloor);
     else
@@ -747,7 +749,8 @@ int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* o
   };
   for (; c + 2 * n <= hi; c += 2 * n) {
     Vec r0 = Vec::loadu(x + c), r1 = Vec::loadu(x + c + n), c0, c1, p0, p1;
-    pair(r0, r1, c0, c1, p0, p1);
+    centre(r0, r1, c0, c1);
+    weigh(c0, c1, p0, p1);
     if constexpr (std::is_same_v<O, T>) {
       p0.store(out + c);
       p1.store(out + c + n);
@@ -763,8 +766,11 @@ int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* o
   if (c < hi) {
     const int64_t rest = hi - c, n0 = std::min(n, rest), n1 = rest - n0;
     Vec r0 = Vec::loadu(x + c, n0), r1 = n1 > 0 ? Vec::loadu(x + c + n, n1) : zero, c0, c1, p0, p1;
-    pair(r0, r1, c0, c1, p0, p1);
-    if constexpr (std::is_same_v<O, T>) p0 = vexp_accurate(c0, vfloor), p1 = vexp_accurate(c1, vfloor);
+    centre(r0, r1, c0, c1);
+    if constexpr (std::is_same_v<O, T>)
+      p0 = vexp_accurate(c0, vfloor), p1 = vexp_accurate(c1, vfloor);
+    else
+      weigh(c0, c1, p0, p1);
     const Vec in0 = first_lanes<T>(n0), in1 = first_lanes<T>(n1);
     p0 = Vec::blendv(zero, p0, in0), p1 = Vec::blendv(zero, p1, in1);  // a select: whatever the lanes past hi gave
     if constexpr (std::is_same_v<O, T>) {
