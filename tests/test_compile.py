@@ -91,19 +91,22 @@ def op_cases():
     keep = (torch.rand(2, 1, 9, 11, generator=gen) > 0.3).expand(2, 4, 9, 11)
     bias = torch.randn(1, 4, 9, 11, generator=gen).expand(2, 4, 9, 11)
     plain = (0.35, 0.0, False, 0, -1, -1, 0, 0)
-    yield "plain", (q, k, v, None, None, None, *plain, False, 0, 0, False)
-    yield "softcap-causal-stats", (q, k, v, None, None, None, 0.35, 5.0, True, 2, -1, -1, 0, 0, True, 0, 0, False)
-    yield "alibi-window-bool-mask", (q, k, v, slopes, keep, None, 0.35, 0.0, False, 0, 3, 1, 0, 0, False, 4, 4, False)
-    yield "float-mask-stats", (q, k, v, None, bias, None, *plain, True, 0, 0, False)
+    yield "plain", (q, k, v, None, None, None, *plain, False, 0, 0, False, False)
+    yield "softcap-causal-stats", (q, k, v, None, None, None, 0.35, 5.0, True, 2, -1, -1, 0, 0, True, 0, 0, False, False)
+    yield "alibi-window-bool-mask", (q, k, v, slopes, keep, None, 0.35, 0.0, False, 0, 3, 1, 0, 0, False, 4, 4, False, False)
+    yield "float-mask-stats", (q, k, v, None, bias, None, *plain, True, 0, 0, False, False)
     packed = torch.randn(1, 4, 18, 8, generator=gen), torch.randn(1, 2, 22, 8, generator=gen), torch.randn(1, 2, 22, 5, generator=gen)
     spans = torch.tensor([[0, 5, 0, 7], [5, 18, 7, 22]])  # (q0, q1, k0, k1) of two sequences
-    yield "packed", (*packed, None, None, spans, 0.35, 0.0, True, 0, -1, -1, 0, 0, True, 0, 0, False)
-    # 16-bit q, k, v (float32 outputs), both ways the kernel takes them: multiplied as they are
-    # (half_products, with oneMKL; brgemm for bfloat16 from AVX-512 on) and as float32 tiles.
+    yield "packed", (*packed, None, None, spans, 0.35, 0.0, True, 0, -1, -1, 0, 0, True, 0, 0, False, False)
+    # 16-bit q, k, v (float32 outputs; out in their format with round_out, its gradient then
+    # taken in float32), both ways the kernel takes them: multiplied as they are (half_products,
+    # with oneMKL; brgemm for bfloat16 from AVX-512 on) and as float32 tiles.
     for products16 in (True, False):
         way = "products" if products16 else "tiles"
-        yield f"bf16-softcap-causal-stats-{way}", (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, None, None, 0.35, 5.0, True, 2, -1, -1, 0, 0, True, 0, 0, products16)
-        yield f"fp16-packed-{way}", (*(t.half() for t in packed), None, None, spans, 0.35, 0.0, True, 0, -1, -1, 0, 0, False, 0, 0, products16)
+        for round_out in (False, True):
+            rounded = "-rounded" if round_out else ""
+            yield f"bf16-softcap-causal-stats-{way}{rounded}", (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, None, None, 0.35, 5.0, True, 2, -1, -1, 0, 0, True, 0, 0, products16, round_out)
+            yield f"fp16-packed-{way}{rounded}", (*(t.half() for t in packed), None, None, spans, 0.35, 0.0, True, 0, -1, -1, 0, 0, False, 0, 0, products16, round_out)
 
 
 @needs_kernel
@@ -117,8 +120,8 @@ def test_the_forward_op_passes_opcheck(name, args):
 @needs_kernel
 @pytest.mark.parametrize("name, args", list(op_cases()), ids=[name for name, _ in op_cases()])
 def test_the_backward_op_passes_opcheck(name, args):
-    q, k, v, alibi, mask, spans, *scalars, _stats, bq, bk, products16 = args
-    out, lse, m, l, *_ = torch.ops.attnscale.fused_forward(q, k, v, alibi, mask, spans, *scalars, False, bq, bk, products16)
+    q, k, v, alibi, mask, spans, *scalars, _stats, bq, bk, products16, _round_out = args
+    out, lse, m, l, *_ = torch.ops.attnscale.fused_forward(q, k, v, alibi, mask, spans, *scalars, False, bq, bk, products16, False)
     dout = torch.randn_like(out)
     delta = (dout * out).sum(-1)
     torch.library.opcheck(torch.ops.attnscale.fused_backward.default, (q, k, v, dout, delta, m, l, alibi, mask, spans, *scalars, bq, bk, products16))
@@ -129,10 +132,13 @@ def test_the_ops_fake_rule_gives_every_output_shape_and_dtype():
     for with_stats in (False, True):
         gen = torch.Generator().manual_seed(1)
         q, k, v = torch.randn(2, 4, 9, 8, generator=gen), torch.randn(2, 2, 11, 8, generator=gen), torch.randn(2, 2, 11, 5, generator=gen)
-        args = (None, None, None, 0.35, 5.0, True, 0, -1, -1, 0, 0, with_stats, 0, 0, False)
-        real = torch.ops.attnscale.fused_forward(q, k, v, *args)
-        fake = torch.ops.attnscale.fused_forward(q.to("meta"), k.to("meta"), v.to("meta"), *args)
-        assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in real]
+        for dtype, round_out in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, True)):
+            args = (None, None, None, 0.35, 5.0, True, 0, -1, -1, 0, 0, with_stats, 0, 0, False, round_out)
+            x = [t.to(dtype) for t in (q, k, v)]
+            real = torch.ops.attnscale.fused_forward(*x, *args)
+            fake = torch.ops.attnscale.fused_forward(*(t.to("meta") for t in x), *args)
+            assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in real]
+            assert real[0].dtype == (dtype if round_out else torch.float32)
 
 
 # --------------------------------------------------------------------------------------------

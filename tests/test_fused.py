@@ -446,7 +446,7 @@ def test_float32_softmax_weights_are_exp_u20_bit_for_bit_zero_below_the_floor_an
 
 def _kernel_forward(q, k, v, scale, *, softcap=0.0, stats=False, half_products=False):
     """The kernel's own outputs (out, lse, m, l): m is the offset each row's weights were taken against."""
-    args = (scale, softcap, False, 0, -1, -1, 0, 0, None, None, stats, ops.BLOCK_Q, ops.BLOCK_K, None, half_products)
+    args = (scale, softcap, False, 0, -1, -1, 0, 0, None, None, stats, ops.BLOCK_Q, ops.BLOCK_K, None, half_products, False)
     out, lse, m, l, *_ = kernels.load().forward(q, k, v, *args)
     return out, lse, m, l
 
@@ -471,7 +471,7 @@ def test_rows_settle_on_a_max_near_their_bound_and_only_then():
         _, _, m, _ = _kernel_forward(q, k, v, scale, softcap=softcap)
         want = first_tile_max if softcap == 0 else softcap * torch.tanh(first_tile_max / softcap)
         torch.testing.assert_close(m.double(), want, rtol=0, atol=1.2e-6)
-    args = (scale, 0.0, False, 0, -1, -1, 0, 0, None, None, True, ops.BLOCK_Q, ops.BLOCK_K, None, False)
+    args = (scale, 0.0, False, 0, -1, -1, 0, 0, None, None, True, ops.BLOCK_Q, ops.BLOCK_K, None, False, False)
     _, _, m, _, max_logit, *_ = kernels.load().forward(q, k, v, *args)
     torch.testing.assert_close(m.double(), first_tile_max, rtol=0, atol=1.2e-6)
     torch.testing.assert_close(max_logit.double(), row_max, rtol=0, atol=1.2e-6)
@@ -544,6 +544,64 @@ def test_settled_rows_give_weights_far_below_their_offset_zero(dtype, softcap, a
     want = v[0, 0, : ops.BLOCK_K].double().mean(0).expand(L, D)  # the first tile's values, equally weighted
     err = (out[0, 0].double() - want).abs().max().item()
     assert err <= (1e-6 if dtype == torch.float32 else 1e-2), err
+
+
+def _round_out_cases(dtype):
+    """(name, q, k, v, ops.run_forward's arguments after them but half_products and round_out) for 16-bit calls: long
+    causal softcapped rows that settle, with statistics; odd head dims; packed sequences with a
+    query row no span names (zeros); values so small that the outputs are subnormal in the format."""
+    q, k, v = make_inputs(B=1, H=4, Hkv=2, L=1100, S=3 * ops.BLOCK_K, D=24, Dv=20, dtype=dtype, seed=3, mag=2.0)
+    yield "settling-causal-softcap-stats", q, k, v, (None, None, None, 0.3, 30.0, True, 3 * ops.BLOCK_K - 1100, -1, -1, 0, 0, True, 0, 0)
+    q, k, v = make_inputs(B=2, H=2, Hkv=1, L=37, S=90, D=7, Dv=5, dtype=dtype, seed=4)
+    yield "odd-dims", q, k, v, (None, None, None, 0.5, 0.0, False, 0, -1, -1, 0, 0, False, 0, 0)
+    tiny = torch.finfo(dtype).smallest_normal
+    yield "subnormal-outputs", q, k, (v.double() * tiny / 4).to(dtype), (None, None, None, 0.5, 0.0, False, 0, -1, -1, 0, 0, False, 0, 0)
+    spans = torch.tensor([[0, 12, 0, 30], [13, 37, 30, 90]])  # query row 12 in no span
+    packed = (t[:1, :, : 37 if i == 0 else 90].contiguous() for i, t in enumerate((q, k, v)))
+    yield "packed", *packed, (None, None, spans, 0.5, 5.0, True, 0, -1, -1, 0, 0, True, 0, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("products16", [False, True], ids=["tiles", "products"])
+def test_a_16_bit_output_rounded_by_the_kernel_has_the_bits_of_its_float32_rows_rounded_after(dtype, products16):
+    """round_out: the kernel writes a 16-bit call's output in the inputs' format as it finishes
+    each row. It must equal the float32 output rounded afterwards (torch's cast) bit for bit, and
+    leave every other output (lse, m, l, statistics, the rows_ok verdict) as it was."""
+    if products16 and not ops.half_products(dtype):
+        pytest.skip(f"this CPU does not multiply {dtype} tiles natively")
+    for name, q, k, v, args in _round_out_cases(dtype):
+        wide = ops.run_forward(q, k, v, *args, products16, False)
+        rounded = ops.run_forward(q, k, v, *args, products16, True)
+        assert wide[0].dtype == torch.float32 and rounded[0].dtype == dtype, name
+        assert torch.equal(rounded[0], wide[0].to(dtype)), name
+        for i, (a, b) in enumerate(zip(rounded[1:], wide[1:]), 1):
+            assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a.nan_to_num(), b.nan_to_num()), (name, i)
+        if name == "subnormal-outputs":  # the case has them: a row's entries under the format's normal range
+            assert (rounded[0].abs() < torch.finfo(dtype).smallest_normal).any() and (rounded[0] != 0).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_outputs_without_a_gradient_equal_those_with_one(dtype):
+    """Without a gradient to take (and without sinks) the kernel rounds a 16-bit output itself;
+    with one it returns float32 rows for the backward and the Python side rounds them. Both give
+    the same output, through scaled_dot_product_attention, varlen_attention and the softcap short
+    route of backend="auto"."""
+    q, k, v = make_inputs(B=1, H=4, Hkv=2, L=1100, S=1300, D=16, Dv=16, dtype=dtype, seed=5, mag=2.0)
+    cu = torch.tensor([0, 400, 1100])
+    packed = [t[0].transpose(0, 1).contiguous() for t in (q, k[:, :, :1100], v[:, :, :1100])]  # (total, heads, d)
+    calls = {
+        "fused": lambda q, k, v: sdpa(q, k, v, is_causal=True, softcap=30.0, causal_alignment="bottom_right"),
+        "auto-softcap": lambda q, k, v: attnscale.scaled_dot_product_attention(q, k, v, softcap=30.0, enable_gqa=True),
+        "varlen": lambda q, k, v: attnscale.varlen_attention(q, k, v, cu, cu, is_causal=True, softcap=20.0, backend="fused"),
+    }
+    for name, call in calls.items():
+        inputs = packed if name == "varlen" else (q, k, v)
+        with torch.no_grad():
+            plain = call(*inputs)
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        graded = call(*leaves)
+        assert plain.dtype == graded.dtype == dtype, name
+        assert torch.equal(plain, graded.detach()), name
 
 
 @pytest.mark.parametrize("mag", [1.0, 3.0])
@@ -699,12 +757,13 @@ def test_the_kernels_row_check_holds_of_the_rounded_16_bit_output(half_path, dty
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_inputs_reach_the_kernel_as_they_are_on_every_path(half_path, dtype, monkeypatch):
     """No whole float32 copy of q, k, v on either path: the kernel gets the 16-bit tensors and the
-    path to take them (the float32 tiles convert inside it), plain calls and packed sequences alike."""
+    path to take them (the float32 tiles convert inside it), plain calls and packed sequences alike;
+    without a gradient the kernel also writes the output in their format (round_out)."""
     seen = []
     real = ops.run_forward
 
     def spy(q, k, v, *rest):
-        seen.append((q.dtype, k.dtype, v.dtype, rest[-1]))
+        seen.append((q.dtype, k.dtype, v.dtype, *rest[-2:]))  # half_products, round_out
         return real(q, k, v, *rest)
 
     monkeypatch.setattr(ops, "run_forward", spy)
@@ -713,7 +772,7 @@ def test_16_bit_inputs_reach_the_kernel_as_they_are_on_every_path(half_path, dty
     cu = torch.tensor([0, 15, 40], dtype=torch.int32)
     packed = attnscale.varlen_attention(*(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu, softcap=5.0, backend="fused")
     assert out.dtype == packed.dtype == dtype
-    assert seen == [(dtype, dtype, dtype, half_path)] * 2
+    assert seen == [(dtype, dtype, dtype, half_path, True)] * 2
 
 
 def test_results_are_deterministic_run_to_run():

@@ -112,7 +112,8 @@ def _plain_softcapped(
     path_scale = scale if scale is not None else 1.0 / math.sqrt(D)  # as check_attention_call makes it
     # The arguments fused_attention_checked passes for this call: no stats, the kernel's own blocks.
     half = kernel_ops.half_products(dtype, L, H // Hk)
-    result = kernel_ops.run_forward(query, key, value, None, None, None, path_scale, softcap, False, 0, -1, -1, 0, 0, False, 0, 0, half)
+    # No gradient and no sinks here: a 16-bit output comes rounded from the kernel (round_out).
+    result = kernel_ops.run_forward(query, key, value, None, None, None, path_scale, softcap, False, 0, -1, -1, 0, 0, False, 0, 0, half, True)
     if not bool(result[8]):  # for 16-bit inputs, of the output rounded to their format
         return None
     _record(Backend.FUSED, "auto: softcap; compiled kernel")

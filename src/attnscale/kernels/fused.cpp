@@ -893,7 +893,12 @@ using Scratch = std::vector<T, CacheLineAllocator<T>>;
 
 template <typename T>
 struct ForwardOut {
-  T* out;   // (B, H, L, Dv) contiguous
+  T* out;   // (B, H, L, Dv) contiguous, or null where out16 takes the output
+  // 16-bit inputs (T = float) whose caller asks for the output in their format (round_out): the
+  // rows rounded to it here (to nearest even, as torch's casts), (B, H, L, Dv) contiguous, instead
+  // of float32 rows that a pass after the kernel would round.
+  uint16_t* out16 = nullptr;
+  int out16_kind = kNoHalf;
   T* lse;   // (B, H, L)
   T* m;     // (B, H, L): the offset the row's weights were last taken against
   T* l;     // (B, H, L): sum exp(s - m), 1 for rows without a visible key
@@ -1138,8 +1143,9 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
       for (int64_t r = 0; r < rows; ++r) {
         const bool has = l[r] != T(0);  // a NaN sum (NaN inputs) is no empty row: NaN reaches the output
         const T safe = has ? l[r] : T(1);
-        T* dst = O.out + (row0 + r) * P.Dv;
-        const T* ar = acc.data() + r * P.Dv;
+        T* ar = acc.data() + r * P.Dv;
+        // out16: the float32 row in place of its accumulator, then rounded to the 16-bit output.
+        T* dst = O.out16 ? ar : O.out + (row0 + r) * P.Dv;
         // The row, and its largest |entry| (NaN if any is NaN), vectorised.
         T peak = T(0);
         if (has) {
@@ -1161,6 +1167,15 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
           }
         } else {
           std::fill(dst, dst + P.Dv, T(0));
+        }
+        if constexpr (std::is_same_v<T, float>) {
+          if (O.out16) {
+            uint16_t* row16 = O.out16 + (row0 + r) * P.Dv;
+            if (O.out16_kind == kBF16)
+              round_row(dst, P.Dv, reinterpret_cast<at::BFloat16*>(row16));
+            else
+              round_row(dst, P.Dv, reinterpret_cast<at::Half*>(row16));
+          }
         }
         // Finite and not all zeros: 0 < peak < inf, false for NaN.
         suspect = suspect || (P.Dv > 0 && !(peak > T(0) && peak < std::numeric_limits<T>::infinity() && peak >= O.tiny && peak <= O.huge));
@@ -1792,7 +1807,9 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
 // Returns the outputs and whether every output row is finite and not all zeros (rows of packed
 // sequences without keys are not visited and not counted); for 16-bit inputs, also once rounded
 // to their format. half_products (16-bit inputs only): multiply them as they are (oneMKL or
-// brgemm), or as float32 tiles converted in the kernel (Problem::widen).
+// brgemm), or as float32 tiles converted in the kernel (Problem::widen). round_out (16-bit inputs
+// only): out in their format, else float32 (the caller's sinks merge works on float32 rows, and
+// a backward's D_i on the unrounded ones).
 // [out, lse, m, l, max_logit, max_prob, entropy, visible, rows_ok]: the statistics empty (0 long)
 // without with_stats, rows_ok a 0-d bool tensor. All made here, so a decoding step's Python makes
 // no tensors of its own after the call (each torch op from Python then costs more than its share:
@@ -1801,7 +1818,8 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
                                    double softcap, bool causal, int64_t q_offset, int64_t left, int64_t right,
                                    int64_t q_start, int64_t k_start, const c10::optional<torch::Tensor>& alibi,
                                    const c10::optional<torch::Tensor>& mask, bool with_stats, int64_t block_q,
-                                   int64_t block_k, const c10::optional<torch::Tensor>& spans, bool half_products) {
+                                   int64_t block_k, const c10::optional<torch::Tensor>& spans, bool half_products,
+                                   bool round_out) {
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
   // Packed: rows of sequences without keys are not visited; they keep an empty row's values.
   const bool packed = spans.has_value();
@@ -1810,9 +1828,11 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
     auto options = q.options().dtype(dtype);
     return packed ? torch::full(shape, fill, options) : torch::empty(shape, options);
   };
-  // 16-bit inputs give float32 outputs (the caller rounds out once); q, k, v stay 16-bit for the products.
+  // 16-bit inputs give float32 outputs, but for out with round_out: rounded to their format as its
+  // rows are written (else the caller rounds it once); q, k, v stay 16-bit for the products.
   const auto dt = half_kind(q) ? at::kFloat : q.scalar_type();
-  auto out = make({B, H, L, Dv}, 0.0, dt);
+  const bool out16 = round_out && half_kind(q) != kNoHalf;
+  auto out = make({B, H, L, Dv}, 0.0, out16 ? q.scalar_type() : dt);
   auto lse = make({B, H, L}, -inf, dt), m = make({B, H, L}, 0.0, dt), l = make({B, H, L}, 1.0, dt);
   std::vector<torch::Tensor> result{out, lse, m, l};
   if (with_stats) {
@@ -1844,8 +1864,9 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
       packed = pack_problem(P, false, seqs, settles ? kmax.data() : nullptr);
     }
     if (settles) P.kmax = kmax.data();
-    ForwardOut<scalar_t> O{out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
-                           l.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr, &suspect};
+    ForwardOut<scalar_t> O{out16 ? nullptr : out.data_ptr<scalar_t>(), nullptr, kNoHalf, lse.data_ptr<scalar_t>(),
+                           m.data_ptr<scalar_t>(), l.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr, &suspect};
+    if (out16) O.out16 = static_cast<uint16_t*>(out.data_ptr()), O.out16_kind = half_kind(q);
     if (P.half == kBF16) {
       O.tiny = static_cast<scalar_t>(std::numeric_limits<at::BFloat16>::denorm_min());
       O.huge = static_cast<scalar_t>(std::numeric_limits<at::BFloat16>::max());

@@ -4,8 +4,9 @@ Same semantics as :mod:`attnscale.tiled` (the score path of :mod:`attnscale.scor
 zeros and ``lse = -inf``, statistics streamed exactly), computed by ``fused.cpp``: per tile one
 BLAS product, one fused pass over the score path and the online softmax, one BLAS product; work
 parallel over batch, heads and query blocks on every core. float32 and float64 run natively;
-float16 and bfloat16 accumulate in float32 (as every attnscale backend does) and the output is cast
-back: where the CPU multiplies them natively (:func:`ops.half_products`: AMX, AVX512-BF16/FP16)
+float16 and bfloat16 accumulate in float32 (as every attnscale backend does) and the output is
+rounded back (by the kernel as it writes the rows, where no gradient and no sink needs the float32
+output: :func:`_round_out`): where the CPU multiplies them natively (:func:`ops.half_products`: AMX, AVX512-BF16/FP16)
 the products take the 16-bit inputs as they are, as torch's CPU kernel does; elsewhere the kernel
 converts each tile to float32 as it goes (no copy of the inputs). Sinks enter through :func:`attnscale.tiled.merge_sinks` on the kernel's
 ``(out, lse)``, as in the tiled kernel. ALiBi slopes are constants; a float mask that requires
@@ -20,6 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .._tracing import _functorch_wrapped
 from ..dense import accumulation_dtype
 from ..score import ScorePath
 from ..stats import AttentionStats, with_sinks
@@ -125,7 +127,19 @@ def _flat_slopes(alibi: Tensor | None, spec: _Spec, dtype: torch.dtype) -> Tenso
     return slopes.flatten(0, len(spec.batch) - 1) if len(spec.batch) != 1 else slopes
 
 
-def _forward(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, alibi: Tensor | None, spec: _Spec) -> tuple[list[Tensor], Tensor]:
+def _round_out(query: Tensor, key: Tensor, value: Tensor, sinks: Tensor | None) -> bool:
+    """Whether the kernel may write a 16-bit call's output in its format (``round_out``) rather than
+    in float32 for a pass after it: the same bits, one pass fewer. Not where the float32 rows have a
+    use: the sinks merge rescales them, and a backward's D_i = rowsum(dO * O) takes them unrounded
+    (a gradient may be asked for, or a torch.func transform holds the tensors)."""
+    if query.dtype not in ops.HALF or sinks is not None:
+        return False
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return False
+    return torch.compiler.is_compiling() or not any(_functorch_wrapped(t) for t in (query, key, value))
+
+
+def _forward(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, alibi: Tensor | None, spec: _Spec, round_out: bool) -> tuple[list[Tensor], Tensor]:
     """The kernel's forward through ``torch.ops.attnscale.fused_forward``: ([out, lse, *stats] in
     the caller's batch shape, and the 0-d rows_ok verdict). Differentiable in q, k, v (the op's
     autograd rule; the layout changes here are plain torch ops)."""
@@ -134,7 +148,7 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, ali
     q, k, v = (_flat(t, spec, query.dtype) for t in (query, key, value))  # 16-bit ones as they are
     m4, slopes = _flat_mask(mask, spec, L, S, acc), _flat_slopes(alibi, spec, acc)
     products16 = ops.half_products(query.dtype, L, spec.H // spec.Hkv)
-    out, lse, _, _, *stats, rows_ok = ops.forward(q, k, v, slopes, m4, None, *spec.args(), spec.with_stats, spec.block_q, spec.block_k, products16)
+    out, lse, _, _, *stats, rows_ok = ops.forward(q, k, v, slopes, m4, None, *spec.args(), spec.with_stats, spec.block_q, spec.block_k, products16, round_out)
     stats = stats if spec.with_stats else []
     if len(spec.batch) == 1:  # the kernel's (B, H, L, .) is the caller's shape already
         return [out, lse, *stats], rows_ok
@@ -223,7 +237,7 @@ def fused_attention_checked(
     squeeze = query.ndim == 3 and key.ndim == 3
     if squeeze:  # no batch dims: the kernel's batch of one
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-    (out, lse, *rest), verdict = _forward(query, key, value, attn_mask, alibi_slopes, spec)
+    (out, lse, *rest), verdict = _forward(query, key, value, attn_mask, alibi_slopes, spec, _round_out(query, key, value, sinks))
     # For 16-bit inputs the kernel checks each row against the format's range too, so its verdict
     # holds of the rounded output.
     rows_ok: Tensor | None = verdict if sinks is None else None
@@ -277,7 +291,8 @@ def fused_varlen_attention(
     if alibi_slopes is not None:
         slopes = alibi_slopes.detach().to(accumulation_dtype(query.dtype)).expand(B, H)
     q, k, v = (_packed(t, query.dtype) for t in (query, key, value))  # (1, heads, total, d) views
-    out, lse, _, _, *rest, _ = ops.forward(q, k, v, slopes, None, table, *_packed_args(path), return_stats, 0, 0, ops.half_products(query.dtype))
+    round_out = _round_out(query, key, value, sinks)
+    out, lse, _, _, *rest, _ = ops.forward(q, k, v, slopes, None, table, *_packed_args(path), return_stats, 0, 0, ops.half_products(query.dtype), round_out)
     out, lse = out[0].transpose(0, 1), lse[0]  # (total_q, H, Dv), (H, total_q)
     if sinks is not None:
         # merge_sinks takes (..., H, L, Dv) and (..., H, L): the packed rows as L.

@@ -13,7 +13,8 @@ ops, which trace as they are):
     spans (nseq, 4) int64                                  packed sequences (B = 1), else None
 
 ``fused_forward`` returns ``out (B, H, L, Dv), lse, m, l (B, H, L)``, the statistics
-``max_logit, max_prob, entropy, visible_keys`` (B, H, L) (float32 for 16-bit inputs), or empty tensors without
+``max_logit, max_prob, entropy, visible_keys`` (B, H, L) (float32 for 16-bit inputs; out too, but
+with ``round_out``: then in their format, rounded as its rows are written), or empty tensors without
 ``with_stats``, and ``rows_ok``, a 0-d bool tensor: whether every output row is finite and not
 all zeros (the check :func:`attnscale.scaled_dot_product_attention` makes of its outputs in eager
 mode). Only ``out`` and ``lse`` carry gradients. ``block_q``/``block_k`` of 0 take the defaults,
@@ -168,28 +169,29 @@ def fused_forward(
     block_q: int,
     block_k: int,
     half_products: bool,
+    round_out: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products)
+    return run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products, round_out)
 
 
-def run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products):
+def run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products, round_out):
     """What ``fused_forward`` computes, on real CPU tensors: the kernel's forward itself."""
     block_q, block_k = _blocks(block_q, block_k, causal, left, right, q.shape[2], spans)
     # The kernel makes every output, the empty statistics and the verdict too (see fused.cpp).
     return tuple(_kernel().forward(
         q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi, mask, with_stats, block_q, block_k, spans,
-        half_products,
+        half_products, round_out,
     ))  # fmt: skip
 
 
 @fused_forward.register_fake
-def _(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products):
+def _(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products, round_out):
     B, H, L = q.shape[0], q.shape[1], q.shape[2]
     rows = (B, H, L)
     stat = rows if with_stats else (0,)
-    dt = torch.float32 if q.dtype in HALF else q.dtype  # 16-bit inputs: float32 outputs
+    dt = torch.float32 if q.dtype in HALF else q.dtype  # 16-bit inputs: float32 outputs (out: with round_out, theirs)
     return (
-        q.new_empty(B, H, L, v.shape[3], dtype=dt),
+        q.new_empty(B, H, L, v.shape[3], dtype=q.dtype if round_out else dt),
         q.new_empty(rows, dtype=dt),
         q.new_empty(rows, dtype=dt),
         q.new_empty(rows, dtype=dt),
@@ -251,15 +253,17 @@ def setup_forward(ctx, inputs, output) -> None:
     q, k, v, alibi, mask, spans, *options = inputs
     out, _, m, l, *rest = output
     ctx.save_for_backward(q, k, v, alibi, mask, spans, out, m, l)
-    ctx.options = options  # scale .. k_start, with_stats, block_q, block_k, half_products
+    ctx.options = options  # scale .. k_start, with_stats, block_q, block_k, half_products, round_out
     ctx.mark_non_differentiable(m, l, *rest)  # only out and lse carry gradients
 
 
 def backward_forward(ctx, dout, dlse, *unused):
     """Gradients of q, k, v through ``fused_backward`` (None for every other input)."""
     q, k, v, alibi, mask, spans, out, m, l = ctx.saved_tensors
-    *scalars, _with_stats, block_q, block_k, products16 = ctx.options
+    *scalars, _with_stats, block_q, block_k, products16, _round_out = ctx.options
     with torch.no_grad():  # the backward has no derivative: see first_order
+        if out.dtype != l.dtype:  # a rounded out (round_out): D_i and the kernel's dout in float32
+            out, dout = out.float(), dout.float()
         # D_i = rowsum(dO * O) - dlse_i (FlashAttention-2; a gradient on lse adds p dlse to dS)
         delta = (dout * out).sum(-1) - dlse
         dq, dk, dv = fused_backward(q, k, v, dout, delta, m, l, alibi, mask, spans, *scalars, block_q, block_k, products16)
@@ -310,8 +314,8 @@ class FusedForward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products):  # type: ignore[override]
-        args = (q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products)
+    def forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products, round_out):  # type: ignore[override]
+        args = (q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products, round_out)
         return fused_forward(*args) if tracing(q, k, v) else run_forward(*args)
 
     @staticmethod
