@@ -499,7 +499,7 @@ def test_bfloat16_rows_with_a_bound_of_at_most_47_25_settle_before_their_first_t
     range, the output stays within twice the math backend's error of float64. A bound above 47.25
     keeps the running max until it settles (the saved m is then an actual logit, the first
     tile's largest). With float32 tiles (no 16-bit products here) the weights are float32 and
-    nothing settles early."""
+    nothing settles early. Values too large for weights up to e^34.5 settle no row."""
     gen = torch.Generator().manual_seed(10)
     D, L, S = 16, 1024, 3 * ops.BLOCK_K
     q = torch.zeros(1, 1, L, D)
@@ -520,6 +520,15 @@ def test_bfloat16_rows_with_a_bound_of_at_most_47_25_settle_before_their_first_t
     err = (sdpa(q, k, v, scale=1.0).double() - want).abs().max().item()
     err_math = (sdpa(q, k, v, scale=1.0, backend="math").double() - want).abs().max().item()
     assert err <= 2 * err_math + TOLERANCE_FLOOR[torch.bfloat16], f"{err} against the math backend's {err_math}"
+    # Values so large (1e30) that weights up to e^34.5 could overflow their sum: no row settles,
+    # each ends on its own maximum, and the output stays finite and as close as the math backend's.
+    big = (v.double() * 1e30).bfloat16()
+    _, _, m, _ = _kernel_forward(q, k, big, 1.0, half_products=products16)
+    torch.testing.assert_close(m.double(), (q.double() @ k.double().transpose(-1, -2)).amax(-1), rtol=0, atol=1e-5)
+    want = sdpa(q.double(), k.double(), big.double(), scale=1.0, backend="math")
+    err = (sdpa(q, k, big, scale=1.0).double() - want).abs().max().item()
+    err_math = (sdpa(q, k, big, scale=1.0, backend="math").double() - want).abs().max().item()
+    assert math.isfinite(err) and err <= 2 * err_math + TOLERANCE_FLOOR[torch.bfloat16] * 1e30, f"{err} against the math backend's {err_math}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1226,6 +1226,13 @@ std::vector<std::pair<int64_t, int64_t>> sequence_blocks(const Problem<T>& P) {
   return blocks;
 }
 
+// max_j |k_j| from max_j |k_j|^2 (best), but inf where max |v| (vmax) is too large: see head_key_norm.
+template <typename T>
+T settle_norm(const Problem<T>& P, T best, T vmax) {
+  const T room = std::numeric_limits<T>::max() / (T(256) * static_cast<T>(P.S) * std::exp(-exp_floor<T>() / 2));
+  return vmax <= room ? std::sqrt(best) : std::numeric_limits<T>::infinity();  // NaN vmax: inf
+}
+
 // max_j |k_j| of one key head (NaN if some |k_j| is NaN): the settled offset's key side
 // (forward_block). Inf where the head's values are so large (max |v| above max / (256 S e^limit))
 // that weights up to e^limit could overflow the accumulator: such heads keep the running max.
@@ -1255,8 +1262,7 @@ T head_key_norm(const Problem<T>& P, const E* k, const E* v) {
   }
   const T peak = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, vpeak);
   if (std::isnan(peak) || peak > vmax) vmax = peak;  // a NaN (in either) stays, and fails the test below
-  const T room = std::numeric_limits<T>::max() / (T(256) * static_cast<T>(P.S) * std::exp(-exp_floor<T>() / 2));
-  return vmax <= room ? std::sqrt(best) : std::numeric_limits<T>::infinity();
+  return settle_norm(P, best, vmax);
 }
 
 // head_key_norm of key head bh (batch bh / Hkv), in whichever format the problem's k and v are.
@@ -1348,6 +1354,55 @@ inline void pack_paired(const uint16_t* x, int64_t sl, int64_t S, int64_t width,
   }
 }
 
+// pack_paired of bfloat16 rows, returning their largest |entry| as bfloat16 bits with the sign
+// cleared: as integers those order the magnitudes (inf 0x7f80, a NaN above it), so the forward's
+// pass over v for head_key_norm's test rides on the packing's reads.
+inline uint16_t pack_paired_peak(const uint16_t* x, int64_t sl, int64_t S, int64_t width, int64_t s_pad, uint16_t* out) {
+  uint16_t peak = 0;
+  for (int64_t j = 0; j < S; j += 2) {
+    const uint16_t* a = x + j * sl;
+    const uint16_t* b = j + 1 < S ? x + (j + 1) * sl : nullptr;
+    uint32_t* o = reinterpret_cast<uint32_t*>(out + j * width);
+    if (b) {
+      for (int64_t c = 0; c < width; ++c) {
+        o[c] = uint32_t(a[c]) | uint32_t(b[c]) << 16;
+        peak = std::max<uint16_t>(peak, std::max<uint16_t>(a[c] & 0x7fff, b[c] & 0x7fff));
+      }
+    } else {
+      for (int64_t c = 0; c < width; ++c) {
+        o[c] = uint32_t(a[c]);
+        peak = std::max<uint16_t>(peak, a[c] & 0x7fff);
+      }
+    }
+  }
+  return peak;
+}
+
+// max_j |k_j|^2 over a key head's bfloat16 keys from their packed k^T (pack_transposed's (width/2,
+// s_pad, 2) pairs, just written, in the caches): each key's squares summed down its column, a
+// vector of keys at a time, with no sum across lanes per key (sum_squares' reduction, key by key,
+// cost more than the packing). NaN if some key's sum is NaN.
+inline float packed_key_norm2(const uint16_t* kt, int64_t S, int64_t width, int64_t s_pad) {
+  using Vec = Vectorized<float>;
+  using IVec = Vectorized<int32_t>;
+  constexpr int64_t n = Vec::size();
+  const int32_t* d = reinterpret_cast<const int32_t*>(kt);
+  const IVec high(static_cast<int32_t>(0xffff0000u)), shift(16);
+  Vec best(0.0f);
+  for (int64_t j = 0; j < S; j += n) {
+    const int64_t count = std::min<int64_t>(n, S - j);
+    Vec ss(0.0f);
+    for (int64_t p = 0; p < width / 2; ++p) {
+      // A pair's two bfloat16 entries as floats: the low one shifted up, the high one masked.
+      const IVec pair = count == n ? IVec::loadu(d + p * s_pad + j) : IVec::loadu(d + p * s_pad + j, count);
+      const Vec lo = at::vec::cast<float>(pair << shift), hi = at::vec::cast<float>(pair & high);
+      ss = at::vec::fmadd(hi, hi, at::vec::fmadd(lo, lo, ss));
+    }
+    best = at::vec::maximum(best, ss);  // NaN propagates; lanes past S hold 0
+  }
+  return at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, best);
+}
+
 // Memory for one call's packed operands (n entries), valid until the calling thread's next call.
 // Up to kPackKeep bytes it is the calling thread's, kept from call to call: an allocation that
 // large comes fresh from the system (mmap), and faulting its pages in on every call can cost as
@@ -1394,8 +1449,9 @@ uint16_t* pack_memory(int64_t n, PackPtr& own) {
 // written): the forward's k^T and v (Problem::kpack, vpack), or the backward's k^T, v^T and k
 // (kpack, vtpack, kpairs). Packed sequences pack each sequence's keys on their own
 // (Problem::seq_packs, in seqs). Returns the call's own memory (null where the thread's serves).
-// kmax (or null; not with packed sequences): each key head's key_norm, taken just before its
-// packing reads the same k and v, which then come from the caches.
+// kmax (or null; forward only, not with packed sequences): each key head's key_norm, made beside
+// the packing: max |v| from the values the packing reads, max |k_j| from the packed k^T, still in
+// the caches (packed_key_norm2).
 template <typename T>
 PackPtr pack_problem(Problem<T>& P, bool backward, SequencePacks& seqs, T* kmax = nullptr) {
   const int64_t D = P.D, Dv = P.Dv, n = P.spans ? P.nseq : 1;
@@ -1434,11 +1490,14 @@ PackPtr pack_problem(Problem<T>& P, bool backward, SequencePacks& seqs, T* kmax 
       const uint16_t* k = Q.kh + bi * Q.k_sb + hk * Q.k_sh;
       const uint16_t* v = Q.vh + bi * Q.v_sb + hk * Q.v_sh;
       const auto& [kt, second, kp] = out[s];
-      if (kmax) kmax[bh] = key_norm(Q, bh);
       pack_transposed(k, Q.k_sl, Q.S, D, Q.s_pad, kt + bh * D * Q.s_pad);
       if (backward) {
         pack_transposed(v, Q.v_sl, Q.S, Dv, Q.s_pad, second + bh * Dv * Q.s_pad);
         pack_paired(k, Q.k_sl, Q.S, D, Q.s_pad, kp + bh * Q.s_pad * D);
+      } else if (kmax) {  // head_key_norm's result, from the packing's reads and the packed k^T
+        const uint16_t peak = pack_paired_peak(v, Q.v_sl, Q.S, Dv, Q.s_pad, second + bh * Q.s_pad * Dv);
+        const float vmax = peak > 0x7f80 ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(c10::BFloat16(peak, c10::BFloat16::from_bits()));
+        kmax[bh] = settle_norm(Q, static_cast<T>(packed_key_norm2(kt + bh * D * Q.s_pad, Q.S, D, Q.s_pad)), static_cast<T>(vmax));
       } else {
         pack_paired(v, Q.v_sl, Q.S, Dv, Q.s_pad, second + bh * Q.s_pad * Dv);
       }
