@@ -346,6 +346,7 @@ inline Vectorized<T> first_lanes(int64_t count) {
 struct SequencePacks {
   std::vector<const uint16_t*> kpack, vpack, vtpack, kpairs;
   std::vector<int64_t> s_pad;
+  std::vector<const float*> kmax;  // each sequence's key norms, (Hkv,), where its rows may settle
 };
 
 template <typename T>
@@ -378,8 +379,8 @@ struct Problem {
   const int64_t* spans = nullptr;
   int64_t nseq = 0;
   // The largest |k_j| of each key head, (B, Hkv), where the forward's rows may settle on an
-  // offset (see forward_block); null where they may not (ALiBi, a float mask, packed sequences,
-  // fewer than 1024 query rows, a single key tile).
+  // offset (see forward_block); null where they may not (ALiBi, a float mask; without brgemm
+  // also packed sequences, fewer than 1024 query rows, a single key tile: see forward).
   const T* kmax = nullptr;
   // 16-bit inputs (float only): q, k, v are qh, kh, vh (same strides, in elements) and q, k, v
   // are null; half says which format (Half16).
@@ -430,6 +431,7 @@ struct Problem {
     if (seq_packs) {
       P.kpack = seq_packs->kpack[s], P.vpack = seq_packs->vpack[s], P.vtpack = seq_packs->vtpack[s];
       P.kpairs = seq_packs->kpairs[s], P.s_pad = seq_packs->s_pad[s];
+      if constexpr (std::is_same_v<T, float>) P.kmax = seq_packs->kmax.empty() ? nullptr : seq_packs->kmax[s];
       P.seq_packs = nullptr;
     }
     return P;
@@ -909,10 +911,18 @@ struct ForwardOut {
   // Set when some output row is non-finite or all zeros (Dv > 0): the caller's one check of the
   // output, made here while the rows are written instead of in further passes over them.
   std::atomic<bool>* suspect;
-  // 16-bit inputs, whose output the caller rounds to their format: a row also counts as suspect
-  // where its largest |entry| is outside [tiny, huge], the format's smallest positive and largest
-  // finite values, so that rows_ok holds of the rounded output too (0 and inf: no bound).
-  T tiny = T(0), huge = std::numeric_limits<T>::infinity();
+  // A row counts as suspect unless its largest |entry| lies strictly between floor and ceiling:
+  // above 0 and finite; for 16-bit inputs, whose output is rounded to their format (to nearest
+  // even), above half its smallest subnormal and under its largest finite value plus half a unit
+  // in its last place (the ties round to 0 and to inf), so that rows_ok holds of the rounded
+  // output (set_rounded_range).
+  T floor = T(0), ceiling = std::numeric_limits<T>::infinity();
+  template <typename H>
+  void set_rounded_range() {
+    const H top = std::numeric_limits<H>::max(), below(static_cast<uint16_t>(top.x - 1), H::from_bits());
+    floor = static_cast<T>(std::numeric_limits<H>::denorm_min()) / T(2);
+    ceiling = static_cast<T>(top) + (static_cast<T>(top) - static_cast<T>(below)) / T(2);
+  }
 };
 
 // One thread's buffers for forward blocks.
@@ -1177,8 +1187,8 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
               round_row(dst, P.Dv, reinterpret_cast<at::Half*>(row16));
           }
         }
-        // Finite and not all zeros: 0 < peak < inf, false for NaN.
-        suspect = suspect || (P.Dv > 0 && !(peak > T(0) && peak < std::numeric_limits<T>::infinity() && peak >= O.tiny && peak <= O.huge));
+        // Finite and not all zeros (once rounded, for 16-bit inputs): floor < peak < ceiling.
+        suspect = suspect || (P.Dv > 0 && !(peak > O.floor && peak < O.ceiling));  // false for NaN
         O.lse[row0 + r] = has ? m[r] + std::log(safe) : neg_inf;
         O.m[row0 + r] = has ? m[r] : T(0);
         O.l[row0 + r] = safe;
@@ -1449,9 +1459,9 @@ uint16_t* pack_memory(int64_t n, PackPtr& own) {
 // written): the forward's k^T and v (Problem::kpack, vpack), or the backward's k^T, v^T and k
 // (kpack, vtpack, kpairs). Packed sequences pack each sequence's keys on their own
 // (Problem::seq_packs, in seqs). Returns the call's own memory (null where the thread's serves).
-// kmax (or null; forward only, not with packed sequences): each key head's key_norm, made beside
-// the packing: max |v| from the values the packing reads, max |k_j| from the packed k^T, still in
-// the caches (packed_key_norm2).
+// kmax (or null; forward only): each key head's key_norm, (B, Hkv) (packed sequences: (nseq,
+// Hkv), each sequence's own, in seqs), made beside the packing: max |v| from the values the packing
+// reads, max |k_j| from the packed k^T, still in the caches (packed_key_norm2).
 template <typename T>
 PackPtr pack_problem(Problem<T>& P, bool backward, SequencePacks& seqs, T* kmax = nullptr) {
   const int64_t D = P.D, Dv = P.Dv, n = P.spans ? P.nseq : 1;
@@ -1497,7 +1507,7 @@ PackPtr pack_problem(Problem<T>& P, bool backward, SequencePacks& seqs, T* kmax 
       } else if (kmax) {  // head_key_norm's result, from the packing's reads and the packed k^T
         const uint16_t peak = pack_paired_peak(v, Q.v_sl, Q.S, Dv, Q.s_pad, second + bh * Q.s_pad * Dv);
         const float vmax = peak > 0x7f80 ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(c10::BFloat16(peak, c10::BFloat16::from_bits()));
-        kmax[bh] = settle_norm(Q, static_cast<T>(packed_key_norm2(kt + bh * D * Q.s_pad, Q.S, D, Q.s_pad)), static_cast<T>(vmax));
+        kmax[s * Q.B * Q.Hkv + bh] = settle_norm(Q, static_cast<T>(packed_key_norm2(kt + bh * D * Q.s_pad, Q.S, D, Q.s_pad)), static_cast<T>(vmax));
       } else {
         pack_paired(v, Q.v_sl, Q.S, Dv, Q.s_pad, second + bh * Q.s_pad * Dv);
       }
@@ -1508,6 +1518,9 @@ PackPtr pack_problem(Problem<T>& P, bool backward, SequencePacks& seqs, T* kmax 
       seqs.kpack.push_back(Q.kpack), seqs.vpack.push_back(Q.vpack), seqs.vtpack.push_back(Q.vtpack);
       seqs.kpairs.push_back(Q.kpairs), seqs.s_pad.push_back(Q.s_pad);
     }
+    if constexpr (std::is_same_v<T, float>)
+      if (kmax)
+        for (int64_t s = 0; s < n; ++s) seqs.kmax.push_back(kmax + s * parts[s].B * parts[s].Hkv);
     P.seq_packs = &seqs;
   } else {
     P.kpack = parts[0].kpack, P.vpack = parts[0].vpack, P.vtpack = parts[0].vtpack, P.kpairs = parts[0].kpairs;
@@ -1907,32 +1920,32 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
   AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_forward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
                                     mask, block_q, block_k, spans, half_products);
-    // Settling needs a bound on every logit (no ALiBi, no float mask), and pays only for rows that
-    // see more than one key tile. Its pass over k and v (with brgemm, head by head beside the
-    // packing) costs several query rows' products: packed sequences (each row sees only its own
-    // sequence's keys, so the pass costs more than it saves there) and calls with fewer than 1024
-    // query rows go without.
+    // Settling needs a bound on every logit (no ALiBi, no float mask). With brgemm the key norms
+    // come beside the packing, from its reads (pack_problem), at little cost: every such call
+    // settles, packed sequences each on their own keys' norms, and bfloat16 rows of a single
+    // key tile save its max pass too (forward_block's early settle). Elsewhere the norms take a
+    // pass over k and v of their own, which costs several query rows' products and pays only for
+    // rows that see more than one key tile: packed sequences (each row sees only its own
+    // sequence's keys) and calls with fewer than 1024 query rows go without.
     std::vector<scalar_t> kmax;
-    const bool settles = P.alibi == nullptr && P.fmask == nullptr && P.spans == nullptr && P.L >= 1024 && P.S > P.block_k;
     const bool brgemm = takes_brgemm(P, false);
+    const bool bounded = P.alibi == nullptr && P.fmask == nullptr;
+    const bool settles = bounded && (brgemm || (P.spans == nullptr && P.L >= 1024 && P.S > P.block_k));
     if (settles && !brgemm) kmax = key_norms(P);
     SequencePacks seqs;
     PackPtr packed;  // brgemm's k^T and v, every key head (P.kpack, P.vpack)
     if (brgemm) {
-      if (settles) kmax.resize(P.B * P.Hkv);
+      if (settles) kmax.resize((P.spans ? P.nseq : 1) * P.B * P.Hkv);
       packed = pack_problem(P, false, seqs, settles ? kmax.data() : nullptr);
     }
-    if (settles) P.kmax = kmax.data();
+    if (settles && !P.spans) P.kmax = kmax.data();  // packed: each sequence's, from seqs
     ForwardOut<scalar_t> O{out16 ? nullptr : out.data_ptr<scalar_t>(), nullptr, kNoHalf, lse.data_ptr<scalar_t>(),
                            m.data_ptr<scalar_t>(), l.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr, &suspect};
     if (out16) O.out16 = static_cast<uint16_t*>(out.data_ptr()), O.out16_kind = half_kind(q);
-    if (P.half == kBF16) {
-      O.tiny = static_cast<scalar_t>(std::numeric_limits<at::BFloat16>::denorm_min());
-      O.huge = static_cast<scalar_t>(std::numeric_limits<at::BFloat16>::max());
-    } else if (P.half == kF16) {
-      O.tiny = static_cast<scalar_t>(std::numeric_limits<at::Half>::denorm_min());
-      O.huge = static_cast<scalar_t>(std::numeric_limits<at::Half>::max());
-    }
+    if (P.half == kBF16)
+      O.template set_rounded_range<at::BFloat16>();
+    else if (P.half == kF16)
+      O.template set_rounded_range<at::Half>();
     if (with_stats) {
       O.max_logit = result[4].data_ptr<scalar_t>();
       O.max_prob = result[5].data_ptr<scalar_t>();
