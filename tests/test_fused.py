@@ -531,17 +531,14 @@ def test_bfloat16_rows_with_a_bound_of_at_most_47_25_settle_before_their_first_t
     assert math.isfinite(err) and err <= 2 * err_math + TOLERANCE_FLOOR[torch.bfloat16] * 1e30, f"{err} against the math backend's {err_math}"
 
 
-@pytest.mark.parametrize("products", ["brgemm", "oneMKL"])
-def test_bfloat16_rows_of_short_calls_and_packed_sequences_settle_where_brgemm_packs(products, monkeypatch):
+def test_bfloat16_rows_of_short_calls_and_packed_sequences_settle_where_brgemm_packs(half_path):
     """With brgemm the key norms come from the packing's reads: a call of fewer than 1024 query
     rows over a single key tile settles its bfloat16 rows before their first tile too, and packed
     sequences each settle on their own keys' norms (here bounds 20 and 40: offsets -14.5 and 5.5).
-    Where oneMKL multiplies (oneDNN off) such calls keep the running max: m is the row's largest
-    logit. Either way the outputs stay within twice the math backend's error of float64."""
-    if not ops.half_products(torch.bfloat16) or not kernels.load().brgemm_runs():
-        pytest.skip("this CPU does not multiply bfloat16 tiles natively through brgemm")
-    if products == "oneMKL":
-        monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    Where oneMKL multiplies, or the kernel converts the tiles to float32, such calls keep the
+    running max: m is the row's largest logit. Either way the outputs stay within twice the math
+    backend's error of float64."""
+    brgemm = half_path and kernels.load().brgemm_runs()  # the fixture's "oneMKL" switches oneDNN off
     gen = torch.Generator().manual_seed(12)
     D, tops, lengths = 16, (20.0, 40.0), ((100, 300), (60, 700))  # (query rows, keys) per sequence
     qs, ks, vs = [], [], []
@@ -554,12 +551,12 @@ def test_bfloat16_rows_of_short_calls_and_packed_sequences_settle_where_brgemm_p
         qs.append(q), ks.append(k), vs.append(torch.randn(S, 1, D, generator=gen))
     q, k, v = (torch.cat(t).bfloat16() for t in (qs, ks, vs))  # (total, heads, D)
     spans = torch.tensor([[0, 100, 0, 300], [100, 160, 300, 1000]])
-    args = (None, None, spans, 1.0, 0.0, False, 0, -1, -1, 0, 0, False, 0, 0, True, False)
+    args = (None, None, spans, 1.0, 0.0, False, 0, -1, -1, 0, 0, False, 0, 0, half_path, False)
     m = ops.run_forward(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), *args)[2][0, 0]  # (total,)
     first = q[:100], k[:300], v[:300]  # the first sequence as a call of its own
     alone = ops.run_forward(*(t.transpose(0, 1).unsqueeze(0) for t in first), *args[:2], None, *args[3:])[2][0, 0]
     logits = [qs[i][:, 0].double() @ ks[i][:, 0].bfloat16().double().T for i in range(2)]
-    if products == "brgemm":
+    if brgemm:
         assert (m[:100] == tops[0] - 34.5).all() and (m[100:] == tops[1] - 34.5).all() and (alone == tops[0] - 34.5).all()
     else:
         torch.testing.assert_close(m.double(), torch.cat([x.amax(-1) for x in logits]), rtol=0, atol=1e-5)
@@ -617,13 +614,11 @@ def _round_out_cases(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("products16", [False, True], ids=["tiles", "products"])
-def test_a_16_bit_output_rounded_by_the_kernel_has_the_bits_of_its_float32_rows_rounded_after(dtype, products16):
+def test_a_16_bit_output_rounded_by_the_kernel_has_the_bits_of_its_float32_rows_rounded_after(half_path, dtype):
     """round_out: the kernel writes a 16-bit call's output in the inputs' format as it finishes
-    each row. It must equal the float32 output rounded afterwards (torch's cast) bit for bit, and
-    leave every other output (lse, m, l, statistics, the rows_ok verdict) as it was."""
-    if products16 and not ops.half_products(dtype):
-        pytest.skip(f"this CPU does not multiply {dtype} tiles natively")
+    each row, on every path. It must equal the float32 output rounded afterwards (torch's cast) bit
+    for bit, and leave every other output (lse, m, l, statistics, the rows_ok verdict) as it was."""
+    products16 = half_path
     for name, q, k, v, args in _round_out_cases(dtype):
         wide = ops.run_forward(q, k, v, *args, products16, False)
         rounded = ops.run_forward(q, k, v, *args, products16, True)

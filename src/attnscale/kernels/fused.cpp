@@ -1330,12 +1330,24 @@ bool takes_brgemm(const Problem<T>& P, bool backward) {
 }
 
 // Rows a, b (b null: zeros) of 16-bit entries interleaved as brgemm's VNNI-2 pair row, width pairs.
-inline void pair_rows(const uint16_t* a, const uint16_t* b, int64_t width, uint16_t* out) {
+// kPeak: also the rows' largest |entry| as bfloat16 bits with the sign cleared, into *peak (as
+// integers those order the magnitudes: inf 0x7f80, a NaN above it).
+template <bool kPeak = false>
+inline void pair_rows(const uint16_t* a, const uint16_t* b, int64_t width, uint16_t* out, uint16_t* peak = nullptr) {
   uint32_t* o = reinterpret_cast<uint32_t*>(out);
-  if (b)
-    for (int64_t c = 0; c < width; ++c) o[c] = uint32_t(a[c]) | uint32_t(b[c]) << 16;
-  else
-    for (int64_t c = 0; c < width; ++c) o[c] = uint32_t(a[c]);
+  uint16_t top = kPeak ? *peak : 0;
+  if (b) {
+    for (int64_t c = 0; c < width; ++c) {
+      o[c] = uint32_t(a[c]) | uint32_t(b[c]) << 16;
+      if constexpr (kPeak) top = std::max<uint16_t>(top, std::max<uint16_t>(a[c] & 0x7fff, b[c] & 0x7fff));
+    }
+  } else {
+    for (int64_t c = 0; c < width; ++c) {
+      o[c] = uint32_t(a[c]);
+      if constexpr (kPeak) top = std::max<uint16_t>(top, a[c] & 0x7fff);
+    }
+  }
+  if constexpr (kPeak) *peak = top;
 }
 
 // brgemm's VNNI-2 layouts of a key head's (S, width) rows x (row stride sl, 16-bit entries):
@@ -1358,32 +1370,13 @@ inline void pack_transposed(const uint16_t* x, int64_t sl, int64_t S, int64_t wi
     for (int64_t p = 0; p < width / 2; ++p) d[p * s_pad + S] = 0;
 }
 
-inline void pack_paired(const uint16_t* x, int64_t sl, int64_t S, int64_t width, int64_t s_pad, uint16_t* out) {
-  for (int64_t j = 0; j < s_pad; j += 2) {
-    pair_rows(x + j * sl, j + 1 < S ? x + (j + 1) * sl : nullptr, width, out + j * width);
-  }
-}
-
-// pack_paired of bfloat16 rows, returning their largest |entry| as bfloat16 bits with the sign
-// cleared: as integers those order the magnitudes (inf 0x7f80, a NaN above it), so the forward's
-// pass over v for head_key_norm's test rides on the packing's reads.
-inline uint16_t pack_paired_peak(const uint16_t* x, int64_t sl, int64_t S, int64_t width, int64_t s_pad, uint16_t* out) {
+// kPeak (bfloat16 rows): returns their largest |entry| as pair_rows gives it, so the forward's
+// pass over v for head_key_norm's test rides on the packing's reads (0 without).
+template <bool kPeak = false>
+inline uint16_t pack_paired(const uint16_t* x, int64_t sl, int64_t S, int64_t width, int64_t s_pad, uint16_t* out) {
   uint16_t peak = 0;
-  for (int64_t j = 0; j < S; j += 2) {
-    const uint16_t* a = x + j * sl;
-    const uint16_t* b = j + 1 < S ? x + (j + 1) * sl : nullptr;
-    uint32_t* o = reinterpret_cast<uint32_t*>(out + j * width);
-    if (b) {
-      for (int64_t c = 0; c < width; ++c) {
-        o[c] = uint32_t(a[c]) | uint32_t(b[c]) << 16;
-        peak = std::max<uint16_t>(peak, std::max<uint16_t>(a[c] & 0x7fff, b[c] & 0x7fff));
-      }
-    } else {
-      for (int64_t c = 0; c < width; ++c) {
-        o[c] = uint32_t(a[c]);
-        peak = std::max<uint16_t>(peak, a[c] & 0x7fff);
-      }
-    }
+  for (int64_t j = 0; j < s_pad; j += 2) {
+    pair_rows<kPeak>(x + j * sl, j + 1 < S ? x + (j + 1) * sl : nullptr, width, out + j * width, &peak);
   }
   return peak;
 }
@@ -1505,7 +1498,7 @@ PackPtr pack_problem(Problem<T>& P, bool backward, SequencePacks& seqs, T* kmax 
         pack_transposed(v, Q.v_sl, Q.S, Dv, Q.s_pad, second + bh * Dv * Q.s_pad);
         pack_paired(k, Q.k_sl, Q.S, D, Q.s_pad, kp + bh * Q.s_pad * D);
       } else if (kmax) {  // head_key_norm's result, from the packing's reads and the packed k^T
-        const uint16_t peak = pack_paired_peak(v, Q.v_sl, Q.S, Dv, Q.s_pad, second + bh * Q.s_pad * Dv);
+        const uint16_t peak = pack_paired<true>(v, Q.v_sl, Q.S, Dv, Q.s_pad, second + bh * Q.s_pad * Dv);
         const float vmax = peak > 0x7f80 ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(c10::BFloat16(peak, c10::BFloat16::from_bits()));
         kmax[s * Q.B * Q.Hkv + bh] = settle_norm(Q, static_cast<T>(packed_key_norm2(kt + bh * D * Q.s_pad, Q.S, D, Q.s_pad)), static_cast<T>(vmax));
       } else {
