@@ -42,14 +42,14 @@ def cpu_name() -> str:
 
 def commit() -> str:
     """The checkout's commit (``+dirty`` where the measured code, src/ or benchmarks/, has
-    uncommitted changes), or "unknown" outside git."""
+    uncommitted changes); outside git (a copy of a checkout) ``$BENCH_COMMIT``, else "unknown"."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("BENCH_COMMIT", "").strip() or "unknown"
     return head + ("+dirty" if dirty else "")
 
 

@@ -395,12 +395,16 @@ def test_mods_are_the_score_path():
 # --- BlockMasks from key intervals -------------------------------------------------------------
 
 def _dense_blocks(block_mask, nk):
-    """A BlockMask's (nq, nk) partial and full block tables."""
-    from torch.nn.attention.flex_attention import _ordered_to_dense
+    """A BlockMask's (nq, nk) partial and full block tables (row i: the first counts[i] entries of
+    indices[i] are its blocks; written here, as torch's private helper for it changes signature)."""
 
-    partial = _ordered_to_dense(block_mask.kv_num_blocks, block_mask.kv_indices, nk)[0, 0].bool()
-    full = _ordered_to_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, nk)[0, 0].bool()
-    return partial, full
+    def dense(counts, indices):
+        counts, indices = counts[0, 0], indices[0, 0]  # (nq,), (nq, max blocks)
+        listed = torch.arange(indices.shape[-1]) < counts[:, None]
+        table = torch.zeros(counts.shape[0], nk + 1, dtype=torch.bool)
+        return table.scatter_(1, torch.where(listed, indices, nk).long(), True)[:, :nk]  # unlisted -> column nk, dropped
+
+    return dense(block_mask.kv_num_blocks, block_mask.kv_indices), dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
 
 
 @pytest.mark.parametrize(

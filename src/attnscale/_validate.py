@@ -49,13 +49,12 @@ def _shape(t: Tensor) -> str:
 def check_choice(arg: str, value: object, enum: type[StrEnum]) -> StrEnum:
     if isinstance(value, enum):
         return value
+    if isinstance(value, str) and value in enum._value2member_map_:  # no iteration over the enum: torch 2.11's dynamo cannot trace one
+        return enum(value)
     choices = ", ".join(repr(m.value) for m in enum)
     if not isinstance(value, str):
         fail(arg, f"one of {choices}", repr(value), f"pass one of {choices}", exc=TypeError)
-    try:
-        return enum(value)
-    except ValueError:
-        fail(arg, f"one of {choices}", repr(value), f"pass one of {choices}")
+    fail(arg, f"one of {choices}", repr(value), f"pass one of {choices}")
 
 
 def check_positive_finite(arg: str, value: object, *, allow_none: bool = True) -> float | None:
