@@ -18,8 +18,9 @@ PY="${PYTHON:-python3}"
   "$PY" -c 'import time; t = time.perf_counter(); import attnscale; from attnscale import flex; print("import attnscale", round(time.perf_counter() - t, 2), "s; flex available:", flex.available())'
 } 2>&1 | tee "$OUT/env.txt"
 start=$(date +%s)
+# -p no:benchmark: pytest-benchmark, where installed, warns under xdist (an error with filterwarnings).
 # -n: the tests' FlexAttention compilations in parallel worker processes (each compiles its own).
-timeout "${TEST_SECONDS:-300}" "$PY" -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" -o addopts="" \
+timeout "${TEST_SECONDS:-300}" "$PY" -m pytest -q -p no:cacheprovider -p no:benchmark -n "${TEST_WORKERS:-8}" -o addopts="" \
   --strict-markers --import-mode=importlib -rfEs --junitxml="$OUT/junit.xml" \
   tests/test_cuda.py tests/test_flex.py -k cuda 2>&1 | tee "$OUT/tests.log"
 echo "tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s" | tee -a "$OUT/tests.log"

@@ -42,14 +42,18 @@ def cpu_name() -> str:
 
 def commit() -> str:
     """The checkout's commit (``+dirty`` where the measured code, src/ or benchmarks/, has
-    uncommitted changes); outside git (a copy of a checkout) ``$BENCH_COMMIT``, else "unknown"."""
+    uncommitted changes), or "unknown" outside git; ``$BENCH_COMMIT`` names it for a copy of the
+    checkout (a machine the tree was sent to)."""
+    named = os.environ.get("BENCH_COMMIT", "").strip()
+    if named:
+        return named
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BENCH_COMMIT", "").strip() or "unknown"
+        return "unknown"
     return head + ("+dirty" if dirty else "")
 
 

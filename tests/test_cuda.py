@@ -37,3 +37,34 @@ def test_forcing_the_compiled_kernel_on_cuda_is_refused():
     q, k, v = (t.cuda() for t in inputs())
     with pytest.raises(ValueError, match="not a CPU tensor"):
         attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, backend="fused")
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [{"is_causal": True, "softcap": 30.0}, {"is_causal": True}, {"window": (64, 0)}, {"alibi": True}, {"float_mask": True}],
+    ids=["causal-softcap", "causal", "window", "alibi", "float-mask"],
+)
+def test_a_flex_call_on_cuda_waits_for_the_device_once(opts):
+    """The guard's numbers (row peaks, max |q|, |k|, slopes, mask) come back in one transfer: every
+    synchronizing operation of a warm call is listed here, and one is all there may be."""
+    import warnings
+
+    q, k, v = (t.cuda().float() for t in inputs())
+    opts = dict(opts)
+    if opts.pop("alibi", False):
+        opts["alibi_slopes"] = attnscale.alibi_slopes(4).cuda()
+    if opts.pop("float_mask", False):
+        opts["attn_mask"] = torch.randn(33, 33, device="cuda").masked_fill(torch.rand(33, 33, device="cuda") < 0.2, float("-inf"))
+        opts["softcap"] = 20.0
+    attnscale.scaled_dot_product_attention(q, k, v, backend="flex", **opts)  # compile, cache the block mask
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            attnscale.scaled_dot_product_attention(q, k, v, backend="flex", **opts)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
+    assert attnscale.last_backend() == "flex"
+    assert len(syncs) == 1, syncs

@@ -209,7 +209,10 @@ def mods(
     device = torch.device(device)
 
     def constant(x: float | int, kind: torch.dtype | None = None) -> Tensor | float | int:
-        return torch.tensor(x, dtype=kind, device=device) if captured else x
+        if not captured:
+            return x
+        # torch.full fills on the device; torch.tensor would copy from the host and wait for the device
+        return torch.full((), x, dtype=kind or (torch.int64 if isinstance(x, int) else torch.get_default_dtype()), device=device)
 
     if documents is None:
         offset = constant(path.q_offset)

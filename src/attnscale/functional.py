@@ -423,22 +423,25 @@ def abs_max(x: Tensor) -> float:
     return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
 
 
-def _logit_bound(call: AttentionCall, q_max: float, k_max: float, attn_mask: Tensor | None, alibi_slopes: Tensor | None) -> float:
+def _logit_bound(
+    call: AttentionCall, q_max: float, k_max: float, attn_mask: Tensor | None, alibi_slopes: Tensor | None, amax: Callable[[Tensor], float] = abs_max
+) -> float:
     """An upper bound on |logit| over every (query, key) pair, from the largest entries |q| <= q_max
     and |k| <= k_max (NaN gives NaN): ``|q.k| <= D q_max k_max`` times the scale (or the softcap),
     plus the largest ALiBi bias and the largest finite float-mask value. With softcap, also on the
     products the cap is taken of: a product that overflowed is capped to a finite logit (tanh(inf)
-    = 1) of the wrong size or sign, a row no output check can tell from a right one."""
+    = 1) of the wrong size or sign, a row no output check can tell from a right one. ``amax`` reads
+    max |x| (:func:`abs_max`, or the values :class:`_OneRead` fetched)."""
     if math.isnan(q_max) or math.isnan(k_max):  # max() below would drop a NaN it gets second
         return math.nan
     softcap = call.path.softcap
     bound = call.path.scale * call.D * q_max * k_max if softcap is None else softcap
     if alibi_slopes is not None:
-        bound += abs_max(alibi_slopes) * max(call.L, call.S)  # |i' - j| < max(L, S)
+        bound += amax(alibi_slopes) * max(call.L, call.S)  # |i' - j| < max(L, S)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
-        peak = abs_max(attn_mask)
+        peak = amax(attn_mask)
         if peak == math.inf:  # -inf hides a key, it is no logit
-            peak = abs_max(attn_mask.detach().nan_to_num(neginf=0.0))
+            peak = amax(attn_mask, finite_part=True) if isinstance(amax, _OneRead) else abs_max(attn_mask.detach().nan_to_num(neginf=0.0))
         bound += peak
     if softcap is not None:
         # Before the cap, whichever order a backend multiplies in: q.k, then the scale (and
@@ -455,8 +458,56 @@ def _finite_sum(x: Tensor) -> bool:
     return math.isfinite(float(x.detach().sum(dtype=wide)))
 
 
+class _OneRead:
+    """The guard's numbers for tensors on an accelerator, read back in one transfer: the row peaks'
+    range and max |x| of q, k, the slopes and a float mask (also with its -inf entries as 0), each a
+    reduction queued behind the attention. Reading them one by one waits for the device once per
+    number, and the host's work between the waits leaves the device idle. Called with a tensor it
+    read, it gives that max |x| (:func:`abs_max` for any other)."""
+
+    def __init__(self, peaks: Tensor, tensors: tuple[Tensor | None, ...], mask: Tensor | None) -> None:
+        parts: list[Tensor] = [peaks.amin(), peaks.amax()] if peaks.numel() else []
+        self._at: dict[tuple[int, bool], int] = {}
+        float_mask = mask if mask is not None and mask.dtype != torch.bool else None
+        for t, finite_part in [(t, False) for t in (*tensors, float_mask)] + [(float_mask, True)]:
+            if t is not None and (id(t), finite_part) not in self._at:
+                self._at[id(t), finite_part] = len(parts)
+                parts.append(_abs_peak(t.detach().nan_to_num(neginf=0.0) if finite_part else t.detach()))
+        self._values = torch.stack([p.double() for p in parts]).tolist() if parts else []  # the one wait
+        self.peaks = (self._values[0], self._values[1]) if peaks.numel() else (1.0, 1.0)
+
+    def rows_look_right(self) -> bool:
+        """:func:`_rows_look_right` on the fetched peaks."""
+        lo, hi = self.peaks
+        return 0.0 < lo and hi < math.inf  # NaN fails both
+
+    def __call__(self, t: Tensor, *, finite_part: bool = False) -> float:
+        at = self._at.get((id(t), finite_part))
+        if at is None:
+            return abs_max(t.detach().nan_to_num(neginf=0.0) if finite_part else t)
+        return self._values[at]
+
+    def finite(self, t: Tensor) -> bool:
+        """Whether t holds no NaN or inf (:func:`_finite_sum`'s question)."""
+        return math.isfinite(self(t))
+
+
+def _abs_peak(x: Tensor) -> Tensor:
+    """max |x| as a 0-dim tensor on x's device (NaN if x holds one; 0 if empty), no host wait."""
+    if x.numel() == 0:
+        return x.new_zeros(())
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(hi, lo.neg())  # maximum propagates NaN
+
+
 def _rows_may_hide_trouble(
-    chosen: Backend, call: AttentionCall, query: Tensor, key: Tensor, attn_mask: Tensor | None, alibi_slopes: Tensor | None
+    chosen: Backend,
+    call: AttentionCall,
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | None,
+    alibi_slopes: Tensor | None,
+    read: _OneRead | None = None,
 ) -> bool:
     """Whether finite, non-zero output rows may still be wrong, from a bound on the logits:
     O((L + S) * D), small next to the call's O(L * S * D).
@@ -470,13 +521,14 @@ def _rows_may_hide_trouble(
     the output right but the gradients NaN (0 times NaN in dS k). (An inf in q cannot: its row's
     products are all -inf, a zero row, or one is NaN or +inf.) The compiled kernel makes an
     infinite product's logit NaN, which its own row check reports, so only its gradients need
-    the look at k.
+    the look at k. ``read``: the numbers fetched in one transfer (tensors on an accelerator).
     """
+    finite, amax = (_finite_sum, abs_max) if read is None else (read.finite, read)
     if chosen is Backend.FUSED:
-        return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad) and not _finite_sum(key)
+        return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad) and not finite(key)
     if chosen is not Backend.TILED and call.path.softcap is None:
-        return not _finite_sum(key)
-    bound = _logit_bound(call, abs_max(query), abs_max(key), attn_mask, alibi_slopes)
+        return not finite(key)
+    bound = _logit_bound(call, amax(query), amax(key), attn_mask, alibi_slopes, amax)
     if not math.isfinite(bound):  # NaN: a NaN in q or k (inf: may_overflow says so too)
         return True
     return may_overflow(bound, accumulation_dtype(query.dtype))
@@ -766,7 +818,12 @@ def scaled_dot_product_attention(
         out, stats = run(query, key, value)
     if not traced:
         peaks = _row_peaks(out) if rows_ok is None else None
-        if not (_rows_look_right(peaks) if rows_ok is None else bool(rows_ok)) or _rows_may_hide_trouble(chosen, call, query, key, attn_mask, alibi_slopes):
+        read = None if peaks is None or query.device.type == "cpu" else _OneRead(peaks, (query, key, alibi_slopes), attn_mask)
+        if read is not None:
+            suspect = not read.rows_look_right() or _rows_may_hide_trouble(chosen, call, query, key, attn_mask, alibi_slopes, read)
+        else:
+            suspect = not (_rows_look_right(peaks) if rows_ok is None else bool(rows_ok)) or _rows_may_hide_trouble(chosen, call, query, key, attn_mask, alibi_slopes)
+        if suspect:
             peaks = _row_peaks(out) if peaks is None else peaks
             out, stats = _careful(run, chosen, call, query, key, value, attn_mask, alibi_slopes, (out, stats), peaks, sinks)
         _record(chosen, why)
