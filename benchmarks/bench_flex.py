@@ -93,9 +93,11 @@ def _plain_flex(q: torch.Tensor, k: torch.Tensor, opts: dict[str, object]) -> Ca
 
     masked = causal or window is not None
     block = create_block_mask(mask_mod, None, None, L, S, device="cuda") if masked else None
-    # Each case's closures compile once more; past torch's recompile limit (8) FlexAttention would
-    # run eagerly (the whole score matrix) and the baseline would be slow for the wrong reason.
-    torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
+    # Each case's closures compile once more, into the cache of the function attnscale's backend
+    # compiles too; past torch's recompile limit (8) FlexAttention would run eagerly (the whole
+    # score matrix) and the baseline would be slow for the wrong reason: a limit no run reaches,
+    # and a hard error if one does.
+    torch._dynamo.config.recompile_limit = max(1024, torch._dynamo.config.recompile_limit)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     compiled = torch.compile(flex_attention)
     gqa = q.shape[-3] != k.shape[-3]

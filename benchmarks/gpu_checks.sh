@@ -3,7 +3,8 @@
 # installed (no package registry needed): attnscale from src/ (PYTHONPATH, not installed), the
 # compiled CPU kernel not built (ATTNSCALE_NO_KERNEL=1: CUDA tensors never use it), then
 #   1. the CUDA tests of tests/test_cuda.py and tests/test_flex.py (JUnit XML and log in OUT),
-#   2. python benchmarks/bench_flex.py --quick --json OUT/flex_gpu.json, cut at BENCH_MINUTES.
+#   2. with PROFILE set, benchmarks/profile_flex.py into OUT/profile.txt,
+#   3. python benchmarks/bench_flex.py --quick (or BENCH_ARGS) --json OUT/flex_gpu.json, cut at BENCH_MINUTES.
 #
 #   OUT=/tmp/gpu BENCH_MINUTES=5 BENCH_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_checks.sh
 set -uo pipefail
@@ -24,6 +25,9 @@ timeout "${TEST_SECONDS:-300}" "$PY" -m pytest -q -p no:cacheprovider -p no:benc
   --strict-markers --import-mode=importlib -rfEs --junitxml="$OUT/junit.xml" \
   tests/test_cuda.py tests/test_flex.py -k cuda 2>&1 | tee "$OUT/tests.log"
 echo "tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s" | tee -a "$OUT/tests.log"
+if [ -n "${PROFILE:-}" ]; then  # where a flex call's time goes (benchmarks/profile_flex.py)
+  timeout 120 "$PY" benchmarks/profile_flex.py > "$OUT/profile.txt" 2>&1; echo "profile: exit $?"
+fi
 start=$(date +%s)
-"$PY" benchmarks/bench_flex.py --quick --max-minutes "${BENCH_MINUTES:-5}" --json "$OUT/flex_gpu.json" 2>&1 | tee "$OUT/bench.log"
+"$PY" benchmarks/bench_flex.py ${BENCH_ARGS:---quick} --max-minutes "${BENCH_MINUTES:-5}" --json "$OUT/flex_gpu.json" 2>&1 | tee "$OUT/bench.log"
 echo "bench: exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log"

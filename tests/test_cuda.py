@@ -47,6 +47,7 @@ def test_forcing_the_compiled_kernel_on_cuda_is_refused():
 def test_a_flex_call_on_cuda_waits_for_the_device_once(opts):
     """The guard's numbers (row peaks, max |q|, |k|, slopes, mask) come back in one transfer: every
     synchronizing operation of a warm call is listed here, and one is all there may be."""
+    import traceback
     import warnings
 
     q, k, v = (t.cuda().float() for t in inputs())
@@ -58,13 +59,14 @@ def test_a_flex_call_on_cuda_waits_for_the_device_once(opts):
         opts["softcap"] = 20.0
     attnscale.scaled_dot_product_attention(q, k, v, backend="flex", **opts)  # compile, cache the block mask
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as seen:
+    syncs = []  # where each synchronizing operation was issued: the Python stack at its warning
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *_, **__: syncs.append("".join(traceback.format_stack(limit=8)[:-1])) if "synchroniz" in str(message) else None
         torch.cuda.set_sync_debug_mode("warn")
         try:
             attnscale.scaled_dot_product_attention(q, k, v, backend="flex", **opts)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = [f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
     assert attnscale.last_backend() == "flex"
-    assert len(syncs) == 1, syncs
+    assert len(syncs) == 1, "\n\n".join(syncs)

@@ -84,10 +84,10 @@ def run_math(q, k, v, mask=None, **opts):
     return attnscale.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, backend="math", **opts)
 
 
-def case_inputs(case, dtype=torch.float64):
+def case_inputs(case, dtype=torch.float64, D=7, Dv=5):
     softcap, alibi, window, causal, mask_kind = FEATURES[case]
     H, Hkv, L, S = SHAPES[case % len(SHAPES)]
-    q, k, v = make_inputs(H=H, Hkv=Hkv, L=L, S=S, seed=case, dtype=dtype)
+    q, k, v = make_inputs(H=H, Hkv=Hkv, L=L, S=S, D=D, Dv=Dv, seed=case, dtype=dtype)
     mask = make_mask(mask_kind, B=2, H=H, L=L, S=S, seed=case)
     return q, k, v, mask, options(softcap=softcap, alibi=alibi, window=window, causal=causal, H=H)
 
@@ -343,8 +343,9 @@ def test_auto_on_cuda_prefers_torch_then_flex_then_the_rest():
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_cuda_forward_backward_and_statistics_match_math(case, with_sinks):
     """On a GPU: compiled FlexAttention, forward and backward in float32, statistics with the
-    compiled lse, against the math backend on the same device."""
-    q, k, v, mask, opts = case_inputs(case, dtype=torch.float32)
+    compiled lse, against the math backend on the same device (head dims 16: the least
+    FlexAttention's GPU kernels take)."""
+    q, k, v, mask, opts = case_inputs(case, dtype=torch.float32, D=16, Dv=16)
     dev = "cuda"
     q, k, v = (t.to(dev).requires_grad_() for t in (q, k, v))
     mask = None if mask is None else mask.to(dev)
@@ -567,8 +568,9 @@ def test_what_gpu_flexattention_refuses_sends_auto_elsewhere(shape, dtype, needl
 @pytest.mark.parametrize("opts", VARLEN_OPTIONS, ids=lambda o: "-".join(o) or "plain")
 def test_cuda_packed_sequences_forward_and_backward_match_math(opts):
     """On a GPU auto runs packed sequences as one compiled FlexAttention call, forward and
-    backward, float32, against the math backend's per-sequence calls on the same device."""
-    q, k, v, cu_q, cu_k, opts = _varlen_inputs(torch.float32, opts)
+    backward, float32, against the math backend's per-sequence calls on the same device (head
+    dims 16: the least FlexAttention's GPU kernels take)."""
+    q, k, v, cu_q, cu_k, opts = _varlen_inputs(torch.float32, opts, Dv=16)
     q, k, v = (t.cuda().requires_grad_() for t in (q, k, v))
     cu_q, cu_k = cu_q.cuda(), cu_k.cuda()
     opts = {name: (val.cuda() if isinstance(val, torch.Tensor) else val) for name, val in opts.items()}
