@@ -47,6 +47,7 @@ def test_the_recorded_benchmarks_appear_in_the_docs():
         ("README.md", "benchmarks/recorded/fused_amd_epyc_avx512.json"),
         ("README.md", "benchmarks/recorded/fused_amd_epyc_avx2_code.json"),
         ("README.md", "benchmarks/recorded/sdpa_memory.json"),
+        ("README.md", "benchmarks/recorded/flex_gpu.json"),
         ("monitor.md", "benchmarks/recorded/monitor_train.json"),
     }
 

@@ -419,7 +419,12 @@ def _compiled(device_type: str) -> Callable[..., object]:
 
     def call(*args: object, **kwargs: object) -> object:
         limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
-        with torch._dynamo.config.patch(recompile_limit=limit):
+        with torch._dynamo.config.patch(recompile_limit=limit), warnings.catch_warnings():
+            # torch 2.11's dynamo, tracing FlexAttention's input checks on tensors that require
+            # grad, reads .grad of the non-leaf q, k, v (views of the caller's tensors) and warns
+            # of it; nothing of ours or the caller's reads it (under an "error" warnings filter,
+            # as in tests, the trace failed).
+            warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor", category=UserWarning)
             return compiled(*args, **kwargs)
 
     return call
