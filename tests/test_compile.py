@@ -395,3 +395,43 @@ def test_default_blocks_follow_the_rule_of_the_kernels_tiles():
     assert ops.default_blocks(False, False, 1, None) == (ops.BLOCK_Q, ops.BLOCK_K_FEW_ROWS)
     spans = torch.tensor([[0, 3000, 0, 3000], [3000, 3010, 3000, 3010]])  # packed: by the longest sequence
     assert ops.default_blocks(True, False, 3010, spans) == (ops.BLOCK_Q, ops.BLOCK_K)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"is_causal": True}, {"mask": True}, {"gqa": True}, {"backend": "torch", "gqa": True}],
+    ids=["plain", "causal", "bool-mask", "gqa", "torch-gqa"],
+)
+def test_fullgraph_dynamic_compile_of_everyday_calls_equals_eager(options):
+    """``torch.compile(fullgraph=True, dynamic=True)``, the common way to compile attention, on the
+    calls torch's own kernel serves: GQA's ``enable_gqa`` reaches torch's SDPA as a bool, not a
+    SymBool (which it refused, failing the compile), at two lengths without a graph break."""
+    options = dict(options)
+    gqa, with_mask = options.pop("gqa", False), options.pop("mask", False)
+    torch._dynamo.reset()
+
+    def f(q, k, v, mask):
+        return attnscale.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, **options)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for L in (9, 23):
+        gen = torch.Generator().manual_seed(L)
+        q = torch.randn(2, 4, L, 8, generator=gen)
+        k, v = (torch.randn(2, 2 if gqa else 4, L, 8, generator=gen) for _ in range(2))
+        mask = torch.rand(L, L, generator=gen) > 0.2 if with_mask else None
+        torch.testing.assert_close(compiled(q, k, v, mask), f(q, k, v, mask), rtol=0, atol=1e-6)
+
+
+def test_packed_sequences_with_per_head_slopes_compile_with_dynamic_shapes():
+    """varlen_attention with ALiBi slopes of shape (H,) under ``dynamic=True``: the slopes' shape is
+    checked size by size (a tuple of symbolic sizes against (H,) failed for some)."""
+    torch._dynamo.reset()
+    cu = torch.tensor([0, 5, 16])
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(16, 4, 8, generator=gen) for _ in range(3))
+
+    def f(q, k, v, slopes, cu):
+        return attnscale.varlen_attention(q, k, v, cu, cu, alibi_slopes=slopes, is_causal=True)
+
+    slopes = attnscale.alibi_slopes(4)
+    torch.testing.assert_close(torch.compile(f, dynamic=True)(q, k, v, slopes, cu), f(q, k, v, slopes, cu), rtol=0, atol=1e-6)

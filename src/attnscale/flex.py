@@ -526,7 +526,7 @@ def _run(
         score_mod=score_mod,
         block_mask=block_mask,
         scale=path.scale,
-        enable_gqa=q.shape[-3] != k.shape[-3],
+        enable_gqa=True if q.shape[-3] != k.shape[-3] else False,  # noqa: SIM210 - a bool under dynamic shapes too
         return_aux=AuxRequest(lse=True) if lse_here else None,
     )
     out, lse = (result[0], result[1].lse) if lse_here else (result, None)

@@ -308,7 +308,7 @@ def _torch_attention(
         dropout_p=call.dropout_p,
         is_causal=native_causal,
         scale=path.scale,
-        enable_gqa=call.H != call.Hkv,
+        enable_gqa=True if call.H != call.Hkv else False,  # noqa: SIM210 - a branch, so that dynamic shapes guard on it: a SymBool is no bool to torch's SDPA
     )
     return out.reshape(*batch, H, L, call.Dv)
 

@@ -154,7 +154,8 @@ def _check_alibi_slopes(slopes: object, H: int, B: int, device: torch.device) ->
     shapes = f"(H,) = ({H},) or (B, H) = ({B}, {H})"
     if not isinstance(slopes, Tensor) or slopes.dtype not in FLOAT_DTYPES:
         fail("alibi_slopes", f"a float tensor of shape {shapes}", repr(slopes)[:60], "use attnscale.alibi_slopes(H)", exc=TypeError)
-    if tuple(slopes.shape) not in ((H,), (B, H)):
+    # size by size, not tuple against tuple: under dynamic shapes the sizes are symbolic
+    if not ((slopes.ndim == 1 and slopes.shape[0] == H) or (slopes.ndim == 2 and slopes.shape[0] == B and slopes.shape[1] == H)):
         fail("alibi_slopes", f"shape {shapes}", _shape(slopes), "use attnscale.alibi_slopes(H), or stack one row per sequence")
     if slopes.device != device:
         fail("alibi_slopes", f"q's device {device}", f"device {slopes.device}", "move it: alibi_slopes.to(q.device)")
@@ -330,7 +331,7 @@ def varlen_attention(
             v[k0:k1].transpose(0, 1).unsqueeze(0),  # (1, Hkv, S_b, Dv)
             is_causal=is_causal,
             scale=scale,
-            enable_gqa=H != Hkv,
+            enable_gqa=True if H != Hkv else False,  # noqa: SIM210 - a bool under dynamic shapes too
             causal_alignment=CausalAlignment.BOTTOM_RIGHT,
             softcap=softcap,
             alibi_slopes=slopes,

@@ -204,7 +204,7 @@ def attnscale_attention_forward(
         dropout_p=float(dropout),
         is_causal=causal,
         scale=scaling,
-        enable_gqa=query.shape[-3] != key.shape[-3],
+        enable_gqa=True if query.shape[-3] != key.shape[-3] else False,  # noqa: SIM210 - a bool under dynamic shapes too
         softcap=softcap,
         window=window,
         sinks=_sink_logits(module, s_aux, sinks),
