@@ -405,3 +405,48 @@ def test_a_statistics_call_that_fails_leaves_the_models_result_and_warns(monkeyp
             got = model(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert mon.report().heads == () and mon.report().skipped_calls == 2
+
+
+def test_a_monitored_model_can_be_copied_pickled_saved_and_averaged():
+    """While the monitor is attached: deepcopy, pickle, torch.save of the whole model and
+    AveragedModel (EMA) work (the hooks held the monitor and its locks), and a copy's forward
+    records nothing under the original's names."""
+    import copy
+    import io
+    import pickle
+
+    model = Block()
+    x = torch.randn(2, 5, 48)
+    with attnscale.monitor(model) as mon:
+        clone = copy.deepcopy(model)
+        restored = pickle.loads(pickle.dumps(model))
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        ema = torch.optim.swa_utils.AveragedModel(model)
+        for other in (clone, restored, loaded, ema):
+            torch.testing.assert_close(other(x), model(x), rtol=0, atol=0)
+        mon.reset()
+        for other in (clone, restored, loaded, ema):
+            other(x)
+        assert not mon.report().heads  # the copies' calls are nobody's
+        model(x)
+        assert {h.calls for h in mon.report().heads} == {1}
+
+
+def test_activation_checkpointing_records_each_call_once():
+    """With gradient checkpointing the forward runs again inside backward: that recompute is not
+    recorded a second time (each head counted calls=2 before)."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = Block()
+    x = torch.randn(2, 5, 48, requires_grad=True)
+    with attnscale.monitor(model) as mon:
+        y = x
+        for layer in model.h:
+            y = y + checkpoint(layer, y, use_reentrant=False)
+        y.sum().backward()
+        heads = mon.report().heads
+    assert heads and {h.calls for h in heads} == {1}
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -111,6 +111,42 @@ def score_moments(query: Tensor, key: Tensor, batch: tuple[int, ...]) -> tuple[T
     return total, total2, math.prod(batch) * query.shape[-2] * key.shape[-2]
 
 
+class _Hook:
+    """A monitor's hook on a module or optimizer. Copies of what it hooks (``copy.deepcopy``,
+    ``pickle``, ``torch.save(model)``, ``AveragedModel``'s EMA copy) get an :class:`_Inert` hook
+    instead: no reference to the monitor (whose locks cannot be copied), and no records from the
+    copy under the original's names."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _Inert:
+        return _Inert()
+
+    def __reduce__(self) -> tuple[type[_Inert], tuple[()]]:
+        return (_Inert, ())
+
+
+class _Inert:
+    """What a copy of a monitored module holds in place of the monitor's hook: nothing happens."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside autograd's backward: activation checkpointing's recompute
+    of a forward already recorded (counting it again would double each call)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 _lock = threading.Lock()
 _active: Monitor | None = None
 _local = threading.local()
@@ -248,14 +284,14 @@ class Monitor:
             self._names = {id(m): name or type(self.model).__name__ for name, m in self.model.named_modules()}
             _local.stack = []
             for module in self.model.modules():
-                self._hooks.append(module.register_forward_pre_hook(self._enter))
-                self._hooks.append(module.register_forward_hook(self._exit, always_call=True))
+                self._hooks.append(module.register_forward_pre_hook(_Hook(self._enter)))
+                self._hooks.append(module.register_forward_hook(_Hook(self._exit), always_call=True))
             self._original = F.scaled_dot_product_attention
             F.scaled_dot_product_attention = self._wrapper(self._original)
             self._original_module_fn = _modules.scaled_dot_product_attention
             _modules.scaled_dot_product_attention = self._module_wrapper(self._original_module_fn)
             if self.optimizer is not None:
-                self._hooks.append(self.optimizer.register_step_post_hook(lambda *_: self.step()))
+                self._hooks.append(self.optimizer.register_step_post_hook(_Hook(lambda *_: self.step())))
             _active = self
         return self
 
@@ -371,8 +407,14 @@ class Monitor:
         In a step that is not sampled (see ``every``) nothing is recorded: the call runs without
         statistics and returns (out, None)."""
         requested = options.pop("backend", "auto")
-        if not self.sampling:
-            return scaled_dot_product_attention(query, key, value, backend=requested, **options), None
+        if not self.sampling or _recomputing():
+            # The same call as a recorded one makes (a checkpoint's recompute must match it), and
+            # flagged as recording, so that its own torch SDPA call is not routed here again.
+            was, _local.recording = getattr(_local, "recording", False), True
+            try:
+                return scaled_dot_product_attention(query, key, value, backend=requested, **options), None
+            finally:
+                _local.recording = was
         call = check_attention_call(
             query,
             key,
