@@ -164,3 +164,21 @@ def test_bad_input_is_refused_before_any_weight_changes():
     with pytest.raises(ValueError, match="model: expected attention layers without QK-Norm"):
         qk_clip(normed, {"MultiHeadAttention": [5.0, 5.0]}, 1.0)
     assert all(torch.equal(a, b) for a, b in zip(weights, mha.parameters()))
+
+
+@pytest.mark.parametrize("family", ["Qwen3", "Olmo2", "Gemma3Text"])
+def test_hf_layers_with_qk_norm_are_refused_and_left_untouched(transformers, family):
+    """Qwen3, OLMo 2 and Gemma 3 normalise q and k after the projections: scaling the projections
+    does not move the logits (Qwen3's max logit 87.51 -> 87.50 while every head was reported
+    clipped), so the clip refuses such layers by name and changes no weight."""
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=32, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config, attn_implementation="sdpa").eval()
+    before = [p.detach().clone() for p in model.parameters()]
+    layer = next(name for name, m in model.named_modules() if name.endswith("self_attn"))
+    with pytest.raises(ValueError, match=r"model: expected attention layers without QK-Norm .*q_norm, k_norm"):
+        qk_clip(model, {layer: [50.0] * 4}, 10.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -83,7 +83,17 @@ def _linear_views(linear: nn.Module) -> tuple[tuple[Tensor, int], ...]:
     return tuple(views)
 
 
+_QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm", "q_ln", "k_ln")
+"""Names HF attention layers give the norms they apply to q and k after the projections (Qwen3,
+Gemma 3, OLMo 2, Cohere, Chameleon, Persimmon, ...)."""
+
+
 def _projections(layer: str, module: nn.Module) -> _Projections:
+    norms = [name for name in _QK_NORMS if isinstance(getattr(module, name, None), nn.Module)]
+    if norms:
+        # A norm after the projection undoes a scale on its rows (per head, or across heads where
+        # it spans them): the clip would report heads clipped while their logits stay put.
+        fail("model", f"attention layers without QK-Norm ({layer!r} normalises q and k after the projections: {', '.join(norms)})", f"{type(module).__name__} with {', '.join(norms)}", "QK-Norm already bounds the logits; do not clip this model")
     if isinstance(module, MultiHeadAttention):
         if module.config.qk_norm is not QKNormMode.NONE:
             fail("model", f"attention layers without QK-Norm ({layer!r} normalises q and k after the projections)", f"qk_norm={module.config.qk_norm.value!r}", "QK-Norm already bounds the logits; do not clip this model")
