@@ -435,3 +435,54 @@ def test_packed_sequences_with_per_head_slopes_compile_with_dynamic_shapes():
 
     slopes = attnscale.alibi_slopes(4)
     torch.testing.assert_close(torch.compile(f, dynamic=True)(q, k, v, slopes, cu), f(q, k, v, slopes, cu), rtol=0, atol=1e-6)
+
+
+def _bad_forward_calls():
+    """(what is wrong, the op's arguments, a word the error names), from the valid plain case."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(2, 4, 8, 8, generator=gen), torch.randn(2, 2, 8, 8, generator=gen), torch.randn(2, 2, 8, 8, generator=gen)
+    tail = (0.35, 0.0, False, 0, -1, -1, 0, 0, False, 0, 0, False, False)
+
+    def call(q=q, k=k, v=v, alibi=None, mask=None, spans=None, block_q=0, block_k=0):
+        args = [q, k, v, alibi, mask, spans, *tail]
+        args[6 + 9], args[6 + 10] = block_q, block_k
+        return tuple(args)
+
+    yield "more key heads than query heads", call(k=torch.randn(2, 8, 8, 8), v=torch.randn(2, 8, 8, 8)), "key/value heads"
+    yield "zero key heads", call(k=torch.randn(2, 0, 8, 8), v=torch.randn(2, 0, 8, 8)), "key/value heads"
+    yield "query heads not a multiple", call(k=torch.randn(2, 3, 8, 8), v=torch.randn(2, 3, 8, 8)), "key/value heads"
+    yield "smaller key batch", call(k=k[:1], v=v[:1]), "batch"
+    yield "smaller key head dim", call(k=k[..., :4]), "head dim"
+    yield "values shorter than keys", call(v=v[:, :, :5]), "key count"
+    yield "a (1, 1) ALiBi table", call(alibi=torch.ones(1, 1)), "alibi"
+    yield "a 2x2 mask for 8x8 scores", call(mask=torch.ones(2, 4, 2, 2, dtype=torch.bool)), "mask"
+    yield "keys on the meta device", call(k=k.to("meta")), "device"
+    yield "a mask on the meta device", call(mask=torch.ones(2, 4, 8, 8, dtype=torch.bool, device="meta")), "mask"
+    yield "a negative block_q", call(block_q=-8), "block_q"
+    yield "block_k = -1", call(block_k=-1), "block_k"
+    yield "an empty span table", call(q=q[:1], k=k[:1], v=v[:1], spans=torch.zeros(0, 4, dtype=torch.int64)), "spans"
+    yield "a span past the keys", call(q=q[:1], k=k[:1], v=v[:1], spans=torch.tensor([[0, 8, 0, 9]])), "spans"
+    yield "mixed dtypes", call(v=v.double()), "dtype"
+
+
+@needs_kernel
+@pytest.mark.parametrize("name, args, word", list(_bad_forward_calls()), ids=[name for name, _, _ in _bad_forward_calls()])
+def test_the_ops_refuse_inconsistent_arguments_with_a_clear_error(name, args, word):
+    """The public ops read what they are given without bounds checks of their own: each of these
+    killed the process (SIGFPE), looped forever, or returned finite garbage with the row check
+    saying fine. Now each raises a ValueError naming the argument, before the kernel runs."""
+    with pytest.raises(ValueError, match=rf"torch.ops.attnscale: .*{word}"):
+        torch.ops.attnscale.fused_forward(*args)
+
+
+@needs_kernel
+def test_the_backward_op_refuses_a_gradient_of_the_wrong_shape():
+    q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 4)
+    out, lse, m, l, *_ = torch.ops.attnscale.fused_forward(q, k, v, None, None, None, 0.35, 0.0, False, 0, -1, -1, 0, 0, False, 0, 0, False, False)
+    rest = (None, None, None, 0.35, 0.0, False, 0, -1, -1, 0, 0, 0, 0, False)
+    dq, dk, dv = torch.ops.attnscale.fused_backward(q, k, v, torch.ones_like(out), torch.zeros_like(lse), m, l, *rest)
+    assert dq.shape == q.shape and dv.shape == v.shape
+    with pytest.raises(ValueError, match="torch.ops.attnscale: dout: expected the output's shape"):
+        torch.ops.attnscale.fused_backward(q, k, v, torch.ones(1, 2, 6, 8), torch.zeros_like(lse), m, l, *rest)
+    with pytest.raises(ValueError, match="torch.ops.attnscale: delta"):
+        torch.ops.attnscale.fused_backward(q, k, v, torch.ones_like(out), torch.zeros(1, 2, 5), m, l, *rest)

@@ -140,6 +140,68 @@ def _blocks(block_q: int, block_k: int, causal: bool, left: int, right: int, L: 
     return block_q or default_q, block_k or default_k
 
 
+def _bad(arg: str, expected: str, got: object) -> ValueError:
+    return ValueError(f"torch.ops.attnscale: {arg}: expected {expected}, got {got}. Fix: pass the kernel's layout (see attnscale.kernels.ops)")
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_forward_args(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Tensor | None, spans: Tensor | None, block_q: int, block_k: int) -> None:
+    """What the kernel reads without checking, checked from shapes, dtypes and devices alone (and a
+    span table's few numbers): an inconsistent call raises ValueError instead of reading out of
+    bounds (garbage, or a crash)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim != 4:
+            raise _bad(name, "a 4-d tensor (B, heads, rows, dims)", f"shape {_shape(t)}")
+        if t.device.type != "cpu":
+            raise _bad(name, "a CPU tensor", f"device {t.device}")
+        if t.dtype != q.dtype or t.dtype not in _KERNEL_DTYPES:
+            raise _bad(name, f"q's dtype, one of float32, float64, bfloat16, float16 (q: {q.dtype})", t.dtype)
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise _bad(name, "rows with a contiguous last dim", f"strides {t.stride()}")
+    B, H, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if k.shape[0] != B or v.shape[0] != B:
+        raise _bad("k, v", f"q's batch B = {B}", f"k {_shape(k)}, v {_shape(v)}")
+    if not (1 <= Hkv <= H and H % Hkv == 0) or v.shape[1] != Hkv:
+        raise _bad("k, v", f"key/value heads that divide q's H = {H} (1 <= Hkv <= H)", f"k {_shape(k)}, v {_shape(v)}")
+    if k.shape[3] != D:
+        raise _bad("k", f"q's head dim D = {D}", f"shape {_shape(k)}")
+    if v.shape[2] != S:
+        raise _bad("v", f"k's key count S = {S}", f"shape {_shape(v)}")
+    acc = torch.float32 if q.dtype in HALF else q.dtype
+    rows = spans.shape[0] if spans is not None else B
+    if alibi is not None and (_shape(alibi) != (rows, H) or alibi.dtype != acc or alibi.device.type != "cpu"):
+        raise _bad("alibi", f"a {acc} CPU tensor ({'nseq' if spans is not None else 'B'}, H) = ({rows}, {H})", f"{alibi.dtype} {_shape(alibi)} on {alibi.device}")
+    if mask is not None and (_shape(mask) != (B, H, L, S) or mask.dtype not in (torch.bool, acc) or mask.device.type != "cpu"):
+        raise _bad("mask", f"a bool or {acc} CPU tensor (B, H, L, S) = ({B}, {H}, {L}, {S})", f"{mask.dtype} {_shape(mask)} on {mask.device}")
+    if spans is not None:
+        if spans.ndim != 2 or spans.shape[1] != 4 or spans.dtype != torch.int64 or spans.device.type != "cpu" or B != 1 or spans.shape[0] == 0:
+            raise _bad("spans", "an int64 CPU table (nseq >= 1, 4) of (q0, q1, k0, k1), with B = 1", f"{spans.dtype} {_shape(spans)} on {spans.device}, B = {B}")
+        for q0, q1, k0, k1 in spans.tolist():
+            if not (0 <= q0 <= q1 <= L and 0 <= k0 <= k1 <= S):
+                raise _bad("spans", f"rows 0 <= q0 <= q1 <= L = {L} and 0 <= k0 <= k1 <= S = {S}", (q0, q1, k0, k1))
+    if block_q < 0 or block_k < 0:
+        raise _bad("block_q, block_k", "0 (the default) or a positive block size", (block_q, block_k))
+
+
+def check_backward_args(q: Tensor, v: Tensor, dout: Tensor, delta: Tensor, m: Tensor, l: Tensor) -> None:
+    """The backward's own arguments against the forward's (checked by :func:`check_forward_args`)."""
+    B, H, L = q.shape[0], q.shape[1], q.shape[2]
+    if _shape(dout) != (B, H, L, v.shape[3]):
+        raise _bad("dout", f"the output's shape (B, H, L, Dv) = ({B}, {H}, {L}, {v.shape[3]})", f"shape {_shape(dout)}")
+    for name, t in (("delta", delta), ("m", m), ("l", l)):
+        if _shape(t) != (B, H, L):
+            raise _bad(name, f"shape (B, H, L) = ({B}, {H}, {L})", f"shape {_shape(t)}")
+        if t.device.type != "cpu" or dout.device.type != "cpu":
+            raise _bad(name, "CPU tensors", f"device {t.device}")
+
+
+_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
 def _kernel():
     kernel = load()
     if kernel is None:
@@ -176,6 +238,7 @@ def fused_forward(
 
 def run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products, round_out):
     """What ``fused_forward`` computes, on real CPU tensors: the kernel's forward itself."""
+    check_forward_args(q, k, v, alibi, mask, spans, block_q, block_k)
     block_q, block_k = _blocks(block_q, block_k, causal, left, right, q.shape[2], spans)
     # The kernel makes every output, the empty statistics and the verdict too (see fused.cpp).
     return tuple(_kernel().forward(
@@ -184,8 +247,16 @@ def run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, l
     ))  # fmt: skip
 
 
+def _same_device(q: Tensor, **others: Tensor | None) -> None:
+    """One device for every tensor (a meta tensor among CPU ones sends the op to its fake rule)."""
+    for name, t in others.items():
+        if t is not None and t.device != q.device:
+            raise _bad(name, f"q's device {q.device}", f"device {t.device}")
+
+
 @fused_forward.register_fake
 def _(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products, round_out):
+    _same_device(q, k=k, v=v, alibi=alibi, mask=mask, spans=spans)
     B, H, L = q.shape[0], q.shape[1], q.shape[2]
     rows = (B, H, L)
     stat = rows if with_stats else (0,)
@@ -227,6 +298,8 @@ def fused_backward(
     block_k: int,
     half_products: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    check_forward_args(q, k, v, alibi, mask, spans, block_q, block_k)
+    check_backward_args(q, v, dout, delta, m, l)
     block_q, block_k = _blocks(block_q, block_k, causal, left, right, q.shape[2], spans)
     dtype = q.dtype
     if dtype in HALF and not half_products:  # the forward's float32 tiles: the same values, as whole copies
@@ -245,6 +318,7 @@ def fused_backward(
 
 @fused_backward.register_fake
 def _(q, k, v, dout, delta, m, l, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, block_q, block_k, half_products):
+    _same_device(q, k=k, v=v, dout=dout, delta=delta, m=m, l=l, alibi=alibi, mask=mask, spans=spans)
     return torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
