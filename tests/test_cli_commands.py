@@ -221,3 +221,17 @@ def test_monitor_run_on_a_binary_file_names_the_argument_and_the_fix(tmp_path, c
     binary.write_bytes(b"\x00\x01\xff\xfe" * 8)
     err = _usage_error(["monitor", "--run", str(binary)], capsys)
     assert "path: expected a .jsonl or .csv file written by the monitor (UTF-8 text)" in err and "which is not UTF-8 text" in err and "Fix:" in err
+
+
+def test_check_times_out_a_target_whose_import_blocks(tmp_path):
+    """--timeout covers importing TARGET too: a module that blocks at import is a finding (exit 1,
+    one line) after the timeout, where the command never returned. Run as a process, since the
+    blocked import's thread stays behind until the process exits."""
+    (tmp_path / "blocking_at_import.py").write_text("import time\ntime.sleep(600)\n\ndef attend(q, k, v):\n    return q\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "attnscale", "check", "blocking_at_import:attend", "--timeout", "1", "--json"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    data = json.loads(done.stdout)
+    assert data["status"] == "FAIL" and data["error"] == "importing 'blocking_at_import' did not finish within --timeout 1 s"

@@ -143,9 +143,12 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
-def _load_target(spec: str) -> object:
-    """Import ``package.module:attribute`` (attribute may be dotted); any failure is a usage error in one line."""
+def _load_target(spec: str, timeout: float | None = None) -> object:
+    """Import ``package.module:attribute`` (attribute may be dotted); any failure is a usage error in
+    one line. An import still running after ``timeout`` seconds (a module that blocks at import)
+    raises TimeoutError: the import runs in a daemon thread that is left behind."""
     import importlib
+    import threading
 
     if os.getcwd() not in sys.path:  # like `python -m`: modules in the current folder are importable
         sys.path.insert(0, os.getcwd())
@@ -159,10 +162,25 @@ def _load_target(spec: str) -> object:
             f"TARGET: expected a module name, not a file name, got {module_name!r}. "
             f"Fix: attnscale check {dotted}:{attr} (run it from the folder that holds the module)",
         )
-    try:
-        obj: object = importlib.import_module(module_name)
-    except (Exception, SystemExit) as exc:  # the broken code under diagnosis may fail in any way, exit() included
+    imported: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            imported["module"] = importlib.import_module(module_name)
+        except BaseException as exc:  # noqa: BLE001 - the broken code under diagnosis may fail in any way, exit() included
+            imported["error"] = exc
+
+    worker = threading.Thread(target=load, name=f"import {module_name}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise TimeoutError(f"importing {module_name!r} did not finish within --timeout {timeout:g} s")
+    if "error" in imported:
+        exc = imported["error"]
+        if isinstance(exc, KeyboardInterrupt):
+            raise exc
         _usage_error("check", f"cannot import {module_name!r}: {_one_line(exc)}")
+    obj: object = imported["module"]
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -286,8 +304,16 @@ def _check(args: argparse.Namespace) -> int:
 
     if not 0 < args.timeout < math.inf:
         _usage_error("check", f"--timeout: expected a finite number of seconds > 0, got {args.timeout}. Fix: pass e.g. --timeout 10")
-    with _target_output(args):
-        target = _load_target(args.target)
+    try:
+        with _target_output(args):
+            target = _load_target(args.target, timeout=args.timeout)
+    except TimeoutError as exc:  # a target whose import blocks is a finding, as one whose call does
+        if args.json:
+            _print_check_json(args, {"target": args.target, "status": "FAIL", "exit_code": EXIT_FAILED, "error": str(exc)})
+        else:
+            _console(args).print(f"[red]FAIL[/]: {exc}", highlight=False)
+            _summary(args, f"attnscale check {args.target}: FAIL: {exc}")
+        return EXIT_FAILED  # the import's daemon thread is left behind; exiting does not wait for it
     if isinstance(target, type) and issubclass(target, torch.nn.Module):
         _usage_error("check", f"TARGET: expected a module instance or a function, got the class {args.target!r}. Fix: point TARGET at an instance, e.g. a module-level `layer = {target.__name__}(...)`")
     if isinstance(target, torch.nn.Module):
