@@ -100,3 +100,39 @@ def test_import_attnscale_alone_registers_the_implementation_for_generate_and_pa
         # The packed call: varlen, in one kernel call, or without the kernel one call per sequence,
         # which for the last (plain causal) sequence is torch's SDPA.
         assert implementation == "attnscale" and backend == ("fused" if NO_KERNEL is None else "torch")
+
+
+@pytest.mark.parametrize("before", ["find_spec", "finder_ahead"])
+def test_registration_survives_a_probe_of_transformers_and_an_import_hook_ahead_of_it(before):
+    """Two ways the one-shot registration got lost, in a fresh process each: a plain
+    ``importlib.util.find_spec("transformers.modeling_utils")`` before the real import used it up,
+    and a meta-path finder put ahead of attnscale's (as typeguard's and jaxtyping's import hooks
+    are) loaded transformers without consulting it. Either way transformers then said "attnscale"
+    is not supported."""
+    code = textwrap.dedent(
+        """
+        import sys, importlib.abc, importlib.util
+        import attnscale
+        if sys.argv[1] == "find_spec":
+            assert importlib.util.find_spec("transformers.modeling_utils") is not None
+        else:
+            class Ahead(importlib.abc.MetaPathFinder):
+                def find_spec(self, fullname, path, target=None):  # loads every module itself
+                    for finder in sys.meta_path:
+                        if finder is self or type(finder).__name__ == "_AfterImport":
+                            continue
+                        spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+                        if spec is not None:
+                            return spec
+                    return None
+            sys.meta_path.insert(0, Ahead())
+        import transformers
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=4, max_position_embeddings=32)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="attnscale")
+        print(model.config._attn_implementation)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code, before], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["attnscale"]
