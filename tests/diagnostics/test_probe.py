@@ -3,9 +3,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import attnscale
-from attnscale.diagnostics import diagnose_scale, fit_logit_scale, probe_attention
+from attnscale.diagnostics import diagnose_scale, fit_logit_scale, probe_attention, probe_module
 
 D, H = 64, 4
 
@@ -57,3 +58,33 @@ def test_bad_inputs_name_the_argument():
         fit_logit_scale(q, q, torch.rand(1, 2, 3, 5))
     with pytest.raises(ValueError, match="fn"):
         probe_attention(lambda q, k, v: (q, k))
+
+
+def test_llama_style_projection_names_are_found_and_a_miss_names_what_was_tried():
+    """q_proj/k_proj/v_proj/o_proj (Llama-family layers) are probed without --projections; where no
+    name set fits, the error lists the sets it tried (it said "none of q_proj/k_proj/v_proj" of a
+    module that has them, beside o_proj)."""
+    torch.manual_seed(0)
+
+    class LlamaStyle(nn.Module):
+        def __init__(self, E=32, H=4):
+            super().__init__()
+            self.num_heads, self.head_dim = H, E // H
+            self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(E, E, bias=False) for _ in range(4))
+
+        def forward(self, x):
+            B, L, E = x.shape
+            q, k, v = (p(x).view(B, L, self.num_heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return self.o_proj(out.transpose(1, 2).reshape(B, L, E))
+
+    found = probe_module(LlamaStyle())
+    assert found.diagnosis == "1/sqrt(head_dim)"
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    with pytest.raises(ValueError, match=r"got a module with none of the name sets q_proj/k_proj/v_proj/out_proj; q_proj/k_proj/v_proj/o_proj; query/key/value"):
+        probe_module(Odd())

@@ -210,7 +210,12 @@ class ModuleProbe:
     diagnosis: str
 
 
-_PROJECTION_NAMES = (("q_proj", "k_proj", "v_proj", "out_proj"), ("query", "key", "value", None))
+_PROJECTION_NAMES = (
+    ("q_proj", "k_proj", "v_proj", "out_proj"),
+    ("q_proj", "k_proj", "v_proj", "o_proj"),  # Llama-family layers
+    ("query", "key", "value", None),
+)
+"""The (q, k, v, out) layer names tried, in order, when none are given."""
 
 
 def _default_call(module: nn.Module, x: Tensor) -> Tensor:
@@ -268,7 +273,8 @@ def probe_module(
     else:
         names = projections or next((n for n in _PROJECTION_NAMES if all(hasattr(m, p) for p in n if p)), None)
         if names is None:
-            fail("projections", "names of the module's (q, k, v, out) linear layers", "none of q_proj/k_proj/v_proj or query/key/value found", "pass projections=('wq', 'wk', 'wv', 'wo')")
+            known = "; ".join("/".join(n for n in names if n) for names in _PROJECTION_NAMES)
+            fail("projections", "names of the module's (q, k, v, out) linear layers", f"a module with none of the name sets {known}", "pass projections=('wq', 'wk', 'wv', 'wo')")
         for n in names:
             if n and not isinstance(getattr(m, n, None), nn.Linear):
                 got = f"{n} is {type(getattr(m, n, None)).__name__}"
