@@ -404,6 +404,7 @@ def _report(args: argparse.Namespace) -> int:
             executor=args.executor,
             address=args.address,
             replace=args.replace,
+            names=("--out", "--replace"),
         )
     except ValueError as exc:
         _usage_error("report", str(exc))

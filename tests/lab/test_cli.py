@@ -236,3 +236,28 @@ def test_help_explains_the_report(capsys):
     text = capsys.readouterr().out
     for phrase in ("index.html", "cache", "resumes", "inconclusive", "--force", "quick"):
         assert phrase in text
+
+
+def test_report_into_an_empty_path_fails_before_any_work(tmp_path, monkeypatch, capsys, no_experiment_runs):
+    """--out "" (an unset shell variable) wrote into the current folder and printed "report: /index.html"."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        _report_into("")
+    assert info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("attnscale report: error: --out: expected ") and "got an empty path" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_report_of_another_run_is_kept_and_the_error_names_the_flags(tmp_path, capsys, no_experiment_runs):
+    """Refusing to overwrite another profile's report, the error names --out and --replace (it named
+    the Python arguments outdir and replace=True)."""
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"profile": "default", "seed": 0, "claims": [{"id": "training-stall"}]}))
+    with pytest.raises(SystemExit) as info:
+        _report_into(out)
+    assert info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("attnscale report: error: --out: expected a folder without a report") and "Fix: pass another folder, or --replace to overwrite" in err
+    assert "outdir" not in err and "replace=True" not in err

@@ -222,6 +222,8 @@ def check_outdir(outdir: Path | str, *, arg: str = "outdir") -> None:
     """
     path = Path(outdir)
     expected = "a folder to write the report into, or a path where one can be created"
+    if not str(outdir).strip():  # an unset shell variable: Path("") would be the current folder
+        fail(arg, expected, "an empty path", "pass a folder name, e.g. attnscale-report")
     if os.path.lexists(path) and not path.is_dir():
         fail(arg, expected, f"{str(path)!r}, which exists and is not a folder", "pass another path, or move that file away")
     if path.is_dir():
@@ -248,9 +250,10 @@ def default_outdir(profile: str, only: Sequence[str] | None) -> str:
     return f"attnscale-report-{profile}" + ("-only" if only else "")
 
 
-def check_replaces(outdir: Path, profile: str, seed: int, claim_ids: Sequence[str], *, arg: str = "outdir") -> None:
-    """Raise ``ValueError`` (naming ``arg``) if ``outdir`` holds a report of another profile, seed or
-    set of claims, which this run would overwrite; a report of the same run (resumed) is fine."""
+def check_replaces(outdir: Path, profile: str, seed: int, claim_ids: Sequence[str], *, arg: str = "outdir", replace: str = "replace=True") -> None:
+    """Raise ``ValueError`` (naming ``arg``, and ``replace`` as the way to overwrite) if ``outdir``
+    holds a report of another profile, seed or set of claims, which this run would overwrite; a
+    report of the same run (resumed) is fine."""
     try:
         old = json.loads((Path(outdir) / report.FILES["json"]).read_text(encoding="utf-8"))
         old_run = (old["profile"], old["seed"], sorted(c["id"] for c in old["claims"]))
@@ -263,7 +266,7 @@ def check_replaces(outdir: Path, profile: str, seed: int, claim_ids: Sequence[st
         arg,
         f"a folder without a report, or with one of the same profile, seed and claims (profile {profile}, seed {seed})",
         f"{str(outdir)!r}, which holds the report of profile {old_run[0]}, seed {old_run[1]}, {shown}",
-        "pass another folder, or replace=True (attnscale report --replace) to overwrite that report",
+        f"pass another folder, or {replace} to overwrite that report",
     )
 
 
@@ -280,6 +283,7 @@ def run_report(
     executor: executors.Executor = "local",
     address: str | None = None,
     replace: bool = False,
+    names: tuple[str, str] = ("outdir", "replace=True"),
 ) -> dict[str, Any]:
     """Run the lab and write ``outdir``/{index.html, report.md, results.json, figures/}; return results.json's data.
 
@@ -288,7 +292,8 @@ def run_report(
     claims unless ``replace`` is true (see :func:`check_replaces`), before running anything. An experiment that raises, or whose process
     dies, is reported as ``inconclusive`` with the error. ``executor="ray"`` runs
     the experiments as Ray tasks, on a local Ray instance or on the cluster at ``address``
-    (see :mod:`attnscale.lab.executors`); the cache and the results are the same.
+    (see :mod:`attnscale.lab.executors`); the cache and the results are the same. ``names``: what
+    errors call ``outdir`` and ``replace`` (the command line's ``--out`` and ``--replace``).
     """
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {profile!r}")
@@ -296,7 +301,7 @@ def run_report(
     jobs = (os.cpu_count() or 1) if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}; use 1 to run one experiment at a time")
-    check_outdir(outdir)
+    check_outdir(outdir, arg=names[0])
     console = console or Console()
     outdir = Path(outdir)
     started = time.perf_counter()
@@ -305,7 +310,7 @@ def run_report(
     broken_ids = [registry.module_claim_id(n) for n, _ in found.broken]
     if not replace:
         will_hold = [e.id for e in chosen] + [i for i in broken_ids if not only or i in only]
-        check_replaces(outdir, profile, seed, will_hold)
+        check_replaces(outdir, profile, seed, will_hold, arg=names[0], replace=names[1])
     library_hash = cache.library_source_hash()
 
     records: dict[str, dict[str, Any]] = {}
