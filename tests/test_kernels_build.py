@@ -152,3 +152,17 @@ def test_the_cpus_bfloat16_conversion_gives_atens_bits(tmp_path):
     wide, plain = results["avx512_bf16"], results["avx512"]
     assert (wide[0], plain[0]) == ("avx512_bf16", "avx512") and len(wide) == len(plain) > 20
     assert [i for i, (a, b) in enumerate(zip(wide[1:], plain[1:])) if not torch.equal(a, b)] == []
+
+
+@pytest.mark.parametrize(
+    "value, disabled",
+    [("", False), ("0", False), ("false", False), ("No", False), ("off", False), ("1", True), ("true", True), ("YES", True), ("maybe", True)],
+)
+def test_the_switch_reads_words_as_people_write_them(monkeypatch, value, disabled):
+    """ATTNSCALE_NO_KERNEL=false turned the kernel off (any value but "" or "0" did); a value that
+    is neither yes nor no says so in the reason."""
+    monkeypatch.setenv("ATTNSCALE_NO_KERNEL", value)
+    reason = kernels._disabled()
+    assert (reason is not None) == disabled
+    if value == "maybe":
+        assert reason.startswith("ATTNSCALE_NO_KERNEL='maybe': expected 1/true/yes/on")

@@ -85,9 +85,15 @@ def _name(flags: list[str]) -> str:
     return f"attnscale_fused_{digest.hexdigest()[:12]}"
 
 
+_YES, _NO = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def _disabled() -> str | None:
-    if os.environ.get("ATTNSCALE_NO_KERNEL", "") not in ("", "0"):
+    value = os.environ.get("ATTNSCALE_NO_KERNEL", "")
+    if value.strip().lower() in _YES:
         return "disabled by ATTNSCALE_NO_KERNEL"
+    if value.strip().lower() not in _NO:  # the eager kernel is right either way; the reason says what to fix
+        return f"ATTNSCALE_NO_KERNEL={value!r}: expected 1/true/yes/on (no kernel) or 0/false/no/off or unset (the kernel); taken as 'no kernel'"
     if not _cpu_flags():
         wanted = os.environ.get("ATTNSCALE_KERNEL_ISA", "")
         if wanted:
