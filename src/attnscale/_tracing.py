@@ -10,13 +10,27 @@ eager mode only; shape, dtype and option checks are static and run always.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 __all__ = ["refuse_jit_trace", "tracing", "under_vmap"]
 
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def constant_result(fn: Callable[P, R]) -> Callable[P, R]:
+    """``torch.compiler.assume_constant_result(fn)`` without importing torch._dynamo (about a
+    second at ``import attnscale``): the mark dynamo reads, set as that function sets it
+    (tests/test_compile.py checks that the two agree)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 def tracing(*tensors: object) -> bool:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .._tracing import _functorch_wrapped
+from .._tracing import _functorch_wrapped, constant_result
 from ..dense import accumulation_dtype
 from ..score import ScorePath
 from ..stats import AttentionStats, with_sinks
@@ -73,7 +73,7 @@ def supports(query: Tensor, attn_mask: Tensor | None) -> str | None:
     return None
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _loaded() -> bool:
     """Whether the kernel loads (building it on first use): a constant to torch.compile, which
     would otherwise trace into the build and its lock."""

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from .._autograd import first_order
-from .._tracing import _functorch_wrapped, tracing
+from .._tracing import _functorch_wrapped, constant_result, tracing
 from . import load
 
 __all__ = ["BLOCK_K", "BLOCK_K_FEW_ROWS", "BLOCK_Q", "FEW_ROWS", "HALF", "SHORT", "FusedForward", "backward_forward", "default_blocks", "forward", "half_products", "run_forward", "setup_forward"]
@@ -106,7 +106,7 @@ def half_products(dtype: torch.dtype, rows: int | None = None, group: int = 1) -
     return _half_products(dtype, False)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _half_products(dtype: torch.dtype, few_rows: bool) -> bool:  # dtype in HALF
     forced = os.environ.get(_HALF_ENV, "").strip()
     if forced not in ("", "0", "1"):
