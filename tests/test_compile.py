@@ -510,3 +510,27 @@ def test_import_attnscale_leaves_the_compiler_unimported_and_marks_constants_as_
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@needs_kernel
+@pytest.mark.parametrize("in_dim", [0, 2], ids=["mapped-dim-0", "mapped-dim-2"])
+def test_per_sample_gradients_through_the_kernel_equal_the_loop(in_dim):
+    """torch.func.vmap of torch.func.grad through backend="fused" (per-sample gradients) runs the
+    backward op's vmap rule, and a mapped dim other than 0 its movedim: each sample's dq, dk, dv
+    against autograd on that sample alone. q, k and v have one shape, so outputs in the wrong
+    order are caught by value."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(3, 2, H, 10, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    w = torch.randn(2, H, 10, D, generator=gen, dtype=torch.float64)
+
+    def loss(q, k, v):
+        return (attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, is_causal=True, backend="fused") * w).sum()
+
+    want = []
+    for i in range(3):
+        leaves = [t[i].clone().requires_grad_() for t in (q, k, v)]
+        want.append(torch.autograd.grad(loss(*leaves), leaves))
+    moved = [t.movedim(0, in_dim) for t in (q, k, v)]
+    got = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)), in_dims=(in_dim, in_dim, in_dim))(*moved)
+    for which, g in enumerate(got):
+        torch.testing.assert_close(g, torch.stack([w_[which] for w_ in want]), rtol=0, atol=1e-12, msg=f"gradient {which}")
