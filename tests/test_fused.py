@@ -285,6 +285,20 @@ def _error(got, want):
     return np.abs(got.double().numpy() - want).max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_with_alibi_over_several_key_tiles_stay_within_twice_the_math_backends_error(half_path, dtype):
+    """ALiBi on 16-bit inputs across more than one key tile (1,300 keys: three tiles of 512), with
+    a small softcap, every path (a dropped bias on the last key tile of the brgemm path was off
+    by 2.0 and no test saw it)."""
+    q, k, v = make_inputs(B=1, H=4, Hkv=2, L=300, S=1300, D=64, Dv=64, dtype=dtype, seed=8)
+    assert 1300 > 2 * ops.BLOCK_K
+    opts = {"alibi_slopes": attnscale.alibi_slopes(4), "softcap": 5.0, "is_causal": True, "causal_alignment": "bottom_right"}
+    expected = run_reference(q, k, v, None, **opts)
+    err = _error(sdpa(q, k, v, backend="fused", **opts), expected)
+    err_math = _error(sdpa(q, k, v, backend="math", **opts), expected)
+    assert err <= 2 * err_math + TOLERANCE_FLOOR[dtype], f"{err} against the math backend's {err_math}"
+
+
 @pytest.mark.parametrize("D, Dv", [(7, 5), (8, 5), (8, 6)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", [0, 10, 23, 31, 41, 47, 49, 58, 64, 71])
@@ -332,7 +346,9 @@ def test_half_inputs_of_long_calls_settle_rows_and_stay_within_twice_the_math_ba
     the backward runs per query head, the group summed after), and packed sequences: every path
     against fp64, gradients included."""
     q, k, v = make_inputs(B=1, H=4, Hkv=Hkv, L=1100, S=1300, D=64, Dv=64, dtype=dtype, seed=3)
-    opts = {"is_causal": True, "softcap": 30.0}
+    # A small cap: logits of about N(0, 1) reach the bend of 5 tanh(s / 5), where a dropped cap
+    # shows (under a cap of 30, tanh is nearly linear there and a dropped cap stays in tolerance).
+    opts = {"is_causal": True, "softcap": 5.0}
     expected = run_reference(q, k, v, None, **opts)
     err = _error(sdpa(q, k, v, **opts), expected)
     err_math = _error(sdpa(q, k, v, backend="math", **opts), expected)
@@ -350,7 +366,7 @@ def test_half_inputs_of_long_calls_settle_rows_and_stay_within_twice_the_math_ba
     opts["causal_alignment"] = "bottom_right"
     cu = torch.tensor([0, 500, 1100]), torch.tensor([0, 600, 1300])
     packed = [t[0].transpose(0, 1) for t in (q, k, v)]  # (total, heads, d)
-    got = attnscale.varlen_attention(*packed, cu[0], cu[1], softcap=30.0, is_causal=True)
+    got = attnscale.varlen_attention(*packed, cu[0], cu[1], softcap=5.0, is_causal=True)
     assert got.dtype == dtype
     for (q0, q1), (k0, k1) in zip(((0, 500), (500, 1100)), ((0, 600), (600, 1300))):
         want = run_reference(q[..., q0:q1, :], k[..., k0:k1, :], v[..., k0:k1, :], None, **opts)
