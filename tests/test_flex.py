@@ -376,6 +376,17 @@ def test_cuda_compiles_once_per_shape_family():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.parametrize("window", [(254, None), (127, 0), (None, 128)])
+def test_a_window_edge_on_a_block_edge_through_compiled_flexattention(window):
+    """A window whose edge falls on a block's edge, end to end through compiled CPU FlexAttention in
+    float32 (a key interval off by one marked a block full: 2.6e-3 off, where right is 4e-7)."""
+    q, k, v = make_inputs(B=1, H=2, Hkv=2, L=256, S=256, D=16, Dv=16, dtype=torch.float32, seed=9)
+    opts = {"is_causal": window[1] is None, "window": window}
+    want = run_math(q.double(), k.double(), v.double(), **opts)
+    got = run_flex(q, k, v, **opts)
+    assert (got.double() - want).abs().max() < 2e-6
+
+
 def test_mods_are_the_score_path():
     """The score_mod and mask_mod alone, on flex_attention itself, give ScorePath's logits."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -411,7 +422,8 @@ def _dense_blocks(block_mask, nk):
 @pytest.mark.parametrize(
     "L, S, causal, window, offset",
     [(1, 1, True, None, 0), (300, 400, True, None, 0), (300, 400, True, None, 100), (128, 129, False, (5, 2), 0),
-     (257, 256, True, (200, None), -50), (100, 400, False, (None, 3), 7), (300, 129, True, (5, 2), 300)],
+     (257, 256, True, (200, None), -50), (100, 400, False, (None, 3), 7), (300, 129, True, (5, 2), 300),
+     (256, 256, True, (254, None), 0), (256, 256, False, (126, 1), 0)],  # windows whose edge is a block's edge
 )
 def test_interval_block_masks_equal_create_block_mask(L, S, causal, window, offset):
     """For causal and windows the interval BlockMask has exactly create_block_mask's partial and
