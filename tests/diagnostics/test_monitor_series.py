@@ -229,7 +229,12 @@ def test_rules_that_are_off_never_fire_and_stop_raises():
         with torch.no_grad():
             model(torch.randn(2, 16, 16))
         mon.step(raise_on_stop=False)
-    assert mon.stop_requested
+        assert mon.stop_requested
+        with torch.no_grad():  # a loop that goes on after the alert: its steps keep counting
+            model(torch.randn(2, 16, 16))
+        mon.step(raise_on_stop=False)
+    assert [r.step for r in mon.history] == [0, 1]
+    assert [bool(r.alerts) for r in mon.history] == [True, False]  # the max logit rule fires when it becomes true
 
 
 @pytest.mark.parametrize(
