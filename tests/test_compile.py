@@ -534,3 +534,16 @@ def test_per_sample_gradients_through_the_kernel_equal_the_loop(in_dim):
     got = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)), in_dims=(in_dim, in_dim, in_dim))(*moved)
     for which, g in enumerate(got):
         torch.testing.assert_close(g, torch.stack([w_[which] for w_ in want]), rtol=0, atol=1e-12, msg=f"gradient {which}")
+
+
+def test_the_options_record_names_the_ops_arguments_in_their_order():
+    """ops.KernelOptions is the one list of the kernel's options: its fields are the forward op's
+    arguments after q, k, v, alibi, mask, spans, and BACKWARD_FIELDS the backward op's after its
+    ten tensors, name for name (the C++ kernel takes them by these names too)."""
+    forward = [a.name for a in torch.ops.attnscale.fused_forward.default._schema.arguments]
+    backward = [a.name for a in torch.ops.attnscale.fused_backward.default._schema.arguments]
+    assert forward[:6] == ["q", "k", "v", "alibi", "mask", "spans"]
+    assert forward[6:] == list(ops.KernelOptions._fields)
+    assert backward[:10] == ["q", "k", "v", "dout", "delta", "m", "l", "alibi", "mask", "spans"]
+    assert backward[10:] == list(ops.BACKWARD_FIELDS)
+    assert ops.KernelOutputs._fields[-1] == "rows_ok" and len(ops.KernelOutputs._fields) == len(torch.ops.attnscale.fused_forward.default._schema.returns)

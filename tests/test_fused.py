@@ -567,10 +567,10 @@ def test_bfloat16_rows_of_short_calls_and_packed_sequences_settle_where_brgemm_p
         qs.append(q), ks.append(k), vs.append(torch.randn(S, 1, D, generator=gen))
     q, k, v = (torch.cat(t).bfloat16() for t in (qs, ks, vs))  # (total, heads, D)
     spans = torch.tensor([[0, 100, 0, 300], [100, 160, 300, 1000]])
-    args = (None, None, spans, 1.0, 0.0, False, 0, -1, -1, 0, 0, False, 0, 0, half_path, False)
-    m = ops.run_forward(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), *args)[2][0, 0]  # (total,)
+    options = ops.KernelOptions(scale=1.0, half_products=half_path)
+    m = ops.run_forward(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), None, None, spans, options).m[0, 0]  # (total,)
     first = q[:100], k[:300], v[:300]  # the first sequence as a call of its own
-    alone = ops.run_forward(*(t.transpose(0, 1).unsqueeze(0) for t in first), *args[:2], None, *args[3:])[2][0, 0]
+    alone = ops.run_forward(*(t.transpose(0, 1).unsqueeze(0) for t in first), None, None, None, options).m[0, 0]
     logits = [qs[i][:, 0].double() @ ks[i][:, 0].bfloat16().double().T for i in range(2)]
     if brgemm:
         assert (m[:100] == tops[0] - 34.5).all() and (m[100:] == tops[1] - 34.5).all() and (alone == tops[0] - 34.5).all()
@@ -615,18 +615,18 @@ def test_settled_rows_give_weights_far_below_their_offset_zero(dtype, softcap, a
 
 
 def _round_out_cases(dtype):
-    """(name, q, k, v, ops.run_forward's arguments after them but half_products and round_out) for 16-bit calls: long
+    """(name, q, k, v, (alibi, mask, spans), ops.KernelOptions but half_products and round_out) for 16-bit calls: long
     causal softcapped rows that settle, with statistics; odd head dims; packed sequences with a
     query row no span names (zeros); values so small that the outputs are subnormal in the format."""
     q, k, v = make_inputs(B=1, H=4, Hkv=2, L=1100, S=3 * ops.BLOCK_K, D=24, Dv=20, dtype=dtype, seed=3, mag=2.0)
-    yield "settling-causal-softcap-stats", q, k, v, (None, None, None, 0.3, 30.0, True, 3 * ops.BLOCK_K - 1100, -1, -1, 0, 0, True, 0, 0)
+    yield "settling-causal-softcap-stats", q, k, v, (None, None, None), ops.KernelOptions(scale=0.3, softcap=30.0, causal=True, q_offset=3 * ops.BLOCK_K - 1100, with_stats=True)
     q, k, v = make_inputs(B=2, H=2, Hkv=1, L=37, S=90, D=7, Dv=5, dtype=dtype, seed=4)
-    yield "odd-dims", q, k, v, (None, None, None, 0.5, 0.0, False, 0, -1, -1, 0, 0, False, 0, 0)
+    yield "odd-dims", q, k, v, (None, None, None), ops.KernelOptions(scale=0.5)
     tiny = torch.finfo(dtype).smallest_normal
-    yield "subnormal-outputs", q, k, (v.double() * tiny / 4).to(dtype), (None, None, None, 0.5, 0.0, False, 0, -1, -1, 0, 0, False, 0, 0)
+    yield "subnormal-outputs", q, k, (v.double() * tiny / 4).to(dtype), (None, None, None), ops.KernelOptions(scale=0.5)
     spans = torch.tensor([[0, 12, 0, 30], [13, 37, 30, 90]])  # query row 12 in no span
     packed = (t[:1, :, : 37 if i == 0 else 90].contiguous() for i, t in enumerate((q, k, v)))
-    yield "packed", *packed, (None, None, spans, 0.5, 5.0, True, 0, -1, -1, 0, 0, True, 0, 0)
+    yield "packed", *packed, (None, None, spans), ops.KernelOptions(scale=0.5, softcap=5.0, causal=True, with_stats=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -635,9 +635,9 @@ def test_a_16_bit_output_rounded_by_the_kernel_has_the_bits_of_its_float32_rows_
     each row, on every path. It must equal the float32 output rounded afterwards (torch's cast) bit
     for bit, and leave every other output (lse, m, l, statistics, the rows_ok verdict) as it was."""
     products16 = half_path
-    for name, q, k, v, args in _round_out_cases(dtype):
-        wide = ops.run_forward(q, k, v, *args, products16, False)
-        rounded = ops.run_forward(q, k, v, *args, products16, True)
+    for name, q, k, v, extra, options in _round_out_cases(dtype):
+        wide = ops.run_forward(q, k, v, *extra, options._replace(half_products=products16, round_out=False))
+        rounded = ops.run_forward(q, k, v, *extra, options._replace(half_products=products16, round_out=True))
         assert wide[0].dtype == torch.float32 and rounded[0].dtype == dtype, name
         assert torch.equal(rounded[0], wide[0].to(dtype)), name
         for i, (a, b) in enumerate(zip(rounded[1:], wide[1:]), 1):
@@ -836,9 +836,9 @@ def test_16_bit_inputs_reach_the_kernel_as_they_are_on_every_path(half_path, dty
     seen = []
     real = ops.run_forward
 
-    def spy(q, k, v, *rest):
-        seen.append((q.dtype, k.dtype, v.dtype, *rest[-2:]))  # half_products, round_out
-        return real(q, k, v, *rest)
+    def spy(q, k, v, alibi, mask, spans, options):
+        seen.append((q.dtype, k.dtype, v.dtype, options.half_products, options.round_out))
+        return real(q, k, v, alibi, mask, spans, options)
 
     monkeypatch.setattr(ops, "run_forward", spy)
     q, k, v = (torch.randn(1, 2, 40, 8, dtype=dtype) for _ in range(3))

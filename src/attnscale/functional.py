@@ -113,11 +113,11 @@ def _plain_softcapped(
     # The arguments fused_attention_checked passes for this call: no stats, the kernel's own blocks.
     half = kernel_ops.half_products(dtype, L, H // Hk)
     # No gradient and no sinks here: a 16-bit output comes rounded from the kernel (round_out).
-    result = kernel_ops.run_forward(query, key, value, None, None, None, path_scale, softcap, False, 0, -1, -1, 0, 0, False, 0, 0, half, True)
-    if not bool(result[8]):  # for 16-bit inputs, of the output rounded to their format
+    result = kernel_ops.run_forward(query, key, value, None, None, None, kernel_ops.KernelOptions(scale=path_scale, softcap=softcap, half_products=half, round_out=True))
+    if not bool(result.rows_ok):  # for 16-bit inputs, of the output rounded to their format
         return None
     _record(Backend.FUSED, "auto: softcap; compiled kernel")
-    out = result[0]
+    out = result.out
     return out if out.dtype is dtype else out.to(dtype)
 
 

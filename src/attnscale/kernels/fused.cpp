@@ -2033,10 +2033,19 @@ std::tuple<torch::Tensor, torch::Tensor> weights_op(const torch::Tensor& x) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("forward", &forward, "attnscale fused attention forward: [out, lse, m, l, max_logit, max_prob, entropy, visible (empty without statistics), rows_ok (0-d bool)]");
+  // Bound by keyword (attnscale.kernels.ops.KernelOptions names the scalars): a call that names
+  // an argument wrongly fails, where one that swapped two ints or bools by position was silent.
+  module.def("forward", &forward, "attnscale fused attention forward: [out, lse, m, l, max_logit, max_prob, entropy, visible (empty without statistics), rows_ok (0-d bool)]",
+             py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("softcap"), py::arg("causal"), py::arg("q_offset"),
+             py::arg("left"), py::arg("right"), py::arg("q_start"), py::arg("k_start"), py::arg("alibi"), py::arg("mask"),
+             py::arg("with_stats"), py::arg("block_q"), py::arg("block_k"), py::arg("spans"), py::arg("half_products"),
+             py::arg("round_out"));
   module.def("brgemm_runs", &brgemm_runs, "whether bfloat16 products with an even head dim go through torch's brgemm (oneDNN) here, not oneMKL");
   module.def("half_gemm", &half_gemm, "whether 16-bit q, k, v of this format (1 bfloat16, 2 float16) can be passed as they are (oneMKL's products)");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");
   module.def("weights", &weights_op, "the softmax's exp of centred scores, and exp_u20 floored the same way (float32, 1-d, a multiple of 8 long)");
-  module.def("backward", &backward, "attnscale fused attention backward (dq, dk, dv; dk, dv per key head, or per query head for the caller to sum per group)");
+  module.def("backward", &backward, "attnscale fused attention backward (dq, dk, dv; dk, dv per key head, or per query head for the caller to sum per group)",
+             py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"), py::arg("delta"), py::arg("m"), py::arg("l"), py::arg("scale"),
+             py::arg("softcap"), py::arg("causal"), py::arg("q_offset"), py::arg("left"), py::arg("right"), py::arg("q_start"),
+             py::arg("k_start"), py::arg("alibi"), py::arg("mask"), py::arg("block_q"), py::arg("block_k"), py::arg("spans"));
 }

@@ -47,18 +47,23 @@ class _Spec(NamedTuple):
     block_q: int
     block_k: int
 
-    def args(self) -> tuple:
+    def options(self, half_products: bool, round_out: bool) -> ops.KernelOptions:
         path = self.path
         left, right = path.window if path.window is not None else (None, None)
-        return (
-            path.scale,
-            0.0 if path.softcap is None else path.softcap,
-            path.causal,
-            path.q_offset,
-            -1 if left is None else left,
-            -1 if right is None else right,
-            self.q_start,
-            self.k_start,
+        return ops.KernelOptions(
+            scale=path.scale,
+            softcap=0.0 if path.softcap is None else path.softcap,
+            causal=path.causal,
+            q_offset=path.q_offset,
+            left=-1 if left is None else left,
+            right=-1 if right is None else right,
+            q_start=self.q_start,
+            k_start=self.k_start,
+            with_stats=self.with_stats,
+            block_q=self.block_q,
+            block_k=self.block_k,
+            half_products=half_products,
+            round_out=round_out,
         )
 
 
@@ -148,7 +153,7 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, ali
     q, k, v = (_flat(t, spec, query.dtype) for t in (query, key, value))  # 16-bit ones as they are
     m4, slopes = _flat_mask(mask, spec, L, S, acc), _flat_slopes(alibi, spec, acc)
     products16 = ops.half_products(query.dtype, L, spec.H // spec.Hkv)
-    out, lse, _, _, *stats, rows_ok = ops.forward(q, k, v, slopes, m4, None, *spec.args(), spec.with_stats, spec.block_q, spec.block_k, products16, round_out)
+    out, lse, _, _, *stats, rows_ok = ops.forward(q, k, v, slopes, m4, None, spec.options(products16, round_out))
     stats = stats if spec.with_stats else []
     if len(spec.batch) == 1:  # the kernel's (B, H, L, .) is the caller's shape already
         return [out, lse, *stats], rows_ok
@@ -260,10 +265,19 @@ def _packed(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x if _blas_rows(x) else x.contiguous()
 
 
-def _packed_args(path: ScorePath) -> tuple:
+def _packed_options(path: ScorePath, *, with_stats: bool, half_products: bool, round_out: bool) -> ops.KernelOptions:
     # q_offset is each sequence's own (S_b - L_b, bottom-right), set by the kernel; starts are 0.
     left, right = path.window if path.window is not None else (None, None)
-    return (path.scale, 0.0 if path.softcap is None else path.softcap, path.causal, 0, -1 if left is None else left, -1 if right is None else right, 0, 0)
+    return ops.KernelOptions(
+        scale=path.scale,
+        softcap=0.0 if path.softcap is None else path.softcap,
+        causal=path.causal,
+        left=-1 if left is None else left,
+        right=-1 if right is None else right,
+        with_stats=with_stats,
+        half_products=half_products,
+        round_out=round_out,
+    )
 
 
 def fused_varlen_attention(
@@ -292,7 +306,8 @@ def fused_varlen_attention(
         slopes = alibi_slopes.detach().to(accumulation_dtype(query.dtype)).expand(B, H)
     q, k, v = (_packed(t, query.dtype) for t in (query, key, value))  # (1, heads, total, d) views
     round_out = _round_out(query, key, value, sinks)
-    out, lse, _, _, *rest, _ = ops.forward(q, k, v, slopes, None, table, *_packed_args(path), return_stats, 0, 0, ops.half_products(query.dtype), round_out)
+    options = _packed_options(path, with_stats=return_stats, half_products=ops.half_products(query.dtype), round_out=round_out)
+    out, lse, _, _, *rest, _ = ops.forward(q, k, v, slopes, None, table, options)
     out, lse = out[0].transpose(0, 1), lse[0]  # (total_q, H, Dv), (H, total_q)
     if sinks is not None:
         # merge_sinks takes (..., H, L, Dv) and (..., H, L): the packed rows as L.

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -42,7 +42,7 @@ from .._autograd import first_order
 from .._tracing import _functorch_wrapped, constant_result, tracing
 from . import load
 
-__all__ = ["BLOCK_K", "BLOCK_K_FEW_ROWS", "BLOCK_Q", "FEW_ROWS", "HALF", "SHORT", "FusedForward", "backward_forward", "default_blocks", "forward", "half_products", "run_forward", "setup_forward"]
+__all__ = ["BLOCK_K", "BLOCK_K_FEW_ROWS", "BLOCK_Q", "FEW_ROWS", "HALF", "SHORT", "FusedForward", "KernelOptions", "KernelOutputs", "backward_forward", "default_blocks", "forward", "half_products", "run_forward", "setup_forward"]
 
 # 256 query rows x 512 keys per tile, as torch's CPU flash kernel: each K/V tile, which BLAS packs
 # anew for every product, serves twice the rows of a 128 x 512 tile; `benchmarks/bench_fused.py
@@ -58,7 +58,51 @@ BLOCK_K = 512
 BLOCK_K_FEW_ROWS = 2048
 FEW_ROWS = 16
 
-_OUTPUTS = 9  # out, lse, m, l, max_logit, max_prob, entropy, visible_keys, rows_ok
+class KernelOptions(NamedTuple):
+    """Everything the kernel takes besides its tensors, by name: the ops' arguments after ``q, k,
+    v, alibi, mask, spans``, in this order (a custom op's schema is positional), and the compiled
+    kernel's keyword arguments of the same names. The backward takes all but ``with_stats`` and
+    ``round_out``. Callers build one by name, so a swapped int or bool cannot pass silently."""
+
+    scale: float
+    softcap: float = 0.0  # 0: none
+    causal: bool = False
+    q_offset: int = 0  # query row i sits at key position i + q_offset
+    left: int = -1  # window sides; -1: unbounded
+    right: int = -1
+    q_start: int = 0  # global positions of the first query row and key (context parallelism)
+    k_start: int = 0
+    with_stats: bool = False
+    block_q: int = 0  # 0: the defaults, from the actual sizes (default_blocks)
+    block_k: int = 0
+    half_products: bool = False  # 16-bit inputs: multiply them as they are (else float32 tiles)
+    round_out: bool = False  # 16-bit inputs: write out rounded to their format
+
+    def backward_args(self) -> tuple[object, ...]:
+        """The backward op's arguments after its tensors (:data:`BACKWARD_FIELDS`)."""
+        return tuple(getattr(self, name) for name in BACKWARD_FIELDS)
+
+
+BACKWARD_FIELDS = tuple(name for name in KernelOptions._fields if name not in ("with_stats", "round_out"))
+"""The options ``fused_backward`` takes after its tensors, in its order."""
+
+
+class KernelOutputs(NamedTuple):
+    """The forward's outputs: ``out`` (B, H, L, Dv), ``lse``, ``m``, ``l`` (B, H, L), the
+    statistics (B, H, L), empty without ``with_stats``, and ``rows_ok`` (0-d bool)."""
+
+    out: Tensor
+    lse: Tensor
+    m: Tensor
+    l: Tensor  # noqa: E741 - the softmax normaliser, as FlashAttention names it
+    max_logit: Tensor
+    max_prob: Tensor
+    entropy: Tensor
+    visible_keys: Tensor
+    rows_ok: Tensor
+
+
+_OUTPUTS = len(KernelOutputs._fields)
 
 HALF = (torch.bfloat16, torch.float16)
 _HALF_KIND = {torch.bfloat16: 1, torch.float16: 2}  # fused.cpp's Half16
@@ -233,18 +277,17 @@ def fused_forward(
     half_products: bool,
     round_out: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products, round_out)
+    options = KernelOptions(scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products, round_out)
+    return tuple(run_forward(q, k, v, alibi, mask, spans, options))
 
 
-def run_forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products, round_out):
+def run_forward(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Tensor | None, spans: Tensor | None, options: KernelOptions) -> KernelOutputs:
     """What ``fused_forward`` computes, on real CPU tensors: the kernel's forward itself."""
-    check_forward_args(q, k, v, alibi, mask, spans, block_q, block_k)
-    block_q, block_k = _blocks(block_q, block_k, causal, left, right, q.shape[2], spans)
+    check_forward_args(q, k, v, alibi, mask, spans, options.block_q, options.block_k)
+    block_q, block_k = _blocks(options.block_q, options.block_k, options.causal, options.left, options.right, q.shape[2], spans)
     # The kernel makes every output, the empty statistics and the verdict too (see fused.cpp).
-    return tuple(_kernel().forward(
-        q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi, mask, with_stats, block_q, block_k, spans,
-        half_products, round_out,
-    ))  # fmt: skip
+    kwargs = options._replace(block_q=block_q, block_k=block_k)._asdict()
+    return KernelOutputs(*_kernel().forward(q=q, k=k, v=v, alibi=alibi, mask=mask, spans=spans, **kwargs))
 
 
 def _same_device(q: Tensor, **others: Tensor | None) -> None:
@@ -305,8 +348,9 @@ def fused_backward(
     if dtype in HALF and not half_products:  # the forward's float32 tiles: the same values, as whole copies
         q, k, v = q.float(), k.float(), v.float()
     dq, dk, dv = _kernel().backward(
-        q, k, v, dout.contiguous(), delta.contiguous(), m.contiguous(), l.contiguous(),
-        scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi, mask, block_q, block_k, spans,
+        q=q, k=k, v=v, dout=dout.contiguous(), delta=delta.contiguous(), m=m.contiguous(), l=l.contiguous(),
+        scale=scale, softcap=softcap, causal=causal, q_offset=q_offset, left=left, right=right, q_start=q_start, k_start=k_start,
+        alibi=alibi, mask=mask, block_q=block_q, block_k=block_k, spans=spans,
     )  # fmt: skip
     B, H, Hkv, S = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
     if dk.shape[1] != Hkv:  # per query head: a group's heads share k
@@ -327,21 +371,21 @@ def setup_forward(ctx, inputs, output) -> None:
     q, k, v, alibi, mask, spans, *options = inputs
     out, _, m, l, *rest = output
     ctx.save_for_backward(q, k, v, alibi, mask, spans, out, m, l)
-    ctx.options = options  # scale .. k_start, with_stats, block_q, block_k, half_products, round_out
+    ctx.options = KernelOptions(*options)
     ctx.mark_non_differentiable(m, l, *rest)  # only out and lse carry gradients
 
 
 def backward_forward(ctx, dout, dlse, *unused):
     """Gradients of q, k, v through ``fused_backward`` (None for every other input)."""
     q, k, v, alibi, mask, spans, out, m, l = ctx.saved_tensors
-    *scalars, _with_stats, block_q, block_k, products16, _round_out = ctx.options
+    options: KernelOptions = ctx.options
     with torch.no_grad():  # the backward has no derivative: see first_order
         if out.dtype != l.dtype:  # a rounded out (round_out): D_i and the kernel's dout in float32
             out, dout = out.float(), dout.float()
         # D_i = rowsum(dO * O) - dlse_i (FlashAttention-2; a gradient on lse adds p dlse to dS)
         delta = (dout * out).sum(-1) - dlse
-        dq, dk, dv = fused_backward(q, k, v, dout, delta, m, l, alibi, mask, spans, *scalars, block_q, block_k, products16)
-    return first_order("fused", (q, k, v), dq, dk, dv) + (None,) * (3 + len(ctx.options))
+        dq, dk, dv = fused_backward(q, k, v, dout, delta, m, l, alibi, mask, spans, *options.backward_args())
+    return first_order("fused", (q, k, v), dq, dk, dv) + (None,) * (3 + len(options))
 
 
 fused_forward.register_autograd(backward_forward, setup_context=setup_forward)
@@ -388,9 +432,10 @@ class FusedForward(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products, round_out):  # type: ignore[override]
-        args = (q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products, round_out)
-        return fused_forward(*args) if tracing(q, k, v) else run_forward(*args)
+    def forward(q, k, v, alibi, mask, spans, *options):  # type: ignore[override]
+        if tracing(q, k, v):
+            return fused_forward(q, k, v, alibi, mask, spans, *options)
+        return tuple(run_forward(q, k, v, alibi, mask, spans, KernelOptions(*options)))
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
@@ -401,17 +446,16 @@ class FusedForward(torch.autograd.Function):
         return backward_forward(ctx, *grads)
 
 
-def forward(*args: object) -> tuple[Tensor, ...]:
+def forward(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Tensor | None, spans: Tensor | None, options: KernelOptions) -> KernelOutputs:
     """``fused_forward`` on its arguments, by the cheapest route that keeps its semantics: the op
     while tracing (one node for torch.compile and torch.export; its fake rule for FakeTensor and
     meta tensors), :class:`FusedForward` under torch.func transforms and wherever a gradient may
     be asked for, else the kernel itself (dispatching a Python custom op is a visible share of a
-    decoding step: bench_fused.py's decoding case)."""
-    q, k, v = args[:3]
+    decoding step: bench_fused.py's decoding case). The one route into the kernel for every caller."""
     if not tracing(q, k, v):  # eager (the common case first: each check it passes costs)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):  # type: ignore[union-attr]
-            return FusedForward.apply(*args)
-        return run_forward(*args)
-    if not torch.compiler.is_compiling() and any(_functorch_wrapped(t) for t in (q, k, v)):  # type: ignore[arg-type]
-        return FusedForward.apply(*args)
-    return fused_forward(*args)  # compiling, or fake / meta tensors
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return KernelOutputs(*FusedForward.apply(q, k, v, alibi, mask, spans, *options))
+        return run_forward(q, k, v, alibi, mask, spans, options)
+    if not torch.compiler.is_compiling() and any(_functorch_wrapped(t) for t in (q, k, v)):
+        return KernelOutputs(*FusedForward.apply(q, k, v, alibi, mask, spans, *options))
+    return KernelOutputs(*fused_forward(q, k, v, alibi, mask, spans, *options))  # compiling, or fake / meta tensors
