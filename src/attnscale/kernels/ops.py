@@ -195,40 +195,45 @@ def _shape(t: Tensor) -> tuple[int, ...]:
 def check_forward_args(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Tensor | None, spans: Tensor | None, block_q: int, block_k: int) -> None:
     """What the kernel reads without checking, checked from shapes, dtypes and devices alone (and a
     span table's few numbers): an inconsistent call raises ValueError instead of reading out of
-    bounds (garbage, or a crash)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.ndim != 4:
-            raise _bad(name, "a 4-d tensor (B, heads, rows, dims)", f"shape {_shape(t)}")
-        if t.device.type != "cpu":
-            raise _bad(name, "a CPU tensor", f"device {t.device}")
-        if t.dtype != q.dtype or t.dtype not in _KERNEL_DTYPES:
-            raise _bad(name, f"q's dtype, one of float32, float64, bfloat16, float16 (q: {q.dtype})", t.dtype)
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
-            raise _bad(name, "rows with a contiguous last dim", f"strides {t.stride()}")
+    bounds (garbage, or a crash). A few microseconds: every decoding step passes here."""
+    if not (q.ndim == 4 and k.ndim == 4 and v.ndim == 4):
+        name, t = next((n, t) for n, t in (("q", q), ("k", k), ("v", v)) if t.ndim != 4)
+        raise _bad(name, "a 4-d tensor (B, heads, rows, dims)", f"shape {_shape(t)}")
+    if not (q.is_cpu and k.is_cpu and v.is_cpu):  # is_cpu: making a torch.device costs more
+        name, t = next((n, t) for n, t in (("q", q), ("k", k), ("v", v)) if not t.is_cpu)
+        raise _bad(name, "a CPU tensor", f"device {t.device}")
+    dtype = q.dtype
+    if k.dtype != dtype or v.dtype != dtype or dtype not in _KERNEL_DTYPES:
+        raise _bad("q, k, v", "one dtype of float32, float64, bfloat16, float16", f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if (q.stride(3) != 1 and q.shape[3] > 1) or (k.stride(3) != 1 and k.shape[3] > 1) or (v.stride(3) != 1 and v.shape[3] > 1):
+        raise _bad("q, k, v", "rows with a contiguous last dim", f"strides {q.stride()}, {k.stride()}, {v.stride()}")
     B, H, L, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    if k.shape[0] != B or v.shape[0] != B:
+    Bk, Hkv, S, Dk = k.shape
+    Bv, Hv, Sv, _ = v.shape
+    if Bk != B or Bv != B:
         raise _bad("k, v", f"q's batch B = {B}", f"k {_shape(k)}, v {_shape(v)}")
-    if not (1 <= Hkv <= H and H % Hkv == 0) or v.shape[1] != Hkv:
+    if not 1 <= Hkv <= H or H % Hkv or Hv != Hkv:
         raise _bad("k, v", f"key/value heads that divide q's H = {H} (1 <= Hkv <= H)", f"k {_shape(k)}, v {_shape(v)}")
-    if k.shape[3] != D:
+    if Dk != D:
         raise _bad("k", f"q's head dim D = {D}", f"shape {_shape(k)}")
-    if v.shape[2] != S:
+    if Sv != S:
         raise _bad("v", f"k's key count S = {S}", f"shape {_shape(v)}")
-    acc = torch.float32 if q.dtype in HALF else q.dtype
+    if block_q < 0 or block_k < 0:
+        raise _bad("block_q, block_k", "0 (the default) or a positive block size", (block_q, block_k))
+    if alibi is None and mask is None and spans is None:
+        return
+    acc = torch.float32 if dtype in HALF else dtype
     rows = spans.shape[0] if spans is not None else B
-    if alibi is not None and (_shape(alibi) != (rows, H) or alibi.dtype != acc or alibi.device.type != "cpu"):
+    if alibi is not None and (_shape(alibi) != (rows, H) or alibi.dtype != acc or not alibi.is_cpu):
         raise _bad("alibi", f"a {acc} CPU tensor ({'nseq' if spans is not None else 'B'}, H) = ({rows}, {H})", f"{alibi.dtype} {_shape(alibi)} on {alibi.device}")
-    if mask is not None and (_shape(mask) != (B, H, L, S) or mask.dtype not in (torch.bool, acc) or mask.device.type != "cpu"):
+    if mask is not None and (_shape(mask) != (B, H, L, S) or mask.dtype not in (torch.bool, acc) or not mask.is_cpu):
         raise _bad("mask", f"a bool or {acc} CPU tensor (B, H, L, S) = ({B}, {H}, {L}, {S})", f"{mask.dtype} {_shape(mask)} on {mask.device}")
     if spans is not None:
-        if spans.ndim != 2 or spans.shape[1] != 4 or spans.dtype != torch.int64 or spans.device.type != "cpu" or B != 1 or spans.shape[0] == 0:
+        if spans.ndim != 2 or spans.shape[1] != 4 or spans.dtype != torch.int64 or not spans.is_cpu or B != 1 or spans.shape[0] == 0:
             raise _bad("spans", "an int64 CPU table (nseq >= 1, 4) of (q0, q1, k0, k1), with B = 1", f"{spans.dtype} {_shape(spans)} on {spans.device}, B = {B}")
         for q0, q1, k0, k1 in spans.tolist():
             if not (0 <= q0 <= q1 <= L and 0 <= k0 <= k1 <= S):
                 raise _bad("spans", f"rows 0 <= q0 <= q1 <= L = {L} and 0 <= k0 <= k1 <= S = {S}", (q0, q1, k0, k1))
-    if block_q < 0 or block_k < 0:
-        raise _bad("block_q, block_k", "0 (the default) or a positive block size", (block_q, block_k))
 
 
 def check_backward_args(q: Tensor, v: Tensor, dout: Tensor, delta: Tensor, m: Tensor, l: Tensor) -> None:
