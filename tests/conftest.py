@@ -29,3 +29,12 @@ def pytest_collection_modifyitems(config, items):
         params = getattr(getattr(item, "callspec", None), "params", {})
         if params.get("backend") == "fused":
             item.add_marker(skip)
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """Readable ids for torch dtypes ("bfloat16", not "dtype1"); pytest's own for the rest."""
+    import torch
+
+    if isinstance(val, torch.dtype):
+        return str(val).removeprefix("torch.")
+    return None

@@ -18,6 +18,8 @@ from attnscale._validate import check_attention_call
 from attnscale.functional import _choose
 from attnscale.tiled import attention_partial, merge_sinks
 
+from .features import FEATURES, feature_id
+
 
 pytestmark = [
     pytest.mark.skipif(not flex.available(), reason="this torch has no FlexAttention"),
@@ -29,15 +31,6 @@ STAT_NAMES = ("lse", "max_logit", "max_prob", "entropy", "visible_keys", "sink_s
 NEG_INF = float("-inf")
 
 # The tiled kernel's feature matrix (tests/test_tiled.py), at lengths across FlexAttention's 128 block.
-FEATURES = list(
-    itertools.product(
-        [None, 5.0],  # softcap
-        [False, True],  # alibi
-        [None, (5, 2)],  # window
-        [None, "top_left", "bottom_right"],  # causal alignment
-        [None, "bool", "float"],  # attn_mask
-    )
-)
 SHAPES = [(4, 4, 9, 17), (4, 2, 131, 13), (4, 1, 5, 257)]  # (H, Hkv, L, S): MHA, GQA, MQA
 
 
@@ -92,7 +85,7 @@ def case_inputs(case, dtype=torch.float64, D=7, Dv=5):
     return q, k, v, mask, options(softcap=softcap, alibi=alibi, window=window, causal=causal, H=H)
 
 
-@pytest.mark.parametrize("case", range(len(FEATURES)))
+@pytest.mark.parametrize("case", range(len(FEATURES)), ids=feature_id)
 def test_every_feature_matches_the_reference_in_float64(case):
     """float64 runs FlexAttention's eager implementation: the whole feature matrix of the tiled
     kernel (softcap, ALiBi, window, both causal alignments, bool and float masks, MHA/GQA/MQA,
@@ -108,7 +101,7 @@ def test_every_feature_matches_the_reference_in_float64(case):
 COMPILED_CASES = [0, 9, 13, 23, 35, 47, 58, 71]
 
 
-@pytest.mark.parametrize("case", COMPILED_CASES)
+@pytest.mark.parametrize("case", COMPILED_CASES, ids=feature_id)
 def test_compiled_forward_error_is_like_math_in_float32(case):
     """float32 runs the compiled forward: error against fp64 at most twice the math backend's
     float32 error, plus a floor of 1e-6 (measured: at most 1.3x)."""
@@ -122,7 +115,7 @@ def test_compiled_forward_error_is_like_math_in_float32(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", [0, 23, 71])
+@pytest.mark.parametrize("case", [0, 23, 71], ids=feature_id)
 def test_half_precision_error_is_like_math(dtype, case):
     """16-bit inputs (compiled forward, float32 scores inside): error against fp64 at most twice
     the math backend's in the same dtype, plus a floor of one unit in the last place at 1."""
@@ -135,7 +128,7 @@ def test_half_precision_error_is_like_math(dtype, case):
     assert err <= 2 * math_err + torch.finfo(dtype).eps, (err, math_err)
 
 
-@pytest.mark.parametrize("case", [0, 13, 23, 47, 58, 71])
+@pytest.mark.parametrize("case", [0, 13, 23, 47, 58, 71], ids=feature_id)
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_statistics_and_sinks_match_math_in_float64(case, with_sinks):
     """Statistics (lse from FlexAttention, the rest from the chunked second pass) and the sinks
@@ -251,7 +244,7 @@ def test_one_compilation_per_shape_family():
 
 
 @pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not be instantiated:DeprecationWarning")  # dynamo's vmap of the mask
-@pytest.mark.parametrize("case", [47, 58, 71])
+@pytest.mark.parametrize("case", [47, 58, 71], ids=feature_id)
 def test_inside_torch_compile_one_graph(case):
     """Under torch.compile (fullgraph) the call is one flex_attention op in the caller's graph;
     statistics take the second pass's log-sum-exp where compiled CPU FlexAttention has none.
@@ -339,7 +332,7 @@ def test_auto_on_cuda_prefers_torch_then_flex_then_the_rest():
 
 
 @cuda
-@pytest.mark.parametrize("case", COMPILED_CASES)
+@pytest.mark.parametrize("case", COMPILED_CASES, ids=feature_id)
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_cuda_forward_backward_and_statistics_match_math(case, with_sinks):
     """On a GPU: compiled FlexAttention, forward and backward in float32, statistics with the

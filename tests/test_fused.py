@@ -16,6 +16,8 @@ import attnscale
 from attnscale import kernels, reference
 from attnscale.kernels import fused, ops
 
+from .features import FEATURES, feature_id
+
 # Skipped only where the kernel cannot be had (no compiler, ATTNSCALE_NO_KERNEL, a CPU without
 # AVX2): where it can, a kernel that failed to build fails these tests.
 pytestmark = pytest.mark.skipif(
@@ -44,15 +46,6 @@ def make_mask(kind, *, H, L, S, seed=1):
     return torch.randn(1, H, L, S, generator=gen, dtype=torch.float64).masked_fill(~keep, NEG_INF)
 
 
-FEATURES = list(
-    itertools.product(
-        [None, 5.0],  # softcap
-        [False, True],  # alibi
-        [None, (5, 2)],  # window
-        [None, "top_left", "bottom_right"],  # causal alignment
-        [None, "bool", "float"],  # attn_mask
-    )
-)
 # (H, Hkv, L, S): MHA, GQA, MQA; two query blocks (256) or key tiles (512) in some, L != S both ways
 SHAPES = [(4, 4, 70, 300), (4, 2, 259, 77), (4, 1, 5, 600)]
 
@@ -80,7 +73,7 @@ def sdpa(q, k, v, mask=None, backend="fused", **opts):
     return attnscale.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, backend=backend, **opts)
 
 
-@pytest.mark.parametrize("case", range(len(FEATURES)))
+@pytest.mark.parametrize("case", range(len(FEATURES)), ids=feature_id)
 def test_features_match_the_reference_fp64_with_statistics_and_gradients(case):
     q, k, v, mask, opts = case_inputs(case)
     for t in (q, k, v):
@@ -101,7 +94,7 @@ def test_features_match_the_reference_fp64_with_statistics_and_gradients(case):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-12, msg=f"d{name}")
 
 
-@pytest.mark.parametrize("case", range(0, len(FEATURES), 5))
+@pytest.mark.parametrize("case", range(0, len(FEATURES), 5), ids=feature_id)
 def test_small_tiles_match_the_reference_fp64(case, monkeypatch):
     """The default tiles (256 x 512) cover these shapes in one or two tiles; 16 x 32 ones make every
     case span many query blocks and key tiles (diagonal, window-edge and hidden tiles): the output
@@ -131,7 +124,7 @@ def test_small_tiles_match_the_reference_fp64(case, monkeypatch):
         np.testing.assert_allclose(got.numpy(), expected, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", [0, 17, 35, 53, 71])
+@pytest.mark.parametrize("case", [0, 17, 35, 53, 71], ids=feature_id)
 def test_sinks_match_the_reference_fp64(case):
     q, k, v, mask, opts = case_inputs(case)
     H = q.shape[-3]
@@ -147,7 +140,7 @@ TOLERANCE_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", [0, 23, 47, 58, 71])
+@pytest.mark.parametrize("case", [0, 23, 47, 58, 71], ids=feature_id)
 def test_low_precision_error_is_at_most_twice_a_plain_implementations(dtype, case):
     """Error against fp64 at most twice the math backend's (the plain formula in the same dtype),
     plus the floor test_tiled.py uses. The kernel's exp and tanh are fast approximations (ATen's
@@ -301,7 +294,7 @@ def test_half_inputs_with_alibi_over_several_key_tiles_stay_within_twice_the_mat
 
 @pytest.mark.parametrize("D, Dv", [(7, 5), (8, 5), (8, 6)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", [0, 10, 23, 31, 41, 47, 49, 58, 64, 71])
+@pytest.mark.parametrize("case", [0, 10, 23, 31, 41, 47, 49, 58, 64, 71], ids=feature_id)
 def test_half_inputs_outputs_statistics_and_gradients_within_twice_the_math_backends_error(half_path, dtype, case, D, Dv):
     """16-bit inputs on every path, every feature: the output, lse and gradients against fp64
     (float64 autograd through the reference formula of the same rounded inputs) at most twice the

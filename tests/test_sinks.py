@@ -4,7 +4,6 @@ Every backend against the fp64 NumPy reference (which writes the formula out dir
 statistics' treatment of the sink, gradients to the sinks, empty rows and bad input.
 """
 
-import itertools
 import math
 
 import numpy as np
@@ -15,6 +14,8 @@ import attnscale
 from attnscale import reference
 from attnscale.stats import normalized_entropy, summarize
 from attnscale.tiled import ScorePath, attention_partial, merge_partials, merge_sinks
+
+from .features import FEATURES, feature_id
 
 NEG_INF = float("-inf")
 SINKS = (0.5, -1.0, 2.5, NEG_INF)  # (H,) = 4 heads; the last has no sink
@@ -50,15 +51,6 @@ def run_reference(q, k, v, mask, sinks, **opts):
     )
 
 
-FEATURES = list(
-    itertools.product(
-        [None, 5.0],  # softcap
-        [False, True],  # alibi
-        [None, (5, 2)],  # window
-        [None, "top_left", "bottom_right"],  # causal alignment
-        [None, "bool", "float"],  # attn_mask
-    )
-)
 SHAPES = [(4, 4, 9, 17), (4, 2, 19, 13), (4, 1, 5, 49)]  # MHA, GQA, MQA; L != S both ways
 
 
@@ -77,7 +69,7 @@ def sdpa(q, k, v, mask, sinks, backend, **opts):
     return attnscale.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, sinks=sinks, backend=backend, **opts)
 
 
-@pytest.mark.parametrize("case", range(len(FEATURES)))
+@pytest.mark.parametrize("case", range(len(FEATURES)), ids=feature_id)
 def test_every_backend_matches_the_reference_fp64(case):
     (H, Hkv, L, S), mask_kind, opts = options(case)
     q, k, v = make_inputs(H=H, Hkv=Hkv, L=L, S=S, seed=case)
@@ -100,7 +92,7 @@ def test_auto_sends_sinks_to_the_online_softmax_kernel():
     assert attnscale.last_backend() == "math"
 
 
-@pytest.mark.parametrize("case", [0, 17, 35, 46, 71])
+@pytest.mark.parametrize("case", [0, 17, 35, 46, 71], ids=feature_id)
 @pytest.mark.parametrize("backend", ["math", "tiled", "fused"])
 def test_statistics_count_the_sink_as_one_more_outcome(case, backend):
     if backend == "fused" and NO_KERNEL is not None:
@@ -179,7 +171,7 @@ def test_a_minus_inf_sink_is_no_sink_and_keeps_gradients_finite():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", [0, 23, 47, 71])
+@pytest.mark.parametrize("case", [0, 23, 47, 71], ids=feature_id)
 def test_low_precision_error_is_like_math(dtype, case):
     """The tiled kernel's error against fp64 is at most twice the math backend's (same dtype), plus
     the floor that test_tiled.py uses for the kernel without sinks."""

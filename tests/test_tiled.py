@@ -15,6 +15,8 @@ from attnscale import ScorePath, reference, tiled
 from attnscale._validate import check_attention_call
 from attnscale.tiled import attention_partial, merge_partials, tiled_attention
 
+from .features import FEATURES, feature_id
+
 # What backend="auto" runs for the features torch lacks: the compiled kernel where it builds.
 KERNEL = "fused" if attnscale.kernels.available() else "tiled"
 BQ, BK = 8, 16  # small tiles so that small problems cross several block boundaries
@@ -89,15 +91,6 @@ def run_math(q, k, v, mask=None, **opts):
     return attnscale.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, backend="math", **opts)
 
 
-FEATURES = list(
-    itertools.product(
-        [None, 5.0],  # softcap
-        [False, True],  # alibi
-        [None, (5, 2)],  # window
-        [None, "top_left", "bottom_right"],  # causal alignment
-        [None, "bool", "float"],  # attn_mask
-    )
-)
 SHAPES = [  # (H, Hkv, L, S): MHA, GQA, MQA; lengths just past a block, and L != S both ways
     (4, 4, BQ + 1, BK + 1),
     (4, 2, 2 * BQ + 3, BK - 3),
@@ -114,7 +107,7 @@ def offset_mode(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("case", range(len(FEATURES)))
+@pytest.mark.parametrize("case", range(len(FEATURES)), ids=feature_id)
 def test_features_match_reference_and_math_fp64(case, offset_mode):
     softcap, alibi, window, causal, mask_kind = FEATURES[case]
     H, Hkv, L, S = SHAPES[case % len(SHAPES)]
@@ -139,7 +132,7 @@ TOLERANCE_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", [0, 23, 47, 58, 71])
+@pytest.mark.parametrize("case", [0, 23, 47, 58, 71], ids=feature_id)
 def test_low_precision_error_is_like_math(dtype, case, offset_mode):
     """Error against fp64 at most twice the math backend's (same dtype), plus a small floor."""
     softcap, alibi, window, causal, mask_kind = FEATURES[case]
