@@ -2,7 +2,7 @@
 and at one thread.
 
     python benchmarks/bench_compile.py [--repeats 7] [--json out.json] [--quick]
-    python benchmarks/bench_compile.py --markdown benchmarks/recorded/compile.json   # the README's table
+    python benchmarks/bench_compile.py --markdown benchmarks/recorded/compile.json   # the docs' table
 
 Two workloads, each timed eagerly and compiled (``torch.compile(fullgraph=True)``, inductor) in
 one process, interleaved (repeat 1 of each, then repeat 2, ...); the ratio is the median of the
@@ -35,7 +35,7 @@ import attnscale
 from machine import describe
 
 TARGET = 1.0
-WORKLOADS = {  # name -> how the README's table names it
+WORKLOADS = {  # name -> how the docs' table names it
     "block forward": "block: qkv -> attnscale (causal + softcap) -> out, B = 4, L = 1024, forward",
     "block training step": "block, training step (forward, backward, AdamW)",
     "gemma2 training step": "random 2-layer Gemma 2, 4 x 512 tokens, training step",
@@ -144,7 +144,7 @@ def measure(threads: int, repeats: int, cases: dict[str, tuple[Callable[[], obje
 
 
 def markdown(result: dict) -> str:
-    """The README's text and table from a --json file: what ran, where, and each ratio."""
+    """The docs' text and table from a --json file: what ran, where, and each ratio."""
     threads = sorted({r["threads"] for r in result["rows"]}, reverse=True)
     names = {t: "one thread" if t == 1 else f"{t} threads" for t in threads}
     lines = [
@@ -169,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 repeats")
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default: torch's default and 1)")
     parser.add_argument("--json", metavar="PATH")
-    parser.add_argument("--markdown", metavar="JSON", help="print the README's table from a --json file and exit")
+    parser.add_argument("--markdown", metavar="JSON", help="print the docs' table from a --json file and exit")
     args = parser.parse_args(argv)
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())))

@@ -212,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="L = 2048 and 8192, D = 64, 3 repeats")
     parser.add_argument("--json", metavar="PATH", help="write the recording here (after every cell, so a run cut short keeps its cells)")
     parser.add_argument("--max-minutes", type=float, default=math.inf, help="start no new cell after this many minutes (the recording says which cells ran)")
-    parser.add_argument("--markdown", metavar="JSON", help="print the README's table from a --json file and exit")
+    parser.add_argument("--markdown", metavar="JSON", help="print the docs' table from a --json file and exit")
     args = parser.parse_args(argv)
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text(encoding="utf-8"))))

@@ -13,7 +13,7 @@ cells meet them.
     python benchmarks/bench_fused.py --json out.json    # also write every time and ratio
     python benchmarks/bench_fused.py --tanh             # only the softcap's tanh against torch.tanh
     python benchmarks/bench_fused.py --varlen           # the tanh, then packed sequences only
-    python benchmarks/bench_fused.py --markdown out.json  # the README's table from a --json run
+    python benchmarks/bench_fused.py --markdown out.json  # the docs' table from a --json run
     python benchmarks/bench_fused.py --blocks           # the kernel's tile shapes compared
     python benchmarks/bench_fused.py --cases bf16 fp16  # only the cases whose name contains a word given
     python benchmarks/bench_fused.py --half-paths       # 16-bit forwards: float32 tiles vs 16-bit products
@@ -431,7 +431,7 @@ def blocks_rows(threads: int, repeats: int, dtype: torch.dtype = torch.float32) 
 
 
 def markdown(result: dict) -> str:
-    """The README's table from a ``--json`` file: per case, the range of the ratios over the cells
+    """The docs' table from a ``--json`` file: per case, the range of the ratios over the cells
     and how many meet the target, at one thread and at the default thread count; then the window,
     varlen, memory and GFLOP/s lines."""
     default = result["default_threads"]
@@ -493,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()  # each runs alone: none is silently dropped for another
     mode.add_argument("--tanh", action="store_true", help="only time the kernel's tanh against torch.tanh")
     mode.add_argument("--varlen", action="store_true", help="only time packed sequences (varlen_attention)")
-    mode.add_argument("--markdown", metavar="JSON", help="print the README's table from a --json file and exit")
+    mode.add_argument("--markdown", metavar="JSON", help="print the docs' table from a --json file and exit")
     mode.add_argument("--blocks", action="store_true", help="only compare the kernel's tile shapes (float32, and bfloat16 with a softcapped causal case)")
     mode.add_argument("--half-paths", action="store_true", help="only the 16-bit forward cases, float32 tiles against 16-bit products (ATTNSCALE_HALF_PRODUCTS=0 / 1)")
     mode.add_argument("--cases", nargs="+", metavar="WORD", help="only the cases whose name contains one of these words (e.g. bf16 decoding); no tanh, varlen, window or memory rows")

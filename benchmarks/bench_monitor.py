@@ -1,7 +1,7 @@
 """Cost of attnscale.monitor: forward time of all-MiniLM-L6-v2 on 32 sentences of 32 tokens, monitor off vs on.
 
     python benchmarks/bench_monitor.py [--repeats 7] [--json] [--figure docs/figures/minilm_heatmap.png]
-    python benchmarks/bench_monitor.py --markdown benchmarks/recorded/monitor.json        # README's lines
+    python benchmarks/bench_monitor.py --markdown benchmarks/recorded/monitor.json        # docs/monitor.md's lines
 
 Four settings, each timed ``--repeats`` times after one warm-up, median reported:
 
@@ -183,7 +183,7 @@ def train_main(args: argparse.Namespace) -> int:
 
 
 def markdown(result: dict) -> str:
-    """README's lines (inference, ``--json``) or docs/monitor.md's table (``--train --json``)
+    """docs/monitor.md's lines (inference, ``--json``) or its training table (``--train --json``)
     from a recorded JSON file."""
     if result["schema"] == "attnscale.bench_monitor.train/1":
         where = f"commit {result['commit']}, {result['cpu']}"
@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--figure", default=None, metavar="PATH", help="also save the monitor's heatmap of this batch (.png or .svg)")
     parser.add_argument("--train", action="store_true", help="time training steps instead (see the docstring)")
     parser.add_argument("--block", type=int, default=10, help="with --train: steps per setting in each repeat (default 10)")
-    parser.add_argument("--markdown", metavar="JSON", help="print the README's (or docs/monitor.md's) lines from a --json file and exit")
+    parser.add_argument("--markdown", metavar="JSON", help="print docs/monitor.md's lines from a --json file and exit")
     args = parser.parse_args(argv)
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())))

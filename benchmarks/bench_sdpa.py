@@ -236,7 +236,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-memory", action="store_true", help="timing only")
     parser.add_argument("--no-timing", action="store_true", help="memory only")
     parser.add_argument("--output", type=Path, default=None, help="JSON path (default benchmarks/results/bench_sdpa-<time>.json)")
-    parser.add_argument("--markdown", metavar="JSON", help="print the README's memory table from a recorded JSON file and exit")
+    parser.add_argument("--markdown", metavar="JSON", help="print the memory table the docs show, from a recorded JSON file, and exit")
     parser.add_argument("--memory-child", nargs=5, metavar=("IMPL", "L", "B", "H", "D"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 5:
@@ -251,7 +251,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def markdown(result: dict) -> str:
-    """The README's memory table from a recorded JSON file (what ran, where, and each cell)."""
+    """The docs' memory table from a recorded JSON file (what ran, where, and each cell)."""
     names = list(dict.fromkeys(m["impl"] for m in result["memory"]))
     config = result["config"]
     lengths = " ".join(str(L) for L in dict.fromkeys(m["L"] for m in result["memory"]))

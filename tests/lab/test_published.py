@@ -38,26 +38,26 @@ def test_the_committed_runs_were_judged_by_the_current_rules(summary, profile):
 
 
 def test_the_default_run_held_to_avx2_code_reached_the_published_verdicts():
-    """The README says the default run reached every published verdict with torch, oneMKL, oneDNN
+    """docs/lab-report.md says the default run reached every published verdict with torch, oneMKL, oneDNN
     and the compiled kernel held to AVX2 code: results/default_avx2_paths.json is that run's summary,
-    and a re-recorded published.json must be reproduced that way again (or the README changed)."""
+    and a re-recorded published.json must be reproduced that way again (or that page changed)."""
     other = json.loads((ROOT / "results" / "default_avx2_paths.json").read_text(encoding="utf-8"))
     assert (other["profile"], other["seed"]) == ("default", 0) and re.fullmatch(r"[0-9a-f]{40}", other["commit"])
     verdicts = {c["id"]: (c["verdict"], c["rule_version"]) for c in PUBLISHED["claims"]}
     assert {c["id"]: (c["verdict"], c["rule_version"]) for c in other["claims"]} == verdicts
-    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    readme = " ".join((ROOT / "docs" / "lab-report.md").read_text(encoding="utf-8").split())
     assert f"at {other['commit'][:7]}; `results/default_avx2_paths.json`) it reaches the same {len(verdicts)} verdicts" in readme
 
 
 def test_the_default_run_on_an_intel_xeon_reached_the_published_verdicts():
-    """The README says the default run on a second CPU model (an Intel Xeon with AMX) reached every
+    """docs/lab-report.md says the default run on a second CPU model (an Intel Xeon with AMX) reached every
     published verdict by the same rules: results/default_intel_xeon_amx.json is that run's summary."""
     other = json.loads((ROOT / "results" / "default_intel_xeon_amx.json").read_text(encoding="utf-8"))
     assert (other["profile"], other["seed"]) == ("default", 0) and re.fullmatch(r"[0-9a-f]{40}", other["commit"])
     assert "Intel" in other["environment"]["cpu"] and "Intel" not in PUBLISHED["environment"]["cpu"]
     rules = {c["id"]: (c["verdict"], c["rule_version"], c["rule_fingerprint"]) for c in PUBLISHED["claims"]}
     assert {c["id"]: (c["verdict"], c["rule_version"], c["rule_fingerprint"]) for c in other["claims"]} == rules
-    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    readme = " ".join((ROOT / "docs" / "lab-report.md").read_text(encoding="utf-8").split())
     minutes = other["seconds"] / 60
     assert f"(at {other['commit'][:7]}, by the same rules; `results/default_intel_xeon_amx.json`, {minutes:.1f} min)" in readme
     assert f"reaches the same {len(rules)} verdicts" in readme
@@ -126,8 +126,8 @@ def test_main_renders_the_table_into_a_readme_and_compare_exits_1_on_a_changed_v
         published.replace_table("no table here", "x")
 
 
-def _readme_paragraph(starts: str) -> str:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+def _readme_paragraph(starts: str, page: str = "README.md") -> str:
+    readme = (ROOT / page).read_text(encoding="utf-8")
     start = readme.index(starts)
     return " ".join(readme[start : readme.index("\n\n", start)].split())
 
@@ -140,6 +140,8 @@ def test_the_readmes_lab_text_cites_only_numbers_of_the_published_run():
     cited = re.findall(r"\d+\.\d+|\d+(?=x)", text)
     assert cited, "the README's lab paragraph cites no number of the run"
     assert [n for n in cited if n not in published_text] == [], "README's lab paragraph cites numbers not in results/published.json"
-    times = _readme_paragraph("Wall time of these runs")
+    stall = _readme_paragraph("The published run's training-stall numbers", "docs/lab-report.md")
+    assert [n for n in re.findall(r"\d+\.\d+|\d+(?=x)", stall) if n not in published_text] == [], "docs/lab-report.md's stall paragraph cites numbers not in results/published.json"
+    times = _readme_paragraph("Wall time of these runs", "docs/lab-report.md")
     assert f"`default` {PUBLISHED['seconds'] / 60:.1f} min" in times
     assert f"`--profile quick` (CI's size) {QUICK['seconds'] / 60:.1f} min" in times
