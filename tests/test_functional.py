@@ -922,3 +922,44 @@ def test_tensors_that_are_not_plain_take_the_full_path(monkeypatch, name):
     if name != "meta tensors":
         want = _full_path(monkeypatch, lambda: sdpa(q, k, v, softcap=5.0))
         assert torch.equal(out.detach(), want.detach()) or torch.allclose(out.detach(), want.detach(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("poison", ["none", "nan_q", "inf_k", "big_k", "zero_out_row"])
+@pytest.mark.parametrize("backend", ["tiled", "flex", "math"])
+def test_the_one_read_guard_decides_as_the_eager_one(poison, backend):
+    """On accelerators the guard reads its numbers (row peaks, max |q|, |k|, slopes, float mask) in
+    one transfer (functional._OneRead); its answers must be the eager guard's, number for number
+    and decision for decision. Checked here on CPU tensors, where both can run."""
+    import math as m
+
+    from attnscale._validate import check_attention_call
+    from attnscale.functional import _finite_sum, _OneRead, _row_peaks, _rows_look_right, _rows_may_hide_trouble, abs_max
+
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 2, 6, 8, generator=gen), torch.randn(1, 2, 7, 8, generator=gen)
+    out = torch.randn(1, 2, 6, 8, generator=gen)
+    if poison == "nan_q":
+        q[0, 1, 2, 3] = m.nan
+    elif poison == "inf_k":
+        k[0, 0, 4, 1] = m.inf
+    elif poison == "big_k":
+        k *= 1e30
+    elif poison == "zero_out_row":
+        out[0, 0, 3] = 0.0
+    slopes = attnscale.alibi_slopes(2)
+    mask = torch.randn(6, 7, generator=gen).masked_fill(torch.rand(6, 7, generator=gen) < 0.3, -m.inf)
+    for opts in ({}, {"softcap": 5.0}, {"alibi_slopes": slopes, "attn_mask": mask}):
+        call = check_attention_call(
+            q, k, k, attn_mask=opts.get("attn_mask"), dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, causal_alignment="top_left",
+            backend="auto", softcap=opts.get("softcap"), alibi_slopes=opts.get("alibi_slopes"), window=None, return_stats=False, sinks=None, values=False,
+        )  # fmt: skip
+        peaks = _row_peaks(out)
+        read = _OneRead(peaks, (q, k, opts.get("alibi_slopes")), opts.get("attn_mask"))
+        assert read.rows_look_right() == _rows_look_right(peaks)
+        for t in (q, k, slopes):
+            want = abs_max(t)
+            assert (m.isnan(read(t)) and m.isnan(want)) or read(t) == want
+        assert read.finite(k) == _finite_sum(k)
+        chosen = attnscale.functional.Backend(backend)
+        args = (chosen, call, q, k, opts.get("attn_mask"), opts.get("alibi_slopes"))
+        assert _rows_may_hide_trouble(*args, read) == _rows_may_hide_trouble(*args), opts

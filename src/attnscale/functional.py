@@ -818,7 +818,7 @@ def scaled_dot_product_attention(
         out, stats = run(query, key, value)
     if not traced:
         peaks = _row_peaks(out) if rows_ok is None else None
-        read = None if peaks is None or query.device.type == "cpu" else _OneRead(peaks, (query, key, alibi_slopes), attn_mask)
+        read = None if peaks is None or query.is_cpu else _OneRead(peaks, (query, key, alibi_slopes), attn_mask)
         if read is not None:
             suspect = not read.rows_look_right() or _rows_may_hide_trouble(chosen, call, query, key, attn_mask, alibi_slopes, read)
         else:
