@@ -82,7 +82,7 @@ def test_a_report_of_another_profile_or_subset_does_not_replace_the_one_in_the_f
     for kwargs, shown in (({"only": ["fold-a"]}, "fold-a, fold-b"), ({"profile": "quick"}, "profile tiny"), ({"seed": 1}, "seed 0")):
         with pytest.raises(ValueError, match=r"^outdir: expected a folder without a report") as err:
             runner.run_report(out, **{"profile": "tiny", "jobs": 1, "console": _quiet(), "package": lab, **kwargs})
-        assert shown in str(err.value) and "--replace" in str(err.value)
+        assert shown in str(err.value) and "replace=True to overwrite" in str(err.value)  # the Python name; the CLI says --replace
         assert (out / "results.json").read_text() == first
     runner.check_replaces(out, "tiny", 0, ["fold-b", "fold-a"])  # the same run again (resumed) is fine
     runner.run_report(out, profile="tiny", only=["fold-a"], jobs=1, console=_quiet(), package=lab, replace=True)
