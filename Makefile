@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test report bench docs clean
+.PHONY: test test-fast report bench docs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The inner loop (about 2 minutes on 2 cores): every test but those listed in tests/slow_tests.txt,
+# the ones that took 0.5 s or more (tests/update_slow_tests.py rewrites the list from a run).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" --durations=5
 
 report: $(STAMP)
 	$(BIN)/attnscale report --out attnscale-report

@@ -21,6 +21,7 @@ def pytest_collection_modifyitems(config, items):
 
     from attnscale import kernels
 
+    _mark_slow(items)
     reason = kernels.build_precondition()
     if reason is None:
         return
@@ -38,3 +39,22 @@ def pytest_make_parametrize_id(config, val, argname):
     if isinstance(val, torch.dtype):
         return str(val).removeprefix("torch.")
     return None
+
+
+def _slow_tests() -> frozenset[str]:
+    from pathlib import Path
+
+    listed = Path(__file__).with_name("slow_tests.txt")
+    lines = listed.read_text(encoding="utf-8").splitlines() if listed.is_file() else []
+    return frozenset(line for line in lines if line and not line.startswith("#"))
+
+
+def _mark_slow(items):
+    """The tests listed in slow_tests.txt (measured: tests/update_slow_tests.py) get the ``slow``
+    marker, so that ``make test-fast`` (``-m "not slow"``) leaves them out."""
+    import pytest
+
+    slow = _slow_tests()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
