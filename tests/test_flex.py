@@ -15,7 +15,7 @@ import torch._dynamo
 import attnscale
 from attnscale import ScorePath, flex, reference
 from attnscale._validate import check_attention_call
-from attnscale.functional import _choose
+from attnscale import backends
 from attnscale.tiled import attention_partial, merge_sinks
 
 from .features import FEATURES, feature_id
@@ -317,18 +317,22 @@ def test_auto_never_takes_flex_on_cpu():
     assert attnscale.last_backend() != "flex"
 
 
-def test_auto_on_cuda_prefers_torch_then_flex_then_the_rest():
+def test_auto_on_cuda_prefers_torch_then_flex_then_the_rest(monkeypatch):
     """The rule on a CUDA tensor (a stand-in: the rule reads only where it lies): torch's fused
     kernel where it is exact, FlexAttention where it can run, otherwise as on CPU."""
+    gpu = types.SimpleNamespace(device=torch.device("cuda"), is_cpu=False, is_meta=False, is_cuda=True, requires_grad=False)
+
+    def chosen(call, flex_cannot):
+        monkeypatch.setattr(flex, "cannot", lambda **kwargs: flex_cannot)
+        return backends.choose(backends.Call(call, gpu, gpu, gpu, None, None, None))[0].backend.value
+
     call, _ = _call()
-    gpu = types.SimpleNamespace(device=torch.device("cuda"), is_cpu=False, is_meta=False, is_cuda=True)
-    assert _choose(call, gpu, None, flex_cannot=lambda: None)[0].value == "torch"
+    assert chosen(call, None) == "torch"
     call, _ = _call(softcap=5.0)
-    assert _choose(call, gpu, None, flex_cannot=lambda: None)[0].value == "flex"
-    chosen, _ = _choose(call, gpu, None, flex_cannot=lambda: "some reason")
-    assert chosen.value == "tiled"
+    assert chosen(call, None) == "flex"
+    assert chosen(call, "some reason") == "tiled"
     call, _ = _call(softcap=5.0, dropout_p=0.1)
-    assert _choose(call, gpu, None, flex_cannot=lambda: "dropout")[0].value == "math"
+    assert chosen(call, "dropout") == "math"
 
 
 @cuda

@@ -256,7 +256,7 @@ def test_decoding_without_grouped_heads_takes_float32_tiles(monkeypatch, dtype):
     want = sdpa(q, k, v, softcap=30.0, backend="fused")
     monkeypatch.delenv("ATTNSCALE_HALF_PRODUCTS")
     assert torch.equal(sdpa(q, k, v, softcap=30.0, backend="fused"), want)
-    assert torch.equal(sdpa(q, k, v, softcap=30.0), want)  # the short route decides alike
+    assert torch.equal(sdpa(q, k, v, softcap=30.0), want)  # auto decides alike
     if kernels.load().half_gemm(1):
         monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "1")
         assert ops.half_products(dtype, 1, 1) is True
@@ -759,7 +759,7 @@ def test_the_kernels_row_verdict_is_the_output_check_it_replaces():
     # scaled_dot_product_attention trusts the kernel's rows_ok in place of its own check of the
     # output (every row finite and not all zeros): both must agree on rows that are fine, NaN,
     # inf, all zeros (no visible key, or zero values), and on values of width 0.
-    from attnscale.functional import _row_peaks, _rows_look_right
+    from attnscale.guard import _row_peaks, _rows_look_right
     from attnscale.score import ScorePath
 
     path = ScorePath(scale=0.5)
@@ -797,7 +797,7 @@ def test_the_kernels_row_check_holds_of_the_rounded_16_bit_output(half_path, dty
     that half it rounds to the subnormal, and looks right: here where bfloat16 rows settle before
     their first tile on the offset -34.5 (brgemm), whose weights e^34.5 are rounded for the product
     but not for their sum, the uniform weights' mean comes out a little above the half."""
-    from attnscale.functional import _row_peaks, _rows_look_right
+    from attnscale.guard import _row_peaks, _rows_look_right
     from attnscale.score import ScorePath
 
     path = ScorePath(scale=1.0)

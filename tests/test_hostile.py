@@ -523,12 +523,12 @@ def test_gradients_with_a_non_finite_key_hidden_from_every_row(backend, situatio
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_finite_inputs_take_the_fast_path_whole(backend, monkeypatch):
     # The careful path runs only when an output row is NaN, inf or zero.
-    import attnscale.functional as functional
+    import attnscale.guard as guard
 
     def refuse(*args, **kwargs):
         raise AssertionError("careful path on finite, well-scaled inputs")
 
-    monkeypatch.setattr(functional, "_careful", refuse)
+    monkeypatch.setattr(guard, "_careful", refuse)
     q, k, v = qkv(2, 2, 5, 8, S=7)
     sdpa(q, k, v, backend=backend, attn_mask=torch.rand(5, 7, generator=torch.Generator().manual_seed(1)) > 0.5)
 

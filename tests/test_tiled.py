@@ -345,7 +345,7 @@ def test_auto_dispatch_rule(monkeypatch):
     assert attnscale.last_backend() == "math"
     sdpa(q, k, v[..., :3], dropout_p=0.0)  # D != Dv: torch's fused kernel declines; small: math
     assert attnscale.last_backend() == "math"
-    monkeypatch.setattr(attnscale.functional, "MATH_MAX_SCORES", 100)
+    monkeypatch.setattr(attnscale.backends, "MATH_MAX_SCORES", 100)
     sdpa(q, k, v[..., :3])
     assert attnscale.last_backend() == KERNEL
 

@@ -39,7 +39,9 @@ from ._validate import (
 )
 from . import flex
 from .dense import accumulation_dtype
-from .functional import abs_max, may_overflow, record_backend, scaled_dot_product_attention
+from .backends import flex_refusal
+from .functional import record_backend, scaled_dot_product_attention
+from .guard import abs_max, may_overflow
 from .kernels.fused import fused_varlen_attention
 from .kernels.fused import supports as fused_supports
 from .masks import CausalAlignment
@@ -405,7 +407,7 @@ def _takes_flex(backend: Backend, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor
     views = tuple(t.transpose(0, 1) for t in (q, k, v))  # (H or Hkv, total, D or Dv): heads, then rows, as flex reads them
     why_not = flex.cannot(device=q.device, dropout_p=0.0, attn_mask=None, alibi_slopes=alibi_slopes, sinks=sinks, tensors=views)
     if why_not is not None and backend is Backend.FLEX:
-        fail("backend", "a call FlexAttention can run", f"'flex' with {why_not}", "use backend='tiled' (same semantics, eager) or 'auto'")
+        flex_refusal(why_not).raise_()
     return why_not is None
 
 

@@ -19,7 +19,9 @@ from torch import Tensor, nn
 from ... import modules as _modules
 from ..._validate import check_attention_call, fail
 from ...dense import accumulation_dtype
-from ...functional import MATH_MAX_SCORES, abs_max, scaled_dot_product_attention
+from ...backends import MATH_MAX_SCORES
+from ...functional import scaled_dot_product_attention
+from ...guard import abs_max
 from ...kernels.fused import supports as fused_supports
 from ...stats import AttentionStats, normalized_entropy, with_nan_rows
 from .alerts import Alert, AlertRules, AlertState, TrainingStopped

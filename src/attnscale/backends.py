@@ -1,0 +1,365 @@
+"""The backends of :func:`attnscale.scaled_dot_product_attention`, as data.
+
+Each :class:`Implementation` says in one place what it computes (``cannot``: None, or why not,
+with the refusal a caller who forces it gets), how it runs (``run``), and what the guard may
+trust of its output (:mod:`attnscale.guard`). ``backend="auto"`` is the ordered walk of
+:data:`AUTO` over them; a forced backend is the same question, answered with a refusal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple, NoReturn
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import flex
+from ._tracing import under_vmap
+from ._validate import AttentionCall, Backend, fail
+from .dense import accumulation_dtype, dense_attention
+from .kernels.fused import fused_attention_checked
+from .kernels.fused import supports as fused_supports
+from .masks import add_bias, alibi_bias
+from .stats import AttentionStats
+from .tiled import tiled_attention
+
+__all__ = ["AUTO", "IMPLEMENTATIONS", "MATH_MAX_SCORES", "Call", "Implementation", "Refusal", "Result", "choose"]
+
+MATH_MAX_SCORES = 2**26
+"""``backend="auto"`` avoids the math backend above this many scores ``prod(batch) * H * L * S``:
+it holds several (..., H, L, S) tensors (256 MiB each in float32 at this size)."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """A validated call and its tensors: everything a backend reads."""
+
+    spec: AttentionCall
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    attn_mask: Tensor | None
+    alibi_slopes: Tensor | None
+    sinks: Tensor | None
+
+    @property
+    def slopes_need_grad(self) -> bool:
+        slopes = self.alibi_slopes
+        return slopes is not None and slopes.requires_grad and torch.is_grad_enabled()
+
+
+class Result(NamedTuple):
+    out: Tensor
+    stats: AttentionStats | None
+    rows_ok: Tensor | None
+    """The backend's own verdict on its rows (0-d bool: each finite and not all zeros); None: the
+    guard reads the rows itself."""
+
+
+class Refusal(NamedTuple):
+    """Why an implementation cannot compute a call: ``reason`` for the log of ``auto``, the rest
+    for the error a caller who forced it gets (see :func:`attnscale._validate.fail`)."""
+
+    reason: str
+    argument: str
+    expected: str
+    got: str
+    fix: str
+
+    def raise_(self) -> NoReturn:
+        fail(self.argument, self.expected, self.got, self.fix)
+
+
+_Run = Callable[[Call, Tensor, Tensor, Tensor], Result]
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One backend: what it computes, how it runs, and what its output's check may trust."""
+
+    backend: Backend
+    cannot: Callable[[Call], Refusal | None]
+    """None where it computes exactly this call, else why not."""
+    run: _Run
+    """The backend on (query, key, value), every other option from the call."""
+    checks_rows: bool = False
+    """Returns its rows' verdict, and makes a logit from an infinite product NaN (so only the
+    gradients of a non-finite k need the guard's look)."""
+    floors_exp: bool = False
+    """Gives a row whose logits all overflow to -inf finite weights: a finite row may be wrong."""
+    float64: bool = True
+    """Runs the float64 recompute itself (else attnscale's own kernel does)."""
+
+
+def _kernel_dropout(backend: Backend) -> Callable[[Call], Refusal | None]:
+    def cannot(c: Call) -> Refusal | None:
+        if c.spec.dropout_p > 0.0:
+            name = backend.value
+            return Refusal(
+                f"dropout (the {name} kernel has none)",
+                "dropout_p",
+                f"0.0 with backend={name!r} (the {name} kernel has no dropout)",
+                repr(c.spec.dropout_p),
+                "use backend='math' (or 'auto') for dropout",
+            )
+        return None
+
+    return cannot
+
+
+def _torch_cannot(c: Call) -> Refusal | None:
+    reason = "softcap" if c.spec.path.softcap is not None else "return_stats" if c.spec.return_stats else None
+    if reason is None:
+        return None
+    return Refusal(reason, "backend", f"a backend that implements {reason}", "'torch'", "use backend='auto' or backend='math'; torch's SDPA has no such option")
+
+
+def _fused_cannot(c: Call) -> Refusal | None:
+    refusal = _kernel_dropout(Backend.FUSED)(c)
+    if refusal is not None:
+        return refusal
+    reason = fused_supports(c.query, c.attn_mask)
+    if reason is None:
+        return None
+    return Refusal(reason, "backend", "a call the compiled kernel can run", f"'fused' with {reason}", "use backend='tiled' (same semantics, eager) or 'auto'")
+
+
+def _tiled_cannot(c: Call) -> Refusal | None:
+    refusal = _kernel_dropout(Backend.TILED)(c)
+    if refusal is None and under_vmap():
+        return Refusal(
+            "under vmap, where the tiled kernel has no batching rule",
+            "backend",
+            "a backend with a batching rule under torch.func.vmap",
+            "'tiled' (an autograd Function without one)",
+            "use backend='auto' or 'math' (or 'fused' where the compiled kernel runs) inside vmap",
+        )
+    return refusal
+
+
+def flex_refusal(reason: str) -> Refusal:
+    """The refusal of ``backend="flex"`` for ``reason`` (also :func:`attnscale.varlen_attention`'s)."""
+    return Refusal(reason, "backend", "a call FlexAttention can run", f"'flex' with {reason}", "use backend='tiled' (same semantics, eager) or 'auto'")
+
+
+def _flex_cannot(c: Call) -> Refusal | None:
+    reason = flex.cannot(
+        device=c.query.device, dropout_p=c.spec.dropout_p, attn_mask=c.attn_mask, alibi_slopes=c.alibi_slopes, sinks=c.sinks, tensors=(c.query, c.key, c.value)
+    )
+    return None if reason is None else flex_refusal(reason)
+
+
+def _streamed(kernel: Callable[..., tuple[Tensor, AttentionStats | None]]) -> _Run:
+    def run(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
+        out, stats = kernel(
+            query, key, value, path=c.spec.path, attn_mask=c.attn_mask, alibi_slopes=c.alibi_slopes, sinks=c.sinks, return_stats=c.spec.return_stats
+        )
+        return Result(out, stats, None)
+
+    return run
+
+
+def _run_fused(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
+    return Result(
+        *fused_attention_checked(
+            query, key, value, path=c.spec.path, attn_mask=c.attn_mask, alibi_slopes=c.alibi_slopes, sinks=c.sinks, return_stats=c.spec.return_stats
+        )
+    )
+
+
+def _run_math(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
+    out, stats = dense_attention(
+        query,
+        key,
+        value,
+        path=c.spec.path,
+        attn_mask=c.attn_mask,
+        alibi_slopes=c.alibi_slopes,
+        dropout_p=c.spec.dropout_p,
+        sinks=c.sinks,
+        return_stats=c.spec.return_stats,
+    )
+    return Result(out, stats, None)
+
+
+def _run_torch(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
+    return Result(torch_attention(query, key, value, c.spec, c.attn_mask, c.alibi_slopes, c.sinks), None, None)
+
+
+TORCH = Implementation(Backend.TORCH, _torch_cannot, _run_torch, float64=False)
+MATH = Implementation(Backend.MATH, lambda c: None, _run_math)
+TILED = Implementation(Backend.TILED, _tiled_cannot, _streamed(tiled_attention), floors_exp=True)
+FUSED = Implementation(Backend.FUSED, _fused_cannot, _run_fused, checks_rows=True)
+FLEX = Implementation(Backend.FLEX, _flex_cannot, _streamed(flex.flex_attention), float64=False)
+IMPLEMENTATIONS = {i.backend: i for i in (TORCH, MATH, TILED, FUSED, FLEX)}
+
+
+def kernel_feature(spec: AttentionCall) -> str | None:
+    """A feature of the score path that torch's fused kernel lacks and the kernels stream (None if none)."""
+    path = spec.path
+    if path.softcap is not None:
+        return "softcap"
+    if spec.return_stats:
+        return "return_stats"
+    if spec.alibi:
+        return "alibi_slopes"
+    if spec.sinks:
+        return "sinks"
+    if path.window is not None:
+        return "window"
+    if path.causal and path.q_offset != 0:
+        return "bottom_right causal alignment with L != S"
+    return None
+
+
+def torch_lacks(spec: AttentionCall) -> str | None:
+    """What of this call torch's fused kernel does not compute exactly (None: it computes it all)."""
+    feature = kernel_feature(spec)
+    if feature is not None:
+        return feature
+    if spec.D != spec.Dv:
+        return "value head dim differs from query head dim"
+    if spec.dropout_p > 0.0:
+        return "dropout (torch's fused CPU kernel has none)"
+    if spec.L == 0 or spec.S == 0:
+        return "empty length"
+    return None
+
+
+def _math_first(c: Call) -> str | None:
+    """None where auto takes the math backend before the kernels: for dropout or learned ALiBi
+    slopes (which the kernels lack), and for calls without a kernel feature up to
+    :data:`MATH_MAX_SCORES` scores."""
+    spec = c.spec
+    if spec.dropout_p > 0.0 or c.slopes_need_grad:
+        return None
+    feature = kernel_feature(spec)
+    if feature is not None:
+        return feature
+    scores = math.prod(spec.batch) * spec.H * spec.L * spec.S
+    return f"{scores} scores > MATH_MAX_SCORES" if scores > MATH_MAX_SCORES else None
+
+
+class Step(NamedTuple):
+    """One step of ``auto``'s walk: the implementation, taken when it can compute the call and
+    ``passes`` (why auto passes it over here, cheap and asked first) gives None."""
+
+    implementation: Implementation
+    passes: Callable[[Call], str | None]
+
+
+AUTO = (
+    Step(TORCH, lambda c: torch_lacks(c.spec)),
+    Step(FLEX, lambda c: None if c.query.device.type == "cuda" else "not a CUDA tensor"),
+    Step(MATH, _math_first),
+    Step(FUSED, lambda c: None),
+    Step(TILED, lambda c: None),
+    Step(MATH, lambda c: None),  # where no kernel can: under vmap without the compiled kernel
+)
+"""``backend="auto"``: the first step that takes the call computes it."""
+
+
+def choose(c: Call) -> tuple[Implementation, str]:
+    """The implementation that computes the call, and why: ``auto``'s walk over :data:`AUTO`, or
+    the forced backend, refused with its reason where it cannot compute exactly this call."""
+    if c.spec.backend is not Backend.AUTO:
+        implementation = IMPLEMENTATIONS[c.spec.backend]
+        refusal = implementation.cannot(c)
+        if refusal is not None:
+            refusal.raise_()
+        return implementation, "requested"
+    passed = []
+    for implementation, passes in AUTO:
+        reason = passes(c)
+        refusal = implementation.cannot(c) if reason is None else None
+        if reason is None and refusal is None:
+            return implementation, "auto" + (f", passed over {'; '.join(passed)}" if passed else "")
+        passed.append(f"{implementation.backend.value}: {reason if reason is not None else refusal.reason}")  # type: ignore[union-attr]
+    raise AssertionError("the math backend computes every call")  # pragma: no cover
+
+
+def torch_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    call: AttentionCall,
+    attn_mask: Tensor | None,
+    alibi_slopes: Tensor | None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """torch's SDPA on (B, H, L, D) views; positional masks and ALiBi become an explicit mask.
+
+    Sinks become one more key with zero key and value vectors, whose logit the mask sets to the
+    head's sink: it joins every row's denominator and adds nothing to the output.
+    """
+    batch, H, L, S, path = call.batch, call.H, call.L, call.S, call.path
+    B = math.prod(batch)  # explicit, not -1: reshape cannot infer a dim of an empty tensor
+    q = query.expand(*batch, H, L, call.D).reshape(B, H, L, call.D)  # (B, H, L, D)
+    k = key.expand(*batch, call.Hkv, S, call.D).reshape(B, call.Hkv, S, call.D)  # (B, Hkv, S, D)
+    v = value.expand(*batch, call.Hkv, S, call.Dv).reshape(B, call.Hkv, S, call.Dv)  # (B, Hkv, S, Dv)
+
+    native_causal = (
+        path.causal and path.q_offset == 0 and path.window is None and attn_mask is None and alibi_slopes is None and sinks is None
+    )
+    mask = attn_mask
+    if not native_causal and (path.causal or path.window is not None or alibi_slopes is not None):
+        q_pos, k_pos = path.positions(0, L, 0, S, query.device)
+        keep = path.visibility(q_pos, k_pos)  # (L, S) or None
+        if alibi_slopes is not None:
+            bias = alibi_bias(alibi_slopes.to(accumulation_dtype(query.dtype)), L, S, alignment=call.alignment)  # (..., H, L, S)
+            mask = add_bias(mask, bias)
+        if keep is not None:
+            if mask is None:
+                mask = keep
+            elif mask.dtype == torch.bool:
+                mask = mask & keep
+            else:
+                mask = mask.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        if mask.dtype != torch.bool and mask.dtype != query.dtype:
+            # torch wants the query's dtype; when that is narrower, clamp first so that a finite
+            # value stays finite (-1e9 would become -inf in float16 and hide keys the other backends keep).
+            finfo = torch.finfo(query.dtype)
+            if finfo.max < torch.finfo(mask.dtype).max:
+                mask = mask.clamp(finfo.min, finfo.max).masked_fill(mask == float("-inf"), float("-inf"))
+            mask = mask.to(query.dtype)
+    if sinks is not None:
+        mask = _with_sink_column(mask, sinks, (*batch, H, L, S), query.dtype)  # (..., H, L, S + 1)
+        k = torch.cat([k, k.new_zeros(B, call.Hkv, 1, call.D)], dim=-2)  # (B, Hkv, S + 1, D)
+        v = torch.cat([v, v.new_zeros(B, call.Hkv, 1, call.Dv)], dim=-2)  # (B, Hkv, S + 1, Dv)
+    if mask is not None:
+        mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + tuple(mask.shape))
+        mh, ml, ms = mask.shape[-3:]
+        if all(n == 1 for n in mask.shape[:-3]):
+            mask = mask.reshape(1, mh, ml, ms)  # (1, H or 1, L or 1, S or 1)
+        else:
+            mask = mask.expand(*batch, mh, ml, ms).reshape(B, mh, ml, ms)  # (B, H or 1, L or 1, S or 1)
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=call.dropout_p,
+        is_causal=native_causal,
+        scale=path.scale,
+        enable_gqa=True if call.H != call.Hkv else False,  # noqa: SIM210 - a branch, so that dynamic shapes guard on it: a SymBool is no bool to torch's SDPA
+    )
+    return out.reshape(*batch, H, L, call.Dv)
+
+
+def _with_sink_column(mask: Tensor | None, sinks: Tensor, target: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A float mask over S + 1 keys: ``mask`` as logits to add (-inf hides) and the sink's logit last."""
+    *batch, H, L, S = target
+    if mask is None:
+        mask = torch.zeros((), dtype=dtype, device=sinks.device)
+    elif mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    mask = mask.reshape((1,) * (len(target) - mask.ndim) + tuple(mask.shape))
+    rows = torch.broadcast_shapes(mask.shape[:-1], (1,) * len(batch) + (H, 1))
+    keys = mask.expand(*rows, S)
+    sink = sinks.to(dtype).view(H, 1, 1).expand(*rows, 1)
+    return torch.cat([keys, sink], dim=-1)

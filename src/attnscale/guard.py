@@ -1,0 +1,313 @@
+"""The one check of every eager attention output: the NaN-row rule and the float64 recompute.
+
+:func:`check` asks each backend's result one question, whether every row is finite and not all
+zeros (the compiled kernel answers it itself; for the others it reads the rows' peaks), plus what
+that answer cannot see for this backend (:func:`_rows_may_hide_trouble`). Only a call that fails
+it is diagnosed further (:func:`_careful`): rows the semantics make NaN, and a recompute in
+float64 of rows whose logits overflowed the accumulation dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import NoReturn
+
+import torch
+from torch import Tensor
+
+from ._validate import Backend, fail
+from .backends import FUSED, MATH, TILED, Call, Implementation, Result
+from .dense import accumulation_dtype
+from .stats import AttentionStats, with_nan_rows
+
+__all__ = ["abs_max", "check", "may_overflow"]
+
+
+def abs_max(x: Tensor) -> float:
+    """max |x| as a Python float, NaN if x holds a NaN, 0 if it is empty: one pass, no temporary."""
+    if x.numel() == 0:
+        return 0.0
+    lo, hi = (float(t) for t in torch.aminmax(x.detach()))
+    return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
+
+
+def may_overflow(bound: float, dtype: torch.dtype) -> bool:
+    """Whether logits bounded by ``bound`` may leave the range of ``dtype`` (with room for rounding)."""
+    return bound >= torch.finfo(dtype).max / 2
+
+
+def _row_peaks(out: Tensor) -> Tensor:
+    """max |out| per row (..., H, L), NaN in a row with a NaN; 1 for rows of Dv = 0 (nothing to check)."""
+    if out.shape[-1] == 0:
+        return out.new_ones(out.shape[:-1])
+    # max(amax, -amin): two reductions without a copy of the output (abs().amax() makes one), and
+    # several times faster on CPU than linalg.vector_norm(out, inf), which is not vectorised there.
+    # amax and amin propagate NaN; maximum keeps it.
+    detached = out.detach()
+    return torch.maximum(detached.amax(dim=-1), detached.amin(dim=-1).neg())
+
+
+def _rows_look_right(peaks: Tensor) -> bool:
+    """Whether every output row is finite and not all zeros, from :func:`_row_peaks`: O(L * Dv).
+
+    A NaN or inf row comes from non-finite inputs or from products that overflowed. A zero row is
+    often right (no visible key, zero values) but not always: torch's kernel returns zeros for a row
+    whose logits are all NaN, and logits that all overflow to -inf look like a row with no key.
+    """
+    if peaks.numel() == 0:
+        return True
+    # Two scalar reductions, not a boolean mask: at decode sizes every extra op is a visible cost.
+    return 0.0 < float(peaks.amin()) and float(peaks.amax()) < math.inf  # NaN fails both
+
+
+def _finite_sum(x: Tensor) -> bool:
+    """Whether x holds no NaN or inf, by one reduction (about 0.6 times aminmax's time on CPU): a
+    finite sum says so; a sum that overflows says no, which only sends a call down the careful
+    path, right either way."""
+    wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else None
+    return math.isfinite(float(x.detach().sum(dtype=wide)))
+
+
+class _Read:
+    """The guard's numbers, each read from the host when asked (cheap for CPU tensors): whether the
+    output's rows look right (the backend's own verdict where it gave one), max |x| of a tensor
+    (also of a float mask's finite part), and whether a tensor is finite."""
+
+    def __init__(self, out: Tensor, rows_ok: Tensor | None) -> None:
+        self._out, self._rows_ok = out, rows_ok
+
+    @functools.cached_property
+    def peaks(self) -> Tensor:
+        return _row_peaks(self._out)
+
+    def rows_look_right(self) -> bool:
+        return bool(self._rows_ok) if self._rows_ok is not None else _rows_look_right(self.peaks)
+
+    def __call__(self, t: Tensor, *, finite_part: bool = False) -> float:
+        return abs_max(t.detach().nan_to_num(neginf=0.0) if finite_part else t)
+
+    def finite(self, t: Tensor) -> bool:
+        return _finite_sum(t)
+
+
+class _OneRead(_Read):
+    """:class:`_Read` for tensors on an accelerator: the row peaks' range and max |x| of q, k, the
+    slopes and a float mask (also with its -inf entries as 0), each a reduction queued behind the
+    attention, read back in one transfer. Reading them one by one waits for the device once per
+    number, and the host's work between the waits leaves the device idle. A tensor it did not
+    read is read as :class:`_Read` does."""
+
+    def __init__(self, out: Tensor, tensors: tuple[Tensor | None, ...], mask: Tensor | None) -> None:
+        super().__init__(out, None)
+        peaks = self.peaks
+        parts: list[Tensor] = [peaks.amin(), peaks.amax()] if peaks.numel() else []
+        self._at: dict[tuple[int, bool], int] = {}
+        float_mask = mask if mask is not None and mask.dtype != torch.bool else None
+        for t, finite_part in [(t, False) for t in (*tensors, float_mask)] + [(float_mask, True)]:
+            if t is not None and (id(t), finite_part) not in self._at:
+                self._at[id(t), finite_part] = len(parts)
+                parts.append(_abs_peak(t.detach().nan_to_num(neginf=0.0) if finite_part else t.detach()))
+        self._values = torch.stack([p.double() for p in parts]).tolist() if parts else []  # the one wait
+        self._range = (self._values[0], self._values[1]) if peaks.numel() else (1.0, 1.0)
+
+    def rows_look_right(self) -> bool:
+        lo, hi = self._range
+        return 0.0 < lo and hi < math.inf  # NaN fails both
+
+    def __call__(self, t: Tensor, *, finite_part: bool = False) -> float:
+        at = self._at.get((id(t), finite_part))
+        return super().__call__(t, finite_part=finite_part) if at is None else self._values[at]
+
+    def finite(self, t: Tensor) -> bool:
+        return math.isfinite(self(t))
+
+
+def _abs_peak(x: Tensor) -> Tensor:
+    """max |x| as a 0-dim tensor on x's device (NaN if x holds one; 0 if empty), no host wait."""
+    if x.numel() == 0:
+        return x.new_zeros(())
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(hi, lo.neg())  # maximum propagates NaN
+
+
+def _logit_bound(c: Call, q_max: float, k_max: float, read: _Read) -> float:
+    """An upper bound on |logit| over every (query, key) pair, from the largest entries |q| <= q_max
+    and |k| <= k_max (NaN gives NaN): ``|q.k| <= D q_max k_max`` times the scale (or the softcap),
+    plus the largest ALiBi bias and the largest finite float-mask value. With softcap, also on the
+    products the cap is taken of: a product that overflowed is capped to a finite logit (tanh(inf)
+    = 1) of the wrong size or sign, a row no output check can tell from a right one."""
+    if math.isnan(q_max) or math.isnan(k_max):  # max() below would drop a NaN it gets second
+        return math.nan
+    spec, mask = c.spec, c.attn_mask
+    softcap = spec.path.softcap
+    bound = spec.path.scale * spec.D * q_max * k_max if softcap is None else softcap
+    if c.alibi_slopes is not None:
+        bound += read(c.alibi_slopes) * max(spec.L, spec.S)  # |i' - j| < max(L, S)
+    if mask is not None and mask.dtype != torch.bool:
+        peak = read(mask)
+        bound += read(mask, finite_part=True) if peak == math.inf else peak  # -inf hides a key, it is no logit
+    if softcap is not None:
+        # Before the cap, whichever order a backend multiplies in: q.k, then the scale (and
+        # 1 / softcap, folded into it), or q times the scale first.
+        bound = max(bound, spec.D * q_max * k_max * max(1.0, spec.path.scale, spec.path.scale / softcap))
+    return bound
+
+
+def _rows_may_hide_trouble(implementation: Implementation, c: Call, read: _Read) -> bool:
+    """Whether finite, non-zero output rows may still be wrong, from a bound on the logits:
+    O((L + S) * D), small next to the call's O(L * S * D).
+
+    The tiled kernel turns a row whose logits all overflow to -inf into a finite one; a softcap
+    turns an infinite product (from overflow, or from an inf in q or k) into a finite logit. Under
+    a softcap a NaN bound (a NaN in q or k) counts too, as the cap hides an inf beside it. Without
+    either, only a non-finite k leaves finite rows that need the careful path: where an inf's
+    products with a query row are -inf, the key gets weight 0, yet it is a visible key with a
+    non-finite k, so the row is NaN; and a NaN or inf at a key a mask hides from every row leaves
+    the output right but the gradients NaN (0 times NaN in dS k). (An inf in q cannot: its row's
+    products are all -inf, a zero row, or one is NaN or +inf.) The compiled kernel makes an
+    infinite product's logit NaN, which its own row check reports, so only its gradients need
+    the look at k.
+    """
+    query, key = c.query, c.key
+    if implementation.checks_rows:
+        return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad) and not read.finite(key)
+    if not implementation.floors_exp and c.spec.path.softcap is None:
+        return not read.finite(key)
+    bound = _logit_bound(c, read(query), read(key), read)
+    if not math.isfinite(bound):  # NaN: a NaN in q or k (inf: may_overflow says so too)
+        return True
+    return may_overflow(bound, accumulation_dtype(query.dtype))
+
+
+def check(implementation: Implementation, c: Call, result: Result) -> tuple[Tensor, AttentionStats | None]:
+    """The output of an eager call by the documented rules: ``result`` itself when its rows pass
+    the check, else the result of :func:`_careful`."""
+    out, stats, rows_ok = result
+    on_host = rows_ok is not None or c.query.is_cpu
+    read = _Read(out, rows_ok) if on_host else _OneRead(out, (c.query, c.key, c.alibi_slopes), c.attn_mask)
+    if read.rows_look_right() and not _rows_may_hide_trouble(implementation, c, read):
+        return out, stats
+    return _careful(implementation, c, (out, stats), read.peaks)
+
+
+def _nan_rows(implementation: Implementation, c: Call, bad_q: Tensor, bad_kv: Tensor) -> Tensor:
+    """The rows (..., H, L) that the semantics make NaN: a non-finite query row that has a visible
+    key, or a visible key with a non-finite k or v; ``bad_q`` (..., H, L), ``bad_kv`` (..., Hkv, S).
+
+    Visibility comes from the backend itself, run on indicators: with q = k = 0 every visible
+    key of a row has weight 1 / (its visible keys), so ``v = [bad key, 1]`` gives an output whose
+    column 0 is positive iff the row sees a bad key and column 1 iff it sees any key. A float mask
+    becomes the bool mask of its -inf entries: its finite values cannot hide a key, but could
+    underflow the indicator's weights.
+    """
+    mask = c.attn_mask
+    keep = mask if mask is None or mask.dtype == torch.bool else mask != -math.inf
+    q = torch.zeros(*bad_q.shape, 2, device=bad_q.device)  # (..., H, L, 2)
+    k = torch.zeros(*bad_kv.shape, 2, device=bad_kv.device)  # (..., Hkv, S, 2)
+    v = torch.stack([bad_kv.float(), torch.ones_like(bad_kv, dtype=torch.float32)], dim=-1)  # (..., Hkv, S, 2)
+    path = dataclasses.replace(c.spec.path, scale=1.0, softcap=None)
+    plain = dataclasses.replace(c.spec, D=2, Dv=2, path=path, dropout_p=0.0, alibi=False, sinks=False, return_stats=False)
+    # FlexAttention shares the tiled kernel's visibility; the indicators' D = 2 is below what its GPU kernels take.
+    runs = TILED if implementation.backend is Backend.FLEX else implementation
+    seen = runs.run(Call(plain, q, k, v, keep, None, None), q, k, v).out  # (..., H, L, 2)
+    return ((seen[..., 1] > 0) & bad_q) | (seen[..., 0] > 0)
+
+
+def _cast_stats(stats: AttentionStats | None, dtype: torch.dtype) -> AttentionStats | None:
+    if stats is None:
+        return None
+    return dataclasses.replace(
+        stats, **{f.name: getattr(stats, f.name).to(dtype) for f in dataclasses.fields(stats) if f.name != "visible_keys" and getattr(stats, f.name) is not None}
+    )
+
+
+def _careful(
+    implementation: Implementation, c: Call, fast: tuple[Tensor, AttentionStats | None], peaks: Tensor
+) -> tuple[Tensor, AttentionStats | None]:
+    """The result of a call whose fast output has a NaN, inf or zero row (or, from the tiled
+    kernel, logits that may overflow), by the documented rules.
+
+    Non-finite inputs: the NaN rows come from :func:`_nan_rows` and every other row from inputs
+    whose non-finite entries are 0 (they sit only where they cannot matter: in a NaN row's query or
+    at keys hidden from the row). Then a row that :func:`_misfit` finds suspect is recomputed in
+    float64 when the input dtype is narrower, differentiably, or refused.
+    """
+    query, key, value = c.query, c.key, c.value
+    acc = accumulation_dtype(query.dtype)
+    out, stats = fast
+    nan_rows = None
+    read = _Read(out, None)
+    q_max, k_max, v_max = (abs_max(x) for x in (query, key, value))
+    if not all(math.isfinite(m) for m in (q_max, k_max, v_max)):  # a cheap pass before the per-row test
+        with torch.no_grad():
+            bad_q = ~torch.isfinite(query).all(dim=-1)  # (..., H, L)
+            bad_kv = ~torch.isfinite(key).all(dim=-1) | ~torch.isfinite(value).all(dim=-1)  # (..., Hkv, S)
+            nan_rows = _nan_rows(implementation, c, bad_q, bad_kv)
+        query, key, value = (torch.where(torch.isfinite(x), x, 0.0) for x in (query, key, value))
+        out, stats, _ = implementation.run(c, query, key, value)
+        peaks = _row_peaks(out)
+        q_max, k_max = abs_max(query), abs_max(key)
+    bound = functools.cache(lambda: _logit_bound(c, q_max, k_max, read))  # only when needed, once
+    # Finite rows are right unless the logits may overflow where that leaves them finite: the
+    # tiled kernel's exp floor, and any softcap (it caps an overflowed product to a finite logit).
+    trust_finite = not implementation.floors_exp and c.spec.path.softcap is None
+    if _misfit(peaks, nan_rows, lambda: may_overflow(bound(), acc), trust_finite):
+        if acc == torch.float64:
+            _refuse_overflow(c, query, key, value, acc, bound())
+        out, stats, _ = _float64(implementation, c).run(c, query.double(), key.double(), value.double())
+        if _misfit(_row_peaks(out), nan_rows, lambda: may_overflow(bound(), torch.float64), trust_finite):
+            _refuse_overflow(c, query, key, value, acc, bound())
+        # A convex combination of values (weights summing to at most 1) fits the values' dtype.
+        out, stats = out.to(query.dtype), _cast_stats(stats, acc)
+    if nan_rows is not None:
+        out = out.masked_fill(nan_rows[..., None], math.nan)
+        if stats is not None:
+            stats = with_nan_rows(stats, nan_rows)
+    return out, stats
+
+
+def _float64(implementation: Implementation, c: Call) -> Implementation:
+    """The backend of the float64 recompute: the chosen one where it can (``float64``), else
+    attnscale's own kernel (the math backend for dropout or learned ALiBi slopes, which the
+    kernels lack). Not torch's SDPA, whose float64 backward returns NaN gradients for logits near
+    1e60 (torch 2.13 on CPU, e.g. B=2 H=4 L=S=64 D=32 with |q|, |k| ~ 1e30; tests/test_hostile.py),
+    nor FlexAttention, whose compiled kernels take no float64 on CPU."""
+    if implementation.float64:
+        return implementation
+    learned = c.alibi_slopes is not None and c.alibi_slopes.requires_grad
+    if c.spec.dropout_p > 0.0 or learned:
+        return MATH
+    return FUSED if FUSED.cannot(c) is None else TILED
+
+
+def _misfit(peaks: Tensor, nan_rows: Tensor | None, may_overflow: Callable[[], bool], trust_finite: bool) -> bool:
+    """Whether, by its row peaks (:func:`_row_peaks`), an output row that is not to be NaN is
+    non-finite, or may be wrong because logits may have overflowed (``may_overflow()``, asked only
+    then): a zero row may be one whose logits all became -inf, and without ``trust_finite`` (the
+    tiled kernel, whose exp floor gives such a row uniform weights) any row may be."""
+    if nan_rows is not None:
+        peaks = peaks.masked_fill(nan_rows, 1.0)
+    if not bool(torch.isfinite(peaks).all()):
+        return True
+    return (not trust_finite or bool((peaks == 0).any())) and may_overflow()
+
+
+def _refuse_overflow(c: Call, query: Tensor, key: Tensor, value: Tensor, acc: torch.dtype, bound: float) -> NoReturn:
+    """Refuse finite inputs whose result does not fit even float64: blame the logits if their
+    bound exceeds float64's range, else the values."""
+    if bound < torch.finfo(torch.float64).max / 2:
+        fail(
+            "value",
+            "values whose weighted sums fit float64",
+            f"{value.dtype} values up to |v| = {abs_max(value):.3g}",
+            "rescale value before attention (and the output after it)",
+        )
+    fail(
+        "query/key",
+        f"products q.k * scale (plus ALiBi and float-mask values) that fit {acc}, or float64 after a recompute",
+        f"{query.dtype} inputs with entries up to |q| = {abs_max(query):.3g}, |k| = {abs_max(key):.3g}, scale = {c.spec.path.scale:.3g}",
+        "rescale query or key (e.g. normalise them, as QK-norm does) or pass a smaller scale",
+    )

@@ -1,0 +1,95 @@
+"""The backends as data (attnscale.backends): auto's walk and the forced backends ask each
+implementation the same question, so what auto takes, forcing takes too, to the same result, and
+what an implementation says it cannot compute, forcing it refuses."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import attnscale
+from attnscale import backends
+from attnscale._validate import check_attention_call
+
+from .features import FEATURES, feature_id
+
+sdpa = attnscale.scaled_dot_product_attention
+
+
+def _options(case, L=5, S=7, H=2):
+    softcap, alibi, window, causal, mask = FEATURES[case]
+    gen = torch.Generator().manual_seed(case)
+    options = dict(softcap=softcap, window=window)
+    if alibi:
+        options["alibi_slopes"] = attnscale.alibi_slopes(H)
+    if causal is not None:
+        options.update(is_causal=True, causal_alignment=causal)
+    if mask == "bool":
+        options["attn_mask"] = torch.rand(L, S, generator=gen) > 0.3
+    elif mask == "float":
+        options["attn_mask"] = torch.randn(L, S, generator=gen)
+    return options
+
+
+def _call(q, k, v, **options):
+    spec = check_attention_call(
+        q, k, v, attn_mask=options.get("attn_mask"), dropout_p=options.get("dropout_p", 0.0), is_causal=options.get("is_causal", False),
+        scale=None, enable_gqa=False, causal_alignment=options.get("causal_alignment", "top_left"), backend=options.get("backend", "auto"),
+        softcap=options.get("softcap"), alibi_slopes=options.get("alibi_slopes"), window=options.get("window"),
+        return_stats=options.get("return_stats", False), sinks=None,
+    )  # fmt: skip
+    return backends.Call(spec, q, k, v, options.get("attn_mask"), options.get("alibi_slopes"), None)
+
+
+@pytest.mark.parametrize("return_stats", [False, True], ids=["out", "stats"])
+@pytest.mark.parametrize("case", range(len(FEATURES)), ids=feature_id)
+def test_what_auto_takes_forcing_takes_to_the_same_bits(case, return_stats):
+    gen = torch.Generator().manual_seed(100 + case)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=gen) for n in (5, 7, 7))
+    options = {**_options(case), "return_stats": return_stats}
+    implementation, why = backends.choose(_call(q, k, v, **options))
+    assert why.startswith("auto")
+    assert implementation.cannot(_call(q, k, v, **options)) is None
+    auto = sdpa(q, k, v, **options)
+    assert attnscale.last_backend() == implementation.backend.value
+    forced = sdpa(q, k, v, **options, backend=implementation.backend.value)
+    if return_stats:
+        (auto, auto_stats), (forced, forced_stats) = auto, forced
+        for field in dataclasses.fields(auto_stats):
+            a, b = getattr(auto_stats, field.name), getattr(forced_stats, field.name)
+            assert (a is None and b is None) or torch.equal(a, b), field.name
+    assert torch.equal(auto, forced)
+
+
+@pytest.mark.parametrize("name", ["torch", "math", "tiled", "fused", "flex"])
+def test_forcing_what_an_implementation_cannot_compute_raises_its_refusal(name):
+    """For each implementation, a call it says it cannot compute, forced: the ValueError is the
+    refusal's text, argument first."""
+    q, k, v = (torch.randn(1, 2, n, 8) for n in (5, 7, 7))
+    refusing = {
+        "torch": dict(softcap=5.0),
+        "math": None,  # computes every call
+        "tiled": dict(dropout_p=0.1),
+        "fused": dict(dropout_p=0.1),
+        "flex": dict(dropout_p=0.1),
+    }[name]
+    implementation = backends.IMPLEMENTATIONS[attnscale.Backend(name)]
+    if refusing is None:
+        for case in range(len(FEATURES)):
+            assert implementation.cannot(_call(q, k, v, **_options(case), dropout_p=0.1)) is None
+        return
+    refusal = implementation.cannot(_call(q, k, v, **refusing))
+    assert refusal is not None
+    with pytest.raises(ValueError) as raised:
+        sdpa(q, k, v, **refusing, backend=name)
+    assert str(raised.value) == f"{refusal.argument}: expected {refusal.expected}, got {refusal.got}. Fix: {refusal.fix}"
+
+
+def test_auto_logs_what_it_passed_over_and_why():
+    q = torch.randn(1, 2, 5, 8)
+    _, why = backends.choose(_call(q, q, q, softcap=5.0))
+    passed = why.removeprefix("auto, passed over ").split("; ")
+    assert [p.split(":")[0] for p in passed] == ["torch", "flex", "math"]
+    assert passed[0] == "torch: softcap" and passed[1] == "flex: not a CUDA tensor"
+    _, why = backends.choose(_call(q, q, q))
+    assert why == "auto"
