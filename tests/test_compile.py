@@ -90,14 +90,14 @@ def op_cases():
     slopes = attnscale.alibi_slopes(4).expand(2, 4)
     keep = (torch.rand(2, 1, 9, 11, generator=gen) > 0.3).expand(2, 4, 9, 11)
     bias = torch.randn(1, 4, 9, 11, generator=gen).expand(2, 4, 9, 11)
-    plain = (0.35, 0.0, False, 0, -1, -1, 0, 0)
-    yield "plain", (q, k, v, None, None, None, *plain, False, 0, 0, False, False)
-    yield "softcap-causal-stats", (q, k, v, None, None, None, 0.35, 5.0, True, 2, -1, -1, 0, 0, True, 0, 0, False, False)
-    yield "alibi-window-bool-mask", (q, k, v, slopes, keep, None, 0.35, 0.0, False, 0, 3, 1, 0, 0, False, 4, 4, False, False)
-    yield "float-mask-stats", (q, k, v, None, bias, None, *plain, True, 0, 0, False, False)
+    options = ops.KernelOptions
+    yield "plain", (q, k, v, None, None, None, *options(scale=0.35))
+    yield "softcap-causal-stats", (q, k, v, None, None, None, *options(scale=0.35, softcap=5.0, causal=True, q_offset=2, with_stats=True))
+    yield "alibi-window-bool-mask", (q, k, v, slopes, keep, None, *options(scale=0.35, left=3, right=1, block_q=4, block_k=4))
+    yield "float-mask-stats", (q, k, v, None, bias, None, *options(scale=0.35, with_stats=True))
     packed = torch.randn(1, 4, 18, 8, generator=gen), torch.randn(1, 2, 22, 8, generator=gen), torch.randn(1, 2, 22, 5, generator=gen)
     spans = torch.tensor([[0, 5, 0, 7], [5, 18, 7, 22]])  # (q0, q1, k0, k1) of two sequences
-    yield "packed", (*packed, None, None, spans, 0.35, 0.0, True, 0, -1, -1, 0, 0, True, 0, 0, False, False)
+    yield "packed", (*packed, None, None, spans, *options(scale=0.35, causal=True, with_stats=True))
     # 16-bit q, k, v (float32 outputs; out in their format with round_out, its gradient then
     # taken in float32), both ways the kernel takes them: multiplied as they are (half_products,
     # with oneMKL; brgemm for bfloat16 from AVX-512 on) and as float32 tiles.
@@ -105,8 +105,11 @@ def op_cases():
         way = "products" if products16 else "tiles"
         for round_out in (False, True):
             rounded = "-rounded" if round_out else ""
-            yield f"bf16-softcap-causal-stats-{way}{rounded}", (q.bfloat16(), k.bfloat16(), v.bfloat16(), None, None, None, 0.35, 5.0, True, 2, -1, -1, 0, 0, True, 0, 0, products16, round_out)
-            yield f"fp16-packed-{way}{rounded}", (*(t.half() for t in packed), None, None, spans, 0.35, 0.0, True, 0, -1, -1, 0, 0, False, 0, 0, products16, round_out)
+            sixteen = dict(half_products=products16, round_out=round_out)
+            yield f"bf16-softcap-causal-stats-{way}{rounded}", (
+                q.bfloat16(), k.bfloat16(), v.bfloat16(), None, None, None, *options(scale=0.35, softcap=5.0, causal=True, q_offset=2, with_stats=True, **sixteen)
+            )
+            yield f"fp16-packed-{way}{rounded}", (*(t.half() for t in packed), None, None, spans, *options(scale=0.35, causal=True, **sixteen))
 
 
 @needs_kernel
@@ -120,11 +123,12 @@ def test_the_forward_op_passes_opcheck(name, args):
 @needs_kernel
 @pytest.mark.parametrize("name, args", list(op_cases()), ids=[name for name, _ in op_cases()])
 def test_the_backward_op_passes_opcheck(name, args):
-    q, k, v, alibi, mask, spans, *scalars, _stats, bq, bk, products16, _round_out = args
-    out, lse, m, l, *_ = torch.ops.attnscale.fused_forward(q, k, v, alibi, mask, spans, *scalars, False, bq, bk, products16, False)
+    q, k, v, alibi, mask, spans, *rest = args
+    options = ops.KernelOptions(*rest)
+    out, lse, m, l, *_ = torch.ops.attnscale.fused_forward(q, k, v, alibi, mask, spans, *options._replace(with_stats=False, round_out=False))
     dout = torch.randn_like(out)
     delta = (dout * out).sum(-1)
-    torch.library.opcheck(torch.ops.attnscale.fused_backward.default, (q, k, v, dout, delta, m, l, alibi, mask, spans, *scalars, bq, bk, products16))
+    torch.library.opcheck(torch.ops.attnscale.fused_backward.default, (q, k, v, dout, delta, m, l, alibi, mask, spans, *options.backward_args()))
 
 
 @needs_kernel
@@ -133,7 +137,7 @@ def test_the_ops_fake_rule_gives_every_output_shape_and_dtype():
         gen = torch.Generator().manual_seed(1)
         q, k, v = torch.randn(2, 4, 9, 8, generator=gen), torch.randn(2, 2, 11, 8, generator=gen), torch.randn(2, 2, 11, 5, generator=gen)
         for dtype, round_out in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, True)):
-            args = (None, None, None, 0.35, 5.0, True, 0, -1, -1, 0, 0, with_stats, 0, 0, False, round_out)
+            args = (None, None, None, *ops.KernelOptions(scale=0.35, softcap=5.0, causal=True, with_stats=with_stats, round_out=round_out))
             x = [t.to(dtype) for t in (q, k, v)]
             real = torch.ops.attnscale.fused_forward(*x, *args)
             fake = torch.ops.attnscale.fused_forward(*(t.to("meta") for t in x), *args)
@@ -442,12 +446,8 @@ def _bad_forward_calls():
     """(what is wrong, the op's arguments, a word the error names), from the valid plain case."""
     gen = torch.Generator().manual_seed(5)
     q, k, v = torch.randn(2, 4, 8, 8, generator=gen), torch.randn(2, 2, 8, 8, generator=gen), torch.randn(2, 2, 8, 8, generator=gen)
-    tail = (0.35, 0.0, False, 0, -1, -1, 0, 0, False, 0, 0, False, False)
-
     def call(q=q, k=k, v=v, alibi=None, mask=None, spans=None, block_q=0, block_k=0):
-        args = [q, k, v, alibi, mask, spans, *tail]
-        args[6 + 9], args[6 + 10] = block_q, block_k
-        return tuple(args)
+        return (q, k, v, alibi, mask, spans, *ops.KernelOptions(scale=0.35, block_q=block_q, block_k=block_k))
 
     yield "more key heads than query heads", call(k=torch.randn(2, 8, 8, 8), v=torch.randn(2, 8, 8, 8)), "key/value heads"
     yield "zero key heads", call(k=torch.randn(2, 0, 8, 8), v=torch.randn(2, 0, 8, 8)), "key/value heads"
@@ -479,8 +479,8 @@ def test_the_ops_refuse_inconsistent_arguments_with_a_clear_error(name, args, wo
 @needs_kernel
 def test_the_backward_op_refuses_a_gradient_of_the_wrong_shape():
     q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 4)
-    out, lse, m, l, *_ = torch.ops.attnscale.fused_forward(q, k, v, None, None, None, 0.35, 0.0, False, 0, -1, -1, 0, 0, False, 0, 0, False, False)
-    rest = (None, None, None, 0.35, 0.0, False, 0, -1, -1, 0, 0, 0, 0, False)
+    out, lse, m, l, *_ = torch.ops.attnscale.fused_forward(q, k, v, None, None, None, *ops.KernelOptions(scale=0.35))
+    rest = (None, None, None, *ops.KernelOptions(scale=0.35).backward_args())
     dq, dk, dv = torch.ops.attnscale.fused_backward(q, k, v, torch.ones_like(out), torch.zeros_like(lse), m, l, *rest)
     assert dq.shape == q.shape and dv.shape == v.shape
     with pytest.raises(ValueError, match="torch.ops.attnscale: dout: expected the output's shape"):

@@ -455,8 +455,8 @@ def test_float32_softmax_weights_are_exp_u20_bit_for_bit_zero_below_the_floor_an
 
 def _kernel_forward(q, k, v, scale, *, softcap=0.0, stats=False, half_products=False):
     """The kernel's own outputs (out, lse, m, l): m is the offset each row's weights were taken against."""
-    args = (scale, softcap, False, 0, -1, -1, 0, 0, None, None, stats, ops.BLOCK_Q, ops.BLOCK_K, None, half_products, False)
-    out, lse, m, l, *_ = kernels.load().forward(q, k, v, *args)
+    options = ops.KernelOptions(scale=scale, softcap=softcap, with_stats=stats, block_q=ops.BLOCK_Q, block_k=ops.BLOCK_K, half_products=half_products)
+    out, lse, m, l, *_ = kernels.load().forward(q=q, k=k, v=v, alibi=None, mask=None, spans=None, **options._asdict())
     return out, lse, m, l
 
 
@@ -480,8 +480,8 @@ def test_rows_settle_on_a_max_near_their_bound_and_only_then():
         _, _, m, _ = _kernel_forward(q, k, v, scale, softcap=softcap)
         want = first_tile_max if softcap == 0 else softcap * torch.tanh(first_tile_max / softcap)
         torch.testing.assert_close(m.double(), want, rtol=0, atol=1.2e-6)
-    args = (scale, 0.0, False, 0, -1, -1, 0, 0, None, None, True, ops.BLOCK_Q, ops.BLOCK_K, None, False, False)
-    _, _, m, _, max_logit, *_ = kernels.load().forward(q, k, v, *args)
+    options = ops.KernelOptions(scale=scale, with_stats=True, block_q=ops.BLOCK_Q, block_k=ops.BLOCK_K)
+    _, _, m, _, max_logit, *_ = kernels.load().forward(q=q, k=k, v=v, alibi=None, mask=None, spans=None, **options._asdict())
     torch.testing.assert_close(m.double(), first_tile_max, rtol=0, atol=1.2e-6)
     torch.testing.assert_close(max_logit.double(), row_max, rtol=0, atol=1.2e-6)
     _, _, m, _ = _kernel_forward(q[:, :, :1023].contiguous(), k, v, scale)
