@@ -69,3 +69,34 @@ def test_a_tiny_ladder_hits_its_target_logit_stds():
         assert p.logit_std == pytest.approx(sigma, rel=1e-3)  # measured in training as in the calibration
         assert len(p.unscaled) == len(p.scaled) == 3
         assert Point.from_dict(p.as_dict()) == p
+
+
+LADDER = [_point(s, r) for s, r in ((1, 1.0), (2, 1.1), (4, 1.5), (8, 3.0), (16, 6.0), (32, None))]
+
+
+@pytest.mark.parametrize(
+    "realistic, verdict",
+    [
+        ({"default/64": 1.5, "unit/64": 3.5}, "does-not-hold"),  # both before the last rung clearly under 2x
+        ({"default/64": 8.0, "unit/64": 20.0}, "holds"),  # both at or past the first rung clearly over it
+        ({"default/64": 2.0, "unit/64": 12.0}, "holds-approximately"),  # the crossing lies between them
+        ({"default/64": 2.0, "unit/64": 6.0}, "inconclusive"),  # 6 lies within the bracket 4 .. 8
+    ],
+    ids=["clear below", "clear above", "crossing", "within noise"],
+)
+def test_the_ladder_rule_reads_where_the_realistic_inits_lie(realistic, verdict):
+    from attnscale.lab.stall_phase import judge_ladder
+
+    judgement = judge_ladder(LADDER, realistic)
+    assert judgement.verdict.value == verdict, judgement.reason
+    assert "2x crossed at an init logit std of 5.33" in judgement.reason  # 4 * 2 ** log2(2 / 1.5), log-log between (4, 1.5) and (8, 3)
+
+
+def test_the_ladder_rule_is_inconclusive_where_the_scaled_model_misses_or_the_rungs_disagree():
+    from attnscale.lab.stall_phase import judge_ladder
+
+    missed = Point(64, 1.0, 3.0, (100, 110), (None, None), 1000, 10)
+    assert judge_ladder([*LADDER, missed], {"default/64": 3.5}).verdict.value == "inconclusive"
+    out_of_order = [_point(1, 3.0), _point(2, 1.0)]
+    judgement = judge_ladder(out_of_order, {"default/64": 1.5})
+    assert judgement.verdict.value == "inconclusive" and "does not grow" in judgement.reason

@@ -23,19 +23,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .base import Progress, no_progress
+from .base import Judgement, Progress, Verdict, no_progress
 from .tasks import MQAR, PointerCopy, Task
 from .training import ModelConfig, TinyTransformer, TrainConfig, init_logit_std, median_steps, train_seeds
 from .uncertainty import Estimate, Side, estimate, quantisation, side
 
-__all__ = ["Crossing", "Point", "crossing", "gains_for", "measure_ladder", "point_slowdown", "task_named"]
+__all__ = ["Crossing", "Point", "crossing", "gains_for", "judge_ladder", "measure_ladder", "point_slowdown", "task_named"]
 
 TARGET = 0.9
+MUCH_SLOWER = 2.0
 
 
 def task_named(name: str, *, context: int, queries: int, vocab: int) -> Task:
@@ -155,6 +156,40 @@ def crossing(points: Sequence[Point], bound: float) -> Crossing:
     return Crossing(bound, low, high, at, monotone)
 
 
+def judge_ladder(points: Sequence[Point], realistic: Mapping[str, float], bound: float = MUCH_SLOWER) -> Judgement:
+    """One arm's verdict (an optimizer on a task) from its diagram: where the realistic
+    initialisations (``realistic``: name -> their unscaled init logit std) lie against the
+    crossing of ``bound``. A realistic std at or past the smallest rung clearly above the bound is
+    clearly slowed that much (the slowdown grows with the std: :func:`crossing` checks that its
+    clear rungs agree); one at or before the largest rung clearly below it clearly is not.
+    holds: every realistic init is past; does-not-hold: every one is before; holds-approximately:
+    some past and the rest before (the crossing lies among them); inconclusive: a realistic init
+    within the bracket, clear rungs out of order, or a scaled model that misses 90% at or below
+    the largest realistic std (the budget is too small to compare there)."""
+    c = crossing(points, bound)
+    stated = f"{bound:g}x crossed at an init logit std of {_std_text(c.at)} (bracket {_std_text(c.low)} .. {_std_text(c.high)})"
+    top = max(realistic.values())
+    missed = [p.logit_std for p in points if p.logit_std <= top and median_steps(list(p.scaled)) is None]
+    if missed:
+        return Judgement(Verdict.INCONCLUSIVE, f"with the scale the model missed 90% at init logit std {min(missed):.3g}: the budget is too small to compare; {stated}")
+    if not c.monotone:
+        return Judgement(Verdict.INCONCLUSIVE, f"a rung clearly above {bound:g}x lies below one clearly under it: the slowdown does not grow with the logit std alone; {stated}")
+    where = {name: ("past" if c.high is not None and x >= c.high else "before" if c.low is not None and x <= c.low else "within") for name, x in realistic.items()}
+    shown = ", ".join(f"{name} (std {realistic[name]:.3g}) {place}" for name, place in where.items())
+    places = set(where.values())
+    if places == {"past"}:
+        return Judgement(Verdict.HOLDS, f"every realistic init is clearly past {bound:g}x: {shown}; {stated}")
+    if places == {"before"}:
+        return Judgement(Verdict.DOES_NOT_HOLD, f"every realistic init is clearly before {bound:g}x: {shown}; {stated}")
+    if places == {"past", "before"}:
+        return Judgement(Verdict.HOLDS_APPROXIMATELY, f"the crossing lies among the realistic inits: {shown}; {stated}")
+    return Judgement(Verdict.INCONCLUSIVE, f"a realistic init lies within the bracket of the crossing: {shown}; {stated}")
+
+
+def _std_text(x: float | None) -> str:
+    return "none" if x is None else f"{x:.3g}"
+
+
 def measure_ladder(
     task: Task,
     model_cfg: ModelConfig,
@@ -185,3 +220,39 @@ def measure_ladder(
         )
         progress(r + 1, len(gains))
     return points
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print one ladder: each rung's logit std, gain, steps per seed and paired slowdown, then the
+    crossing of 2x and the wall time (the lab's default training sizes unless told otherwise)."""
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(prog="python -m attnscale.lab.stall_phase", description=main.__doc__)
+    parser.add_argument("--task", choices=["mqar", "copy"], default="mqar")
+    parser.add_argument("--dk", type=int, default=64)
+    parser.add_argument("--sigmas", type=float, nargs="+", default=[1.0, 3.0, 9.0, 27.0, 54.0], help="target unscaled init logit stds")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    args = parser.parse_args(argv)
+    task = task_named(args.task, context=16, queries=8, vocab=32)
+    train_cfg = TrainConfig(
+        steps=args.steps, batch=32, lr=args.lr, log_every=10, eval_batch=64, stop_at=TARGET, optimizer=args.optimizer,
+        weight_decay=0.0 if args.optimizer == "sgd" else 0.01,
+    )  # fmt: skip
+    start = time.perf_counter()
+    points = measure_ladder(task, ModelConfig(d_model=32, head_dim=args.dk), train_cfg, args.sigmas, range(args.seeds))
+    for p in points:
+        e = point_slowdown(p)
+        print(f"logit std {p.logit_std:6.2f}  gain {p.gain:5.2f}  steps to 90% without / with the scale {p.unscaled} / {p.scaled}  "
+              f"slowdown {'stall' if e is None else e.text()}")  # fmt: skip
+    c = crossing(points, 2.0)
+    print(f"{args.task}, d_k {args.dk}, {args.optimizer}: 2x crossed at {c.at} (bracket {c.low} .. {c.high}, monotone {c.monotone}); "
+          f"{time.perf_counter() - start:.0f} s on {torch.get_num_threads()} threads")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
