@@ -790,6 +790,140 @@ def test_return_stats_shapes_and_meaning():
     torch.testing.assert_close(out, sdpa(q, k, v, enable_gqa=True, is_causal=True))
 
 
+# The short route of plain softcapped calls (functional._plain_softcapped): its output, backend and
+# log line are the full path's, and any departure from a plain call takes the full path.
+def _short_route_probe(monkeypatch):
+    """A list that records each call of check_attention_call (the full path's first step)."""
+    from attnscale import functional
+
+    calls = []
+    real = functional.check_attention_call
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(functional, "check_attention_call", spy)
+    return calls
+
+
+def _full_path(monkeypatch, fn):
+    from attnscale import functional
+
+    with monkeypatch.context() as m:
+        m.setattr(functional, "_plain_softcapped", lambda *args, **kwargs: None)
+        return fn()
+
+
+PLAIN = {  # name -> (dtype, B, H, L, S, D, Dv, options, layout)
+    "decoding step": (torch.float32, 1, 8, 1, 600, 64, 64, dict(softcap=30.0), "contiguous"),
+    "several rows, Dv != D": (torch.float32, 2, 3, 5, 7, 8, 3, dict(softcap=5.0, scale=0.3), "contiguous"),
+    "one key, D = 1": (torch.float32, 1, 2, 3, 1, 1, 2, dict(softcap=1.0, backend=attnscale.Backend.AUTO), "contiguous"),
+    "heads-second layout": (torch.float32, 2, 4, 9, 33, 16, 16, dict(softcap=50.0, backend="auto"), "transposed"),
+    "float64, a tight cap": (torch.float64, 1, 2, 4, 2100, 32, 32, dict(softcap=0.5, dropout_p=0.0), "contiguous"),
+    "bfloat16 decoding step": (torch.bfloat16, 1, 8, 1, 600, 64, 64, dict(softcap=30.0), "contiguous"),
+    "float16, heads-second": (torch.float16, 2, 4, 3, 40, 16, 16, dict(softcap=20.0), "transposed"),
+    "GQA decoding step": (torch.float32, 1, 8, 1, 600, 64, 64, dict(softcap=30.0, enable_gqa=True), "contiguous"),
+    "bfloat16 GQA, odd D": (torch.bfloat16, 2, 6, 2, 33, 15, 15, dict(softcap=30.0, enable_gqa=True), "contiguous"),
+}
+KV_HEADS = {"GQA decoding step": 2, "bfloat16 GQA, odd D": 3}  # the others: one key head per query head
+
+
+def _plain_inputs(dtype, B, H, L, S, D, Dv, layout, Hkv=None):
+    gen = torch.Generator().manual_seed(7)
+    shapes = ((H, L, D), (Hkv or H, S, D), (Hkv or H, S, Dv))
+    if layout == "transposed":  # (B, n, H, d) storage, as projections lay it out
+        return tuple(randn(B, n, h, d, gen=gen, dtype=dtype, std=3.0).transpose(1, 2) for h, n, d in shapes)
+    return tuple(randn(B, h, n, d, gen=gen, dtype=dtype, std=3.0) for h, n, d in shapes)
+
+
+@pytest.mark.parametrize("name", list(PLAIN))
+def test_plain_softcapped_calls_take_the_short_route_to_the_full_paths_bits(monkeypatch, caplog, name):
+    dtype, B, H, L, S, D, Dv, options, layout = PLAIN[name]
+    q, k, v = _plain_inputs(dtype, B, H, L, S, D, Dv, layout, KV_HEADS.get(name))
+    calls = _short_route_probe(monkeypatch)
+    with caplog.at_level(logging.DEBUG, logger="attnscale"):
+        out = sdpa(q, k, v, **options)
+        short = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        want = _full_path(monkeypatch, lambda: sdpa(q, k, v, **options))
+        full = [r.getMessage() for r in caplog.records]
+    from attnscale.kernels import available
+
+    assert len(calls) == (1 if available() else 2)  # without the kernel the short route declines
+    assert torch.equal(out, want) and out.dtype == dtype
+    assert attnscale.last_backend() == ("fused" if available() else "tiled") and short == full
+
+
+DEPARTURES = {  # each one departure from a plain call: the full path runs, to the same result
+    "a mask": dict(attn_mask=torch.ones(3, 7, dtype=torch.bool)),
+    "causal": dict(is_causal=True),
+    "an int softcap": dict(softcap=5),
+    "an int scale": dict(scale=1),
+    "an int dropout_p": dict(dropout_p=0),
+    "the fused backend named": dict(backend="fused"),
+    "bottom-right alignment named": dict(causal_alignment="bottom_right"),
+    "statistics": dict(return_stats=True),
+    "a window": dict(window=(2, 0)),
+    "ALiBi": dict(alibi_slopes=torch.tensor([0.5, 0.25])),
+    "sinks": dict(sinks=torch.tensor([0.0, 1.0])),
+    "a softcap beyond float32": dict(softcap=1e39),
+}
+
+
+@pytest.mark.parametrize("name", list(DEPARTURES))
+def test_calls_that_are_not_plain_take_the_full_path(monkeypatch, name):
+    if name == "the fused backend named" and not KERNEL:
+        pytest.skip(f"backend 'fused' needs the compiled kernel, which cannot be had here: {kernels.build_precondition()}")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = randn(2, 2, 3, 4, gen=gen, dtype=torch.float32), randn(2, 2, 7, 4, gen=gen, dtype=torch.float32), randn(2, 2, 7, 4, gen=gen, dtype=torch.float32)
+    options = {"softcap": 5.0, **DEPARTURES[name]}
+    calls = _short_route_probe(monkeypatch)
+    if name == "a softcap beyond float32":  # the full path refuses it, with its reason
+        with pytest.raises(ValueError, match="softcap"):
+            sdpa(q, k, v, **options)
+        assert calls == [1]
+        return
+    out = sdpa(q, k, v, **options)
+    assert calls == [1]
+    want = _full_path(monkeypatch, lambda: sdpa(q, k, v, **options))
+    got, want = (x[0] if isinstance(x, tuple) else x for x in (out, want))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "name", ["mixed dtypes", "requires grad", "one key head", "3-d", "overlapping key rows", "a NaN query row", "meta tensors"]
+)
+def test_tensors_that_are_not_plain_take_the_full_path(monkeypatch, name):
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = randn(1, 2, 3, 4, gen=gen, dtype=torch.float32), randn(1, 2, 6, 4, gen=gen, dtype=torch.float32), randn(1, 2, 6, 4, gen=gen, dtype=torch.float32)
+    if name == "mixed dtypes":  # the full path refuses them, with its reason
+        calls = _short_route_probe(monkeypatch)
+        with pytest.raises(TypeError, match=r"^key: expected the query's dtype"):
+            sdpa(q, k.bfloat16(), v, softcap=5.0)
+        assert calls == [1]
+        return
+    elif name == "requires grad":
+        q = q.requires_grad_()
+    elif name == "one key head":
+        k, v = k[:, :1], v[:, :1]
+    elif name == "3-d":
+        q, k, v = q[0], k[0], v[0]
+    elif name == "overlapping key rows":
+        k = k[:, :, :1].expand(1, 2, 6, 4)
+    elif name == "a NaN query row":  # the kernel runs, does not vouch for the row: the full path diagnoses it
+        q = q.clone()
+        q[0, 1, 2, 0] = float("nan")
+    elif name == "meta tensors":
+        q, k, v = q.to("meta"), k.to("meta"), v.to("meta")
+    calls = _short_route_probe(monkeypatch)
+    out = sdpa(q, k, v, softcap=5.0)
+    assert calls == [1]
+    if name != "meta tensors":
+        want = _full_path(monkeypatch, lambda: sdpa(q, k, v, softcap=5.0))
+        assert torch.equal(out.detach(), want.detach()) or torch.allclose(out.detach(), want.detach(), rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("poison", ["none", "nan_q", "inf_k", "big_k", "zero_out_row"])
 @pytest.mark.parametrize("backend", ["tiled", "flex", "math"])
 def test_the_one_read_guard_decides_as_the_eager_one(poison, backend):

@@ -256,7 +256,7 @@ def test_decoding_without_grouped_heads_takes_float32_tiles(monkeypatch, dtype):
     want = sdpa(q, k, v, softcap=30.0, backend="fused")
     monkeypatch.delenv("ATTNSCALE_HALF_PRODUCTS")
     assert torch.equal(sdpa(q, k, v, softcap=30.0, backend="fused"), want)
-    assert torch.equal(sdpa(q, k, v, softcap=30.0), want)  # auto decides alike
+    assert torch.equal(sdpa(q, k, v, softcap=30.0), want)  # the short route decides alike
     if kernels.load().half_gemm(1):
         monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "1")
         assert ops.half_products(dtype, 1, 1) is True

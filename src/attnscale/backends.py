@@ -27,7 +27,7 @@ from .masks import add_bias, alibi_bias
 from .stats import AttentionStats
 from .tiled import tiled_attention
 
-__all__ = ["AUTO", "IMPLEMENTATIONS", "MATH_MAX_SCORES", "Call", "Implementation", "Refusal", "Result", "choose"]
+__all__ = ["AUTO", "IMPLEMENTATIONS", "MATH_MAX_SCORES", "Call", "Implementation", "Refusal", "Result", "Why", "choose"]
 
 MATH_MAX_SCORES = 2**26
 """``backend="auto"`` avoids the math backend above this many scores ``prod(batch) * H * L * S``:
@@ -254,7 +254,7 @@ class Step(NamedTuple):
 
 AUTO = (
     Step(TORCH, lambda c: torch_lacks(c.spec)),
-    Step(FLEX, lambda c: None if c.query.device.type == "cuda" else "not a CUDA tensor"),
+    Step(FLEX, lambda c: None if c.query.is_cuda else "not a CUDA tensor"),
     Step(MATH, _math_first),
     Step(FUSED, lambda c: None),
     Step(TILED, lambda c: None),
@@ -263,7 +263,25 @@ AUTO = (
 """``backend="auto"``: the first step that takes the call computes it."""
 
 
-def choose(c: Call) -> tuple[Implementation, str]:
+class Why:
+    """Why :func:`choose` took its implementation, formatted only when read (a call's log line
+    at DEBUG level): "requested", "auto", or "auto, passed over NAME: REASON; ..."."""
+
+    __slots__ = ("passed",)
+
+    def __init__(self, passed: tuple[tuple[str, str], ...] | None) -> None:
+        self.passed = passed  # None: requested
+
+    def __str__(self) -> str:
+        if self.passed is None:
+            return "requested"
+        return "auto" + (", passed over " + "; ".join(f"{name}: {reason}" for name, reason in self.passed) if self.passed else "")
+
+
+_REQUESTED = Why(None)
+
+
+def choose(c: Call) -> tuple[Implementation, Why]:
     """The implementation that computes the call, and why: ``auto``'s walk over :data:`AUTO`, or
     the forced backend, refused with its reason where it cannot compute exactly this call."""
     if c.spec.backend is not Backend.AUTO:
@@ -271,14 +289,16 @@ def choose(c: Call) -> tuple[Implementation, str]:
         refusal = implementation.cannot(c)
         if refusal is not None:
             refusal.raise_()
-        return implementation, "requested"
-    passed = []
+        return implementation, _REQUESTED
+    passed: list[tuple[str, str]] = []
     for implementation, passes in AUTO:
         reason = passes(c)
-        refusal = implementation.cannot(c) if reason is None else None
-        if reason is None and refusal is None:
-            return implementation, "auto" + (f", passed over {'; '.join(passed)}" if passed else "")
-        passed.append(f"{implementation.backend.value}: {reason if reason is not None else refusal.reason}")  # type: ignore[union-attr]
+        if reason is None:
+            refusal = implementation.cannot(c)
+            if refusal is None:
+                return implementation, Why(tuple(passed))
+            reason = refusal.reason
+        passed.append((implementation.backend.value, reason))
     raise AssertionError("the math backend computes every call")  # pragma: no cover
 
 

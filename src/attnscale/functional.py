@@ -6,15 +6,20 @@ it -> check its output (:mod:`attnscale.guard`, eager calls only)."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
+import torch
 from torch import Tensor
 
 from . import backends, guard
-from ._tracing import refuse_jit_trace, tracing
-from ._validate import Backend, check_attention_call
+from ._tracing import _functorch_wrapped, refuse_jit_trace, tracing
+from ._validate import _SCORE_MAX, Backend, check_attention_call
 from .backends import MATH_MAX_SCORES
 from .guard import abs_max, may_overflow
+from .kernels import ops as kernel_ops
+from .kernels.fused import _blas_rows
+from .kernels.fused import supports as fused_supports
 from .masks import CausalAlignment
 from .stats import AttentionStats
 
@@ -34,11 +39,77 @@ def last_backend() -> str | None:
     return getattr(_state, "backend", None)
 
 
-def record_backend(backend: Backend, why: str) -> None:
-    """Make ``backend`` this thread's :func:`last_backend` and log why it ran; for entry points that
-    run a backend themselves (:func:`attnscale.varlen_attention`'s one kernel call)."""
+def record_backend(backend: Backend, why: object) -> None:
+    """Make ``backend`` this thread's :func:`last_backend` and log why it ran (``why`` is formatted
+    with str() only when the line is logged); for entry points that run a backend themselves
+    (:func:`attnscale.varlen_attention`'s one kernel call)."""
     _state.backend = backend.value
     log.debug("attnscale attention ran backend=%s (%s)", backend.value, why)
+
+
+def _plain_softcapped(
+    query: object, key: object, value: object, attn_mask: object, dropout_p: object, is_causal: object, scale: object,
+    enable_gqa: object, causal_alignment: object, softcap: object, alibi_slopes: object, window: object, sinks: object,
+    return_stats: object, backend: object,
+) -> Tensor | None:
+    """The output of a plain softcapped call, the common decoding step of softcapped models, by the
+    shortest route; None for any other call, which then takes the full path.
+
+    Plain: CPU tensors of one dtype the compiled kernel takes (float32, float64, bfloat16,
+    float16; of type Tensor, none traced, wrapped or requiring a gradient) of shapes (B, H, L, D),
+    (B, Hkv, S, D), (B, Hkv, S, Dv) with every size >= 1, Hkv = H (or, with ``enable_gqa=True``, a
+    divisor of H) and rows BLAS reads as they lie; a float softcap and scale (or None) within the
+    scores' range; every other option at its default and ``backend`` "auto". There the full path
+    validates the same things, chooses the compiled kernel and calls it with the same arguments,
+    so this is its output, bit for bit, and its log line (``tests/test_functional.py``); it skips
+    the Python that costs most right after the kernel has streamed k and v through the caches
+    (docs/performance.md measures what it saves a decoding step). A row the kernel does
+    not vouch for (NaN, inf or zero) sends the call down the full path, which diagnoses it."""
+    if torch.compiler.is_compiling():
+        return None
+    if (type(softcap) is not float or attn_mask is not None or alibi_slopes is not None or window is not None or sinks is not None
+            or return_stats is not False or is_causal is not False or type(enable_gqa) is not bool or type(dropout_p) is not float
+            or dropout_p != 0.0 or not (scale is None or type(scale) is float)
+            or not (backend is Backend.AUTO or (type(backend) is str and backend == "auto"))
+            or not (causal_alignment is CausalAlignment.TOP_LEFT or (type(causal_alignment) is str and causal_alignment == "top_left"))):
+        return None
+    if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
+        return None
+    dtype = query.dtype
+    if dtype not in _SCORE_MAX or key.dtype is not dtype or value.dtype is not dtype:
+        return None
+    top = _SCORE_MAX[dtype]
+    if not 0.0 < softcap <= top or not (scale is None or 0.0 < scale <= top):  # NaN fails both
+        return None
+    if not (query.is_cpu and key.is_cpu and value.is_cpu) or query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        return None
+    B, H, L, D = query.shape
+    Bk, Hk, S, Dk = key.shape
+    Bv, Hv, Sv, Dv = value.shape
+    if not (B == Bk == Bv and Hk == Hv and D == Dk and S == Sv and min(B, H, L, D, S, Dv) > 0):
+        return None
+    if Hk != H and not (enable_gqa and H % Hk == 0):  # (one key head without enable_gqa broadcasts: the full path)
+        return None
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return None
+    if _functorch_wrapped(query) or _functorch_wrapped(key) or _functorch_wrapped(value):
+        return None
+    if not (_blas_rows(query) and _blas_rows(key) and _blas_rows(value)) or fused_supports(query, None) is not None:
+        return None
+    path_scale = scale if scale is not None else 1.0 / math.sqrt(D)  # as check_attention_call makes it
+    # The arguments fused_attention_checked passes for this call: no stats, the kernel's own blocks.
+    half = kernel_ops.half_products(dtype, L, H // Hk)
+    # No gradient and no sinks here: a 16-bit output comes rounded from the kernel (round_out).
+    result = kernel_ops.run_forward(query, key, value, None, None, None, kernel_ops.KernelOptions(scale=path_scale, softcap=softcap, half_products=half, round_out=True))
+    if not bool(result.rows_ok):  # for 16-bit inputs, of the output rounded to their format
+        return None
+    record_backend(Backend.FUSED, _PLAIN_SOFTCAPPED_WHY)
+    out = result.out
+    return out if out.dtype is dtype else out.to(dtype)
+
+
+_PLAIN_SOFTCAPPED_WHY = backends.Why((("torch", "softcap"), ("flex", "not a CUDA tensor"), ("math", "softcap")))
+"""What the full path's choice says of a plain softcapped call (tests/test_functional.py checks it)."""
 
 
 def scaled_dot_product_attention(
@@ -169,6 +240,12 @@ def scaled_dot_product_attention(
     # Static checks -> choose -> call the backend; then, in eager mode only, the checks of the
     # output that need values (see attnscale._tracing): none of it while tracing.
     refuse_jit_trace("scaled_dot_product_attention")
+    out = _plain_softcapped(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, softcap, alibi_slopes, window, sinks,
+        return_stats, backend,
+    )  # fmt: skip
+    if out is not None:
+        return out
     traced = tracing(query, key, value)
     call = check_attention_call(
         query,
