@@ -95,20 +95,18 @@ class Implementation:
     """Runs the float64 recompute itself (else attnscale's own kernel does)."""
 
 
-def _kernel_dropout(backend: Backend) -> Callable[[Call], Refusal | None]:
-    def cannot(c: Call) -> Refusal | None:
-        if c.spec.dropout_p > 0.0:
-            name = backend.value
-            return Refusal(
-                f"dropout (the {name} kernel has none)",
-                "dropout_p",
-                f"0.0 with backend={name!r} (the {name} kernel has no dropout)",
-                repr(c.spec.dropout_p),
-                "use backend='math' (or 'auto') for dropout",
-            )
-        return None
-
-    return cannot
+def _dropout_refusal(c: Call, backend: Backend) -> Refusal | None:
+    """The compiled and tiled kernels' refusal of dropout."""
+    if c.spec.dropout_p > 0.0:
+        name = backend.value
+        return Refusal(
+            f"dropout (the {name} kernel has none)",
+            "dropout_p",
+            f"0.0 with backend={name!r} (the {name} kernel has no dropout)",
+            repr(c.spec.dropout_p),
+            "use backend='math' (or 'auto') for dropout",
+        )
+    return None
 
 
 def _torch_cannot(c: Call) -> Refusal | None:
@@ -119,7 +117,7 @@ def _torch_cannot(c: Call) -> Refusal | None:
 
 
 def _fused_cannot(c: Call) -> Refusal | None:
-    refusal = _kernel_dropout(Backend.FUSED)(c)
+    refusal = _dropout_refusal(c, Backend.FUSED)
     if refusal is not None:
         return refusal
     reason = fused_supports(c.query, c.attn_mask)
@@ -129,7 +127,7 @@ def _fused_cannot(c: Call) -> Refusal | None:
 
 
 def _tiled_cannot(c: Call) -> Refusal | None:
-    refusal = _kernel_dropout(Backend.TILED)(c)
+    refusal = _dropout_refusal(c, Backend.TILED)
     if refusal is None and under_vmap():
         return Refusal(
             "under vmap, where the tiled kernel has no batching rule",

@@ -12,7 +12,7 @@ import threading
 import torch
 from torch import Tensor
 
-from . import backends, guard
+from . import _validate, backends, guard
 from ._tracing import _functorch_wrapped, refuse_jit_trace, tracing
 from ._validate import _SCORE_MAX, Backend, check_attention_call
 from .backends import MATH_MAX_SCORES
@@ -103,13 +103,28 @@ def _plain_softcapped(
     result = kernel_ops.run_forward(query, key, value, None, None, None, kernel_ops.KernelOptions(scale=path_scale, softcap=softcap, half_products=half, round_out=True))
     if not bool(result.rows_ok):  # for 16-bit inputs, of the output rounded to their format
         return None
-    record_backend(Backend.FUSED, _PLAIN_SOFTCAPPED_WHY)
+    record_backend(Backend.FUSED, _FullPathWhy(query, key, value, softcap, scale, enable_gqa))
     out = result.out
     return out if out.dtype is dtype else out.to(dtype)
 
 
-_PLAIN_SOFTCAPPED_WHY = backends.Why((("torch", "softcap"), ("flex", "not a CUDA tensor"), ("math", "softcap")))
-"""What the full path's choice says of a plain softcapped call (tests/test_functional.py checks it)."""
+class _FullPathWhy:
+    """The full path's reason for a call the short route ran (:func:`backends.choose` on it, the one
+    rule), worked out only when the line is logged."""
+
+    __slots__ = ("_args",)
+
+    def __init__(self, query: Tensor, key: Tensor, value: Tensor, softcap: float, scale: float | None, enable_gqa: bool) -> None:
+        self._args = (query, key, value, softcap, scale, enable_gqa)
+
+    def __str__(self) -> str:
+        query, key, value, softcap, scale, enable_gqa = self._args
+        call = _validate.check_attention_call(  # through the module: it is no call of the full path
+            query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=scale, enable_gqa=enable_gqa,
+            causal_alignment=CausalAlignment.TOP_LEFT, backend=Backend.AUTO, softcap=softcap, alibi_slopes=None, window=None,
+            return_stats=False, values=False,
+        )  # fmt: skip
+        return str(backends.choose(backends.Call(call, query, key, value, None, None, None))[1])
 
 
 def scaled_dot_product_attention(

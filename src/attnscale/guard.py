@@ -186,9 +186,6 @@ def check(implementation: Implementation, c: Call, result: Result) -> tuple[Tens
     """The output of an eager call by the documented rules: ``result`` itself when its rows pass
     the check, else the result of :func:`_careful`."""
     out, stats, rows_ok = result
-    if rows_ok is not None and implementation.checks_rows and not (torch.is_grad_enabled() and (c.query.requires_grad or c.key.requires_grad)):
-        if bool(rows_ok):  # the common case, with the fewest steps: :func:`_rows_may_hide_trouble` says False here
-            return out, stats
     on_host = rows_ok is not None or c.query.is_cpu
     read = _Read(out, rows_ok) if on_host else _OneRead(out, (c.query, c.key, c.alibi_slopes), c.attn_mask)
     if read.rows_look_right() and not _rows_may_hide_trouble(implementation, c, read):
