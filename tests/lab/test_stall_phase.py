@@ -74,29 +74,86 @@ def test_a_tiny_ladder_hits_its_target_logit_stds():
 LADDER = [_point(s, r) for s, r in ((1, 1.0), (2, 1.1), (4, 1.5), (8, 3.0), (16, 6.0), (32, None))]
 
 
+def _realistic(point, name):
+    return Point(point.dk, point.gain, point.logit_std, point.unscaled, point.scaled, point.budget, point.log_every, name)
+
+
 @pytest.mark.parametrize(
     "realistic, verdict",
     [
-        ({"default/64": 1.5, "unit/64": 3.5}, "does-not-hold"),  # both before the last rung clearly under 2x
-        ({"default/64": 8.0, "unit/64": 20.0}, "holds"),  # both at or past the first rung clearly over it
-        ({"default/64": 2.0, "unit/64": 12.0}, "holds-approximately"),  # the crossing lies between them
-        ({"default/64": 2.0, "unit/64": 6.0}, "inconclusive"),  # 6 lies within the bracket 4 .. 8
+        ({"default": (2, 1.1), "unit": (4, 1.5)}, "does-not-hold"),
+        ({"default": (8, 3.0), "unit": (16, None)}, "holds"),  # a stall counts as clearly over 2x
+        ({"default": (2, 1.1), "unit": (16, 6.0)}, "holds-approximately"),
+        ({"default": (2, 1.1), "unit": (6, 2.05)}, "inconclusive"),
     ],
-    ids=["clear below", "clear above", "crossing", "within noise"],
+    ids=["clear below", "clear above", "one each side", "within noise"],
 )
-def test_the_ladder_rule_reads_where_the_realistic_inits_lie(realistic, verdict):
+def test_the_ladder_rule_judges_the_realistic_inits_by_their_own_slowdowns(realistic, verdict):
     from attnscale.lab.stall_phase import judge_ladder
 
-    judgement = judge_ladder(LADDER, realistic)
+    rungs = [_realistic(_point(*sr), name) for name, sr in realistic.items()]
+    judgement = judge_ladder([*LADDER, *rungs])
     assert judgement.verdict.value == verdict, judgement.reason
-    assert "2x crossed at an init logit std of 5.33" in judgement.reason  # 4 * 2 ** log2(2 / 1.5), log-log between (4, 1.5) and (8, 3)
+    assert "2x crossed at an init logit std of" in judgement.reason
+    assert judge_ladder(LADDER).verdict.value == "inconclusive"  # no realistic rung
 
 
-def test_the_ladder_rule_is_inconclusive_where_the_scaled_model_misses_or_the_rungs_disagree():
+def test_the_ladder_rule_is_inconclusive_where_the_scaled_model_misses_or_one_seed_ran():
     from attnscale.lab.stall_phase import judge_ladder
 
-    missed = Point(64, 1.0, 3.0, (100, 110), (None, None), 1000, 10)
-    assert judge_ladder([*LADDER, missed], {"default/64": 3.5}).verdict.value == "inconclusive"
-    out_of_order = [_point(1, 3.0), _point(2, 1.0)]
-    judgement = judge_ladder(out_of_order, {"default/64": 1.5})
-    assert judgement.verdict.value == "inconclusive" and "does not grow" in judgement.reason
+    missed = Point(64, 1.0, 3.0, (100, 110), (None, None), 1000, 10, "default")
+    judgement = judge_ladder([*LADDER, missed, _realistic(_point(8, 3.0), "unit")])
+    assert judgement.verdict.value == "inconclusive" and "missed 90% at default/64" in judgement.reason
+    assert crossing([*LADDER, missed], 2.0) == crossing(LADDER, 2.0)  # such a rung says nothing of the slowdown
+    one = Point(64, 1.0, 3.0, (300,), (100,), 1000, 10, "default")
+    assert "only 1 seed" in judge_ladder([one]).reason
+
+
+def test_sgd_counts_a_collapse_as_a_miss_and_picks_the_best_learning_rate():
+    from attnscale.lab.training import RunLog
+
+    def log(accuracy):
+        return RunLog(steps=[10 * i for i in range(len(accuracy))], accuracy=accuracy)
+
+    assert stall_phase.kept(log([0.1, 0.95, 0.99])) == 10
+    assert stall_phase.kept(log([0.1, 0.95, 0.05])) is None  # passed 90%, then collapsed
+    assert stall_phase.kept(log([0.1, 0.5, 0.6])) is None
+    assert stall_phase.best_lr({0.03: 300, 0.1: 200, 0.3: None}) == 0.1
+    assert stall_phase.best_lr({0.03: 200, 0.1: 200}) == 0.03
+    assert stall_phase.best_lr({0.1: None, 0.3: None}) == 0.1
+
+
+LRS = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+
+
+@pytest.mark.parametrize(
+    ("profile", "best", "tried"),
+    [
+        ({0.01: 500, 0.03: 300, 0.1: 200, 0.3: 250, 1.0: None}, 0.1, {0.03, 0.1, 0.3}),
+        ({0.003: 90, 0.01: 100, 0.03: 150, 0.1: 300, 0.3: None}, 0.003, {0.003, 0.01, 0.03, 0.1, 0.3}),
+        ({0.03: 400, 0.1: 300, 0.3: 200, 1.0: 100, 3.0: 120}, 1.0, {0.03, 0.1, 0.3, 1.0, 3.0}),
+        ({0.003: 80, 0.01: None, 0.03: None, 0.1: None, 0.3: None}, 0.003, set(LRS)),
+        ({}, 0.003, set(LRS)),
+    ],
+    ids=["best at the start", "walks down to the end", "walks up and stops", "widens both ways", "never: all tried"],
+)
+def test_learning_rate_search_never_stops_at_an_untried_edge(profile, best, tried):
+    seen = []
+
+    def evaluate(lr):
+        seen.append(lr)
+        return profile.get(lr)
+
+    result = stall_phase.search_lr(LRS, 0.1, evaluate)
+    assert stall_phase.best_lr(result) == best and set(result) == tried and len(seen) == len(set(seen))
+    with pytest.raises(ValueError, match="start must be one of"):
+        stall_phase.search_lr(LRS, 0.2, evaluate)
+
+
+def test_a_rung_is_a_realistic_init_or_a_target_std():
+    from attnscale.lab.stall_phase import Rung
+
+    assert Rung("unit").sigma is None and Rung(sigma=3.0).name == ""
+    for bad in ({}, {"name": "unit", "sigma": 3.0}, {"name": "large"}):
+        with pytest.raises(ValueError, match="a rung is"):
+            Rung(**bad)

@@ -35,20 +35,16 @@ def _run(module, **sizes):
 
 
 def test_training_stall_adamw_learns_without_the_scale_at_d_k_64():
-    # 8 seeds: with 4, the slowdowns' standard errors leave the comparison with 1.25x within noise
-    measured, judgement = _run(
-        training_stall, inits=("default", "unit"), steps=300, stop_at=0.9, long_steps=0, sgd_steps=0, seeds=8
-    )
+    # 8 seeds at the realistic inits: both clearly under 2x
+    measured, judgement = _run(training_stall, steps=300, sgd_steps=0, seeds=8)
     assert judgement.verdict is Verdict.DOES_NOT_HOLD
-    slowdown = measured["slowdown"]
-    assert set(slowdown) == {"default/64", "unit/64"}
-    for init in ("default", "unit"):  # no stall: both models reach 90%, the unscaled one within 2x
-        assert measured["steps_to_90_by_init"][init]["1/64"] is not None
-        assert measured["steps_to_90_by_init"][init]["sqrt/64"] is not None
-        assert slowdown[f"{init}/64"] < training_stall.MUCH_SLOWER
-    assert slowdown["unit/64"] > slowdown["default/64"]  # larger init logits cost more steps
-    std = measured["init_logit_std"]
-    assert std["unit"]["1/64"]["raw"] > 2 * std["default"]["1/64"]["raw"]
+    default, unit = measured["arms"]["adamw mqar"]
+    assert (default["name"], unit["name"]) == ("default", "unit")
+    for rung in (default, unit):  # no stall: both models reach 90%, the unscaled one within 2x
+        assert rung["never_unscaled"] == 0 and None not in rung["scaled"]
+        assert rung["slowdown"]["centre"] < training_stall.MUCH_SLOWER
+    assert unit["slowdown"]["centre"] > default["slowdown"]["centre"]  # larger init logits cost more steps
+    assert unit["logit_std"] > 2 * default["logit_std"]
 
 
 def test_small_dk_the_scales_effect_is_small_at_d_k_2_and_4():

@@ -28,7 +28,7 @@ An experiment made of independent measurements (conditions trained separately) m
   judges and plots them when the last one is in.
 
 and may define ``HEADLINE: Headline``: the key of ``measured`` (dotted for nested dicts, e.g.
-``"slowdown.default/128"``) whose value the report shows as the claim's key number, with what that
+``"headline.centre"``) whose value the report shows as the claim's key number, with what that
 number is in words and its unit (a bare key string is shown under its own name).
 """
 

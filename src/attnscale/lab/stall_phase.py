@@ -23,17 +23,33 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .base import Judgement, Progress, Verdict, no_progress
 from .tasks import MQAR, PointerCopy, Task
-from .training import ModelConfig, TinyTransformer, TrainConfig, init_logit_std, median_steps, train_seeds
+from .training import ModelConfig, RunLog, TinyTransformer, TrainConfig, init_logit_std, median_steps, train_seeds
 from .uncertainty import Estimate, Side, estimate, quantisation, side
 
-__all__ = ["Crossing", "Point", "crossing", "gains_for", "judge_ladder", "measure_ladder", "point_slowdown", "task_named"]
+__all__ = [
+    "REALISTIC",
+    "REALISTIC_GAINS",
+    "Crossing",
+    "Point",
+    "Rung",
+    "best_lr",
+    "crossing",
+    "gains_for",
+    "judge_ladder",
+    "kept",
+    "measure_ladder",
+    "measure_point",
+    "point_slowdown",
+    "search_lr",
+    "task_named",
+]
 
 TARGET = 0.9
 MUCH_SLOWER = 2.0
@@ -78,7 +94,10 @@ def gains_for(task: Task, model_cfg: ModelConfig, seeds: Sequence[int], sigmas: 
 @dataclass(frozen=True)
 class Point:
     """One rung at one d_k: the unscaled and scaled runs' steps to 90% per seed (None: never got
-    there), and the unscaled model's measured init logit std (median over seeds)."""
+    there), the unscaled model's measured init logit std and share of saturated rows at init
+    (medians over seeds), and, where a learning rate was searched, each divisor's best one
+    (``lrs``: unscaled, scaled). ``name`` names a realistic initialisation ("default": gain 1,
+    "unit": unit-variance components), empty for a rung set by its target logit std."""
 
     dk: int
     gain: float
@@ -87,16 +106,26 @@ class Point:
     scaled: tuple[int | None, ...]
     budget: int
     log_every: int
+    name: str = ""
+    saturated: float = 0.0
+    lrs: tuple[float, float] | None = None
 
     def as_dict(self) -> dict:
         return {
             "dk": self.dk, "gain": self.gain, "logit_std": self.logit_std, "unscaled": list(self.unscaled),
-            "scaled": list(self.scaled), "budget": self.budget, "log_every": self.log_every,
+            "scaled": list(self.scaled), "budget": self.budget, "log_every": self.log_every, "name": self.name,
+            "saturated": self.saturated, "lrs": None if self.lrs is None else list(self.lrs),
+            "slowdown": None if (e := point_slowdown(self)) is None else e.as_dict(),
+            "never_unscaled": sum(u is None for u in self.unscaled) / len(self.unscaled),
         }  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict) -> Point:
-        return cls(d["dk"], d["gain"], d["logit_std"], tuple(d["unscaled"]), tuple(d["scaled"]), d["budget"], d["log_every"])
+        lrs = None if d.get("lrs") is None else (float(d["lrs"][0]), float(d["lrs"][1]))
+        return cls(
+            d["dk"], d["gain"], d["logit_std"], tuple(d["unscaled"]), tuple(d["scaled"]), d["budget"], d["log_every"],
+            d.get("name", ""), d.get("saturated", 0.0), lrs,
+        )  # fmt: skip
 
 
 def point_slowdown(point: Point) -> Estimate | None:
@@ -136,8 +165,9 @@ class Crossing:
 
 def crossing(points: Sequence[Point], bound: float) -> Crossing:
     """:class:`Crossing` of ``bound`` over ``points`` (any d_k: the diagram's x axis is the
-    unscaled init logit std, whatever set it)."""
-    ordered = sorted(points, key=lambda p: p.logit_std)
+    unscaled init logit std, whatever set it). A rung whose scaled model misses 90% (median) says
+    nothing of the slowdown and is left out."""
+    ordered = sorted((p for p in points if median_steps(list(p.scaled)) is not None), key=lambda p: p.logit_std)
     sides = [_side(p, bound) for p in ordered]
     below = [p.logit_std for p, s in zip(ordered, sides) if s is Side.BELOW]
     above = [p.logit_std for p, s in zip(ordered, sides) if s is Side.ABOVE]
@@ -156,101 +186,225 @@ def crossing(points: Sequence[Point], bound: float) -> Crossing:
     return Crossing(bound, low, high, at, monotone)
 
 
-def judge_ladder(points: Sequence[Point], realistic: Mapping[str, float], bound: float = MUCH_SLOWER) -> Judgement:
-    """One arm's verdict (an optimizer on a task) from its diagram: where the realistic
-    initialisations (``realistic``: name -> their unscaled init logit std) lie against the
-    crossing of ``bound``. A realistic std at or past the smallest rung clearly above the bound is
-    clearly slowed that much (the slowdown grows with the std: :func:`crossing` checks that its
-    clear rungs agree); one at or before the largest rung clearly below it clearly is not.
-    holds: every realistic init is past; does-not-hold: every one is before; holds-approximately:
-    some past and the rest before (the crossing lies among them); inconclusive: a realistic init
-    within the bracket, clear rungs out of order, or a scaled model that misses 90% at or below
-    the largest realistic std (the budget is too small to compare there)."""
+REALISTIC = ("default", "unit")
+"""The realistic initialisations, rungs at fixed q/k init gains: ``nn.Linear``'s default (gain 1:
+q and k components of variance about 1/3 of the LayerNorm'd input's) and unit-variance components
+(gain sqrt(3), the premise of the textbook argument)."""
+REALISTIC_GAINS = {"default": 1.0, "unit": math.sqrt(3.0)}
+
+
+def judge_ladder(points: Sequence[Point], bound: float = MUCH_SLOWER) -> Judgement:
+    """One arm's verdict (an optimizer on a task) from the rungs at the realistic initialisations
+    (``Point.name`` in :data:`REALISTIC`, at every d_k), each judged by its own paired slowdown
+    against ``bound`` (a stall is clearly above any bound): holds if every one is clearly above,
+    does-not-hold if every one is clearly below, holds-approximately if each is clearly on one
+    side and both sides occur; inconclusive if one is within noise of the bound, if fewer than 2
+    seeds ran, or if the scaled model's median misses 90% at one (the budget is too small to
+    compare there). The reason also states where the whole ladder crosses the bound
+    (:func:`crossing`)."""
     c = crossing(points, bound)
-    stated = f"{bound:g}x crossed at an init logit std of {_std_text(c.at)} (bracket {_std_text(c.low)} .. {_std_text(c.high)})"
-    top = max(realistic.values())
-    missed = [p.logit_std for p in points if p.logit_std <= top and median_steps(list(p.scaled)) is None]
+    stated = f"{bound:g}x crossed at an init logit std of {_std_text(c.at)} (bracket {_std_text(c.low)} .. {_std_text(c.high)}"
+    stated += ")" if c.monotone else "; the clear rungs are out of order)"
+    realistic = sorted((p for p in points if p.name in REALISTIC), key=lambda p: (p.dk, REALISTIC.index(p.name)))
+    if not realistic:
+        return Judgement(Verdict.INCONCLUSIVE, f"no rung at a realistic initialisation; {stated}")
+    seeds = min(len(p.unscaled) for p in realistic)
+    if seeds < 2:
+        return Judgement(Verdict.INCONCLUSIVE, f"only {seeds} seed(s) per rung; the rule needs at least 2; {stated}")
+    missed = [p for p in realistic if median_steps(list(p.scaled)) is None]
     if missed:
-        return Judgement(Verdict.INCONCLUSIVE, f"with the scale the model missed 90% at init logit std {min(missed):.3g}: the budget is too small to compare; {stated}")
-    if not c.monotone:
-        return Judgement(Verdict.INCONCLUSIVE, f"a rung clearly above {bound:g}x lies below one clearly under it: the slowdown does not grow with the logit std alone; {stated}")
-    where = {name: ("past" if c.high is not None and x >= c.high else "before" if c.low is not None and x <= c.low else "within") for name, x in realistic.items()}
-    shown = ", ".join(f"{name} (std {realistic[name]:.3g}) {place}" for name, place in where.items())
-    places = set(where.values())
-    if places == {"past"}:
-        return Judgement(Verdict.HOLDS, f"every realistic init is clearly past {bound:g}x: {shown}; {stated}")
-    if places == {"before"}:
-        return Judgement(Verdict.DOES_NOT_HOLD, f"every realistic init is clearly before {bound:g}x: {shown}; {stated}")
-    if places == {"past", "before"}:
-        return Judgement(Verdict.HOLDS_APPROXIMATELY, f"the crossing lies among the realistic inits: {shown}; {stated}")
-    return Judgement(Verdict.INCONCLUSIVE, f"a realistic init lies within the bracket of the crossing: {shown}; {stated}")
+        return Judgement(
+            Verdict.INCONCLUSIVE,
+            f"with the scale the model missed 90% at {missed[0].name}/{missed[0].dk}: the budget is too small to compare; {stated}",
+        )
+    sides = {p: _side(p, bound) for p in realistic}
+    names = {Side.ABOVE: "clearly above", Side.BELOW: "clearly below", Side.WITHIN: "within noise of"}
+    shown = "; ".join(f"{p.name}/{p.dk} (init logit std {p.logit_std:.3g}): {_slowdown_text(p)}, {names[sides[p]]} {bound:g}x" for p in realistic)
+    found = set(sides.values())
+    tail = f"{shown}; {stated}; +- is the paired slowdown's standard error over {seeds} seeds"
+    if found == {Side.ABOVE}:
+        return Judgement(Verdict.HOLDS, f"every realistic init learns clearly >= {bound:g}x slower without the scale or stalls: {tail}")
+    if found == {Side.BELOW}:
+        return Judgement(Verdict.DOES_NOT_HOLD, f"every realistic init learns clearly less than {bound:g}x slower without the scale: {tail}")
+    if found == {Side.ABOVE, Side.BELOW}:
+        return Judgement(Verdict.HOLDS_APPROXIMATELY, f"some realistic inits are clearly {bound:g}x slower without the scale, the others clearly not: {tail}")
+    return Judgement(Verdict.INCONCLUSIVE, f"a realistic init's slowdown is within noise of {bound:g}x: {tail}")
+
+
+def _slowdown_text(p: Point) -> str:
+    e = point_slowdown(p)
+    if e is None:
+        return f"stall ({sum(u is None for u in p.unscaled)}/{len(p.unscaled)} unscaled runs never reach 90%)"
+    return f"x{e.centre:.2f} +- {e.spread:.2f}"
 
 
 def _std_text(x: float | None) -> str:
     return "none" if x is None else f"{x:.3g}"
 
 
+def kept(log: RunLog) -> int | None:
+    """First logged step at 90% held-out accuracy of a run that ends at or above 90%; None for a
+    run that never gets there or collapses after it (SGD can pass 90% and then diverge)."""
+    return log.steps_to(TARGET) if log.accuracy[-1] >= TARGET else None
+
+
+def best_lr(medians: Mapping[float, float | None]) -> float:
+    """The learning rate with the smallest median steps (None is never); ties and all-None go to the smallest."""
+    return min(medians, key=lambda lr: (math.inf if medians[lr] is None else medians[lr], lr))
+
+
+def search_lr(ladder: Sequence[float], start: float, evaluate: Callable[[float], float | None]) -> dict[float, float | None]:
+    """Median steps at the learning rates a ladder search tries; :func:`best_lr` of the result is the pick.
+
+    Tries ``start`` and its neighbours, then the untried neighbours of the best so far until the best
+    has both neighbours tried (or the ladder ends there), so the pick is never an untried edge.
+    While no learning rate has reached the target, it widens on both sides until one does or the
+    ladder is exhausted.
+    """
+    ladder = list(ladder)
+    if start not in ladder:
+        raise ValueError(f"start must be one of the ladder's learning rates {ladder}; got {start!r}.")
+    tried: dict[float, float | None] = {}
+
+    def visit(i: int) -> None:
+        if 0 <= i < len(ladder) and ladder[i] not in tried:
+            tried[ladder[i]] = evaluate(ladder[i])
+
+    i = ladder.index(start)
+    for j in (i, i - 1, i + 1):
+        visit(j)
+    while True:
+        if all(v is None for v in tried.values()):
+            idx = [ladder.index(lr) for lr in tried]
+            todo = [j for j in (min(idx) - 1, max(idx) + 1) if 0 <= j < len(ladder)]
+        else:
+            b = ladder.index(best_lr(tried))
+            todo = [j for j in (b - 1, b + 1) if 0 <= j < len(ladder) and ladder[j] not in tried]
+        if not todo:
+            return tried
+        for j in todo:
+            visit(j)
+
+
+@dataclass(frozen=True)
+class Rung:
+    """A rung of the ladder: a realistic initialisation (``name`` in :data:`REALISTIC`, its gain
+    fixed) or a target unscaled init logit std ``sigma`` (its gain calibrated by :func:`gains_for`)."""
+
+    name: str = ""
+    sigma: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.name in REALISTIC) == (self.sigma is not None):
+            raise ValueError(f"a rung is a realistic init {REALISTIC} or a target logit std, not both or neither; got {self!r}.")
+
+
+def measure_point(
+    task: Task,
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    gain: float,
+    seeds: Sequence[int],
+    *,
+    name: str = "",
+    lrs: Sequence[float] = (),
+    lr_start: float | None = None,
+) -> Point:
+    """One rung: ``seeds`` trained at q/k init gain ``gain`` without and with the scale (as one
+    stack of models each). With ``lrs``, each divisor's learning rate is searched on that ladder
+    from ``lr_start`` (:func:`search_lr`) and its best one kept, the fair comparison for SGD,
+    whose step moves unscaled logits about d_k times further than scaled ones at one learning rate."""
+    seeds = list(seeds)
+    runs: dict[str, list[RunLog]] = {}
+    chosen: dict[str, float] = {}
+    for divisor in ("1", "sqrt"):
+        cfg = dataclasses.replace(model_cfg, divisor=divisor, qk_init_gain=gain)
+        if not lrs:
+            runs[divisor] = [log for _, log in train_seeds(task, cfg, train_cfg, seeds)]
+            continue
+        logs: dict[float, list[RunLog]] = {}
+
+        def evaluate(lr: float, cfg: ModelConfig = cfg, logs: dict[float, list[RunLog]] = logs) -> float | None:
+            logs[lr] = [log for _, log in train_seeds(task, cfg, dataclasses.replace(train_cfg, lr=lr), seeds)]
+            return median_steps([kept(log) for log in logs[lr]])
+
+        chosen[divisor] = best_lr(search_lr(lrs, lr_start if lr_start is not None else lrs[len(lrs) // 2], evaluate))
+        runs[divisor] = logs[chosen[divisor]]
+    unscaled, scaled = runs["1"], runs["sqrt"]
+    return Point(
+        dk=model_cfg.head_dim,
+        gain=gain,
+        logit_std=statistics.median(log.init_logit_std["raw"] for log in unscaled),
+        unscaled=tuple(kept(log) for log in unscaled),
+        scaled=tuple(kept(log) for log in scaled),
+        budget=train_cfg.steps,
+        log_every=train_cfg.log_every,
+        name=name,
+        saturated=statistics.median(log.saturated[0] for log in unscaled),
+        lrs=(chosen["1"], chosen["sqrt"]) if lrs else None,
+    )
+
+
 def measure_ladder(
     task: Task,
     model_cfg: ModelConfig,
     train_cfg: TrainConfig,
-    sigmas: Sequence[float],
+    rungs: Sequence[Rung | float],
     seeds: Sequence[int],
     progress: Progress = no_progress,
+    *,
+    lrs: Sequence[float] = (),
+    lr_start: float | None = None,
 ) -> list[Point]:
-    """The ladder at ``model_cfg``'s d_k: every rung of ``sigmas`` (target unscaled init logit
-    stds) x ``seeds``, trained without and with the scale."""
-    gains = gains_for(task, model_cfg, seeds, sigmas, train_cfg.eval_batch)
+    """The ladder at ``model_cfg``'s d_k: every rung (a :class:`Rung`, or a bare number as the
+    target logit std) x ``seeds``, trained without and with the scale (:func:`measure_point`)."""
+    rungs = [r if isinstance(r, Rung) else Rung(sigma=float(r)) for r in rungs]
+    targets = [r.sigma for r in rungs if r.sigma is not None]
+    calibrated = iter(gains_for(task, model_cfg, seeds, targets, train_cfg.eval_batch) if targets else [])
+    gains = [REALISTIC_GAINS[r.name] if r.sigma is None else next(calibrated) for r in rungs]
     points = []
-    for r, gain in enumerate(gains):
-        unscaled, scaled = (
-            [log for _, log in train_seeds(task, dataclasses.replace(model_cfg, divisor=divisor, qk_init_gain=gain), train_cfg, list(seeds))]
-            for divisor in ("1", "sqrt")
-        )
-        points.append(
-            Point(
-                dk=model_cfg.head_dim,
-                gain=gain,
-                logit_std=statistics.median(log.init_logit_std["raw"] for log in unscaled),
-                unscaled=tuple(log.steps_to(TARGET) for log in unscaled),
-                scaled=tuple(log.steps_to(TARGET) for log in scaled),
-                budget=train_cfg.steps,
-                log_every=train_cfg.log_every,
-            )
-        )
-        progress(r + 1, len(gains))
+    for i, (rung, gain) in enumerate(zip(rungs, gains, strict=True)):
+        points.append(measure_point(task, model_cfg, train_cfg, gain, seeds, name=rung.name, lrs=lrs, lr_start=lr_start))
+        progress(i + 1, len(rungs))
     return points
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print one ladder: each rung's logit std, gain, steps per seed and paired slowdown, then the
-    crossing of 2x and the wall time (the lab's default training sizes unless told otherwise)."""
+    crossing of 2x and the wall time (the lab's default training sizes unless told otherwise).
+    The realistic inits are rungs too, unless --no-realistic."""
     import argparse
     import time
 
     parser = argparse.ArgumentParser(prog="python -m attnscale.lab.stall_phase", description=main.__doc__)
     parser.add_argument("--task", choices=["mqar", "copy"], default="mqar")
     parser.add_argument("--dk", type=int, default=64)
-    parser.add_argument("--sigmas", type=float, nargs="+", default=[1.0, 3.0, 9.0, 27.0, 54.0], help="target unscaled init logit stds")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--sigmas", type=float, nargs="*", default=[1.0, 27.0], help="target unscaled init logit stds")
+    parser.add_argument("--no-realistic", action="store_true", help="leave out the default and unit-variance inits")
+    parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
+    parser.add_argument("--lrs", type=float, nargs="*", default=[0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0], help="SGD's learning-rate ladder")
+    parser.add_argument("--lr-start", type=float, default=0.1, help="where SGD's search starts")
     args = parser.parse_args(argv)
     task = task_named(args.task, context=16, queries=8, vocab=32)
+    sgd = args.optimizer == "sgd"
     train_cfg = TrainConfig(
         steps=args.steps, batch=32, lr=args.lr, log_every=10, eval_batch=64, stop_at=TARGET, optimizer=args.optimizer,
-        weight_decay=0.0 if args.optimizer == "sgd" else 0.01,
+        weight_decay=0.0 if sgd else 0.01,
     )  # fmt: skip
+    rungs = ([] if args.no_realistic else [Rung(name) for name in REALISTIC]) + [Rung(sigma=s) for s in args.sigmas]
     start = time.perf_counter()
-    points = measure_ladder(task, ModelConfig(d_model=32, head_dim=args.dk), train_cfg, args.sigmas, range(args.seeds))
-    for p in points:
+    points = measure_ladder(
+        task, ModelConfig(d_model=32, head_dim=args.dk), train_cfg, rungs, range(args.seeds), lrs=args.lrs if sgd else (), lr_start=args.lr_start
+    )  # fmt: skip
+    for p in sorted(points, key=lambda p: p.logit_std):
         e = point_slowdown(p)
-        print(f"logit std {p.logit_std:6.2f}  gain {p.gain:5.2f}  steps to 90% without / with the scale {p.unscaled} / {p.scaled}  "
-              f"slowdown {'stall' if e is None else e.text()}")  # fmt: skip
-    c = crossing(points, 2.0)
-    print(f"{args.task}, d_k {args.dk}, {args.optimizer}: 2x crossed at {c.at} (bracket {c.low} .. {c.high}, monotone {c.monotone}); "
-          f"{time.perf_counter() - start:.0f} s on {torch.get_num_threads()} threads")  # fmt: skip
+        print(f"{p.name or 'rung':7s} logit std {p.logit_std:6.2f}  gain {p.gain:5.2f}  steps to 90% without / with the scale "
+              f"{p.unscaled} / {p.scaled}{'' if p.lrs is None else f'  lr {p.lrs[0]:g} / {p.lrs[1]:g}'}  slowdown {'stall' if e is None else e.text()}")  # fmt: skip
+    print(judge_ladder(points).reason)
+    print(f"{args.task}, d_k {args.dk}, {args.optimizer}: {time.perf_counter() - start:.0f} s on {torch.get_num_threads()} threads")
     return 0
 
 
