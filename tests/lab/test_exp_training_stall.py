@@ -114,3 +114,8 @@ def test_profiles_keep_realistic_head_dims_and_enough_seeds():
     assert 64 in exp.Config.for_profile("quick").dks and exp.Config.for_profile("quick").sgd_tasks == ()
     with pytest.raises(ValueError, match="profile"):
         exp.Config.for_profile("huge")
+
+
+def test_reports_at_different_seeds_share_no_model():
+    assert exp.model_seeds(0, 5) == [0, 1, 2, 3, 4]
+    assert not set(exp.model_seeds(1, 8)) & (set(exp.model_seeds(0, 8)) | set(exp.model_seeds(2, 8)))
