@@ -37,30 +37,74 @@ def test_the_committed_runs_were_judged_by_the_current_rules(summary, profile):
         assert claim["rule_version"] == exp.claim.rule_history[-1].version
 
 
+def _same_rules(other: dict) -> tuple[dict, list[str]]:
+    """The published verdicts of the claims ``other`` judged by the rule that stands now (their
+    version and fingerprint), and the ids of the claims whose rule is newer than ``other``'s run."""
+    now = {c["id"]: (c["rule_version"], c["rule_fingerprint"]) for c in PUBLISHED["claims"]}
+    then = {c["id"]: (c["rule_version"], c["rule_fingerprint"]) for c in other["claims"]}
+    assert set(then) == set(now)
+    newer = [i for i in now if then[i] != now[i]]
+    for i in newer:  # a rule changes only forward, and the version says so
+        assert then[i][0] < now[i][0], f"{i}: v{then[i][0]} in the other run, v{now[i][0]} now"
+    return {c["id"]: c["verdict"] for c in PUBLISHED["claims"] if c["id"] not in newer}, newer
+
+
+def _other_run(name: str) -> dict:
+    other = json.loads((ROOT / "results" / name).read_text(encoding="utf-8"))
+    assert (other["profile"], other["seed"]) == ("default", 0) and re.fullmatch(r"[0-9a-f]{40}", other["commit"])
+    return other
+
+
+def _newer_text(other: dict, newer: list[str]) -> str:
+    then = {c["id"]: c["rule_version"] for c in other["claims"]}
+    now = {c["id"]: c["rule_version"] for c in PUBLISHED["claims"]}
+    return ", ".join(f"{i} (v{then[i]} there, v{now[i]} now)" for i in newer)
+
+
+LAB_REPORT = " ".join((ROOT / "docs" / "lab-report.md").read_text(encoding="utf-8").split())
+
+
 def test_the_default_run_held_to_avx2_code_reached_the_published_verdicts():
     """docs/lab-report.md says the default run reached every published verdict with torch, oneMKL, oneDNN
-    and the compiled kernel held to AVX2 code: results/default_avx2_paths.json is that run's summary,
-    and a re-recorded published.json must be reproduced that way again (or that page changed)."""
-    other = json.loads((ROOT / "results" / "default_avx2_paths.json").read_text(encoding="utf-8"))
-    assert (other["profile"], other["seed"]) == ("default", 0) and re.fullmatch(r"[0-9a-f]{40}", other["commit"])
-    verdicts = {c["id"]: (c["verdict"], c["rule_version"]) for c in PUBLISHED["claims"]}
-    assert {c["id"]: (c["verdict"], c["rule_version"]) for c in other["claims"]} == verdicts
-    readme = " ".join((ROOT / "docs" / "lab-report.md").read_text(encoding="utf-8").split())
-    assert f"at {other['commit'][:7]}; `results/default_avx2_paths.json`) it reaches the same {len(verdicts)} verdicts" in readme
+    and the compiled kernel held to AVX2 code: results/default_avx2_paths.json is that run's summary;
+    a claim whose rule changed since that run is named there, and the others must agree."""
+    other = _other_run("default_avx2_paths.json")
+    verdicts, newer = _same_rules(other)
+    assert {c["id"]: c["verdict"] for c in other["claims"] if c["id"] in verdicts} == verdicts
+    assert f"at {other['commit'][:7]}; `results/default_avx2_paths.json`) it reaches the same {len(verdicts)} verdicts" in LAB_REPORT
+    assert not newer or f"Rules changed since these two runs: {_newer_text(other, newer)}" in LAB_REPORT
 
 
 def test_the_default_run_on_an_intel_xeon_reached_the_published_verdicts():
     """docs/lab-report.md says the default run on a second CPU model (an Intel Xeon with AMX) reached every
-    published verdict by the same rules: results/default_intel_xeon_amx.json is that run's summary."""
-    other = json.loads((ROOT / "results" / "default_intel_xeon_amx.json").read_text(encoding="utf-8"))
-    assert (other["profile"], other["seed"]) == ("default", 0) and re.fullmatch(r"[0-9a-f]{40}", other["commit"])
+    published verdict judged by the same rules: results/default_intel_xeon_amx.json is that run's summary."""
+    other = _other_run("default_intel_xeon_amx.json")
     assert "Intel" in other["environment"]["cpu"] and "Intel" not in PUBLISHED["environment"]["cpu"]
-    rules = {c["id"]: (c["verdict"], c["rule_version"], c["rule_fingerprint"]) for c in PUBLISHED["claims"]}
-    assert {c["id"]: (c["verdict"], c["rule_version"], c["rule_fingerprint"]) for c in other["claims"]} == rules
-    readme = " ".join((ROOT / "docs" / "lab-report.md").read_text(encoding="utf-8").split())
+    verdicts, newer = _same_rules(other)
+    assert {c["id"]: c["verdict"] for c in other["claims"] if c["id"] in verdicts} == verdicts
     minutes = other["seconds"] / 60
-    assert f"(at {other['commit'][:7]}, by the same rules; `results/default_intel_xeon_amx.json`, {minutes:.1f} min)" in readme
-    assert f"reaches the same {len(rules)} verdicts" in readme
+    assert f"(at {other['commit'][:7]}; `results/default_intel_xeon_amx.json`, {minutes:.1f} min)" in LAB_REPORT
+    assert f"reaches the same {len(verdicts)} verdicts" in LAB_REPORT
+    assert not newer or f"Rules changed since these two runs: {_newer_text(other, newer)}" in LAB_REPORT
+
+
+@pytest.mark.parametrize(
+    ("name", "snapshot", "seed"),
+    [("default_seed1.json", PUBLISHED, 1), ("default_seed2.json", PUBLISHED, 2), ("quick_seed1.json", QUICK, 1), ("quick_seed2.json", QUICK, 2)],
+)
+def test_the_runs_at_seeds_1_and_2_reached_the_seed_0_verdicts(name, snapshot, seed):
+    """docs/lab-report.md says the default and quick runs reach every verdict (and every arm's) of seed
+    0 at seeds 1 and 2, by the same rules: results/{default,quick}_seed{1,2}.json are those runs."""
+    other = json.loads((ROOT / "results" / name).read_text(encoding="utf-8"))
+    assert (other["profile"], other["seed"]) == (snapshot["profile"], seed) and re.fullmatch(r"[0-9a-f]{40}", other["commit"])
+    rules = [(c["id"], c["rule_version"], c["rule_fingerprint"]) for c in snapshot["claims"]]
+    assert [(c["id"], c["rule_version"], c["rule_fingerprint"]) for c in other["claims"]] == rules
+    assert {c["id"]: c["verdict"] for c in other["claims"]} == {c["id"]: c["verdict"] for c in snapshot["claims"]}
+    changes = published.compare(snapshot, other)
+    assert changes[0] == f"profile/seed: snapshot {snapshot['profile']}/0, results {snapshot['profile']}/{seed}"
+    for arm in changes[1:]:  # an arm whose verdict moved with the seed is named, with its move, in the docs
+        assert f"{arm}` at seed {seed}" in LAB_REPORT or f"{arm}` at seeds 1 and 2" in LAB_REPORT, arm
+    assert f"`results/{name}`" in LAB_REPORT
 
 
 FAST = (

@@ -13,6 +13,7 @@ long list of numbers shortened to its ends.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from .schema import VERDICTS
@@ -26,6 +27,7 @@ __all__ = [
     "record_columns",
     "rule_history_lines",
     "rule_label",
+    "short_arm_name",
     "short_reason",
     "verdict_counts",
 ]
@@ -117,6 +119,17 @@ def headline_text(record: dict[str, Any]) -> str:
     """``label: value unit`` of the claim's key number, or ``""`` if it has none."""
     head = record["headline"]
     return f"{head['label']}: {headline_value(head)}" if head else ""
+
+
+def short_arm_name(name: str) -> str:
+    """An arm's name without its parenthesised details, for a table cell or a badge.
+
+    >>> short_arm_name("SGD (lr tuned per rung on 0.003..3, momentum 0.9, 400 steps), MQAR")
+    'SGD, MQAR'
+    >>> short_arm_name("all-MiniLM-L6-v2")
+    'all-MiniLM-L6-v2'
+    """
+    return re.sub(r"\s*\([^()]*\)", "", name).strip()
 
 
 def short_reason(reason: str, limit: int = 240) -> str:

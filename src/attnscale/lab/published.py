@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import schema
-from .formatting import headline_text, short_reason
+from .formatting import headline_text, short_arm_name, short_reason
 
 __all__ = ["BEGIN", "END", "compare", "main", "readme_table", "replace_table", "summarize"]
 
@@ -53,7 +53,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
 def _verdict_cell(claim: dict[str, Any]) -> str:
     text = f"**{claim['verdict']}**"
     if claim["arms"]:
-        text += " (" + "; ".join(f"{a['name'].split(' ')[0]}: {a['verdict']}" for a in claim["arms"]) + ")"
+        text += " (" + "; ".join(f"{short_arm_name(a['name'])}: {a['verdict']}" for a in claim["arms"]) + ")"
     return text
 
 

@@ -19,6 +19,7 @@ from .formatting import (
     record_columns,
     rule_history_lines,
     rule_label,
+    short_arm_name,
     short_reason,
     verdict_counts,
 )
@@ -89,7 +90,7 @@ def _table(value: Any) -> str:
 
 def _verdicts(rec: dict[str, Any]) -> str:
     """The claim's verdict badge, and each arm's beside it where arms were judged on their own."""
-    arms = "".join(f" <span class=\"arm\">{escape(a['name'].split(' ')[0])}</span> {_badge(a['verdict'])}" for a in rec["arms"])
+    arms = "".join(f" <span class=\"arm\">{escape(short_arm_name(a['name']))}</span> {_badge(a['verdict'])}" for a in rec["arms"])
     return _badge(rec["verdict"]) + (f'<span class="arms">{arms}</span>' if arms else "")
 
 
