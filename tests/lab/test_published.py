@@ -107,6 +107,20 @@ def test_the_runs_at_seeds_1_and_2_reached_the_seed_0_verdicts(name, snapshot, s
     assert f"`results/{name}`" in LAB_REPORT
 
 
+def test_the_full_training_stall_run_reached_the_published_verdict():
+    """docs/lab-report.md cites training-stall's full profile: results/full_training_stall.json, judged
+    by the current rule, reaches the published verdict."""
+    full = json.loads((ROOT / "results" / "full_training_stall.json").read_text(encoding="utf-8"))
+    assert (full["profile"], full["seed"]) == ("full", 0) and re.fullmatch(r"[0-9a-f]{40}", full["commit"])
+    (claim,) = full["claims"]
+    (now,) = [c for c in PUBLISHED["claims"] if c["id"] == "training-stall"]
+    assert (claim["id"], claim["rule_version"], claim["rule_fingerprint"]) == (now["id"], now["rule_version"], now["rule_fingerprint"])
+    assert claim["verdict"] == now["verdict"]
+    assert f"at {full['commit'][:7]}; `results/full_training_stall.json`, {full['seconds'] / 60:.1f} min" in LAB_REPORT
+    cited = re.findall(r"\d+\.\d+", LAB_REPORT[LAB_REPORT.index("training-stall's v11 at `full`") :].split("## ")[0])
+    assert [n for n in cited if n not in json.dumps(full)] == ["18.0"]  # every number but the wall time is the run's
+
+
 FAST = (
     "softmax-peak-example", "qknorm-double-shrink", "flash-exp2", "quant-folding", "fp16-secondary", "linear-attention",
     "alibi-order", "rope-variance", "length-scaling", "saturation-example", "jacobian-collapse", "mup-correlated",

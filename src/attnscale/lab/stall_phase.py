@@ -13,9 +13,15 @@ over seeds, paired by seed: the seeds of a rung train as one stack of models
 draws at every rung and divisor, so the rungs differ only by their gain and the pair of runs
 only by the scale.
 
+A rung is a target logit std or one of the realistic initialisations (:data:`REALISTIC`: nn.Linear's
+default and unit-variance q and k, at their fixed gains, :class:`Rung`). Under SGD each divisor's
+learning rate is searched per rung (:func:`measure_point`), since one shared rate would compare an
+unscaled model that overshoots with a scaled one that does not.
+
 :func:`crossing` reads the diagram: where the slowdown passes a bound (2x, say), bracketed by the
 largest rung clearly below it and the smallest clearly above it (a stall counts as above any
-bound), with the log-log interpolation between the medians around it.
+bound), with the log-log interpolation between the medians around it. :func:`judge_ladder` is the
+rule of one arm (an optimizer on a task): each realistic rung's own slowdown against the bound.
 """
 
 from __future__ import annotations
