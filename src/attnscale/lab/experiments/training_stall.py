@@ -323,7 +323,7 @@ def plot(measured: dict, outdir: Path) -> list[str]:
     arms = measured["arms"]
     tasks = list(dict.fromkeys(arm.split()[1] for arm in arms))
     optimizers = [o for o in OPTIMIZERS if any(arm.startswith(o + " ") for arm in arms)]
-    fig = Figure(figsize=(5.2 * len(optimizers), 3.9 * len(tasks)), layout="constrained")
+    fig = Figure(figsize=(4.4 * len(optimizers), 3.3 * len(tasks)), layout="constrained")
     axes = fig.subplots(len(tasks), len(optimizers), squeeze=False)
     finite = [p["slowdown"]["centre"] for points in arms.values() for p in points if p["slowdown"] is not None]
     top = max([MUCH_SLOWER * 2, *finite]) * 1.6
@@ -348,11 +348,11 @@ def plot(measured: dict, outdir: Path) -> list[str]:
                     if p["slowdown"] is not None:
                         ax.errorbar(p["logit_std"], y, yerr=p["slowdown"]["spread"], color=colour, lw=1, capsize=2)
                     if big:
-                        ax.annotate(p["name"], (p["logit_std"], y), textcoords="offset points", xytext=(5, -11), fontsize=8)
+                        ax.annotate(p["name"], (p["logit_std"], y), textcoords="offset points", xytext=(6, -12), fontsize=9)
             ax.axhline(MUCH_SLOWER, color="black", ls="--", lw=1)
             ax.axhline(1.0, color="grey", ls=":", lw=1)
             ax.axhline(top, color="grey", lw=0.6)
-            ax.text(0.02, top * 1.04, "stall (never reaches 90%)", transform=ax.get_yaxis_transform(), va="bottom", fontsize=8)
+            ax.text(0.02, top * 1.04, "stall (never reaches 90%)", transform=ax.get_yaxis_transform(), va="bottom", fontsize=9)
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlim(0.7, x_top)
@@ -363,10 +363,10 @@ def plot(measured: dict, outdir: Path) -> list[str]:
             yticks = [t for t in (0.5, 1, 2, 5, 10, 20, 50) if t <= top]
             ax.set_yticks(yticks, [f"{t:g}x" for t in yticks])
             ax.set_yticks([], minor=True)
-            ax.set_xlabel("unscaled model's init logit std")
-            ax.set_ylabel("steps to 90%: no scale / scale")
+            ax.set_xlabel("unscaled model's init logit std", fontsize=9)
+            ax.set_ylabel("steps to 90%: no scale / scale", fontsize=9)
             ax.set_title(f"{'AdamW' if optimizer == 'adamw' else 'SGD, lr tuned'}: {TASK_NAMES[task]}", fontsize=10)
-            ax.legend(fontsize=8, loc="lower right", framealpha=0.8)
+            ax.legend(fontsize=9, loc="lower right", framealpha=0.8)
     return [save_figure(fig, outdir, "training_stall_phase")]
 
 
