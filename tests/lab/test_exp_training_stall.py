@@ -1,6 +1,7 @@
 """training-stall: the rule on synthetic diagrams (every verdict, per arm and for the claim), and
 the tiny profile run end to end (JSON, determinism, the figure)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -24,10 +25,8 @@ NEVER = (None, None, None, 400, None)
 
 def _measured(**arms):
     """``arms``: "adamw_mqar" -> (default/64, unit/64) unscaled steps."""
-    config = dict(exp.Config.for_profile("default").__dict__)
-    config = {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
     return {
-        "config": config,
+        "config": dataclasses.asdict(exp.Config.for_profile("default")),
         "target_accuracy": 0.9,
         "arms": {
             name.replace("_", " "): [_rung("default", 64, 2.5, default), _rung("unit", 64, 7.5, unit), _rung("", 64, 27.0, NEVER)]

@@ -91,6 +91,7 @@ def test_the_default_run_on_an_intel_xeon_reached_the_published_verdicts():
 @pytest.mark.parametrize(
     ("name", "snapshot", "seed"),
     [("default_seed1.json", PUBLISHED, 1), ("default_seed2.json", PUBLISHED, 2), ("quick_seed1.json", QUICK, 1), ("quick_seed2.json", QUICK, 2)],
+    ids=["default at seed 1", "default at seed 2", "quick at seed 1", "quick at seed 2"],
 )
 def test_the_runs_at_seeds_1_and_2_reached_the_seed_0_verdicts(name, snapshot, seed):
     """docs/lab-report.md says the default and quick runs reach every verdict (and every arm's) of seed

@@ -157,3 +157,15 @@ def test_a_rung_is_a_realistic_init_or_a_target_std():
     for bad in ({}, {"name": "unit", "sigma": 3.0}, {"name": "large"}):
         with pytest.raises(ValueError, match="a rung is"):
             Rung(**bad)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--optimizer", "adamw", "--lrs", "0.1"], ["--optimizer", "adamw", "--lr-start", "0.1"], ["--optimizer", "sgd", "--lr", "0.1"],
+     ["--optimizer", "sgd", "--lr-start", "0.2"]],
+    ids=["adamw given sgd's ladder", "adamw given sgd's start", "sgd given adamw's rate", "a start off the ladder"],
+)
+def test_the_command_refuses_an_option_it_would_ignore(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        stall_phase.main(argv)
+    assert exit_.value.code == 2 and "error:" in capsys.readouterr().err

@@ -390,12 +390,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
-    parser.add_argument("--lrs", type=float, nargs="*", default=[0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0], help="SGD's learning-rate ladder")
-    parser.add_argument("--lr-start", type=float, default=0.1, help="where SGD's search starts")
+    parser.add_argument("--lr", type=float, help="AdamW's learning rate (default 1e-3)")
+    parser.add_argument("--lrs", type=float, nargs="+", help="SGD's learning-rate ladder (default 0.003 0.01 0.03 0.1 0.3 1 3)")
+    parser.add_argument("--lr-start", type=float, help="the ladder's rate where SGD's search starts (default 0.1)")
     args = parser.parse_args(argv)
     task = task_named(args.task, context=16, queries=8, vocab=32)
     sgd = args.optimizer == "sgd"
+    wrong = ["--lrs" if args.lrs is not None else "", "--lr-start" if args.lr_start is not None else ""] if not sgd else ["--lr" if args.lr is not None else ""]
+    if any(wrong):
+        parser.error(f"{' and '.join(w for w in wrong if w)} applies to the other optimizer, not --optimizer {args.optimizer}: AdamW takes --lr, SGD searches --lrs from --lr-start.")
+    args.lr = 1e-3 if args.lr is None else args.lr
+    args.lrs = [0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0] if args.lrs is None else args.lrs
+    args.lr_start = 0.1 if args.lr_start is None else args.lr_start
+    if sgd and args.lr_start not in args.lrs:
+        parser.error(f"--lr-start must be one of --lrs {args.lrs}; got {args.lr_start:g}.")
     train_cfg = TrainConfig(
         steps=args.steps, batch=32, lr=args.lr, log_every=10, eval_batch=64, stop_at=TARGET, optimizer=args.optimizer,
         weight_decay=0.0 if sgd else 0.01,
