@@ -295,6 +295,76 @@ def _module_finding(args: argparse.Namespace, detail: str, console: Any) -> int:
     return EXIT_FAILED
 
 
+def _model_target(target: str) -> bool:
+    return target.startswith("hf:") or os.path.isdir(target)
+
+
+def _check_model(args: argparse.Namespace) -> int:
+    """The effective scale of a whole transformers model, layer by layer and position by position:
+    ``hf:MODEL_TYPE`` (a tiny random model from its config) or a local checkpoint folder."""
+    from rich.table import Table
+
+    from .diagnostics import census
+
+    for option, given in (("--projections", args.projections is not None), ("--num-heads", args.num_heads is not None)):
+        if given:
+            _usage_error("check", f"{option}: expected only with a callable or module TARGET, got it with the model {args.target!r}. Fix: drop {option}")
+    try:
+        import transformers
+    except ImportError:
+        _usage_error("check", f"TARGET {args.target!r}: a whole model needs transformers, which is not installed. Fix: pip install 'attnscale[hf]'")
+    transformers.logging.set_verbosity_error()
+    if args.target.startswith("hf:"):
+        model_type = args.target[3:]
+        known = census.model_types()
+        if model_type not in known:
+            close = [t for t in known if model_type and (model_type in t or t in model_type)][:5]
+            hint = f"; close: {', '.join(close)}" if close else ""
+            _usage_error("check", f"TARGET: expected hf:MODEL_TYPE with a model type of transformers {transformers.__version__}, got {model_type!r}{hint}. Fix: e.g. attnscale check hf:llama")
+        probe: Any = lambda: census.probe_type(model_type)  # noqa: E731
+    else:
+        if not os.path.isfile(os.path.join(args.target, "config.json")):
+            _usage_error("check", f"TARGET: expected a HuggingFace model folder with a config.json, got the folder {args.target!r} without one. Fix: point at the folder that holds config.json")
+        probe = lambda: census.probe_pretrained(args.target)  # noqa: E731
+    try:
+        with _target_output(args):
+            row = probe()
+    except census.ProbeFailed as exc:
+        if args.json:
+            _print_check_json(args, {"schema": "attnscale.check-model/1", "target": args.target, "status": "FAIL", "exit_code": EXIT_FAILED, "error": str(exc)})
+        else:
+            _summary(args, f"attnscale check {args.target}: FAIL: cannot be probed: {exc}")
+        return EXIT_FAILED
+    ok = row.cls == census.SQRT or (row.cls == census.NORMALISED and bool(row.after_norm_sqrt))
+    code, word = (EXIT_OK, "OK") if ok else (EXIT_WARNINGS, "DEPARTS")
+    if args.json:
+        data = row.as_dict()
+        _print_check_json(args, {"schema": "attnscale.check-model/1", "target": args.target, "status": word, "exit_code": code, **data})
+        return code
+    console = _console(args)
+    table = Table(title=f"{args.target}: effective scale x sqrt(head_dim) by query/key position")
+    table.add_column("layer")
+    table.add_column("d", justify="right")
+    for p in row.layers[0].positions:
+        table.add_column(str(p), justify="right")
+    table.add_column("note")
+    for lay in row.layers:
+        values = lay.effective or lay.multiplier
+        notes = []
+        if lay.normalised:
+            notes.append("QK-norm" if lay.after_norm is not None else "QK-norm, not fitted")
+        elif abs(lay.bias_slope) > 1e-3:
+            notes.append(f"bias {lay.bias_slope:.2g}/token")
+        if lay.r2 < census.MIN_R2 and not lay.normalised:
+            notes.append(f"R^2 {lay.r2:.3f}")
+        table.add_row(lay.layer, str(lay.head_dim), *(f"{v * math.sqrt(lay.head_dim):.4g}" for v in values), ", ".join(notes))
+    console.print(table)
+    console.print("d: head_dim; 1 = divides by sqrt(head_dim); QK-norm: the multiplier after the norm; bias: a linear position bias (ALiBi)", highlight=False)
+    console.print(f"class: {row.cls}: {row.why}", highlight=False)
+    _summary(args, f"attnscale check {args.target}: {word}: {row.cls} ({row.why})")
+    return code
+
+
 def _check(args: argparse.Namespace) -> int:
     """Probe the scale of an attention callable or module and run the conformance checks."""
     from rich.markup import escape
@@ -304,6 +374,8 @@ def _check(args: argparse.Namespace) -> int:
 
     if not 0 < args.timeout < math.inf:
         _usage_error("check", f"--timeout: expected a finite number of seconds > 0, got {args.timeout}. Fix: pass e.g. --timeout 10")
+    if _model_target(args.target):
+        return _check_model(args)
     try:
         with _target_output(args):
             target = _load_target(args.target, timeout=args.timeout)
@@ -725,11 +797,16 @@ def build_parser() -> argparse.ArgumentParser:
             "probe; name its linear layers with --projections when they are not q_proj/k_proj/v_proj/out_proj or "
             "query/key/value. A target that raises, returns something other than the output, or exceeds --timeout "
             "gets a one-line diagnosis. As a gate: exit 1 when the scale or the semantics are wrong (with the fix), "
-            "3 when only a robustness check fails, 0 otherwise; the last line is a one-line summary."
+            "3 when only a robustness check fails, 0 otherwise; the last line is a one-line summary.\n\n"
+            "Whole models: TARGET hf:MODEL_TYPE (a tiny random model from transformers' config) or a local "
+            "HuggingFace folder with a config.json gets each attention layer's effective scale, measured from its "
+            "q/k projections to the softmax at positions from 0 to 4x the config's length thresholds, and its class "
+            "(1/sqrt(head_dim), another constant, position-, layer- or head-dependent, after QK-norm); exit 0 when "
+            "it divides by sqrt(head_dim), 3 when it departs, 1 when it cannot be probed."
         ),
-        example="attnscale check torch.nn.functional:scaled_dot_product_attention --json",
+        example="attnscale check torch.nn.functional:scaled_dot_product_attention --json\n  attnscale check hf:llama4_text",
     )
-    check.add_argument("target", metavar="TARGET", help="e.g. mypkg.attention:attend or mypkg.model:layer0")
+    check.add_argument("target", metavar="TARGET", help="e.g. mypkg.attention:attend, mypkg.model:layer0, hf:llama or a model folder")
     check.add_argument("--head-dim", type=_positive_int("--head-dim", 64), default=64, help="D used for the callable probe (default 64)")
     check.add_argument("--num-heads", type=_positive_int("--num-heads", 4), default=None, help="query heads (callable: default 4; module: if not an attribute)")
     check.add_argument(

@@ -1,0 +1,826 @@
+"""The effective attention scale of a transformers model, measured end to end, layer by layer and
+position by position; and the census of every model type of the installed transformers.
+
+What is measured. For every attention layer, hooks read the raw projections ``q_i = W_q x_i`` and
+``k_j = W_k x_j`` (split into heads) and the softmax weights ``p_ij`` the layer returns; the
+*effective multiplier* ``m`` of a head is the slope in
+
+    log p_ij = m * (q_i . k_j) + b * (i - j) + c_i
+
+fitted by least squares within each query row (``c_i`` is the row's log-sum-exp; ``b`` absorbs a
+linear position bias such as ALiBi). Everything the model does between the projections and the
+softmax - RoPE, YaRN's attention factor, a temperature that grows with position, a multiplier on q
+or k, the ``scaling`` constant - shows up in ``m``. RoPE would too, as noise, so every token of a
+probe is given the same position id: rotations at equal positions cancel in ``q . k``, and the
+position ladder (0 up to 4x every length threshold of the config) reads ``m`` as a function of the
+query's position. A layer whose weights do not move when q and k are scaled (QK-norm) is found by
+running the probe again with the projections' outputs doubled; its multiplier *after* the norm is
+fitted in the same way against the q and k the model hands to attention, where the model uses
+transformers' attention interface.
+
+The census (:func:`census`) builds every model type small from its config (random weights,
+nothing downloaded), probes it, and classifies it (:mod:`attnscale.lab.census_verdict` names the
+classes); a type that cannot be built, driven or probed is kept with its reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "CensusRow",
+    "LayerScale",
+    "ProbeFailed",
+    "census",
+    "model_types",
+    "position_ladder",
+    "probe_model",
+    "probe_pretrained",
+    "probe_type",
+    "tiny_config",
+]
+
+TOLERANCE = 0.03
+"""A multiplier within 3% of another is the same multiplier (the rule's tolerance)."""
+MIN_R2 = 0.99
+"""Below this the weights are not one multiplier times q.k (plus a linear position bias)."""
+GAIN = 2.0
+"""The factor on the projections' outputs of the second probe (the QK-norm test)."""
+NORMALISED_RESPONSE = 0.75
+"""A layer whose multiplier falls below this share when q and k are doubled normalises them: 1
+without a norm, 1/2 with one of q and k normalised, 1/4 with both."""
+
+SQRT = "1/sqrt(head_dim)"
+OTHER_CONSTANT = "another constant"
+POSITION = "position-dependent"
+LAYER = "layer-dependent"
+HEAD = "head-dependent"
+NORMALISED = "after QK-norm"
+NOT_MEASURABLE = "not measurable"
+
+
+class ProbeFailed(RuntimeError):
+    """A model could not be probed; the message says why, in one line."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding the projections
+
+# (query, key) child names of an attention module whose outputs are q and k, all heads side by side
+_PAIRS = (
+    ("q_proj", "k_proj"),
+    ("query", "key"),
+    ("q", "k"),
+    ("q_lin", "k_lin"),
+    ("linear_q", "linear_k"),
+    ("query_proj", "key_proj"),
+    ("Wq", "Wk"),
+    ("project_q", "project_k"),
+    ("projection_query", "projection_key"),
+    ("to_query", "to_key"),
+)
+# fused q/k/v projections: the child's name
+_FUSED = ("qkv_proj", "qkv", "c_attn", "query_key_value", "Wqkv", "in_proj")
+
+
+@dataclass
+class _Tap:
+    """How to read one attention module's raw q and k from its children's outputs."""
+
+    module: nn.Module
+    name: str
+    kind: str  # "pair", "fused", "mla"
+    children: tuple[str, ...]
+    outputs: dict[str, Tensor] = field(default_factory=dict)
+
+
+def _linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def find_taps(model: nn.Module) -> list[_Tap]:
+    """The attention modules of ``model`` whose q and k projections can be read, in order."""
+    taps: list[_Tap] = []
+    for name, module in model.named_modules():
+        kids = {n: c for n, c in module.named_children() if _linear(c)}
+        if "kv_b_proj" in kids and "kv_a_proj_with_mqa" in kids and ("q_b_proj" in kids or "q_proj" in kids):
+            q = "q_b_proj" if "q_b_proj" in kids else "q_proj"
+            taps.append(_Tap(module, name, "mla", (q, "kv_a_proj_with_mqa", "kv_b_proj")))
+            continue
+        pair = next(((a, b) for a, b in _PAIRS if a in kids and b in kids), None)
+        if pair is not None:
+            taps.append(_Tap(module, name, "pair", pair))
+            continue
+        fused = next((n for n in _FUSED if n in kids), None)
+        if fused is not None and "Attention" in type(module).__name__:
+            taps.append(_Tap(module, name, "fused", (fused,)))
+    return taps
+
+
+def _heads(x: Tensor, dim: int) -> Tensor:
+    """(B, L, H * dim) -> (B, H, L, dim)."""
+    B, L, _ = x.shape
+    return x.reshape(B, L, -1, dim).transpose(1, 2)
+
+
+def _raw_qk(tap: _Tap, heads: int, config: Any) -> list[tuple[Tensor, Tensor]]:
+    """Candidate (q, k) pairs, each (B, H, L, D) and (B, Hk, L, D), from the recorded outputs: one
+    for a plain pair, one per plausible layout for a fused projection (the fit keeps the best)."""
+    out = {n: t.flatten(0, -3) if t.dim() > 3 else t for n, t in tap.outputs.items()}
+    if tap.kind == "pair":
+        q, k = out[tap.children[0]], out[tap.children[1]]
+        if q.shape[-1] % heads:
+            return []
+        d = q.shape[-1] // heads
+        if k.shape[-1] % d:
+            return []
+        return [(_heads(q, d), _heads(k, d))]
+    if tap.kind == "mla":
+        q, a, b = (out[n] for n in tap.children)
+        nope, rope = int(config.qk_nope_head_dim), int(config.qk_rope_head_dim)
+        q = _heads(q, nope + rope)
+        kv = _heads(b, b.shape[-1] // heads)  # (B, H, L, nope + v)
+        k_rot = a[..., a.shape[-1] - rope :].unsqueeze(1).expand(-1, heads, -1, -1)
+        n = min(kv.shape[-2], k_rot.shape[-2])  # the probe's own tokens (a cache may add earlier ones)
+        return [(q, torch.cat([kv[..., -n:, :nope], k_rot[..., -n:, :]], dim=-1))]
+    fused = out[tap.children[0]]
+    width = fused.shape[-1]
+    candidates = []
+    kv_heads = [h for h in (heads, getattr(config, "num_key_value_heads", None), getattr(config, "multi_query_group_num", None), 1) if h]
+    for hk in dict.fromkeys(kv_heads):
+        if width % (heads + 2 * hk):
+            continue
+        d = width // (heads + 2 * hk)
+        q, k = fused[..., : heads * d], fused[..., heads * d : (heads + hk) * d]  # [q | k | v]
+        candidates.append((_heads(q, d), _heads(k, d)))
+        if hk == heads:  # per head [q k v] side by side (GPT-NeoX, BLOOM)
+            per = fused.reshape(*fused.shape[:-1], heads, 3, d)
+            candidates.append((per[..., 0, :].transpose(1, 2), per[..., 1, :].transpose(1, 2)))
+        else:  # per key/value group [q ... q k v] (Falcon's new architecture)
+            g = heads // hk
+            per = fused.reshape(*fused.shape[:-1], hk, g + 2, d)
+            candidates.append((per[..., :g, :].flatten(-3, -2).transpose(1, 2), per[..., g, :].transpose(1, 2)))
+    return candidates
+
+
+# ----------------------------------------------------------------------------------------------
+# The fit
+
+
+@dataclass(frozen=True)
+class Fit:
+    multiplier: tuple[float, ...]
+    """Per head: the slope of log p on q.k within rows."""
+    bias_slope: tuple[float, ...]
+    """Per head: the slope of log p on the query-key distance (ALiBi's slope, with its sign)."""
+    r2: tuple[float, ...]
+
+
+def fit_multiplier(query: Tensor, key: Tensor, weights: Tensor, *, min_prob: float = 1e-30) -> Fit:
+    """Fit ``log p_ij = m * q_i.k_j + b * (i - j) + c_i`` per head, within rows, by least squares.
+
+    query (B, H, L, D), key (B, Hk, S, D) with H a multiple of Hk, weights (B, H, L, S). Entries with
+    a weight <= ``min_prob`` (masked) are left out, and rows with fewer than 3 entries."""
+    q, k, w = query.double(), key.double(), weights.double()
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    x = q @ k.transpose(-1, -2)
+    L, S = w.shape[-2:]
+    d = (torch.arange(L, dtype=torch.float64)[:, None] + (S - L) - torch.arange(S, dtype=torch.float64)[None, :]).expand_as(w)
+    use = w > min_prob
+    n = use.sum(-1, keepdim=True)
+    use = use & (n >= 3)
+    n = n.clamp_min(1)
+
+    def centred(t: Tensor) -> Tensor:
+        t = torch.where(use, t, torch.zeros_like(t))
+        return torch.where(use, t - t.sum(-1, keepdim=True) / n, torch.zeros_like(t))
+
+    y = centred(torch.log(torch.where(use, w, torch.ones_like(w))))
+    xc, dc = centred(x), centred(d)
+    H = q.shape[1]
+    flat = [t.transpose(0, 1).reshape(H, -1) for t in (xc, dc, y)]
+    xc, dc, y = flat
+    sxx, sdd, sxd = (xc * xc).sum(-1), (dc * dc).sum(-1), (xc * dc).sum(-1)
+    sxy, sdy, syy = (xc * y).sum(-1), (dc * y).sum(-1), (y * y).sum(-1)
+    det = sxx * sdd - sxd * sxd
+    has_d = sdd > 1e-9 * sdd.max().clamp_min(1e-300)
+    m = torch.where(has_d & (det.abs() > 1e-12 * (sxx * sdd).clamp_min(1e-300)), (sxy * sdd - sdy * sxd) / det.where(det != 0, torch.ones_like(det)), sxy / sxx.clamp_min(1e-300))
+    b = torch.where(has_d, (sdy - m * sxd) / sdd.clamp_min(1e-300), torch.zeros_like(m))
+    resid = ((y - m[:, None] * xc - b[:, None] * dc) ** 2).sum(-1)
+    r2 = torch.where(syy > 0, 1 - resid / syy.clamp_min(1e-300), torch.ones_like(syy))
+    return Fit(tuple(m.tolist()), tuple(b.tolist()), tuple(r2.tolist()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Probing one model
+
+
+@dataclass
+class LayerScale:
+    """One attention layer's effective scale at each probed position."""
+
+    layer: str
+    """The attention module's qualified name."""
+    head_dim: int
+    heads: int
+    positions: list[int]
+    multiplier: list[float]
+    """The median over heads of ``m`` at each position (query and key at that position)."""
+    head_spread: float
+    """max / min - 1 of ``m`` over heads, the largest over positions."""
+    r2: float
+    """The worst fit over heads and positions."""
+    bias_slope: float
+    """The largest |b| over heads (a linear position bias: ALiBi), at position 0."""
+    gain_response: float | None
+    """m with the projections' outputs doubled / m without: 1 plain, 1/4 with q and k both normalised."""
+    after_norm: list[float] | None = None
+    """The multiplier fitted against the q and k handed to attention, per position (None where the
+    model does not hand them through transformers' attention interface)."""
+    after_norm_r2: float | None = None
+    through_cache: bool = False
+    """Whether positions > 0 were also set through a filled cache (else by position ids alone)."""
+
+    @property
+    def normalised(self) -> bool:
+        return self.gain_response is not None and self.gain_response < NORMALISED_RESPONSE
+
+    @property
+    def effective(self) -> list[float] | None:
+        """What the rule compares with 1/sqrt(head_dim): ``multiplier``, or ``after_norm`` when normalised."""
+        return self.after_norm if self.normalised else self.multiplier
+
+
+def position_ladder(config: Any, *, rotary: bool, limit: int | None = None) -> list[int]:
+    """Query positions to probe: 0, 1, 15, and 1/2, 1, 2 and 4 times every length threshold of the
+    config (``floor_scale``, ``original_max_position_embeddings``, a RoPE scaling's original length
+    and its factor times it), below ``limit`` where position ids index a table."""
+    found: list[int] = []
+
+    def scan(obj: Any, depth: int = 0) -> None:
+        if depth > 3:
+            return
+        items = obj.items() if isinstance(obj, dict) else vars(obj).items() if hasattr(obj, "__dict__") else ()
+        for name, value in items:
+            if isinstance(value, bool):
+                continue
+            if isinstance(value, int) and name in ("floor_scale", "original_max_position_embeddings") and value > 0:
+                found.append(value)
+            elif isinstance(value, dict) and name in ("rope_parameters", "rope_scaling"):
+                scan(value, depth + 1)
+                orig, factor = value.get("original_max_position_embeddings"), value.get("factor")
+                if isinstance(orig, int) and isinstance(factor, (int, float)) and factor > 1:
+                    found.append(int(orig * factor))
+    scan(config)
+    ladder = {0, 1, 15}
+    if rotary:
+        for t in found:
+            ladder.update({t // 2, t, 2 * t, 4 * t})
+    if limit is not None:
+        ladder = {p for p in ladder if p < limit}
+    return sorted(ladder)
+
+
+def _inputs(model: nn.Module, config: Any, batch: int, length: int, position: int | None, gen: torch.Generator) -> dict:
+    main = getattr(model, "main_input_name", "input_ids")
+    if main != "input_ids":
+        raise ProbeFailed(f"input {main!r} is not driven by the census (text token inputs only)")
+    vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None) or 100
+    ids = torch.randint(3, max(4, min(int(vocab), 1000)), (batch, length), generator=gen)
+    inputs: dict[str, Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if position is not None:
+        inputs["position_ids"] = torch.full_like(ids, position)
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids
+        inputs["decoder_attention_mask"] = torch.ones_like(ids)
+    return inputs
+
+
+CACHE_LIMIT = 40_000
+"""Positions up to this are also set through a cache that says so many tokens came before (for a
+model that reads the position from its cache's length rather than from position ids)."""
+
+
+CACHE_BYTES = 1 << 29
+"""A filled cache larger than this (512 MiB) is not built: positions by position ids alone."""
+
+
+def _cache_argument(model: nn.Module) -> str | None:
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def _filled_cache(model: nn.Module, inputs: dict, position: int) -> Any | None:
+    """transformers' own cache after a one-token pass, each layer's keys and values replaced by
+    zeros as if ``position`` tokens came before (None where the model's cache is not of that kind).
+    Zero keys add columns of logit 0: the fit reads only the columns of the probe's own tokens."""
+    argument = _cache_argument(model)
+    if argument is None or "decoder_input_ids" in inputs:
+        return None
+    one = {"input_ids": inputs["input_ids"][:, :1], "attention_mask": inputs["attention_mask"][:, :1]}
+    cache = getattr(model(**one, use_cache=True), "past_key_values", None)
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return None
+    size = 0
+    for layer in layers:
+        keys = getattr(layer, "keys", None)
+        if not isinstance(keys, Tensor) or keys.dim() != 4 or not isinstance(getattr(layer, "values", None), Tensor):
+            return None
+        size += position * (keys[:, :, :1].numel() + layer.values[:, :, :1].numel()) * keys.element_size()
+    if size > CACHE_BYTES:
+        return None
+    for layer in layers:
+        keys = layer.keys
+        window = getattr(layer, "sliding_window", None)
+        kept = min(position, window - 1) if isinstance(window, int) and window > 0 else position
+        layer.keys = keys.new_zeros(*keys.shape[:2], kept, keys.shape[-1])
+        layer.values = layer.values.new_zeros(*layer.values.shape[:2], kept, layer.values.shape[-1])
+        if hasattr(layer, "cumulative_length"):
+            layer.cumulative_length = position
+    return cache
+
+
+@contextlib.contextmanager
+def _recording(taps: Sequence[_Tap], gain: float) -> Iterator[dict[int, list]]:
+    """Record each tap's children outputs (scaled by ``gain``) and the weights each tapped module
+    returns; yields {id(module): [weights...]}."""
+    weights: dict[int, list] = {id(t.module): [] for t in taps}
+    handles = []
+    try:
+        for tap in taps:
+            for child in tap.children:
+
+                def keep(mod, args, out, tap=tap, child=child):
+                    out = out * gain if gain != 1.0 else out
+                    tap.outputs[child] = out.detach()
+                    return out
+
+                handles.append(tap.module.get_submodule(child).register_forward_hook(keep))
+
+            def take(mod, args, out, key=id(tap.module)):
+                found = [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, Tensor) and o.dim() == 4]
+                if found:
+                    weights[key].append(found[-1].detach())
+
+            handles.append(tap.module.register_forward_hook(take))
+        yield weights
+    finally:
+        for h in handles:
+            h.remove()
+
+
+_HANDED: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+INTERFACE = "attnscale_census"
+
+
+def _census_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: the module's own eager attention, with the q and k it was
+    handed and the weights it returned kept for the fit after the norm."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise ProbeFailed("its modeling code has no eager_attention_forward")
+    out, weights = eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    _HANDED[id(module)] = (query.detach(), key.detach(), weights.detach())
+    return out, weights
+
+
+def _register_interface(transformers: Any) -> None:
+    """The census's attention function, with eager attention's mask (an additive float mask: without
+    a mask function of its own transformers would build no mask at all for an unknown name)."""
+    from transformers.masking_utils import eager_mask
+
+    transformers.AttentionInterface.register(INTERFACE, _census_attention)
+    transformers.AttentionMaskInterface.register(INTERFACE, eager_mask)
+
+
+def _forward(model: nn.Module, taps: Sequence[_Tap], gain: float, inputs: dict) -> dict[int, list]:
+    """One forward pass, recording every tap; the weights each tapped module returned."""
+    for tap in taps:
+        tap.outputs.clear()
+    _HANDED.clear()
+    with _recording(taps, gain) as weights, torch.no_grad():
+        try:
+            model(**inputs)
+        except ProbeFailed:
+            raise
+        except Exception as exc:
+            raise ProbeFailed(f"the forward pass failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]) from None
+    return weights
+
+
+def probe_model(
+    model: nn.Module,
+    *,
+    positions: Sequence[int] | None = None,
+    batch: int = 2,
+    length: int = 12,
+    seed: int = 0,
+) -> list[LayerScale]:
+    """Each attention layer's effective scale at each of ``positions`` (all tokens at one position;
+    None: the model's own positions 0..length-1, then only position-free effects are meaningful).
+
+    Raises :class:`ProbeFailed` when no attention layer can be read or the model cannot be run."""
+    config = model.config
+    taps = find_taps(model)
+    if not taps:
+        raise ProbeFailed("no attention module with query/key projections the census can read")
+    positions = list(positions) if positions is not None else [None]  # type: ignore[list-item]
+    by_tap: dict[int, dict] = {id(t.module): {"m": [], "r2": [], "b": [], "spread": [], "after": [], "after_r2": [], "after_spread": [], "dim": None, "heads": None} for t in taps}
+    gain_m: dict[int, float] = {}
+    cached: bool | None = None  # whether positions are also set through the cache (None: not tried yet)
+    model.eval()
+    for gain in (1.0, GAIN):
+        for position in positions if gain == 1.0 else positions[:1]:
+            gen = torch.Generator().manual_seed(seed)
+            inputs = _inputs(model, config, batch, length, position, gen)
+            weights = _forward(model, taps, gain, inputs)
+            if position and position <= CACHE_LIMIT and cached is not False:
+                # again, with a cache that says ``position`` tokens came before; kept where it runs
+                try:
+                    with torch.no_grad():
+                        cache = _filled_cache(model, inputs, position)
+                    if cache is None:
+                        cached = False
+                    else:
+                        extended = {**inputs, "attention_mask": torch.ones(batch, position + length, dtype=inputs["attention_mask"].dtype)}
+                        weights = _forward(model, taps, gain, {**extended, _cache_argument(model): cache, "use_cache": True})
+                        cached = True
+                except Exception:  # a cache the model does not take: positions by position ids alone
+                    cached = False
+                    weights = _forward(model, taps, gain, inputs)
+            for tap in taps:
+                key = id(tap.module)
+                w = weights[key][-1] if weights[key] else (_HANDED[key][2] if key in _HANDED else None)
+                if w is None or not tap.outputs:
+                    continue
+                heads = w.shape[1]
+                best = None
+                for q, k in _raw_qk(tap, heads, config):
+                    if w.shape[-1] > k.shape[-2]:  # columns of a filled cache come first
+                        w = w[..., -k.shape[-2] :]
+                    if q.shape[1] != heads or q.shape[-2] != w.shape[-2] or k.shape[-2] != w.shape[-1] or heads % k.shape[1]:
+                        continue
+                    fit = fit_multiplier(q, k, w)
+                    if best is None or min(fit.r2) > min(best[0].r2):
+                        best = (fit, q.shape[-1])
+                tap.outputs.clear()
+                if best is None:
+                    continue
+                fit, dim = best
+                ms = sorted(fit.multiplier)
+                med = ms[len(ms) // 2] if len(ms) % 2 else 0.5 * (ms[len(ms) // 2 - 1] + ms[len(ms) // 2])
+                rec = by_tap[key]
+                if gain != 1.0:
+                    gain_m[key] = med
+                    continue
+                rec["dim"], rec["heads"] = dim, heads
+                rec["m"].append(med)
+                rec["r2"].append(min(fit.r2))
+                rec["b"].append(max(abs(b) for b in fit.bias_slope))
+                rec["spread"].append(ms[-1] / ms[0] - 1 if ms[0] > 0 else math.inf)
+                if key in _HANDED:
+                    hq, hk, hw = _HANDED[key]
+                    if hq.shape[1] == heads and hq.shape[-2] == hw.shape[-2]:
+                        af = fit_multiplier(hq, hk, hw)
+                        am = sorted(af.multiplier)
+                        rec["after"].append(am[len(am) // 2])
+                        rec["after_r2"].append(min(af.r2))
+                        rec["after_spread"].append(am[-1] / am[0] - 1 if am[0] > 0 else math.inf)
+    layers = []
+    for tap in taps:
+        rec = by_tap[id(tap.module)]
+        if not rec["m"] or len(rec["m"]) != len(positions):
+            continue
+        m0 = rec["m"][0]
+        response = gain_m[id(tap.module)] / m0 if id(tap.module) in gain_m and m0 != 0 else None
+        complete = len(rec["after"]) == len(positions)
+        normalised = response is not None and response < NORMALISED_RESPONSE
+        layers.append(
+            LayerScale(
+                layer=tap.name,
+                head_dim=int(rec["dim"]),
+                heads=int(rec["heads"]),
+                positions=[-1 if p is None else int(p) for p in positions],
+                multiplier=rec["m"],
+                head_spread=max(rec["after_spread"] if normalised and complete else rec["spread"]),
+                r2=min(rec["r2"]),
+                bias_slope=rec["b"][0],
+                gain_response=response,
+                after_norm=rec["after"] if complete else None,
+                after_norm_r2=min(rec["after_r2"]) if complete else None,
+                through_cache=bool(cached),
+            )
+        )
+    if not layers:
+        raise ProbeFailed("no attention layer returned weights the census could fit (no 4-D weights from the attention modules)")
+    return layers
+
+
+# ----------------------------------------------------------------------------------------------
+# Classifying
+
+
+def _same(values: Sequence[float]) -> bool:
+    lo, hi = min(values), max(values)
+    return lo > 0 and hi / lo - 1 <= TOLERANCE
+
+
+def classify(layers: Sequence[LayerScale]) -> tuple[str, str]:
+    """The type's class and a line on why (the classes of :mod:`attnscale.lab.census_verdict`)."""
+    normed = [lay for lay in layers if lay.normalised]
+    bad = [lay for lay in layers if not lay.normalised and lay.r2 < MIN_R2]
+    if bad:
+        return NOT_MEASURABLE, f"{bad[0].layer}: weights are not one multiplier times q.k (R^2 {bad[0].r2:.3f})"
+    if any(lay.after_norm is None or (lay.after_norm_r2 or 0) < MIN_R2 for lay in normed):
+        return NORMALISED, "q/k are normalised before attention; the multiplier after the norm could not be fitted"
+    effective = [lay.effective for lay in layers]
+    moving = [lay for lay, e in zip(layers, effective) if e is not None and not _same(e)]
+    if moving:
+        lay = moving[0]
+        e = lay.effective
+        return POSITION, f"{lay.layer}: x sqrt(head_dim) = {e[0] * math.sqrt(lay.head_dim):.4g} at position {lay.positions[0]}, {e[-1] * math.sqrt(lay.head_dim):.4g} at {lay.positions[-1]}"
+    ratios = [e[0] * math.sqrt(lay.head_dim) for lay, e in zip(layers, effective) if e is not None]
+    if not _same(ratios):
+        return LAYER, f"x sqrt(head_dim) from {min(ratios):.4g} to {max(ratios):.4g} over {len(layers)} layers"
+    spread = max(lay.head_spread for lay in layers)
+    if spread > TOLERANCE:
+        return HEAD, f"heads differ by up to {spread:.1%}"
+    ratio = ratios[0]
+    if normed:
+        return NORMALISED, f"q/k normalised; after the norm x sqrt(head_dim) = {ratio:.4g}"
+    if abs(ratio - 1) <= TOLERANCE:
+        return SQRT, f"x sqrt(head_dim) = {ratio:.4g}"
+    return OTHER_CONSTANT, f"x sqrt(head_dim) = {ratio:.4g} (divisor {1 / (ratios[0] / math.sqrt(layers[0].head_dim)):.4g})"
+
+
+# ----------------------------------------------------------------------------------------------
+# Building small
+
+
+_SMALL = {
+    "hidden_size": 64,
+    "d_model": 64,
+    "intermediate_size": 128,
+    "ffn_dim": 128,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "d_ff": 128,
+    "num_attention_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "n_group": 1,
+    "topk_group": 1,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+}
+LAYERS = 4
+"""Layers kept: enough for a pattern such as Llama 4's every-fourth-layer NoPE."""
+
+
+def _shrink(config: Any, layers: int, depth: int = 0) -> None:
+    from transformers import PretrainedConfig
+
+    for name, value in _SMALL.items():
+        current = getattr(config, name, None) if name in vars(config) or hasattr(type(config), "attribute_map") else None
+        if isinstance(current, int) and not isinstance(current, bool):
+            with contextlib.suppress(Exception):
+                setattr(config, name, value)
+    old = vars(config).get("num_hidden_layers")
+    if isinstance(old, int) and old > layers:
+        config.num_hidden_layers = layers
+        for name, value in list(vars(config).items()):
+            if isinstance(value, list) and len(value) == old:
+                setattr(config, name, value[:layers])
+    if isinstance(vars(config).get("num_experts_per_tok"), int):
+        config.num_experts_per_tok = min(config.num_experts_per_tok, 2)
+    ids = [v for n, v in vars(config).items() if n.endswith("token_id") and isinstance(v, int) and not isinstance(v, bool)]
+    vocab = vars(config).get("vocab_size")
+    if isinstance(vocab, int) and vocab > 512:
+        config.vocab_size = max([512, *(i + 1 for i in ids)])
+    for value in list(vars(config).values()):
+        if isinstance(value, PretrainedConfig) and depth < 3:
+            _shrink(value, layers, depth + 1)
+
+
+def tiny_config(model_type: str, overrides: dict | None = None, *, layers: int = LAYERS) -> Any:
+    """transformers' default config of ``model_type``, shrunk (width 64, 4 heads of 16, ``layers``
+    layers, small vocabulary), then ``overrides`` set on it."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(model_type)
+    _shrink(config, layers)
+    for name, value in (overrides or {}).items():
+        setattr(config, name, value)
+    return config
+
+
+def build(config: Any) -> tuple[nn.Module, bool]:
+    """The base model of ``config`` with random weights; True when it routes attention through the
+    census's attention function (q and k after the norm are then read too)."""
+    import transformers
+
+    _register_interface(transformers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return transformers.AutoModel.from_config(config, attn_implementation=INTERFACE), True
+        except Exception:
+            pass
+        try:
+            return transformers.AutoModel.from_config(config, attn_implementation="eager"), False
+        except Exception as exc:
+            raise ProbeFailed(f"cannot be built small: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]) from None
+
+
+def _zero_position_tables(model: nn.Module) -> None:
+    """T5-style learned relative position biases set to zero: they add to the logit, they do not
+    multiply it, and with random values they would read as noise in the fit."""
+    for name, param in model.named_parameters():
+        if "relative_attention_bias" in name:
+            nn.init.zeros_(param)
+
+
+def _rotary(model: nn.Module, config: Any) -> bool:
+    if any("rotary" in type(m).__name__.lower() or "rope" in type(m).__name__.lower() for m in model.modules()):
+        return True
+    return any(k in vars(config) for k in ("rope_parameters", "rope_theta", "rotary_dim", "rotary_pct"))
+
+
+@dataclass
+class CensusRow:
+    """One probed model type (or a released config of one)."""
+
+    model_type: str
+    label: str
+    cls: str
+    why: str
+    layers: list[LayerScale]
+    fields: dict[str, Any]
+    """The config's scale-relevant fields as the type sets them."""
+    released: bool = False
+    seconds: float = 0.0
+
+    @property
+    def after_norm_sqrt(self) -> bool | None:
+        normed = [lay for lay in self.layers if lay.normalised]
+        if not normed or any(lay.after_norm is None for lay in normed):
+            return None
+        return all(abs(v * math.sqrt(lay.head_dim) - 1) <= TOLERANCE for lay in self.layers for v in lay.effective or [])
+
+    def as_dict(self) -> dict:
+        return {
+            "model_type": self.model_type,
+            "label": self.label,
+            "class": self.cls,
+            "why": self.why,
+            "after_norm_sqrt": self.after_norm_sqrt,
+            "released": self.released,
+            "fields": self.fields,
+            "seconds": round(self.seconds, 3),
+            "layers": [asdict(lay) for lay in self.layers],
+        }
+
+
+_FIELDS = (
+    "head_dim",
+    "query_pre_attn_scalar",
+    "attention_multiplier",
+    "attn_scale",
+    "floor_scale",
+    "attn_temperature_tuning",
+    "llama_4_scaling_beta",
+    "key_multiplier",
+    "scale_attn_by_inverse_layer_idx",
+    "scale_attn_weights",
+    "clip_qkv",
+    "attn_logit_softcapping",
+    "use_qk_norm",
+    "qk_layernorm",
+    "rope_parameters",
+)
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    found = {}
+    for name in _FIELDS:
+        value = vars(config).get(name)
+        if value is not None:
+            found[name] = value if isinstance(value, (int, float, str, bool)) else repr(value)[:120]
+    return found
+
+
+MAX_PARAMETERS = 60_000_000
+"""A type still larger than this when built small (sub-models the shrinking does not reach) is
+not probed: it would cost more memory and time than the rest of the census."""
+
+
+def _probe_config(config: Any) -> list[LayerScale]:
+    model, _ = build(config)
+    size = sum(p.numel() for p in model.parameters())
+    if size > MAX_PARAMETERS:
+        raise ProbeFailed(f"too large when built small: {size / 1e6:.0f}M parameters (limit {MAX_PARAMETERS / 1e6:.0f}M)")
+    _zero_position_tables(model)
+    rotary = _rotary(model, config)
+    table = getattr(config, "max_position_embeddings", None)
+    positions = position_ladder(config, rotary=rotary, limit=None if rotary else (table if isinstance(table, int) else 16))
+    return probe_model(model, positions=positions)
+
+
+def probe_type(model_type: str, overrides: dict | None = None, *, label: str = "", released: bool = False, layers: int = LAYERS) -> CensusRow:
+    """Build ``model_type`` small (with ``overrides``), probe it over its position ladder and
+    classify it. Raises :class:`ProbeFailed` with the reason where it cannot."""
+    start = time.perf_counter()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        config = tiny_config(model_type, overrides, layers=layers)
+    except Exception as exc:
+        raise ProbeFailed(f"no config: {type(exc).__name__}: {exc}"[:200]) from None
+    try:
+        found = _probe_config(config)
+    except ProbeFailed:
+        # some attention codes need as many key/value heads as query heads (multi-head latent attention)
+        heads = vars(config).get("num_attention_heads")
+        if not isinstance(vars(config).get("num_key_value_heads"), int) or not isinstance(heads, int) or (overrides or {}).get("num_key_value_heads"):
+            raise
+        config = tiny_config(model_type, {**(overrides or {}), "num_key_value_heads": heads}, layers=layers)
+        found = _probe_config(config)
+    cls, why = classify(found)
+    return CensusRow(model_type, label, cls, why, found, _fields(config), released, time.perf_counter() - start)
+
+
+def probe_pretrained(path: str | os.PathLike[str]) -> CensusRow:
+    """Probe a local HuggingFace checkpoint folder (offline; its own weights): each layer's effective
+    scale over its position ladder, and the class. Raises :class:`ProbeFailed` where it cannot."""
+    start = time.perf_counter()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    _register_interface(transformers)
+    transformers.utils.logging.disable_progress_bar()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = None
+        for implementation in (INTERFACE, "eager"):
+            try:
+                model = transformers.AutoModel.from_pretrained(str(path), attn_implementation=implementation, local_files_only=True)
+                break
+            except Exception as exc:
+                failure = exc
+        if model is None:
+            raise ProbeFailed(f"cannot load {str(path)!r}: {type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"[:200])
+    config = model.config
+    rotary = _rotary(model, config)
+    table = getattr(config, "max_position_embeddings", None)
+    positions = position_ladder(config, rotary=rotary, limit=None if rotary else (table if isinstance(table, int) else 16))
+    found = probe_model(model.float(), positions=positions)
+    cls, why = classify(found)
+    return CensusRow(str(config.model_type), str(path), cls, why, found, _fields(config), True, time.perf_counter() - start)
+
+
+def model_types() -> list[str]:
+    """Every model type of the installed transformers that has a base model class."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    return sorted(MODEL_MAPPING_NAMES)
+
+
+def census(types: Sequence[str] | None = None, *, progress: Callable[[int, int], None] | None = None) -> tuple[list[CensusRow], list[dict]]:
+    """Probe every type (default: :func:`model_types`); returns (rows, not probed with reasons)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    types = list(types) if types is not None else model_types()
+    rows, missed = [], []
+    for i, model_type in enumerate(types):
+        start = time.perf_counter()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rows.append(probe_type(model_type))
+        except ProbeFailed as exc:
+            missed.append({"model_type": model_type, "reason": str(exc), "seconds": round(time.perf_counter() - start, 3)})
+        except Exception as exc:  # foreign code: any failure is a reason, never the end of the census
+            missed.append({"model_type": model_type, "reason": f"{type(exc).__name__}: {exc}"[:200], "seconds": round(time.perf_counter() - start, 3)})
+        if progress is not None:
+            progress(i + 1, len(types))
+    return rows, missed

@@ -1,0 +1,129 @@
+"""The scale census (attnscale.diagnostics.census): families whose formula is known, each measured
+end to end on a tiny random model and compared with the formula computed here from its config."""
+
+import math
+
+import pytest
+import torch
+
+from attnscale.diagnostics import census
+from attnscale.diagnostics.census import fit_multiplier, position_ladder
+
+transformers = pytest.importorskip("transformers")
+
+
+def _ratios(row, layer=0):
+    lay = row.layers[layer]
+    return [v * math.sqrt(lay.head_dim) for v in lay.effective]
+
+
+def test_the_fit_reads_a_multiplier_and_a_linear_position_bias():
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 10, 8, generator=gen), torch.randn(2, 2, 10, 8, generator=gen)
+    kk = k.repeat_interleave(2, dim=1)
+    distance = torch.arange(10)[:, None] - torch.arange(10)[None, :]
+    logits = 0.3 * q @ kk.transpose(-1, -2) - 0.5 * distance
+    logits = logits.masked_fill(distance < 0, -math.inf)  # causal
+    fit = fit_multiplier(q, k, logits.softmax(-1))
+    assert fit.multiplier == pytest.approx([0.3] * 4, rel=1e-6)
+    assert fit.bias_slope == pytest.approx([-0.5] * 4, rel=1e-6)
+    assert min(fit.r2) > 1 - 1e-9
+
+
+def test_the_ladder_reaches_four_times_every_length_threshold():
+    config = census.tiny_config("llama4_text")
+    ladder = position_ladder(config, rotary=True)
+    assert ladder[0] == 0 and max(ladder) == 4 * config.floor_scale
+    assert position_ladder(config, rotary=False, limit=16) == [0, 1, 15]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "expected"),
+    [
+        pytest.param("llama", {}, 1.0, id="llama-default"),
+        pytest.param("bert", {}, 1.0, id="bert"),
+        pytest.param("gpt2", {}, 1.0, id="gpt2-fused-c_attn"),
+        pytest.param("gpt_neox", {}, 1.0, id="gpt-neox-per-head-fused"),
+        pytest.param("deepseek_v3", {}, 1.0, id="deepseek-v3-mla-head-dim-192"),
+        # Gemma 2 27B: query_pre_attn_scalar 144 with head_dim 128 -> divides by 12, not sqrt(128)
+        pytest.param("gemma2", {"head_dim": 128, "query_pre_attn_scalar": 144}, math.sqrt(128 / 144), id="gemma2-27b-scalar-144"),
+        # Granite 3: attention_multiplier = 1/head_dim
+        pytest.param("granite", {"head_dim": 128, "attention_multiplier": 1 / 128}, math.sqrt(128) / 128, id="granite-3-one-over-head-dim"),
+        # T5: no scale at all (folded into the init): the multiplier is 1, times sqrt(d_kv = 64)
+        pytest.param("t5", {}, 8.0, id="t5-no-scale"),
+    ],
+)
+def test_constant_multipliers_are_measured(model_type, overrides, expected):
+    row = census.probe_type(model_type, overrides)
+    for i, lay in enumerate(row.layers):
+        assert _ratios(row, i) == pytest.approx([expected] * len(lay.positions), rel=1e-3), lay.layer
+    assert row.cls == (census.SQRT if expected == 1.0 else census.OTHER_CONSTANT)
+
+
+def test_llama4_temperature_grows_past_floor_scale_on_its_nope_layers():
+    row = census.probe_type("llama4_text")
+    config = census.tiny_config("llama4_text")
+    nope = [lay for lay, rope in zip(row.layers, config.no_rope_layers) if not rope]
+    assert nope, "the tiny Llama 4 keeps a NoPE layer"
+    for lay in nope:
+        expected = [1 + config.attn_scale * math.log1p(math.floor((p + 1) / config.floor_scale)) for p in lay.positions]
+        assert [v * math.sqrt(lay.head_dim) for v in lay.multiplier] == pytest.approx(expected, rel=1e-3)
+    assert expected[-1] > 1.15  # visible: 1 + 0.1 ln 5 at 4 x floor_scale
+    assert row.cls == census.POSITION
+
+
+def test_ministral3_scaling_beta_grows_with_the_position_id():
+    row = census.probe_type("ministral3")
+    rope = census.tiny_config("ministral3").rope_parameters
+    beta, original = rope["llama_4_scaling_beta"], rope["original_max_position_embeddings"]
+    lay = row.layers[0]
+    expected = [1 + beta * math.log(1 + math.floor(p / original)) for p in lay.positions]
+    assert _ratios(row) == pytest.approx(expected, rel=1e-3)
+    assert row.cls == census.POSITION
+
+
+def test_yarn_attention_factor_multiplies_the_logit_by_its_square():
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 10000.0}
+    row = census.probe_type("llama", {"rope_parameters": rope, "max_position_embeddings": 4096})
+    factor = 0.1 * math.log(4.0) + 1  # YaRN's default attention factor for a factor of 4
+    assert _ratios(row) == pytest.approx([factor**2] * len(row.layers[0].positions), rel=1e-3)
+    assert max(row.layers[0].positions) == 4 * 4 * 1024
+    assert row.cls == census.OTHER_CONSTANT
+
+
+def test_gpt2_inverse_layer_index_option_makes_it_layer_dependent():
+    row = census.probe_type("gpt2", {"scale_attn_by_inverse_layer_idx": True})
+    assert [_ratios(row, i)[0] for i in range(len(row.layers))] == pytest.approx([1 / (i + 1) for i in range(len(row.layers))], rel=1e-3)
+    assert row.cls == census.LAYER
+
+
+def test_qk_norm_is_found_by_the_gain_test_and_judged_after_the_norm():
+    row = census.probe_type("qwen3")
+    assert all(lay.gain_response == pytest.approx(0.25, rel=0.05) for lay in row.layers)  # q and k both normalised
+    assert all(r == pytest.approx(1.0, rel=1e-3) for i in range(len(row.layers)) for r in _ratios(row, i))
+    assert row.cls == census.NORMALISED and row.after_norm_sqrt is True
+
+
+def test_alibi_is_read_as_a_position_bias_beside_the_multiplier():
+    row = census.probe_type("bloom")
+    assert row.cls == census.SQRT
+    assert all(lay.bias_slope > 0.01 for lay in row.layers)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [
+        pytest.param("resnet", "no attention module", id="no-attention"),
+        pytest.param("vit", "not driven", id="image-input"),
+    ],
+)
+def test_a_type_that_cannot_be_probed_says_why(model_type, reason):
+    with pytest.raises(census.ProbeFailed, match=reason):
+        census.probe_type(model_type)
+
+
+def test_the_census_keeps_every_type_tried():
+    rows, missed = census.census(["llama", "resnet", "no_such_type"])
+    assert [r.model_type for r in rows] == ["llama"]
+    assert [m["model_type"] for m in missed] == ["resnet", "no_such_type"]
+    assert all(m["reason"] for m in missed)
