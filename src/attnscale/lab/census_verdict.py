@@ -12,18 +12,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
+from ..diagnostics.census import HEAD, LAYER, NORMALISED, NOT_MEASURABLE, OTHER_CONSTANT, POSITION, SQRT
 from .base import Judgement, Verdict
 
-SQRT = "1/sqrt(head_dim)"
-OTHER_CONSTANT = "another constant"
-POSITION = "position-dependent"
-LAYER = "layer-dependent"
-HEAD = "head-dependent"
-NORMALISED = "after QK-norm"
-CLIPPED = "clipped"
-LEARNED = "learned"
-CLASSES = (SQRT, OTHER_CONSTANT, POSITION, LAYER, HEAD, NORMALISED, CLIPPED, LEARNED)
-"""The classes of a probed type, in the order the census tests them (the first that applies)."""
+CLASSES = (SQRT, NORMALISED, OTHER_CONSTANT, POSITION, LAYER, HEAD, NOT_MEASURABLE)
+"""The classes of a probed type (:func:`attnscale.diagnostics.census.classify`), in the order the
+verdict's reason counts them."""
 
 MIN_PROBED = 25
 MIN_PROBED_SHARE = 0.5
