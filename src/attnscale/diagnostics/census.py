@@ -540,7 +540,8 @@ def _same(values: Sequence[float]) -> bool:
 
 
 def classify(layers: Sequence[LayerScale]) -> tuple[str, str]:
-    """The type's class and a line on why (the classes of :mod:`attnscale.lab.census_verdict`)."""
+    """The type's class and a line on why, from its layers (the first that applies: not measurable,
+    position-, layer- or head-dependent, after QK-norm, 1/sqrt(head_dim), another constant)."""
     normed = [lay for lay in layers if lay.normalised]
     bad = [lay for lay in layers if not lay.normalised and lay.r2 < MIN_R2]
     if bad:
