@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import functools
 import io
 import json
 import logging
@@ -306,8 +307,9 @@ def _check_model(args: argparse.Namespace) -> int:
 
     from .diagnostics import census
 
-    for option, given in (("--projections", args.projections is not None), ("--num-heads", args.num_heads is not None)):
-        if given:
+    given_options = {"--projections": args.projections, "--num-heads": args.num_heads, "--head-dim": args.head_dim, "--timeout": args.timeout}
+    for option, value in given_options.items():
+        if value is not None:
             _usage_error("check", f"{option}: expected only with a callable or module TARGET, got it with the model {args.target!r}. Fix: drop {option}")
     try:
         import transformers
@@ -321,11 +323,11 @@ def _check_model(args: argparse.Namespace) -> int:
             close = [t for t in known if model_type and (model_type in t or t in model_type)][:5]
             hint = f"; close: {', '.join(close)}" if close else ""
             _usage_error("check", f"TARGET: expected hf:MODEL_TYPE with a model type of transformers {transformers.__version__}, got {model_type!r}{hint}. Fix: e.g. attnscale check hf:llama")
-        probe: Any = lambda: census.probe_type(model_type)  # noqa: E731
+        probe = functools.partial(census.probe_type, model_type)
     else:
         if not os.path.isfile(os.path.join(args.target, "config.json")):
             _usage_error("check", f"TARGET: expected a HuggingFace model folder with a config.json, got the folder {args.target!r} without one. Fix: point at the folder that holds config.json")
-        probe = lambda: census.probe_pretrained(args.target)  # noqa: E731
+        probe = functools.partial(census.probe_pretrained, args.target)
     try:
         with _target_output(args):
             row = probe()
@@ -372,10 +374,12 @@ def _check(args: argparse.Namespace) -> int:
 
     from .diagnostics import check_attention
 
-    if not 0 < args.timeout < math.inf:
-        _usage_error("check", f"--timeout: expected a finite number of seconds > 0, got {args.timeout}. Fix: pass e.g. --timeout 10")
     if _model_target(args.target):
         return _check_model(args)
+    args.head_dim = 64 if args.head_dim is None else args.head_dim
+    args.timeout = 10.0 if args.timeout is None else args.timeout
+    if not 0 < args.timeout < math.inf:
+        _usage_error("check", f"--timeout: expected a finite number of seconds > 0, got {args.timeout}. Fix: pass e.g. --timeout 10")
     try:
         with _target_output(args):
             target = _load_target(args.target, timeout=args.timeout)
@@ -807,7 +811,7 @@ def build_parser() -> argparse.ArgumentParser:
         example="attnscale check torch.nn.functional:scaled_dot_product_attention --json\n  attnscale check hf:llama4_text",
     )
     check.add_argument("target", metavar="TARGET", help="e.g. mypkg.attention:attend, mypkg.model:layer0, hf:llama or a model folder")
-    check.add_argument("--head-dim", type=_positive_int("--head-dim", 64), default=64, help="D used for the callable probe (default 64)")
+    check.add_argument("--head-dim", type=_positive_int("--head-dim", 64), default=None, help="D used for the callable probe (default 64)")
     check.add_argument("--num-heads", type=_positive_int("--num-heads", 4), default=None, help="query heads (callable: default 4; module: if not an attribute)")
     check.add_argument(
         "--projections",
@@ -817,7 +821,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="module: attribute names of its query, key, value and output nn.Linear layers (OUT: omit, or 'none')",
     )
     check.add_argument(
-        "--timeout", type=float, default=10.0, metavar="SECONDS", help="time limit of each check (default 10)"
+        "--timeout", type=float, default=None, metavar="SECONDS", help="time limit of each check of a callable or module (default 10)"
     )
     check.add_argument("--json", action="store_true", help="print the result as JSON (schema attnscale.check/1) instead of the table")
     check.set_defaults(func=_check)

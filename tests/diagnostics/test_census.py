@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from attnscale.diagnostics import census
-from attnscale.diagnostics.census import fit_multiplier, position_ladder
+from attnscale.diagnostics import census, fit_logit_scale
+from attnscale.diagnostics.census import position_ladder
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,14 +18,15 @@ def _ratios(row, layer=0):
 
 
 def test_the_fit_reads_a_multiplier_and_a_linear_position_bias():
+    """The census's fit: fit_logit_scale with a slope on the query-key distance (ALiBi's form)."""
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 10, 8, generator=gen), torch.randn(2, 2, 10, 8, generator=gen)
     kk = k.repeat_interleave(2, dim=1)
     distance = torch.arange(10)[:, None] - torch.arange(10)[None, :]
     logits = 0.3 * q @ kk.transpose(-1, -2) - 0.5 * distance
     logits = logits.masked_fill(distance < 0, -math.inf)  # causal
-    fit = fit_multiplier(q, k, logits.softmax(-1))
-    assert fit.multiplier == pytest.approx([0.3] * 4, rel=1e-6)
+    fit = fit_logit_scale(q, k, logits.softmax(-1), position_bias=True)
+    assert fit.scale == pytest.approx([0.3] * 4, rel=1e-6)
     assert fit.bias_slope == pytest.approx([-0.5] * 4, rel=1e-6)
     assert min(fit.r2) > 1 - 1e-9
 

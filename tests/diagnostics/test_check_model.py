@@ -66,6 +66,8 @@ def test_a_type_that_cannot_be_probed_is_a_finding_in_one_line(capsys):
         pytest.param(["check", "hf:"], "got ''", id="empty-type"),
         pytest.param(["check", "hf:llama", "--num-heads", "4"], "--num-heads: expected only with a callable or module TARGET", id="module-option"),
         pytest.param(["check", "hf:llama", "--projections", "a,b,c"], "--projections: expected only with a callable or module TARGET", id="projections-option"),
+        pytest.param(["check", "hf:llama", "--head-dim", "64"], "--head-dim: expected only with a callable or module TARGET", id="head-dim-option"),
+        pytest.param(["check", "hf:llama", "--timeout", "5"], "--timeout: expected only with a callable or module TARGET", id="timeout-option"),
     ],
 )
 def test_bad_model_targets_are_one_line_usage_errors(argv, expected, capsys):

@@ -19,8 +19,9 @@ fitted in the same way against the q and k the model hands to attention, where t
 transformers' attention interface.
 
 The census (:func:`census`) builds every model type small from its config (random weights,
-nothing downloaded), probes it, and classifies it (:mod:`attnscale.lab.census_verdict` names the
-classes); a type that cannot be built, driven or probed is kept with its reason.
+nothing downloaded), probes it, and classifies it (:func:`classify`; the lab's verdict over the
+classes is :mod:`attnscale.lab.census_verdict`); a type that cannot be built, driven or probed is
+kept with its reason.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -37,6 +39,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from .probe import ScaleFit, fit_logit_scale
 
 __all__ = [
     "CensusRow",
@@ -175,51 +179,12 @@ def _raw_qk(tap: _Tap, heads: int, config: Any) -> list[tuple[Tensor, Tensor]]:
 
 
 # ----------------------------------------------------------------------------------------------
-# The fit
+# The fit: attnscale.diagnostics.fit_logit_scale with a position bias
 
 
-@dataclass(frozen=True)
-class Fit:
-    multiplier: tuple[float, ...]
-    """Per head: the slope of log p on q.k within rows."""
-    bias_slope: tuple[float, ...]
-    """Per head: the slope of log p on the query-key distance (ALiBi's slope, with its sign)."""
-    r2: tuple[float, ...]
-
-
-def fit_multiplier(query: Tensor, key: Tensor, weights: Tensor, *, min_prob: float = 1e-30) -> Fit:
-    """Fit ``log p_ij = m * q_i.k_j + b * (i - j) + c_i`` per head, within rows, by least squares.
-
-    query (B, H, L, D), key (B, Hk, S, D) with H a multiple of Hk, weights (B, H, L, S). Entries with
-    a weight <= ``min_prob`` (masked) are left out, and rows with fewer than 3 entries."""
-    q, k, w = query.double(), key.double(), weights.double()
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    x = q @ k.transpose(-1, -2)
-    L, S = w.shape[-2:]
-    d = (torch.arange(L, dtype=torch.float64)[:, None] + (S - L) - torch.arange(S, dtype=torch.float64)[None, :]).expand_as(w)
-    use = w > min_prob
-    n = use.sum(-1, keepdim=True)
-    use = use & (n >= 3)
-    n = n.clamp_min(1)
-
-    def centred(t: Tensor) -> Tensor:
-        t = torch.where(use, t, torch.zeros_like(t))
-        return torch.where(use, t - t.sum(-1, keepdim=True) / n, torch.zeros_like(t))
-
-    y = centred(torch.log(torch.where(use, w, torch.ones_like(w))))
-    xc, dc = centred(x), centred(d)
-    H = q.shape[1]
-    flat = [t.transpose(0, 1).reshape(H, -1) for t in (xc, dc, y)]
-    xc, dc, y = flat
-    sxx, sdd, sxd = (xc * xc).sum(-1), (dc * dc).sum(-1), (xc * dc).sum(-1)
-    sxy, sdy, syy = (xc * y).sum(-1), (dc * y).sum(-1), (y * y).sum(-1)
-    det = sxx * sdd - sxd * sxd
-    has_d = sdd > 1e-9 * sdd.max().clamp_min(1e-300)
-    m = torch.where(has_d & (det.abs() > 1e-12 * (sxx * sdd).clamp_min(1e-300)), (sxy * sdd - sdy * sxd) / det.where(det != 0, torch.ones_like(det)), sxy / sxx.clamp_min(1e-300))
-    b = torch.where(has_d, (sdy - m * sxd) / sdd.clamp_min(1e-300), torch.zeros_like(m))
-    resid = ((y - m[:, None] * xc - b[:, None] * dc) ** 2).sum(-1)
-    r2 = torch.where(syy > 0, 1 - resid / syy.clamp_min(1e-300), torch.ones_like(syy))
-    return Fit(tuple(m.tolist()), tuple(b.tolist()), tuple(r2.tolist()))
+def _fit(query: Tensor, key: Tensor, weights: Tensor) -> ScaleFit:
+    """``log p_ij = m q_i.k_j + b (i - j) + c_i`` per head (masked entries, weight 0, left out)."""
+    return fit_logit_scale(query, key, weights, min_prob=1e-30, position_bias=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,12 +257,15 @@ def position_ladder(config: Any, *, rotary: bool, limit: int | None = None) -> l
     return sorted(ladder)
 
 
-def _inputs(model: nn.Module, config: Any, batch: int, length: int, position: int | None, gen: torch.Generator) -> dict:
+def _inputs(model: nn.Module, *, batch: int, length: int, position: int | None, seed: int) -> dict:
+    """Random token ids (the same for every position), every token at ``position`` (None: the
+    model's own positions), no padding; the same ids as decoder input for an encoder-decoder."""
+    config = model.config
     main = getattr(model, "main_input_name", "input_ids")
     if main != "input_ids":
         raise ProbeFailed(f"input {main!r} is not driven by the census (text token inputs only)")
     vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None) or 100
-    ids = torch.randint(3, max(4, min(int(vocab), 1000)), (batch, length), generator=gen)
+    ids = torch.randint(3, max(4, min(int(vocab), 1000)), (batch, length), generator=torch.Generator().manual_seed(seed))
     inputs: dict[str, Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if position is not None:
         inputs["position_ids"] = torch.full_like(ids, position)
@@ -327,8 +295,7 @@ def _filled_cache(model: nn.Module, inputs: dict, position: int) -> Any | None:
     """transformers' own cache after a one-token pass, each layer's keys and values replaced by
     zeros as if ``position`` tokens came before (None where the model's cache is not of that kind).
     Zero keys add columns of logit 0: the fit reads only the columns of the probe's own tokens."""
-    argument = _cache_argument(model)
-    if argument is None or "decoder_input_ids" in inputs:
+    if "decoder_input_ids" in inputs:
         return None
     one = {"input_ids": inputs["input_ids"][:, :1], "attention_mask": inputs["attention_mask"][:, :1]}
     cache = getattr(model(**one, use_cache=True), "past_key_values", None)
@@ -422,6 +389,26 @@ def _forward(model: nn.Module, taps: Sequence[_Tap], gain: float, inputs: dict) 
     return weights
 
 
+def _best_fit(tap: _Tap, weights: Tensor, config: Any) -> tuple[ScaleFit, int] | None:
+    """The fit of ``weights`` against the tap's raw q and k (the best-fitting layout of a fused
+    projection) and the head dim it implies; None where no layout matches the weights' shape."""
+    heads = weights.shape[1]
+    best = None
+    for q, k in _raw_qk(tap, heads, config):
+        w = weights[..., -k.shape[-2] :] if weights.shape[-1] > k.shape[-2] else weights  # a filled cache's columns come first
+        if q.shape[1] != heads or q.shape[-2] != w.shape[-2] or k.shape[-2] != w.shape[-1] or heads % k.shape[1]:
+            continue
+        fit = _fit(q, k, w)
+        if best is None or min(fit.r2) > min(best[0].r2):
+            best = (fit, q.shape[-1])
+    return best
+
+
+def _spread(values: Sequence[float]) -> float:
+    """max / min - 1 (infinite when the smallest is not positive)."""
+    return max(values) / min(values) - 1 if min(values) > 0 else math.inf
+
+
 def probe_model(
     model: nn.Module,
     *,
@@ -441,12 +428,12 @@ def probe_model(
     positions = list(positions) if positions is not None else [None]  # type: ignore[list-item]
     by_tap: dict[int, dict] = {id(t.module): {"m": [], "r2": [], "b": [], "spread": [], "after": [], "after_r2": [], "after_spread": [], "dim": None, "heads": None} for t in taps}
     gain_m: dict[int, float] = {}
-    cached: bool | None = None  # whether positions are also set through the cache (None: not tried yet)
+    cache_argument = _cache_argument(model)
+    cached: bool | None = None if cache_argument else False  # positions also set through a cache? (None: not tried yet)
     model.eval()
     for gain in (1.0, GAIN):
         for position in positions if gain == 1.0 else positions[:1]:
-            gen = torch.Generator().manual_seed(seed)
-            inputs = _inputs(model, config, batch, length, position, gen)
+            inputs = _inputs(model, batch=batch, length=length, position=position, seed=seed)
             weights = _forward(model, taps, gain, inputs)
             if position and position <= CACHE_LIMIT and cached is not False:
                 # again, with a cache that says ``position`` tokens came before; kept where it runs
@@ -457,7 +444,7 @@ def probe_model(
                         cached = False
                     else:
                         extended = {**inputs, "attention_mask": torch.ones(batch, position + length, dtype=inputs["attention_mask"].dtype)}
-                        weights = _forward(model, taps, gain, {**extended, _cache_argument(model): cache, "use_cache": True})
+                        weights = _forward(model, taps, gain, {**extended, cache_argument: cache, "use_cache": True})
                         cached = True
                 except Exception:  # a cache the model does not take: positions by position ids alone
                     cached = False
@@ -465,41 +452,26 @@ def probe_model(
             for tap in taps:
                 key = id(tap.module)
                 w = weights[key][-1] if weights[key] else (_HANDED[key][2] if key in _HANDED else None)
-                if w is None or not tap.outputs:
-                    continue
-                heads = w.shape[1]
-                best = None
-                for q, k in _raw_qk(tap, heads, config):
-                    if w.shape[-1] > k.shape[-2]:  # columns of a filled cache come first
-                        w = w[..., -k.shape[-2] :]
-                    if q.shape[1] != heads or q.shape[-2] != w.shape[-2] or k.shape[-2] != w.shape[-1] or heads % k.shape[1]:
-                        continue
-                    fit = fit_multiplier(q, k, w)
-                    if best is None or min(fit.r2) > min(best[0].r2):
-                        best = (fit, q.shape[-1])
+                found = _best_fit(tap, w, config) if w is not None and tap.outputs else None
                 tap.outputs.clear()
-                if best is None:
+                if found is None:
                     continue
-                fit, dim = best
-                ms = sorted(fit.multiplier)
-                med = ms[len(ms) // 2] if len(ms) % 2 else 0.5 * (ms[len(ms) // 2 - 1] + ms[len(ms) // 2])
+                fit, dim = found
                 rec = by_tap[key]
                 if gain != 1.0:
-                    gain_m[key] = med
+                    gain_m[key] = statistics.median(fit.scale)
                     continue
-                rec["dim"], rec["heads"] = dim, heads
-                rec["m"].append(med)
+                rec["dim"], rec["heads"] = dim, len(fit.scale)
+                rec["m"].append(statistics.median(fit.scale))
                 rec["r2"].append(min(fit.r2))
                 rec["b"].append(max(abs(b) for b in fit.bias_slope))
-                rec["spread"].append(ms[-1] / ms[0] - 1 if ms[0] > 0 else math.inf)
-                if key in _HANDED:
-                    hq, hk, hw = _HANDED[key]
-                    if hq.shape[1] == heads and hq.shape[-2] == hw.shape[-2]:
-                        af = fit_multiplier(hq, hk, hw)
-                        am = sorted(af.multiplier)
-                        rec["after"].append(am[len(am) // 2])
-                        rec["after_r2"].append(min(af.r2))
-                        rec["after_spread"].append(am[-1] / am[0] - 1 if am[0] > 0 else math.inf)
+                rec["spread"].append(_spread(fit.scale))
+                hq, hk, hw = _HANDED.get(key, (None, None, None))
+                if hq is not None and hq.shape[1] == len(fit.scale) and hq.shape[-2] == hw.shape[-2]:
+                    after = _fit(hq, hk, hw)
+                    rec["after"].append(statistics.median(after.scale))
+                    rec["after_r2"].append(min(after.r2))
+                    rec["after_spread"].append(_spread(after.scale))
     layers = []
     for tap in taps:
         rec = by_tap[id(tap.module)]
@@ -602,7 +574,7 @@ def _shrink(config: Any, layers: int, depth: int = 0) -> None:
     from transformers import PretrainedConfig
 
     for name, value in _SMALL.items():
-        current = getattr(config, name, None) if name in vars(config) or hasattr(type(config), "attribute_map") else None
+        current = getattr(config, name, None)
         if isinstance(current, int) and not isinstance(current, bool):
             with contextlib.suppress(Exception):
                 setattr(config, name, value)
@@ -635,22 +607,29 @@ def tiny_config(model_type: str, overrides: dict | None = None, *, layers: int =
     return config
 
 
-def build(config: Any) -> tuple[nn.Module, bool]:
-    """The base model of ``config`` with random weights; True when it routes attention through the
-    census's attention function (q and k after the norm are then read too)."""
+def _load(make: Callable[[str], nn.Module], what: str) -> nn.Module:
+    """``make(attn_implementation)`` with the census's attention function (q and k after the norm
+    are then read too), else with eager attention; :class:`ProbeFailed` saying ``what`` failed."""
     import transformers
 
     _register_interface(transformers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return transformers.AutoModel.from_config(config, attn_implementation=INTERFACE), True
+            return make(INTERFACE)
         except Exception:
             pass
         try:
-            return transformers.AutoModel.from_config(config, attn_implementation="eager"), False
+            return make("eager")
         except Exception as exc:
-            raise ProbeFailed(f"cannot be built small: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]) from None
+            raise ProbeFailed(f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]) from None
+
+
+def build(config: Any) -> nn.Module:
+    """The base model of ``config`` with random weights."""
+    import transformers
+
+    return _load(lambda implementation: transformers.AutoModel.from_config(config, attn_implementation=implementation), "cannot be built small")
 
 
 def _zero_position_tables(model: nn.Module) -> None:
@@ -735,16 +714,22 @@ MAX_PARAMETERS = 60_000_000
 not probed: it would cost more memory and time than the rest of the census."""
 
 
-def _probe_config(config: Any) -> list[LayerScale]:
-    model, _ = build(config)
-    size = sum(p.numel() for p in model.parameters())
-    if size > MAX_PARAMETERS:
-        raise ProbeFailed(f"too large when built small: {size / 1e6:.0f}M parameters (limit {MAX_PARAMETERS / 1e6:.0f}M)")
+def _probe_loaded(model: nn.Module) -> list[LayerScale]:
+    """Probe a loaded model over its config's position ladder (T5-style bias tables zeroed)."""
     _zero_position_tables(model)
+    config = model.config
     rotary = _rotary(model, config)
     table = getattr(config, "max_position_embeddings", None)
     positions = position_ladder(config, rotary=rotary, limit=None if rotary else (table if isinstance(table, int) else 16))
     return probe_model(model, positions=positions)
+
+
+def _probe_config(config: Any) -> list[LayerScale]:
+    model = build(config)
+    size = sum(p.numel() for p in model.parameters())
+    if size > MAX_PARAMETERS:
+        raise ProbeFailed(f"too large when built small: {size / 1e6:.0f}M parameters (limit {MAX_PARAMETERS / 1e6:.0f}M)")
+    return _probe_loaded(model)
 
 
 def probe_type(model_type: str, overrides: dict | None = None, *, label: str = "", released: bool = False, layers: int = LAYERS) -> CensusRow:
@@ -776,24 +761,14 @@ def probe_pretrained(path: str | os.PathLike[str]) -> CensusRow:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
 
-    _register_interface(transformers)
     transformers.utils.logging.disable_progress_bar()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = None
-        for implementation in (INTERFACE, "eager"):
-            try:
-                model = transformers.AutoModel.from_pretrained(str(path), attn_implementation=implementation, local_files_only=True)
-                break
-            except Exception as exc:
-                failure = exc
-        if model is None:
-            raise ProbeFailed(f"cannot load {str(path)!r}: {type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}"[:200])
+
+    def make(implementation: str) -> nn.Module:
+        return transformers.AutoModel.from_pretrained(str(path), attn_implementation=implementation, local_files_only=True)
+
+    model = _load(make, f"cannot load {str(path)!r}")
     config = model.config
-    rotary = _rotary(model, config)
-    table = getattr(config, "max_position_embeddings", None)
-    positions = position_ladder(config, rotary=rotary, limit=None if rotary else (table if isinstance(table, int) else 16))
-    found = probe_model(model.float(), positions=positions)
+    found = _probe_loaded(model.float())
     cls, why = classify(found)
     return CensusRow(str(config.model_type), str(path), cls, why, found, _fields(config), True, time.perf_counter() - start)
 
@@ -818,10 +793,9 @@ def census(types: Sequence[str] | None = None, *, progress: Callable[[int, int],
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 rows.append(probe_type(model_type))
-        except ProbeFailed as exc:
-            missed.append({"model_type": model_type, "reason": str(exc), "seconds": round(time.perf_counter() - start, 3)})
         except Exception as exc:  # foreign code: any failure is a reason, never the end of the census
-            missed.append({"model_type": model_type, "reason": f"{type(exc).__name__}: {exc}"[:200], "seconds": round(time.perf_counter() - start, 3)})
+            reason = str(exc) if isinstance(exc, ProbeFailed) else f"{type(exc).__name__}: {exc}"[:200]
+            missed.append({"model_type": model_type, "reason": reason, "seconds": round(time.perf_counter() - start, 3)})
         if progress is not None:
             progress(i + 1, len(types))
     return rows, missed

@@ -87,6 +87,8 @@ class ScaleFit:
     scale: tuple[float, ...]
     r2: tuple[float, ...]
     rows: int
+    bias_slope: tuple[float, ...] = ()
+    """Per head, with ``position_bias``: the slope of log weights on the query-key distance."""
 
     @property
     def mean_scale(self) -> float:
@@ -97,12 +99,15 @@ class ScaleFit:
         return min(self.r2)
 
 
-def fit_logit_scale(query: Tensor, key: Tensor, weights: Tensor, *, min_prob: float = 1e-12) -> ScaleFit:
+def fit_logit_scale(query: Tensor, key: Tensor, weights: Tensor, *, min_prob: float = 1e-12, position_bias: bool = False) -> ScaleFit:
     """Fit ``s`` in ``log weights = s * q.k + row constant`` per head.
 
     Shapes: query (..., H, L, D), key (..., Hkv, S, D) with H a multiple of Hkv, weights
     (..., H, L, S). Entries with weight <= ``min_prob`` (masked, or underflowed) are ignored; rows
-    with fewer than two usable entries are skipped.
+    with fewer than two usable entries are skipped. With ``position_bias`` the fit also has a
+    slope ``b`` on the query-key distance (``i - j``, the last query at the last key), ALiBi's
+    form: ``log weights = s * q.k + b * (i - j) + row constant`` (rows need three entries), and
+    ``ScaleFit.bias_slope`` holds ``b`` per head.
     """
     if weights.shape[-3:] != (*query.shape[-3:-1], key.shape[-2]):
         fail(
@@ -121,21 +126,37 @@ def fit_logit_scale(query: Tensor, key: Tensor, weights: Tensor, *, min_prob: fl
     y = torch.where(use, torch.log(torch.where(use, w, torch.ones_like(w))), torch.zeros_like(w))
     x = torch.where(use, x, torch.zeros_like(x))
     n = use.sum(-1, keepdim=True)
-    row_ok = n >= 2
+    row_ok = n >= (3 if position_bias else 2)
     use = use & row_ok
     n = n.clamp_min(1)
-    xc = torch.where(use, x - x.sum(-1, keepdim=True) / n, torch.zeros_like(x))
-    yc = torch.where(use, y - y.sum(-1, keepdim=True) / n, torch.zeros_like(y))
     heads = q.shape[-3]
-    xc = xc.movedim(-3, 0).reshape(heads, -1)  # (H, everything else)
-    yc = yc.movedim(-3, 0).reshape(heads, -1)
+
+    def centred(t: Tensor) -> Tensor:  # within rows, over the usable entries; (H, everything else)
+        t = torch.where(use, t - t.sum(-1, keepdim=True) / n, torch.zeros_like(t))
+        return t.movedim(-3, 0).reshape(heads, -1)
+
+    xc, yc = centred(x), centred(y)
     sxx = (xc * xc).sum(-1)
     sxy = (xc * yc).sum(-1)
     syy = (yc * yc).sum(-1)
-    slope = sxy / sxx.clamp_min(1e-300)
-    resid = ((yc - slope[:, None] * xc) ** 2).sum(-1)
+    if not position_bias:
+        slope = sxy / sxx.clamp_min(1e-300)
+        resid = ((yc - slope[:, None] * xc) ** 2).sum(-1)
+        bias: tuple[float, ...] = ()
+    else:
+        L, S = w.shape[-2:]
+        distance = torch.arange(L, dtype=w.dtype)[:, None] + (S - L) - torch.arange(S, dtype=w.dtype)[None, :]
+        dc = centred(torch.where(use, distance.expand_as(w), torch.zeros_like(w)))
+        sdd, sxd, sdy = (dc * dc).sum(-1), (xc * dc).sum(-1), (dc * yc).sum(-1)
+        # the 2x2 normal equations; a head whose distances do not vary (one key per row) has no b
+        det = sxx * sdd - sxd * sxd
+        solvable = det > 1e-12 * (sxx * sdd).clamp_min(1e-300)
+        slope = torch.where(solvable, (sxy * sdd - sdy * sxd) / det.where(solvable, torch.ones_like(det)), sxy / sxx.clamp_min(1e-300))
+        b = torch.where(solvable, (sdy - slope * sxd) / sdd.clamp_min(1e-300), torch.zeros_like(slope))
+        resid = ((yc - slope[:, None] * xc - b[:, None] * dc) ** 2).sum(-1)
+        bias = tuple(b.tolist())
     r2 = torch.where(syy > 0, 1.0 - resid / syy.clamp_min(1e-300), torch.ones_like(syy))
-    return ScaleFit(scale=tuple(slope.tolist()), r2=tuple(r2.tolist()), rows=int(row_ok.sum()))
+    return ScaleFit(scale=tuple(slope.tolist()), r2=tuple(r2.tolist()), rows=int(row_ok.sum()), bias_slope=bias)
 
 
 def diagnose_scale(found: float, head_dim: int, num_heads: int | None = None, *, rtol: float = 0.03) -> str:
