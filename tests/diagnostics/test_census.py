@@ -52,6 +52,13 @@ def test_the_ladder_reaches_four_times_every_length_threshold():
         pytest.param("granite", {"head_dim": 128, "attention_multiplier": 1 / 128}, math.sqrt(128) / 128, id="granite-3-one-over-head-dim"),
         # T5: no scale at all (folded into the init): the multiplier is 1, times sqrt(d_kv = 64)
         pytest.param("t5", {}, 8.0, id="t5-no-scale"),
+        # inputs other than token ids: an image, a waveform, spectrogram features, an image beside text
+        pytest.param("vit", {}, 1.0, id="vit-image"),
+        pytest.param("wav2vec2", {}, 1.0, id="wav2vec2-waveform"),
+        pytest.param("whisper", {}, 1.0, id="whisper-features"),
+        pytest.param("clip", {}, 1.0, id="clip-dual-encoder"),
+        # CodeGen's fused projection: model-parallel shards of [q v k]; its rotary_dim needs the config's head dim
+        pytest.param("codegen", {}, 1.0, id="codegen-sharded-fused"),
     ],
 )
 def test_constant_multipliers_are_measured(model_type, overrides, expected):
@@ -115,7 +122,7 @@ def test_alibi_is_read_as_a_position_bias_beside_the_multiplier():
     ("model_type", "reason"),
     [
         pytest.param("resnet", "no attention module", id="no-attention"),
-        pytest.param("vit", "not driven", id="image-input"),
+        pytest.param("decision_transformer", "not driven", id="state-input"),
     ],
 )
 def test_a_type_that_cannot_be_probed_says_why(model_type, reason):
@@ -123,8 +130,16 @@ def test_a_type_that_cannot_be_probed_says_why(model_type, reason):
         census.probe_type(model_type)
 
 
+def test_a_type_too_large_when_small_is_refused_before_it_is_built(monkeypatch):
+    monkeypatch.setattr(census, "MAX_PARAMETERS", 1000)
+    monkeypatch.setattr(census, "build", lambda config: pytest.fail("built although counted too large"))
+    with pytest.raises(census.ProbeFailed, match="too large when built small"):
+        census.probe_type("llama")
+
+
 def test_the_census_keeps_every_type_tried():
     rows, missed = census.census(["llama", "resnet", "no_such_type"])
     assert [r.model_type for r in rows] == ["llama"]
     assert [m["model_type"] for m in missed] == ["resnet", "no_such_type"]
     assert all(m["reason"] for m in missed)
+    assert [m["no_attention"] for m in missed] == [True, False]  # resnet has no attention at all

@@ -1,57 +1,63 @@
+"""scale-in-the-wild (rule version 4): the census wired into the lab. The rule itself is tested on
+synthetic censuses in test_census_verdict.py; the probe's numbers per family in
+tests/diagnostics/test_census.py."""
+
+import math
+
 import pytest
 
+from attnscale.diagnostics import census
+from attnscale.lab import census_verdict
 from attnscale.lab.base import Verdict
 from attnscale.lab.experiments import scale_in_the_wild as exp
 
 
-def _row(name, conforms):
-    return {"architecture": name, "conforms": conforms}
+def _record(model_type, cls, *, released=False):
+    return {"model_type": model_type, "label": "", "class": cls, "after_norm_sqrt": None, "released": released}
 
 
-@pytest.mark.parametrize(
-    ("measured", "verdict"),
-    [
-        ({"transformers": None, "rows": []}, Verdict.INCONCLUSIVE),
-        ({"transformers": "x", "rows": [_row("a", True)] * 4}, Verdict.INCONCLUSIVE),
-        ({"transformers": "x", "rows": [_row("a", True)] * 6}, Verdict.HOLDS),
-        ({"transformers": "x", "rows": [_row("a", True)] * 5 + [_row("b", False)]}, Verdict.HOLDS_APPROXIMATELY),
-        ({"transformers": "x", "rows": [_row("a", True)] * 3 + [_row("b", False)] * 3}, Verdict.DOES_NOT_HOLD),
-    ],
-)
-def test_verdict_rule(measured, verdict):
-    assert exp.judge(measured).verdict is verdict
+def test_judge_is_the_census_rule_over_census_and_released_rows():
+    rows = [_record(f"t{i}", census.SQRT) for i in range(30)]
+    measured = {
+        "transformers": "x",
+        "census": rows,
+        "released": [_record("granite", census.OTHER_CONSTANT, released=True)],
+        "not_probed": [{"model_type": "odd", "reason": "the forward pass failed: boom"}],
+    }
+    judgement = exp.judge(measured)
+    expected = census_verdict.judge_census(measured["census"] + measured["released"], measured["not_probed"], transformers="x")
+    assert judgement == expected
+    assert judgement.verdict is Verdict.HOLDS  # 30 of 31 tried probed (97%), all conform; granite beside, not counted
+    assert "released configs that depart: granite" in judgement.reason
 
 
-def test_architectures_that_fail_to_probe_are_counted_and_named():
-    failed = [{"architecture": "Odd", "model_type": "odd", "reason": "RuntimeError: no attention"}]
-    judgement = exp.judge({"transformers": "x", "rows": [_row("a", True)] * 6, "not_probed": failed})
-    assert judgement.verdict is Verdict.HOLDS_APPROXIMATELY  # holds needs every architecture probed
-    assert "6 of 6 probed use 1/sqrt(head_dim)" in judgement.reason
-    assert "1 of 7 could not be probed: Odd (RuntimeError: no attention)" in judgement.reason
-    few = exp.judge({"transformers": "x", "rows": [_row("a", True)] * 4, "not_probed": failed})
-    assert few.verdict is Verdict.INCONCLUSIVE and "only 4 of 5" in few.reason and "Odd" in few.reason
+def test_judge_without_transformers_is_inconclusive():
+    assert exp.judge({"transformers": None, "census": []}).verdict is Verdict.INCONCLUSIVE
 
 
-def test_the_alibi_models_with_attention_of_their_own_are_probed():
-    pytest.importorskip("transformers")
-    config = exp.Config(architectures=("Falcon", "BLOOM", "MPT"), length=8)
-    measured = exp.run(config, seed=0, progress=lambda done, total: None)
-    assert measured["not_probed"] == []
-    for row in measured["rows"]:  # each divides by sqrt(head_dim); BLOOM and MPT once ALiBi is zeroed
-        assert row["scale_times_sqrt_head_dim"] == pytest.approx(1.0, rel=1e-4), row["architecture"]
-        assert row["r2"] > 0.999
+def test_the_default_profile_is_a_systematic_sample_and_full_is_everything():
+    assert exp.Config.for_profile("full").stride == 1
+    assert exp.Config.for_profile("default").stride == exp.DEFAULT_STRIDE > 1
+    assert {label for label, *_ in exp.RELEASED} == set(exp.Config.for_profile("default").released)
 
 
-def test_probes_real_architectures(tmp_path):
+def test_the_tiny_census(tmp_path):
     pytest.importorskip("transformers")
     measured = exp.run(exp.Config.for_profile("tiny"), seed=0, progress=lambda done, total: None)
-    rows = {r["architecture"]: r for r in measured["rows"]}
-    # Llama divides by sqrt(head_dim); T5 by nothing; Granite 3 by head_dim (attention_multiplier = 1/128).
-    assert rows["Llama"]["scale_times_sqrt_head_dim"] == pytest.approx(1.0, rel=1e-4)
-    assert rows["T5"]["scale"] == pytest.approx(1.0, rel=1e-4)
-    assert rows["Granite 3"]["scale"] == pytest.approx(1 / 128, rel=1e-4)
-    for row in rows.values():  # the black-box fit agrees with the argument the model passes
-        assert row["scale"] == pytest.approx(row["scaling_argument"], rel=1e-4)
-        assert row["r2"] > 0.999
-    assert exp.plot(measured, tmp_path) == ["scale_in_the_wild"]
-    assert (tmp_path / "scale_in_the_wild.svg").exists()
+    rows = {r["model_type"]: r for r in measured["census"]}
+    assert rows["llama"]["conforms"] and rows["gpt2"]["conforms"]
+    assert rows["llama"]["at_position_0"] == pytest.approx(1.0, abs=1e-5)
+    # T5 divides by nothing: m = 1, so m x sqrt(head_dim) = sqrt(64)
+    assert rows["t5"]["class"] == census.OTHER_CONSTANT and rows["t5"]["at_far_position"] == pytest.approx(8.0, rel=1e-5)
+    assert measured["no_attention"] == ["resnet"]  # outside the census: neither probed nor a failure
+    assert measured["not_probed"] == []
+    # Llama 4's NoPE layers: q times 1 + attn_scale log1p(floor((pos + 1) / floor_scale))
+    curve = next(c for c in measured["position_curves"] if c["model_type"] == "llama4_text")
+    far = curve["positions"][-1]
+    assert curve["scale"][-1] == pytest.approx(1 + 0.1 * math.log1p((far + 1) // 8192), rel=1e-4)
+    (granite,) = measured["released"]
+    assert granite["at_position_0"] == pytest.approx(math.sqrt(128) / 128, rel=1e-4)  # attention_multiplier 1/128
+    assert granite["source"].startswith("ibm-granite/")
+    assert exp.plot(measured, tmp_path) == ["scale_in_the_wild", "scale_in_the_wild_position"]
+    assert (tmp_path / "scale_in_the_wild.svg").exists() and (tmp_path / "scale_in_the_wild_position.svg").exists()
+    assert set(exp.captions(measured)) == {"scale_in_the_wild", "scale_in_the_wild_position"}

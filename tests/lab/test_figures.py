@@ -16,6 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.text import Text
 from matplotlib.transforms import Bbox
 
+from attnscale.diagnostics import census
 from attnscale.lab.base import no_progress
 from attnscale.lab.registry import CLAIM_IDS
 
@@ -26,23 +27,26 @@ TOUCH_PX = 1.0  # boxes that merely touch (shared edge, rounding) are not an ove
 
 
 
-def _28_architectures(measured):
-    """The tiny probe's rows repeated under new names to the full profile's 28 architectures, 3 not probed."""
-    rows = [dict(r, architecture=f"{r['architecture']} {i}") for i in range(10) for r in measured["rows"]]
-    failed = [{"architecture": r["architecture"], "error": "not probed"} for r in rows[25:28]]
-    return dict(measured, rows=rows[:25], not_probed=failed)
+def _full_census(measured):
+    """The tiny census's rows repeated under new names to a full census's size: 330 probed types of
+    every class, 250 not probed, and position curves for eight types."""
+    classes = [census.SQRT, census.NORMALISED, census.OTHER_CONSTANT, census.POSITION, census.LAYER, census.HEAD, census.NOT_MEASURABLE]
+    rows = [dict(r, model_type=f"{r['model_type']}{i}", **{"class": classes[i % 7]}) for i in range(66) for r in measured["census"][:5]]
+    curves = [dict(c, model_type=f"{c['model_type']} {i}") for i in range(8) for c in measured["position_curves"][:1]]
+    failed = [{"model_type": f"odd{i}", "reason": "not probed"} for i in range(250)]
+    return dict(measured, census=rows, not_probed=failed, position_curves=curves)
 
 
 # Figures whose layout depends on how much was measured, also drawn at a larger profile's count:
 # flash-exp2 at the default profile's 4 x 3 x 2 cases (short lengths, so it stays fast), and
-# scale-in-the-wild with as many bars as the full profile's architectures.
+# scale-in-the-wild at a full census's size.
 LARGER = {
     "flash-exp2 (24 cases)": (
         "flash-exp2",
         MODULES["flash-exp2"].Config(d_ks=(32, 64, 128, 256), lengths=(100, 200, 300), queries=4, heads=1, block=64),
         None,
     ),
-    "scale-in-the-wild (28 rows)": ("scale-in-the-wild", None, _28_architectures),
+    "scale-in-the-wild (full census)": ("scale-in-the-wild", None, _full_census),
 }
 CASES = {**{cid: (cid, None, None) for cid in CLAIM_IDS}, **LARGER}
 

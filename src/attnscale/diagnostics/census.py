@@ -45,6 +45,7 @@ from .probe import ScaleFit, fit_logit_scale
 __all__ = [
     "CensusRow",
     "LayerScale",
+    "NoAttention",
     "ProbeFailed",
     "census",
     "model_types",
@@ -76,6 +77,17 @@ NOT_MEASURABLE = "not measurable"
 
 class ProbeFailed(RuntimeError):
     """A model could not be probed; the message says why, in one line."""
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: the first non-blank line of the message``."""
+    line = next((text.strip() for text in str(exc).splitlines() if text.strip()), "")
+    return f"{type(exc).__name__}: {line}"
+
+
+class NoAttention(ProbeFailed):
+    """The model has no attention at all (its modeling code defines no attention module): it is
+    outside the census, not a failure of it."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,6 +183,10 @@ def _raw_qk(tap: _Tap, heads: int, config: Any) -> list[tuple[Tensor, Tensor]]:
         if hk == heads:  # per head [q k v] side by side (GPT-NeoX, BLOOM)
             per = fused.reshape(*fused.shape[:-1], heads, 3, d)
             candidates.append((per[..., 0, :].transpose(1, 2), per[..., 1, :].transpose(1, 2)))
+            for shards in (2, 4, 8):  # model-parallel shards of [q v k] each (CodeGen)
+                if heads % shards == 0:
+                    per = fused.reshape(*fused.shape[:-1], shards, 3, heads // shards * d)
+                    candidates.append((_heads(per[..., 0, :].flatten(-2), d), _heads(per[..., 2, :].flatten(-2), d)))
         else:  # per key/value group [q ... q k v] (Falcon's new architecture)
             g = heads // hk
             per = fused.reshape(*fused.shape[:-1], hk, g + 2, d)
@@ -257,19 +273,65 @@ def position_ladder(config: Any, *, rotary: bool, limit: int | None = None) -> l
     return sorted(ladder)
 
 
-def _inputs(model: nn.Module, *, batch: int, length: int, position: int | None, seed: int) -> dict:
-    """Random token ids (the same for every position), every token at ``position`` (None: the
-    model's own positions), no padding; the same ids as decoder input for an encoder-decoder."""
-    config = model.config
+_SIGNALS = ("pixel_values", "input_values", "input_features")
+"""Non-token inputs the census drives with random values (images, waveforms, spectrogram features)."""
+
+
+def _signal(config: Any, name: str, batch: int, generator: torch.Generator) -> Tensor:
+    """A random ``name`` input of the shape ``config`` expects (its vision or audio sub-config where
+    it has one)."""
+    if name == "pixel_values":
+        vision = getattr(config, "vision_config", None) or config
+        size = getattr(vision, "image_size", None) or 224
+        h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+        return torch.randn(batch, int(getattr(vision, "num_channels", 3) or 3), int(h), int(w), generator=generator)
+    if name == "input_values":
+        return torch.randn(batch, 4000, generator=generator)  # a quarter second at 16 kHz
+    audio = getattr(config, "audio_config", None) or config
+    bins = next((v for v in (getattr(audio, n, None) for n in ("num_mel_bins", "feature_size", "input_feat_per_channel")) if isinstance(v, int)), 80)
+    source = getattr(audio, "max_source_positions", None)
+    frames = 2 * source if isinstance(source, int) and source <= 1500 else 64  # Whisper's encoder wants exactly 2x
+    if isinstance(getattr(audio, "input_feat_per_channel", None), int):  # Speech2Text: (batch, frames, features)
+        return torch.randn(batch, frames, bins * int(getattr(audio, "input_channels", 1) or 1), generator=generator)
+    return torch.randn(batch, bins, frames, generator=generator)
+
+
+def _takes(model: nn.Module, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(model.forward).parameters
+
+
+def _main_input(model: nn.Module) -> str:
     main = getattr(model, "main_input_name", "input_ids")
+    if main != "input_ids" and main not in _SIGNALS:
+        raise ProbeFailed(f"input {main!r} is not driven by the census (token ids, images, waveforms and audio features only)")
+    return main
+
+
+def _inputs(model: nn.Module, *, batch: int, length: int, position: int | None, seed: int, extra: Sequence[str] = ()) -> dict:
+    """Random token ids (the same for every position), every token at ``position`` (None: the
+    model's own positions), no padding; the same ids as decoder input for an encoder-decoder. A
+    model whose main input is an image or audio gets a random one instead of ids; ``extra`` names
+    further such inputs (a dual encoder's image beside its text)."""
+    config = model.config
+    main = _main_input(model)
+    generator = torch.Generator().manual_seed(seed)
+    inputs: dict[str, Tensor] = {}
     if main != "input_ids":
-        raise ProbeFailed(f"input {main!r} is not driven by the census (text token inputs only)")
-    vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None) or 100
-    ids = torch.randint(3, max(4, min(int(vocab), 1000)), (batch, length), generator=torch.Generator().manual_seed(seed))
-    inputs: dict[str, Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if position is not None:
-        inputs["position_ids"] = torch.full_like(ids, position)
+        inputs[main] = _signal(config, main, batch, generator)
+    else:
+        vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None) or 100
+        ids = torch.randint(3, max(4, min(int(vocab), 1000)), (batch, length), generator=generator)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if position is not None:
+            inputs["position_ids"] = torch.full_like(ids, position)
+    for name in extra:
+        inputs[name] = _signal(config, name, batch, generator)
+    if _takes(model, "output_attentions"):  # attention codes of their own return weights only when asked
+        inputs["output_attentions"] = True
     if getattr(config, "is_encoder_decoder", False):
+        ids = torch.randint(3, 100, (batch, length), generator=generator) if main != "input_ids" else inputs["input_ids"]
         inputs["decoder_input_ids"] = ids
         inputs["decoder_attention_mask"] = torch.ones_like(ids)
     return inputs
@@ -385,8 +447,15 @@ def _forward(model: nn.Module, taps: Sequence[_Tap], gain: float, inputs: dict) 
         except ProbeFailed:
             raise
         except Exception as exc:
-            raise ProbeFailed(f"the forward pass failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]) from None
+            raise ProbeFailed(f"the forward pass failed: {_first_line(exc)}"[:200]) from None
     return weights
+
+
+def _wants_image(model: nn.Module) -> bool:
+    import inspect
+
+    main = getattr(model, "main_input_name", "input_ids")
+    return main == "input_ids" and "pixel_values" in inspect.signature(model.forward).parameters and hasattr(model.config, "vision_config")
 
 
 def _best_fit(tap: _Tap, weights: Tensor, config: Any) -> tuple[ScaleFit, int] | None:
@@ -424,6 +493,9 @@ def probe_model(
     config = model.config
     taps = find_taps(model)
     if not taps:
+        modeling = sys.modules.get(type(model).__module__)
+        if modeling is not None and not any(isinstance(v, type) and issubclass(v, nn.Module) and "attention" in k.lower() for k, v in vars(modeling).items()):
+            raise NoAttention("no attention: its modeling code defines no attention module")
         raise ProbeFailed("no attention module with query/key projections the census can read")
     positions = list(positions) if positions is not None else [None]  # type: ignore[list-item]
     by_tap: dict[int, dict] = {id(t.module): {"m": [], "r2": [], "b": [], "spread": [], "after": [], "after_r2": [], "after_spread": [], "dim": None, "heads": None} for t in taps}
@@ -431,12 +503,24 @@ def probe_model(
     cache_argument = _cache_argument(model)
     cached: bool | None = None if cache_argument else False  # positions also set through a cache? (None: not tried yet)
     model.eval()
+    extra: tuple[str, ...] = ()
     for gain in (1.0, GAIN):
         for position in positions if gain == 1.0 else positions[:1]:
-            inputs = _inputs(model, batch=batch, length=length, position=position, seed=seed)
-            weights = _forward(model, taps, gain, inputs)
-            if position and position <= CACHE_LIMIT and cached is not False:
-                # again, with a cache that says ``position`` tokens came before; kept where it runs
+            inputs = _inputs(model, batch=batch, length=length, position=position, seed=seed, extra=extra)
+            through_cache = bool(position) and position <= CACHE_LIMIT and cached is not False
+            weights = None
+            if not (through_cache and cached):  # by position ids (once the cache is known to work, by it alone)
+                try:
+                    weights = _forward(model, taps, gain, inputs)
+                except ProbeFailed:
+                    # a dual encoder (CLIP and kin) runs only with its image beside the text: once, with one
+                    if extra or not _wants_image(model):
+                        raise
+                    extra = ("pixel_values",)
+                    inputs = _inputs(model, batch=batch, length=length, position=position, seed=seed, extra=extra)
+                    weights = _forward(model, taps, gain, inputs)
+            if through_cache:
+                # with a cache that says ``position`` tokens came before; kept where it runs
                 try:
                     with torch.no_grad():
                         cache = _filled_cache(model, inputs, position)
@@ -448,7 +532,8 @@ def probe_model(
                         cached = True
                 except Exception:  # a cache the model does not take: positions by position ids alone
                     cached = False
-                    weights = _forward(model, taps, gain, inputs)
+            if weights is None or cached is False and through_cache:
+                weights = _forward(model, taps, gain, inputs)
             for tap in taps:
                 key = id(tap.module)
                 w = weights[key][-1] if weights[key] else (_HANDED[key][2] if key in _HANDED else None)
@@ -565,6 +650,7 @@ _SMALL = {
     "topk_group": 1,
     "encoder_layers": 2,
     "decoder_layers": 2,
+    "max_source_positions": 64,
 }
 LAYERS = 4
 """Layers kept: enough for a pattern such as Llama 4's every-fourth-layer NoPE."""
@@ -578,12 +664,19 @@ def _shrink(config: Any, layers: int, depth: int = 0) -> None:
         if isinstance(current, int) and not isinstance(current, bool):
             with contextlib.suppress(Exception):
                 setattr(config, name, value)
-    old = vars(config).get("num_hidden_layers")
-    if isinstance(old, int) and old > layers:
-        config.num_hidden_layers = layers
+    old = getattr(config, "num_hidden_layers", None)  # through the config's attribute map (GPT-J's n_layer)
+    if isinstance(old, int) and not isinstance(old, bool) and old > layers:
+        with contextlib.suppress(Exception):
+            config.num_hidden_layers = layers
         for name, value in list(vars(config).items()):
             if isinstance(value, list) and len(value) == old:
                 setattr(config, name, value[:layers])
+    size = vars(config).get("image_size")
+    if isinstance(size, int) and not isinstance(size, bool) and size > 224:  # EfficientNet's 600: cost, not scale
+        config.image_size = 224
+    for name in ("use_timm_backbone", "use_pretrained_backbone"):  # a backbone of its own, nothing downloaded
+        if vars(config).get(name) is True:
+            setattr(config, name, False)
     if isinstance(vars(config).get("num_experts_per_tok"), int):
         config.num_experts_per_tok = min(config.num_experts_per_tok, 2)
     ids = [v for n, v in vars(config).items() if n.endswith("token_id") and isinstance(v, int) and not isinstance(v, bool)]
@@ -603,7 +696,11 @@ def tiny_config(model_type: str, overrides: dict | None = None, *, layers: int =
     config = transformers.AutoConfig.for_model(model_type)
     _shrink(config, layers)
     for name, value in (overrides or {}).items():
-        setattr(config, name, value)
+        *path, last = name.split(".")  # "text_config.hidden_size": a sub-config's field
+        target = config
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, last, value)
     return config
 
 
@@ -622,14 +719,21 @@ def _load(make: Callable[[str], nn.Module], what: str) -> nn.Module:
         try:
             return make("eager")
         except Exception as exc:
-            raise ProbeFailed(f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]) from None
+            raise ProbeFailed(f"{what}: {_first_line(exc)}"[:200]) from None
 
 
 def build(config: Any) -> nn.Module:
-    """The base model of ``config`` with random weights."""
+    """The base model of ``config`` with random weights. Weight matrices that the config's
+    initialisation leaves near zero (BLIP's vision tower: initializer_range 1e-10) are redrawn with
+    std 0.02, so that q.k varies enough to read the multiplier (which they do not change)."""
     import transformers
 
-    return _load(lambda implementation: transformers.AutoModel.from_config(config, attn_implementation=implementation), "cannot be built small")
+    model = _load(lambda implementation: transformers.AutoModel.from_config(config, attn_implementation=implementation), "cannot be built small")
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2 and param.is_floating_point() and param.numel() > 1 and float(param.std()) < 1e-4:
+                nn.init.normal_(param, std=0.02)
+    return model
 
 
 def _zero_position_tables(model: nn.Module) -> None:
@@ -709,7 +813,7 @@ def _fields(config: Any) -> dict[str, Any]:
     return found
 
 
-MAX_PARAMETERS = 60_000_000
+MAX_PARAMETERS = 150_000_000
 """A type still larger than this when built small (sub-models the shrinking does not reach) is
 not probed: it would cost more memory and time than the rest of the census."""
 
@@ -720,36 +824,97 @@ def _probe_loaded(model: nn.Module) -> list[LayerScale]:
     config = model.config
     rotary = _rotary(model, config)
     table = getattr(config, "max_position_embeddings", None)
+    if _main_input(model) != "input_ids":  # an image or a sound: its tokens' positions are its own
+        return probe_model(model, positions=None)
     positions = position_ladder(config, rotary=rotary, limit=None if rotary else (table if isinstance(table, int) else 16))
     return probe_model(model, positions=positions)
 
 
+def _size(config: Any) -> int | None:
+    """Parameters of the base model of ``config``, counted on the meta device (nothing allocated);
+    None where the model cannot be built there."""
+    import transformers
+
+    try:
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")
+            model = transformers.AutoModel.from_config(config)
+    except Exception:
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
 def _probe_config(config: Any) -> list[LayerScale]:
-    model = build(config)
-    size = sum(p.numel() for p in model.parameters())
+    size = _size(config)
+    if size is None:  # counted after building instead
+        model = build(config)
+        size = sum(p.numel() for p in model.parameters())
+    else:
+        model = None
     if size > MAX_PARAMETERS:
         raise ProbeFailed(f"too large when built small: {size / 1e6:.0f}M parameters (limit {MAX_PARAMETERS / 1e6:.0f}M)")
-    return _probe_loaded(model)
+    return _probe_loaded(model if model is not None else build(config))
+
+
+MAX_LAYERS = 48
+"""A hybrid whose attention layers all lie past the first :data:`LAYERS` is built with all of its
+layers, up to this many."""
+
+
+def _fallbacks(model_type: str, config: Any, overrides: dict, reason: str) -> Iterator[tuple[dict, int | None]]:
+    """Further (overrides, layers) to try after a small build failed with ``reason``: as many
+    key/value heads as query heads (multi-head latent attention codes), the config's own head dim
+    (rotary sections and rotary_dim sized for it), and every layer (hybrids with attention late)."""
+    values = vars(config)
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(values.get("num_key_value_heads"), int) and isinstance(heads, int) and "num_key_value_heads" not in overrides:
+        yield {**overrides, "num_key_value_heads": heads}, None
+    import transformers
+
+    original = transformers.AutoConfig.for_model(model_type)
+    for prefix in ("", "text_config."):  # the model's own config, or its text tower's
+        small, old = config, original
+        if prefix:
+            small, old = getattr(config, "text_config", None), getattr(original, "text_config", None)
+            if small is None or old is None:
+                continue
+        old_heads, old_width = getattr(old, "num_attention_heads", None), getattr(old, "hidden_size", None)
+        dim = getattr(old, "head_dim", None)
+        if not isinstance(dim, int) and isinstance(old_heads, int) and isinstance(old_width, int) and old_heads:
+            dim = old_width // old_heads
+        width, count = getattr(small, "hidden_size", None), getattr(small, "num_attention_heads", None)
+        if isinstance(dim, int) and isinstance(count, int) and isinstance(width, int) and dim * count != width:
+            yield {f"{prefix}hidden_size": dim * count, **overrides}, None
+    depth = getattr(original, "num_hidden_layers", None)
+    if "no attention module" in reason and isinstance(depth, int) and depth > LAYERS:
+        yield overrides, min(depth, MAX_LAYERS)
 
 
 def probe_type(model_type: str, overrides: dict | None = None, *, label: str = "", released: bool = False, layers: int = LAYERS) -> CensusRow:
     """Build ``model_type`` small (with ``overrides``), probe it over its position ladder and
-    classify it. Raises :class:`ProbeFailed` with the reason where it cannot."""
+    classify it. Where the small build fails, a few fallbacks are tried (:func:`_fallbacks`); raises
+    :class:`ProbeFailed` with the first failure's reason where none works."""
     start = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    overrides = dict(overrides or {})
     try:
         config = tiny_config(model_type, overrides, layers=layers)
     except Exception as exc:
         raise ProbeFailed(f"no config: {type(exc).__name__}: {exc}"[:200]) from None
     try:
         found = _probe_config(config)
-    except ProbeFailed:
-        # some attention codes need as many key/value heads as query heads (multi-head latent attention)
-        heads = vars(config).get("num_attention_heads")
-        if not isinstance(vars(config).get("num_key_value_heads"), int) or not isinstance(heads, int) or (overrides or {}).get("num_key_value_heads"):
-            raise
-        config = tiny_config(model_type, {**(overrides or {}), "num_key_value_heads": heads}, layers=layers)
-        found = _probe_config(config)
+    except NoAttention:
+        raise
+    except ProbeFailed as first:
+        for more, depth in _fallbacks(model_type, config, overrides, str(first)):
+            try:
+                config = tiny_config(model_type, more, layers=depth or layers)
+                found = _probe_config(config)
+                break
+            except Exception:
+                continue
+        else:
+            raise first from None
     cls, why = classify(found)
     return CensusRow(model_type, label, cls, why, found, _fields(config), released, time.perf_counter() - start)
 
@@ -781,7 +946,8 @@ def model_types() -> list[str]:
 
 
 def census(types: Sequence[str] | None = None, *, progress: Callable[[int, int], None] | None = None) -> tuple[list[CensusRow], list[dict]]:
-    """Probe every type (default: :func:`model_types`); returns (rows, not probed with reasons)."""
+    """Probe every type (default: :func:`model_types`); returns (rows, not probed with reasons).
+    A type without attention is among the second, with ``no_attention`` true."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -795,7 +961,14 @@ def census(types: Sequence[str] | None = None, *, progress: Callable[[int, int],
                 rows.append(probe_type(model_type))
         except Exception as exc:  # foreign code: any failure is a reason, never the end of the census
             reason = str(exc) if isinstance(exc, ProbeFailed) else f"{type(exc).__name__}: {exc}"[:200]
-            missed.append({"model_type": model_type, "reason": reason, "seconds": round(time.perf_counter() - start, 3)})
+            missed.append(
+                {
+                    "model_type": model_type,
+                    "reason": reason,
+                    "no_attention": isinstance(exc, NoAttention),
+                    "seconds": round(time.perf_counter() - start, 3),
+                }
+            )
         if progress is not None:
             progress(i + 1, len(types))
     return rows, missed
