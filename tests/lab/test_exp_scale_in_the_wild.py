@@ -61,3 +61,20 @@ def test_the_tiny_census(tmp_path):
     assert exp.plot(measured, tmp_path) == ["scale_in_the_wild", "scale_in_the_wild_position"]
     assert (tmp_path / "scale_in_the_wild.svg").exists() and (tmp_path / "scale_in_the_wild_position.svg").exists()
     assert set(exp.captions(measured)) == {"scale_in_the_wild", "scale_in_the_wild_position"}
+
+
+def test_a_qk_norm_layer_whose_multiplier_after_the_norm_was_not_fitted_keeps_its_row():
+    def layer(name, multiplier, *, normalised):
+        return census.LayerScale(
+            layer=name, head_dim=16, heads=4, positions=[0, 15], multiplier=multiplier, head_spread=0.0, r2=0.5 if normalised else 1.0,
+            bias_slope=0.0, gain_response=0.25 if normalised else 1.0, after_norm=None, after_norm_r2=None, through_cache=False,
+        )
+
+    layers = [layer("a", [0.25, 0.25], normalised=False), layer("b", [0.1, 0.2], normalised=True)]
+    cls, why = census.classify(layers)
+    row = census.CensusRow("odd", "", cls, why, layers, {})
+    record = exp._record(row)
+    assert record["class"] == census.NORMALISED and not record["conforms"]
+    assert record["at_position_0"] == pytest.approx(1.0) and record["by_layer_far"] == "1 -"  # the norm's layer: nothing read
+    only = census.CensusRow("odd", "", cls, why, layers[1:], {})
+    assert exp._record(only)["at_position_0"] is None

@@ -76,7 +76,7 @@ CLAIM = Claim(
             "(attnscale.lab.census_verdict) was committed before any census number was seen: a type conforms when "
             "1/sqrt(head_dim) at every layer and position, or after QK-norm with 1/sqrt(head_dim) after the norm; "
             "at least 25 types and half of those tried must be probed; holds needs 90% probed",
-            "282ca8d1c58ef76b",
+            "c40ad1b314b998fc",
         ),
     ),
 )
@@ -150,7 +150,8 @@ def _record(row: Any, source: str = "") -> dict:
     at the farthest, the class, and the config fields that set the scale."""
     data = row.as_dict()
     layers = row.layers
-    at = [statistics.median(_sqrt_units(lay.effective, lay.head_dim)[i] for lay in layers) for i in (0, -1)]
+    read = [_sqrt_units(lay.effective, lay.head_dim) for lay in layers if lay.effective]  # QK-norm not fitted: none
+    at = [statistics.median(values[i] for values in read) if read else None for i in (0, -1)]
     far = layers[0].positions[-1]
     dims = sorted({lay.head_dim for lay in layers})
     return {
@@ -165,7 +166,7 @@ def _record(row: Any, source: str = "") -> dict:
         "at_position_0": at[0],
         "far_position": far if far >= 0 else None,
         "at_far_position": at[1],
-        "by_layer_far": " ".join(f"{_sqrt_units(lay.effective, lay.head_dim)[-1]:.4g}" for lay in layers),
+        "by_layer_far": " ".join(f"{_sqrt_units(lay.effective, lay.head_dim)[-1]:.4g}" if lay.effective else "-" for lay in layers),
         "why": row.why,
         "fields": ", ".join(f"{k}={v}" for k, v in row.fields.items()),
         "source": source,
@@ -178,7 +179,7 @@ def _curve(row: Any) -> dict:
     1/sqrt(head_dim)), for the figure."""
     def moves(lay: Any) -> float:
         values = _sqrt_units(lay.effective, lay.head_dim)
-        return max(values) - min(values)
+        return max(values) - min(values) if values else -math.inf
 
     layer = max(row.layers, key=moves)
     name = f"{row.label or row.model_type}"
