@@ -57,6 +57,8 @@ def test_the_ladder_reaches_four_times_every_length_threshold():
         pytest.param("wav2vec2", {}, 1.0, id="wav2vec2-waveform"),
         pytest.param("whisper", {}, 1.0, id="whisper-features"),
         pytest.param("clip", {}, 1.0, id="clip-dual-encoder"),
+        # Swin: its learned relative position bias table adds to the logit; zeroed like T5's
+        pytest.param("swin", {}, 1.0, id="swin-relative-table"),
         # CodeGen's fused projection: model-parallel shards of [q v k]; its rotary_dim needs the config's head dim
         pytest.param("codegen", {}, 1.0, id="codegen-sharded-fused"),
     ],
@@ -110,6 +112,27 @@ def test_qk_norm_is_found_by_the_gain_test_and_judged_after_the_norm():
     assert all(lay.gain_response == pytest.approx(0.25, rel=0.05) for lay in row.layers)  # q and k both normalised
     assert all(r == pytest.approx(1.0, rel=1e-3) for i in range(len(row.layers)) for r in _ratios(row, i))
     assert row.cls == census.NORMALISED and row.after_norm_sqrt is True
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "expected"),
+    [
+        # Gemma 3 27B: QK RMSNorm, then 1/sqrt(query_pre_attn_scalar = 168) with head_dim 128
+        pytest.param("gemma3_text", {"head_dim": 128, "query_pre_attn_scalar": 168}, lambda head_dim: math.sqrt(head_dim / 168), id="gemma3-27b-scalar-168"),
+        # Gemma 4: QK RMSNorm and a scale of 1, so x sqrt(head_dim) after the norm is sqrt(head_dim)
+        pytest.param("gemma4_unified_text", {}, math.sqrt, id="gemma4-scale-1"),
+        # Qwen 3.5: each head's query sits beside its output gate in q_proj ([q | gate]); 1/sqrt(head_dim)
+        pytest.param("qwen3_5_text", {}, lambda head_dim: 1.0, id="qwen3.5-gated-query"),
+    ],
+)
+def test_the_multiplier_after_qk_norm_follows_the_config(model_type, overrides, expected):
+    row = census.probe_type(model_type, overrides)
+    conforms = expected(row.layers[0].head_dim) == 1.0
+    assert row.cls == census.NORMALISED and row.after_norm_sqrt is conforms
+    if conforms:  # the head dim the model attends with, not the width of q_proj's output per head
+        assert {lay.head_dim for lay in row.layers} == {census.tiny_config(model_type).head_dim}
+    for i, lay in enumerate(row.layers):
+        assert _ratios(row, i) == pytest.approx([expected(lay.head_dim)] * len(lay.positions), rel=1e-3)
 
 
 def test_alibi_is_read_as_a_position_bias_beside_the_multiplier():

@@ -159,9 +159,15 @@ def _raw_qk(tap: _Tap, heads: int, config: Any) -> list[tuple[Tensor, Tensor]]:
         if q.shape[-1] % heads:
             return []
         d = q.shape[-1] // heads
-        if k.shape[-1] % d:
-            return []
-        return [(_heads(q, d), _heads(k, d))]
+        candidates = [(_heads(q, d), _heads(k, d))] if k.shape[-1] % d == 0 else []
+        text = getattr(config, "text_config", None)
+        kv = getattr(config, "num_key_value_heads", None) or getattr(text, "num_key_value_heads", None)
+        if isinstance(kv, int) and kv > 0 and k.shape[-1] % kv == 0 and d == 2 * (k.shape[-1] // kv):
+            # each head's query beside its output gate, [q | gate] (Qwen3-Next's gated attention)
+            half = d // 2
+            gated = q.reshape(*q.shape[:-1], heads, 2, half)[..., 0, :].transpose(1, 2)
+            candidates.append((gated, _heads(k, half)))
+        return candidates
     if tap.kind == "mla":
         q, a, b = (out[n] for n in tap.children)
         nope, rope = int(config.qk_nope_head_dim), int(config.qk_rope_head_dim)
@@ -737,10 +743,10 @@ def build(config: Any) -> nn.Module:
 
 
 def _zero_position_tables(model: nn.Module) -> None:
-    """T5-style learned relative position biases set to zero: they add to the logit, they do not
-    multiply it, and with random values they would read as noise in the fit."""
+    """Learned relative position biases (T5's buckets, Swin's and BEiT's tables) set to zero: they add
+    to the logit, they do not multiply it, and with random values they would read as noise in the fit."""
     for name, param in model.named_parameters():
-        if "relative_attention_bias" in name:
+        if "relative_attention_bias" in name or "relative_position_bias_table" in name:  # T5; Swin, BEiT
             nn.init.zeros_(param)
 
 
