@@ -1,6 +1,6 @@
-"""QK-Clip on attnscale.MultiHeadAttention and on HuggingFace BERT, GPT-2 and Llama attention: after a
-clip the same batch's max logit is at most tau, heads under tau give bit-identical outputs, and
-training goes on."""
+"""QK-Clip on attnscale.MultiHeadAttention and on HuggingFace BERT, GPT-2, Llama and DeepSeek-V3 (latent)
+attention: after a clip the same batch's max logit is at most tau, heads under tau give bit-identical
+outputs, and training goes on."""
 
 import pytest
 import torch
@@ -182,3 +182,24 @@ def test_hf_layers_with_qk_norm_are_refused_and_left_untouched(transformers, fam
     with pytest.raises(ValueError, match=r"model: expected attention layers without QK-Norm .*q_norm, k_norm"):
         qk_clip(model, {layer: [50.0] * 4}, 10.0)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_multi_head_latent_attention(transformers):
+    """DeepSeek-V3's latent attention: q_nope and k_nope rows by sqrt(gamma), q_rope rows by gamma, the
+    shared rotary key and the values untouched; both parts of each head's logit shrink by gamma."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=32, moe_intermediate_size=16, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, max_position_embeddings=32, bos_token_id=0,
+        eos_token_id=0, n_group=1, topk_group=1,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config, attn_implementation="sdpa").eval()
+    attn = model.layers[0].self_attn
+    _spread_logits(attn.q_b_proj.weight, 4)
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    shared = [p.detach().clone() for p in attn.kv_a_proj_with_mqa.parameters()]
+    values = attn.kv_b_proj.weight.detach().unflatten(0, (4, -1))[:, 8:].clone()
+    _check_clip(model, lambda: model(input_ids=ids), attn.o_proj, 4)
+    assert all(torch.equal(a, b) for a, b in zip(shared, attn.kv_a_proj_with_mqa.parameters()))
+    assert torch.equal(attn.kv_b_proj.weight.detach().unflatten(0, (4, -1))[:, 8:], values)

@@ -26,7 +26,16 @@ or :class:`~attnscale.diagnostics.monitor.MonitorReport`, recorded every step) o
 * :class:`attnscale.MultiHeadAttention` (``q_proj`` / ``k_proj``);
 * HuggingFace BERT-style self-attention (``query`` / ``key`` Linear, ``num_attention_heads``);
 * HuggingFace GPT-2 (``c_attn``, the fused Conv1D whose first two thirds of columns are q and k);
-* HuggingFace Llama-family attention (``q_proj`` / ``k_proj``, GQA from the config).
+* HuggingFace Llama-family attention (``q_proj`` / ``k_proj``, GQA from the config);
+* multi-head latent attention (DeepSeek-V2/V3, Kimi K2: ``q_b_proj`` or ``q_proj``,
+  ``kv_a_proj_with_mqa``, ``kv_b_proj``). Each head's query is ``[q_nope | q_rope]`` and its key
+  ``[k_nope | k_rope]``, where ``k_nope`` is the head's own (rows of ``kv_b_proj``) and ``k_rope``
+  one vector shared by every head (``kv_a_proj_with_mqa``). The clip multiplies head ``h``'s
+  ``q_nope`` and ``k_nope`` rows by ``sqrt(gamma_h)`` each and its ``q_rope`` rows by ``gamma_h``,
+  and leaves the shared ``k_rope`` (and the values) as they are, so that both parts of
+  ``q_h . k_h`` shrink by exactly ``gamma_h`` and no other head moves. The norms on the latent
+  vectors (``q_a_layernorm``, ``kv_a_layernorm``) come before these projections, so they do not
+  undo the rescale.
 
 >>> import torch, attnscale
 >>> from attnscale.diagnostics.qk_clip import qk_clip
@@ -88,7 +97,48 @@ _QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm"
 Gemma 3, OLMo 2, Cohere, Chameleon, Persimmon, ...)."""
 
 
-def _projections(layer: str, module: nn.Module) -> _Projections:
+@dataclass(frozen=True)
+class _Latent:
+    """One multi-head latent attention layer: per head, ``nope + rope`` rows of ``q`` and ``nope + v``
+    rows of ``kv_b`` (head-major)."""
+
+    q: nn.Linear
+    kv_b: nn.Linear
+    H: int
+    nope: int
+    rope: int
+    v: int
+
+
+def _latent(layer: str, module: nn.Module) -> _Latent | None:
+    q = getattr(module, "q_b_proj", None) or getattr(module, "q_proj", None)
+    kv_b = getattr(module, "kv_b_proj", None)
+    if not (isinstance(q, nn.Linear) and isinstance(kv_b, nn.Linear) and isinstance(getattr(module, "kv_a_proj_with_mqa", None), nn.Linear)):
+        return None
+    config = getattr(module, "config", None)
+    dims = [getattr(module, n, None) or getattr(config, n, None) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")]
+    H = getattr(module, "num_heads", None) or getattr(config, "num_attention_heads", None)
+    if not all(isinstance(d, int) for d in [*dims, H]):
+        fail("model", "a latent attention layer with qk_nope_head_dim, qk_rope_head_dim, v_head_dim and num_heads", f"{type(module).__name__} at {layer!r}", "clip it by hand: q_nope and k_nope rows by sqrt(gamma), q_rope rows by gamma", exc=TypeError)
+    nope, rope, v = dims
+    if q.out_features != H * (nope + rope) or kv_b.out_features != H * (nope + v):
+        fail("model", f"q rows H x (nope + rope) = {H * (nope + rope)} and kv_b rows H x (nope + v) = {H * (nope + v)}", f"{q.out_features} and {kv_b.out_features} at {layer!r}", "clip it by hand", exc=TypeError)
+    return _Latent(q, kv_b, H, nope, rope, v)
+
+
+def _scale_latent(proj: _Latent, gamma: Tensor) -> None:
+    """Head h: q_nope and k_nope rows times sqrt(gamma_h), q_rope rows times gamma_h; the shared
+    k_rope and the values untouched."""
+    root, H = gamma.sqrt(), proj.H
+    q_factor = torch.cat([root[:, None].expand(H, proj.nope), gamma[:, None].expand(H, proj.rope)], dim=1).reshape(-1)
+    k_factor = torch.cat([root[:, None].expand(H, proj.nope), torch.ones(H, proj.v, dtype=gamma.dtype)], dim=1).reshape(-1)
+    for linear, factor in ((proj.q, q_factor), (proj.kv_b, k_factor)):
+        linear.weight.mul_(factor.to(linear.weight.dtype)[:, None])
+        if linear.bias is not None:
+            linear.bias.mul_(factor.to(linear.bias.dtype))
+
+
+def _projections(layer: str, module: nn.Module) -> _Projections | _Latent:
     norms = [name for name in _QK_NORMS if isinstance(getattr(module, name, None), nn.Module)]
     if norms:
         # A norm after the projection undoes a scale on its rows (per head, or across heads where
@@ -108,6 +158,9 @@ def _projections(layer: str, module: nn.Module) -> _Projections:
         q = ((w[:, :E], 1), (b[:E], 0))
         k = ((w[:, E : 2 * E], 1), (b[E : 2 * E], 0))
         return _Projections(q, k, module.num_heads, module.num_heads, module.head_dim)
+    latent = _latent(layer, module)
+    if latent is not None:
+        return latent
     config = getattr(module, "config", None)
     if isinstance(getattr(module, "q_proj", None), nn.Linear) and isinstance(getattr(module, "k_proj", None), nn.Linear) and config is not None:
         H = config.num_attention_heads
@@ -115,7 +168,7 @@ def _projections(layer: str, module: nn.Module) -> _Projections:
         return _Projections(_linear_views(module.q_proj), _linear_views(module.k_proj), H, Hkv, module.head_dim)
     fail(
         "model",
-        "attention layers with named q and k projections (attnscale.MultiHeadAttention, BERT, GPT-2 or Llama-family)",
+        "attention layers with named q and k projections (attnscale.MultiHeadAttention, BERT, GPT-2, Llama-family or latent attention)",
         f"{type(module).__name__} at {layer!r}",
         "clip only models of these kinds, or rescale the projections yourself by sqrt(tau / max_logit) per head",
         exc=TypeError,
@@ -185,7 +238,9 @@ def qk_clip(model: nn.Module, max_logits: StepRecord | MonitorReport | Mapping[s
             gamma = torch.ones(proj.H, dtype=torch.float64)
             for h, g in over:
                 gamma[h] = g
-            if proj.Hkv == proj.H:
+            if isinstance(proj, _Latent):
+                _scale_latent(proj, gamma)
+            elif proj.Hkv == proj.H:
                 _scale_heads(proj.q, gamma.sqrt(), proj.D)
                 _scale_heads(proj.k, gamma.sqrt(), proj.D)
             else:
