@@ -122,6 +122,32 @@ def test_the_full_training_stall_run_reached_the_published_verdict():
     assert [n for n in cited if n not in json.dumps(full)] == ["18.0"]  # every number but the wall time is the run's
 
 
+def test_the_full_census_reached_the_published_rule_and_the_lab_report_cites_it():
+    """docs/lab-report.md cites scale-in-the-wild's full profile (every model type): the summary in
+    results/full_scale_in_the_wild.json is judged by the current rule, and every number the section
+    cites is that run's, the published default run's or the recorded census benchmark's."""
+    full = json.loads((ROOT / "results" / "full_scale_in_the_wild.json").read_text(encoding="utf-8"))
+    assert (full["profile"], full["seed"]) == ("full", 0) and re.fullmatch(r"[0-9a-f]{40}", full["commit"])
+    (claim,) = full["claims"]
+    (now,) = [c for c in PUBLISHED["claims"] if c["id"] == "scale-in-the-wild"]
+    assert (claim["id"], claim["rule_version"], claim["rule_fingerprint"]) == (now["id"], now["rule_version"], now["rule_fingerprint"])
+    assert f"at {full['commit'][:7]}; `results/full_scale_in_the_wild.json`, {full['seconds'] / 60:.1f} min" in LAB_REPORT
+    census = json.loads((ROOT / "results" / "census_full.json").read_text(encoding="utf-8"))
+    assert census["types_tried"] == census["types_in_transformers"]  # the full profile: every type
+    section = LAB_REPORT[LAB_REPORT.index("## The scale census") :].split("## ")[1]
+    bench = json.loads((ROOT / "benchmarks" / "recorded" / "census.json").read_text(encoding="utf-8"))
+    numbers = [float(n) for n in re.findall(r"-?\d+(?:\.\d+)?(?:e-?\d+)?", json.dumps([full, census, PUBLISHED, bench]))]
+    counts = {len(census["census"]), len(census["not_probed"]), len(census["no_attention"]), len(census["census"]) + len(census["not_probed"])}
+
+    def measured(text: str) -> bool:  # a value of either run, to the digits cited, or a count of the census
+        digits = len(text.split(".")[1]) if "." in text else 0
+        return any(round(v, digits) == float(text) for v in numbers) or (digits == 0 and int(text) in counts)
+
+    section = section.replace(full["commit"][:7], "").replace(f"{full['seconds'] / 60:.1f} min", "")
+    cited = re.findall(r"\d+\.\d+|\b\d{2,}\b", section)
+    assert cited and [n for n in cited if not measured(n)] == [], "a number the section cites that neither run has"
+
+
 FAST = (
     "softmax-peak-example", "qknorm-double-shrink", "flash-exp2", "quant-folding", "fp16-secondary", "linear-attention",
     "alibi-order", "rope-variance", "length-scaling", "saturation-example", "jacobian-collapse", "mup-correlated",
