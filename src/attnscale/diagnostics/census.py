@@ -303,6 +303,7 @@ def _signal(config: Any, name: str, batch: int, generator: torch.Generator) -> T
 
 
 def _takes(model: nn.Module, name: str) -> bool:
+    """Whether ``model.forward`` has a parameter ``name``."""
     import inspect
 
     return name in inspect.signature(model.forward).parameters
@@ -353,10 +354,7 @@ CACHE_BYTES = 1 << 29
 
 
 def _cache_argument(model: nn.Module) -> str | None:
-    import inspect
-
-    params = inspect.signature(model.forward).parameters
-    return next((name for name in ("cache", "past_key_values") if name in params), None)
+    return next((name for name in ("cache", "past_key_values") if _takes(model, name)), None)
 
 
 def _filled_cache(model: nn.Module, inputs: dict, position: int) -> Any | None:
@@ -458,10 +456,8 @@ def _forward(model: nn.Module, taps: Sequence[_Tap], gain: float, inputs: dict) 
 
 
 def _wants_image(model: nn.Module) -> bool:
-    import inspect
-
     main = getattr(model, "main_input_name", "input_ids")
-    return main == "input_ids" and "pixel_values" in inspect.signature(model.forward).parameters and hasattr(model.config, "vision_config")
+    return main == "input_ids" and _takes(model, "pixel_values") and hasattr(model.config, "vision_config")
 
 
 def _best_fit(tap: _Tap, weights: Tensor, config: Any) -> tuple[ScaleFit, int] | None:
