@@ -540,7 +540,7 @@ def test_per_sample_gradients_through_the_kernel_equal_the_loop(in_dim):
 def test_the_options_record_names_the_ops_arguments_in_their_order():
     """ops.KernelOptions is the one list of the kernel's options: its fields are the forward op's
     arguments after q, k, v, alibi, mask, spans, and BACKWARD_FIELDS the backward op's after its
-    ten tensors, name for name (the C++ kernel takes them by these names too)."""
+    ten tensors, name for name, with the record's types."""
     forward = [a.name for a in torch.ops.attnscale.fused_forward.default._schema.arguments]
     backward = [a.name for a in torch.ops.attnscale.fused_backward.default._schema.arguments]
     assert forward[:6] == ["q", "k", "v", "alibi", "mask", "spans"]
@@ -548,3 +548,23 @@ def test_the_options_record_names_the_ops_arguments_in_their_order():
     assert backward[:10] == ["q", "k", "v", "dout", "delta", "m", "l", "alibi", "mask", "spans"]
     assert backward[10:] == list(ops.BACKWARD_FIELDS)
     assert ops.KernelOutputs._fields[-1] == "rows_ok" and len(ops.KernelOutputs._fields) == len(torch.ops.attnscale.fused_forward.default._schema.returns)
+    types = {a.name: str(a.type) for a in torch.ops.attnscale.fused_forward.default._schema.arguments}
+    assert [types[name] for name in ("scale", "causal", "q_offset")] == ["float", "bool", "int"]
+
+
+@needs_kernel
+def test_the_compiled_kernel_takes_the_options_records_fields_by_name_and_no_other():
+    """The C++ kernel's Options struct lists the record's fields in its order; a call that leaves
+    one out or names one it does not know fails with the name, never taking a default."""
+    kernel = kernels.load()
+    assert kernel.option_names() == list(ops.KernelOptions._fields)
+    q = torch.randn(1, 1, 3, 4)
+    given = ops.KernelOptions(scale=0.5, block_q=64, block_k=64)._asdict()
+    out = kernel.forward(q=q, k=q, v=q, alibi=None, mask=None, spans=None, **given)[0]
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, q, q, scale=0.5))
+    missing = dict(given)
+    del missing["round_out"]
+    with pytest.raises(RuntimeError, match="options missing: round_out"):
+        kernel.forward(q=q, k=q, v=q, alibi=None, mask=None, spans=None, **missing)
+    with pytest.raises(RuntimeError, match="unknown options: softcapp"):
+        kernel.forward(q=q, k=q, v=q, alibi=None, mask=None, spans=None, softcapp=1.0, **given)

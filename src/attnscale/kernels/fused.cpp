@@ -37,6 +37,7 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -65,6 +66,70 @@ __attribute__((weak)) void cblas_gemm_f16f16f32(int layout, int transa, int tran
 namespace {
 
 using at::vec::Vectorized;
+
+// Everything the kernel takes besides its tensors, by name: the one list of attnscale.kernels.ops.
+// KernelOptions (same names, same order; tests/test_compile.py holds the two equal). X-macro: each
+// line makes a field and its keyword in the binding, so one new option is one line here, one field
+// there, and the code that reads it.
+#define ATTNSCALE_KERNEL_OPTIONS(X)                                                                          \
+  X(double, scale)          /* the logits' multiplier */                                                     \
+  X(double, softcap)        /* cap * tanh(s / cap); 0: none */                                               \
+  X(bool, causal)           /* bottom-right aligned: query row i sees keys up to i + q_offset */             \
+  X(int64_t, q_offset)      /* query row i sits at key position i + q_offset */                             \
+  X(int64_t, left)          /* window sides; -1: unbounded */                                                \
+  X(int64_t, right)                                                                                          \
+  X(int64_t, q_start)       /* global positions of the first query row and key (context parallelism) */     \
+  X(int64_t, k_start)                                                                                        \
+  X(bool, with_stats)       /* the streamed statistics (forward) */                                          \
+  X(int64_t, block_q)       /* tile rows and keys (the caller resolves 0 to its defaults) */                 \
+  X(int64_t, block_k)                                                                                        \
+  X(bool, half_products)    /* 16-bit inputs: multiply them as they are (else float32 tiles) */             \
+  X(bool, round_out)        /* 16-bit inputs: out rounded to their format as its rows are written */
+
+struct Options {
+#define ATTNSCALE_FIELD(type, name) type name{};
+  ATTNSCALE_KERNEL_OPTIONS(ATTNSCALE_FIELD)
+#undef ATTNSCALE_FIELD
+
+  // From the binding's keywords: every option named once, no other name (a misspelt or missing
+  // one is an error that names it, never a default taken in silence).
+  static Options from(const py::kwargs& given) {
+    Options o;
+    size_t found = 0;
+    std::string missing;
+#define ATTNSCALE_READ(type, name)                  \
+  if (given.contains(#name)) {                      \
+    o.name = given[#name].cast<type>();             \
+    ++found;                                        \
+  } else {                                          \
+    missing += missing.empty() ? #name : ", " #name; \
+  }
+    ATTNSCALE_KERNEL_OPTIONS(ATTNSCALE_READ)
+#undef ATTNSCALE_READ
+    TORCH_CHECK(missing.empty(), "attnscale fused kernel: options missing: ", missing, " (pass every field of attnscale.kernels.ops.KernelOptions)");
+    if (found != given.size()) {
+      std::string unknown;
+      for (const auto& item : given) {
+        const auto name = item.first.cast<std::string>();
+        bool known = false;
+#define ATTNSCALE_KNOWN(type, field) known = known || name == #field;
+        ATTNSCALE_KERNEL_OPTIONS(ATTNSCALE_KNOWN)
+#undef ATTNSCALE_KNOWN
+        if (!known) unknown += unknown.empty() ? name : ", " + name;
+      }
+      TORCH_CHECK(false, "attnscale fused kernel: unknown options: ", unknown, " (the fields of attnscale.kernels.ops.KernelOptions)");
+    }
+    return o;
+  }
+
+  static std::vector<std::string> names() {
+    std::vector<std::string> all;
+#define ATTNSCALE_NAME(type, name) all.emplace_back(#name);
+    ATTNSCALE_KERNEL_OPTIONS(ATTNSCALE_NAME)
+#undef ATTNSCALE_NAME
+    return all;
+  }
+};
 
 // Inside the kernel's parallel loops each BLAS call runs on its own thread: MKL is told so for the
 // scope (restored after), so its products never start threads of their own on cores the loop
@@ -1801,11 +1866,9 @@ inline int half_kind(const torch::Tensor& x) {
 }
 
 template <typename T>
-Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
-                        double softcap, bool causal, int64_t q_offset, int64_t left, int64_t right, int64_t q_start,
-                        int64_t k_start, const c10::optional<torch::Tensor>& alibi,
-                        const c10::optional<torch::Tensor>& mask, int64_t block_q, int64_t block_k,
-                        const c10::optional<torch::Tensor>& spans, bool half_products = true) {
+Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
+                        const c10::optional<torch::Tensor>& spans, const Options& o) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attnscale fused kernel: q, k, v must be 4-d");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "attnscale fused kernel: last dims must be contiguous");
   // BLAS reads each (n, d) matrix with leading dimension = the row stride: rows must not overlap
@@ -1817,10 +1880,10 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
   if (half) {  // 16-bit inputs: float problems only
     TORCH_CHECK((std::is_same_v<T, float>) && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
                 "attnscale fused kernel: 16-bit q, k, v share one format and compute in float32");
-    TORCH_CHECK(!half_products || half_gemm(half),
+    TORCH_CHECK(!o.half_products || half_gemm(half),
                 "attnscale fused kernel: this torch has no 16-bit products (oneMKL); pass half_products=False or float32 inputs");
     P.half = half;
-    P.widen = !half_products;
+    P.widen = !o.half_products;
     P.qh = static_cast<const uint16_t*>(q.const_data_ptr());
     P.kh = static_cast<const uint16_t*>(k.const_data_ptr());
     P.vh = static_cast<const uint16_t*>(v.const_data_ptr());
@@ -1834,10 +1897,10 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
   P.v_sb = v.stride(0), P.v_sh = v.stride(1), P.v_sl = v.stride(2);
   P.B = q.size(0), P.H = q.size(1), P.L = q.size(2), P.D = q.size(3);
   P.Hkv = k.size(1), P.S = k.size(2), P.Dv = v.size(3);
-  P.scale = static_cast<T>(scale), P.softcap = static_cast<T>(softcap);
-  P.causal = causal, P.q_offset = q_offset, P.left = left, P.right = right;
-  P.q_start = q_start, P.k_start = k_start;
-  P.block_q = block_q, P.block_k = block_k;
+  P.scale = static_cast<T>(o.scale), P.softcap = static_cast<T>(o.softcap);
+  P.causal = o.causal, P.q_offset = o.q_offset, P.left = o.left, P.right = o.right;
+  P.q_start = o.q_start, P.k_start = o.k_start;
+  P.block_q = o.block_q, P.block_k = o.block_k;
   P.o_rows = P.L, P.o_start = 0, P.k_rows = P.S, P.k_out_start = 0;
   if (alibi.has_value()) {
     TORCH_CHECK(alibi->dim() == 2 && alibi->scalar_type() == c10::CppTypeToScalarType<T>::value, "attnscale fused kernel: slopes (B, H) in the compute dtype");
@@ -1879,12 +1942,10 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
 // without with_stats, rows_ok a 0-d bool tensor. All made here, so a decoding step's Python makes
 // no tensors of its own after the call (each torch op from Python then costs more than its share:
 // the kernel has just streamed k and v through the caches).
-std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale,
-                                   double softcap, bool causal, int64_t q_offset, int64_t left, int64_t right,
-                                   int64_t q_start, int64_t k_start, const c10::optional<torch::Tensor>& alibi,
-                                   const c10::optional<torch::Tensor>& mask, bool with_stats, int64_t block_q,
-                                   int64_t block_k, const c10::optional<torch::Tensor>& spans, bool half_products,
-                                   bool round_out) {
+std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
+                                   const c10::optional<torch::Tensor>& spans, const py::kwargs& options) {
+  const Options o = Options::from(options);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
   // Packed: rows of sequences without keys are not visited; they keep an empty row's values.
   const bool packed = spans.has_value();
@@ -1896,11 +1957,11 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
   // 16-bit inputs give float32 outputs, but for out with round_out: rounded to their format as its
   // rows are written (else the caller rounds it once); q, k, v stay 16-bit for the products.
   const auto dt = half_kind(q) ? at::kFloat : q.scalar_type();
-  const bool out16 = round_out && half_kind(q) != kNoHalf;
+  const bool out16 = o.round_out && half_kind(q) != kNoHalf;
   auto out = make({B, H, L, Dv}, 0.0, out16 ? q.scalar_type() : dt);
   auto lse = make({B, H, L}, -inf, dt), m = make({B, H, L}, 0.0, dt), l = make({B, H, L}, 1.0, dt);
   std::vector<torch::Tensor> result{out, lse, m, l};
-  if (with_stats) {
+  if (o.with_stats) {
     result.push_back(make({B, H, L}, -inf, dt));  // max_logit
     result.push_back(make({B, H, L}, 0.0, dt));   // max_prob
     result.push_back(make({B, H, L}, 0.0, dt));   // entropy
@@ -1911,8 +1972,7 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
   }
   std::atomic<bool> suspect{false};
   AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_forward", [&] {
-    auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
-                                    mask, block_q, block_k, spans, half_products);
+    auto P = make_problem<scalar_t>(q, k, v, alibi, mask, spans, o);
     // Settling needs a bound on every logit (no ALiBi, no float mask). With brgemm the key norms
     // come beside the packing, from its reads (pack_problem), at little cost: every such call
     // settles, packed sequences each on their own keys' norms, and bfloat16 rows of a single
@@ -1939,7 +1999,7 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
       O.template set_rounded_range<at::BFloat16>();
     else if (P.half == kF16)
       O.template set_rounded_range<at::Half>();
-    if (with_stats) {
+    if (o.with_stats) {
       O.max_logit = result[4].data_ptr<scalar_t>();
       O.max_prob = result[5].data_ptr<scalar_t>();
       O.entropy = result[6].data_ptr<scalar_t>();
@@ -1953,11 +2013,13 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
 
 std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tensor& k16, const torch::Tensor& v16,
                                     const torch::Tensor& dout, const torch::Tensor& delta, const torch::Tensor& m,
-                                    const torch::Tensor& l, double scale, double softcap, bool causal,
-                                    int64_t q_offset, int64_t left, int64_t right, int64_t q_start, int64_t k_start,
-                                    const c10::optional<torch::Tensor>& alibi,
-                                    const c10::optional<torch::Tensor>& mask, int64_t block_q, int64_t block_k,
-                                    const c10::optional<torch::Tensor>& spans) {
+                                    const torch::Tensor& l, const c10::optional<torch::Tensor>& alibi,
+                                    const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& spans,
+                                    const py::kwargs& options) {
+  const Options o = Options::from(options);
+  // A forward that widened its tiles (half_products false) is differentiated on float32 copies
+  // the caller makes: 16-bit inputs here are always multiplied as they are.
+  TORCH_CHECK(!half_kind(q16) || o.half_products, "attnscale fused kernel: the backward of 16-bit inputs takes them with half_products=True (else float32 copies)");
   // 16-bit inputs: the products take them as they are, and dout rounded to their format (the
   // gradient of an output the caller rounded to it); gradients come back in float32, for the
   // caller to round. (A forward that widened its tiles is differentiated on float32 copies: the
@@ -1981,8 +2043,7 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
   auto dk = torch::zeros({B, grouped ? Hkv : H, S, D}, q.options().dtype(dt));
   auto dv = torch::zeros({B, grouped ? Hkv : H, S, Dv}, q.options().dtype(dt));
   AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_backward", [&] {
-    auto P = make_problem<scalar_t>(q, k, v, scale, softcap, causal, q_offset, left, right, q_start, k_start, alibi,
-                                    mask, block_q, block_k, spans);
+    auto P = make_problem<scalar_t>(q, k, v, alibi, mask, spans, o);
     BackwardIO<scalar_t> IO{dout.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
                             l.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
                             dv.data_ptr<scalar_t>(), grouped};
@@ -2033,19 +2094,16 @@ std::tuple<torch::Tensor, torch::Tensor> weights_op(const torch::Tensor& x) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  // Bound by keyword (attnscale.kernels.ops.KernelOptions names the scalars): a call that names
-  // an argument wrongly fails, where one that swapped two ints or bools by position was silent.
-  module.def("forward", &forward, "attnscale fused attention forward: [out, lse, m, l, max_logit, max_prob, entropy, visible (empty without statistics), rows_ok (0-d bool)]",
-             py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("softcap"), py::arg("causal"), py::arg("q_offset"),
-             py::arg("left"), py::arg("right"), py::arg("q_start"), py::arg("k_start"), py::arg("alibi"), py::arg("mask"),
-             py::arg("with_stats"), py::arg("block_q"), py::arg("block_k"), py::arg("spans"), py::arg("half_products"),
-             py::arg("round_out"));
+  // The options by keyword (Options::from): a call that names one wrongly, or leaves one out,
+  // fails, where one that swapped two ints or bools by position was silent.
+  module.def("forward", &forward, "attnscale fused attention forward: [out, lse, m, l, max_logit, max_prob, entropy, visible (empty without statistics), rows_ok (0-d bool)]; the options by keyword (Options)",
+             py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alibi"), py::arg("mask"), py::arg("spans"));
+  module.def("option_names", &Options::names, "the options forward and backward take by keyword, in their order (Options)");
   module.def("brgemm_runs", &brgemm_runs, "whether bfloat16 products with an even head dim go through torch's brgemm (oneDNN) here, not oneMKL");
   module.def("half_gemm", &half_gemm, "whether 16-bit q, k, v of this format (1 bfloat16, 2 float16) can be passed as they are (oneMKL's products)");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");
   module.def("weights", &weights_op, "the softmax's exp of centred scores, and exp_u20 floored the same way (float32, 1-d, a multiple of 8 long)");
-  module.def("backward", &backward, "attnscale fused attention backward (dq, dk, dv; dk, dv per key head, or per query head for the caller to sum per group)",
-             py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"), py::arg("delta"), py::arg("m"), py::arg("l"), py::arg("scale"),
-             py::arg("softcap"), py::arg("causal"), py::arg("q_offset"), py::arg("left"), py::arg("right"), py::arg("q_start"),
-             py::arg("k_start"), py::arg("alibi"), py::arg("mask"), py::arg("block_q"), py::arg("block_k"), py::arg("spans"));
+  module.def("backward", &backward, "attnscale fused attention backward (dq, dk, dv; dk, dv per key head, or per query head for the caller to sum per group); the options by keyword (Options)",
+             py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"), py::arg("delta"), py::arg("m"), py::arg("l"),
+             py::arg("alibi"), py::arg("mask"), py::arg("spans"));
 }

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+import typing
 from typing import NamedTuple, Optional
 
 import torch
@@ -260,30 +261,23 @@ def _kernel():
     return kernel
 
 
-@torch.library.custom_op("attnscale::fused_forward", mutates_args=())
-def fused_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    alibi: Optional[Tensor],
-    mask: Optional[Tensor],
-    spans: Optional[Tensor],
-    scale: float,
-    softcap: float,
-    causal: bool,
-    q_offset: int,
-    left: int,
-    right: int,
-    q_start: int,
-    k_start: int,
-    with_stats: bool,
-    block_q: int,
-    block_k: int,
-    half_products: bool,
-    round_out: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    options = KernelOptions(scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products, round_out)
-    return tuple(run_forward(q, k, v, alibi, mask, spans, options))
+def _schema(tensors: str, fields: tuple[str, ...], returns: int) -> str:
+    """A custom op's schema: its tensors, then the named options with their types (from
+    :class:`KernelOptions`), so the ops' signatures follow the record and never restate it."""
+    kinds = {float: "float", bool: "bool", int: "int"}
+    hints = typing.get_type_hints(KernelOptions)
+    options = ", ".join(f"{kinds[hints[name]]} {name}" for name in fields)
+    return f"({tensors}, {options}) -> ({', '.join(['Tensor'] * returns)})"
+
+
+@torch.library.custom_op(
+    "attnscale::fused_forward",
+    mutates_args=(),
+    schema=_schema("Tensor q, Tensor k, Tensor v, Tensor? alibi, Tensor? mask, Tensor? spans", KernelOptions._fields, _OUTPUTS),
+)
+def fused_forward(q: Tensor, k: Tensor, v: Tensor, alibi: Optional[Tensor], mask: Optional[Tensor], spans: Optional[Tensor], *options) -> tuple[Tensor, ...]:
+    """The kernel's forward as an op: the options positionally, in :class:`KernelOptions`' order."""
+    return tuple(run_forward(q, k, v, alibi, mask, spans, KernelOptions(*options)))
 
 
 def run_forward(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Tensor | None, spans: Tensor | None, options: KernelOptions) -> KernelOutputs:
@@ -303,8 +297,10 @@ def _same_device(q: Tensor, **others: Tensor | None) -> None:
 
 
 @fused_forward.register_fake
-def _(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, with_stats, block_q, block_k, half_products, round_out):
+def _(q, k, v, alibi, mask, spans, *options):
     _same_device(q, k=k, v=v, alibi=alibi, mask=mask, spans=spans)
+    given = KernelOptions(*options)
+    with_stats, round_out = given.with_stats, given.round_out
     B, H, L = q.shape[0], q.shape[1], q.shape[2]
     rows = (B, H, L)
     stat = rows if with_stats else (0,)
@@ -322,41 +318,24 @@ def _(q, k, v, alibi, mask, spans, scale, softcap, causal, q_offset, left, right
     )
 
 
-@torch.library.custom_op("attnscale::fused_backward", mutates_args=())
-def fused_backward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    dout: Tensor,
-    delta: Tensor,
-    m: Tensor,
-    l: Tensor,
-    alibi: Optional[Tensor],
-    mask: Optional[Tensor],
-    spans: Optional[Tensor],
-    scale: float,
-    softcap: float,
-    causal: bool,
-    q_offset: int,
-    left: int,
-    right: int,
-    q_start: int,
-    k_start: int,
-    block_q: int,
-    block_k: int,
-    half_products: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    check_forward_args(q, k, v, alibi, mask, spans, block_q, block_k)
+@torch.library.custom_op(
+    "attnscale::fused_backward",
+    mutates_args=(),
+    schema=_schema("Tensor q, Tensor k, Tensor v, Tensor dout, Tensor delta, Tensor m, Tensor l, Tensor? alibi, Tensor? mask, Tensor? spans", BACKWARD_FIELDS, 3),
+)
+def fused_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, delta: Tensor, m: Tensor, l: Tensor, alibi: Optional[Tensor], mask: Optional[Tensor], spans: Optional[Tensor], *options) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel's backward as an op: the options positionally, in :data:`BACKWARD_FIELDS`' order."""
+    given = KernelOptions(**dict(zip(BACKWARD_FIELDS, options)))  # with_stats and round_out: their defaults
+    check_forward_args(q, k, v, alibi, mask, spans, given.block_q, given.block_k)
     check_backward_args(q, v, dout, delta, m, l)
-    block_q, block_k = _blocks(block_q, block_k, causal, left, right, q.shape[2], spans)
+    block_q, block_k = _blocks(given.block_q, given.block_k, given.causal, given.left, given.right, q.shape[2], spans)
     dtype = q.dtype
-    if dtype in HALF and not half_products:  # the forward's float32 tiles: the same values, as whole copies
+    if dtype in HALF and not given.half_products:  # the forward's float32 tiles: the same values, as whole copies
         q, k, v = q.float(), k.float(), v.float()
+    kwargs = given._replace(block_q=block_q, block_k=block_k, half_products=True)._asdict()  # 16-bit here: multiplied as they are
     dq, dk, dv = _kernel().backward(
-        q=q, k=k, v=v, dout=dout.contiguous(), delta=delta.contiguous(), m=m.contiguous(), l=l.contiguous(),
-        scale=scale, softcap=softcap, causal=causal, q_offset=q_offset, left=left, right=right, q_start=q_start, k_start=k_start,
-        alibi=alibi, mask=mask, block_q=block_q, block_k=block_k, spans=spans,
-    )  # fmt: skip
+        q=q, k=k, v=v, dout=dout.contiguous(), delta=delta.contiguous(), m=m.contiguous(), l=l.contiguous(), alibi=alibi, mask=mask, spans=spans, **kwargs
+    )
     B, H, Hkv, S = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
     if dk.shape[1] != Hkv:  # per query head: a group's heads share k
         dk, dv = (t.view(B, Hkv, H // Hkv, S, t.shape[-1]).sum(2) for t in (dk, dv))
@@ -366,7 +345,7 @@ def fused_backward(
 
 
 @fused_backward.register_fake
-def _(q, k, v, dout, delta, m, l, alibi, mask, spans, scale, softcap, causal, q_offset, left, right, q_start, k_start, block_q, block_k, half_products):
+def _(q, k, v, dout, delta, m, l, alibi, mask, spans, *options):
     _same_device(q, k=k, v=v, dout=dout, delta=delta, m=m, l=l, alibi=alibi, mask=mask, spans=spans)
     return torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape)
 
