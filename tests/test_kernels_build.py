@@ -166,3 +166,19 @@ def test_the_switch_reads_words_as_people_write_them(monkeypatch, value, disable
     assert (reason is not None) == disabled
     if value == "maybe":
         assert reason.startswith("ATTNSCALE_NO_KERNEL='maybe': expected 1/true/yes/on")
+
+
+def test_the_builds_name_follows_every_source_file(tmp_path, monkeypatch):
+    """A change to any of the kernel's files (the binding or a header it includes) gives the build
+    a new name, so a stale library is never loaded for new source."""
+    sources = tmp_path / "csrc"
+    sources.mkdir()
+    for header in kernels._HEADERS.glob("*.h"):
+        (sources / header.name).write_bytes(header.read_bytes())
+    monkeypatch.setattr(kernels, "_HEADERS", sources)
+    flags = ["-O3"]
+    before = kernels._name(flags)
+    assert before == kernels._name(flags)
+    header = sources / "rows.h"
+    header.write_text(header.read_text() + "\n// an edit\n")
+    assert kernels._name(flags) != before

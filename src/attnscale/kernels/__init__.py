@@ -1,6 +1,6 @@
 """attnscale's compiled CPU kernel: build, load, and say why when it cannot be had.
 
-The kernel (``fused.cpp``) is C++ built against the installed torch with its extension machinery
+The kernel (``fused.cpp`` and the headers it includes from ``csrc/``) is C++ built against the installed torch with its extension machinery
 (g++ and ninja, no network, no prebuilt binary). It is built once per (source, torch, Python,
 flags) into ``$ATTNSCALE_KERNEL_DIR`` (default ``~/.cache/attnscale/kernels``), under a name that
 hashes those and nothing else: environments that share the folder share the build, whatever
@@ -34,7 +34,8 @@ import torch
 
 __all__ = ["available", "build", "build_precondition", "isa", "kernel_dir", "library_path", "load", "unavailable_reason"]
 
-_SOURCE = Path(__file__).with_name("fused.cpp")
+_SOURCE = Path(__file__).with_name("fused.cpp")  # the binding; it includes csrc/*.h, one file per concern
+_HEADERS = Path(__file__).with_name("csrc")
 # The widest vectors the CPU has, as ATen's own CPU_CAPABILITY builds: AVX-512 (F, BW, VL, DQ;
 # 16 floats a vector), with AVX512-BF16 where present (its one-instruction conversion of the
 # softmax weights to bfloat16), else AVX2 + FMA + F16C (8; x86-64 from 2013 on; F16C converts
@@ -78,7 +79,9 @@ def _cpu_flags() -> list[str]:
 def _name(flags: list[str]) -> str:
     """The build's name: a hash of what the library depends on (never of a path)."""
     digest = hashlib.sha256()
-    digest.update(_SOURCE.read_bytes())
+    for source in (_SOURCE, *sorted(_HEADERS.glob("*.h"))):
+        digest.update(source.name.encode())
+        digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(sys.implementation.cache_tag.encode())
     digest.update(" ".join(flags).encode())

@@ -1,0 +1,265 @@
+// The backward pass: each head's query blocks recomputed tile by tile as the forward did, dq,
+// dk and dv accumulated, and the parallel loop over heads.
+#pragma once
+
+#include "packing.h"
+#include "rows.h"
+
+namespace {
+
+using at::vec::Vectorized;
+
+template <typename T>
+struct BackwardIO {
+  const T* dout;   // (B, H, L, Dv) contiguous
+  const T* delta;  // (B, H, L): rowsum(dO * O) - dlse
+  const T* m;      // the forward's normaliser
+  const T* l;
+  T* dq;  // (B, H, L, D), written
+  T* dk;  // (B, H, S, D) per query head, accumulated (the caller sums each group); grouped: (B, Hkv, S, D)
+  T* dv;  // (B, H, S, Dv) per query head, accumulated; grouped: (B, Hkv, S, Dv)
+  bool grouped;  // one task per key head runs its whole group: dk, dv per key head, no scratch
+  // 16-bit inputs (Problem::half): dout in their format, for the products (null otherwise).
+  const uint16_t* dout16 = nullptr;
+};
+
+// One thread's buffers for backward tasks.
+template <typename T>
+struct BackwardScratch {
+  Scratch<T> sbuf, tbuf, dpbuf, dqb;
+  // 16-bit inputs: the weights and dS in their format, for the products; with brgemm (rows and
+  // keys rounded up to even, pads zero) dS row by row (ds16, padded rows of keys), the weights and
+  // dS in pairs of rows (pv, dsv: VNNI-2), and the query block's q^T and dout^T (qt, dot).
+  Scratch<uint16_t> p16, ds16, pv, dsv, qt, dot;
+  // With brgemm, the task's dk^T (D, S) and dv^T (Dv, S): brgemm writes rows of C, and these are
+  // the rows that take a tile's keys as columns; transposed into dk, dv once per task.
+  Scratch<T> dkt, dvt;
+  bool brgemm;
+  explicit BackwardScratch(const Problem<T>& P)
+      : sbuf(P.tile_rows() * P.tile_width()), tbuf(P.softcap != T(0) ? P.tile_rows() * P.tile_width() : 0),
+        dpbuf(P.tile_rows() * P.tile_width()), dqb(P.tile_rows() * P.D),
+        p16(P.half ? even(P.tile_rows()) * even(P.tile_width()) : 0),
+        ds16(P.half ? even(P.tile_rows()) * even(P.tile_width()) : 0),
+        pv(P.brgemm() ? even(P.tile_rows()) * P.tile_width() : 0), dsv(P.brgemm() ? even(P.tile_rows()) * P.tile_width() : 0),
+        qt(P.brgemm() ? P.D * even(P.tile_rows()) : 0), dot(P.brgemm() ? P.Dv * even(P.tile_rows()) : 0),
+        dkt(P.brgemm() ? P.D * P.S : 0), dvt(P.brgemm() ? P.Dv * P.S : 0), brgemm(P.brgemm()) {}
+  ~BackwardScratch() {
+    if (brgemm) at::native::cpublas::brgemm_release(true);
+  }
+  BackwardScratch(BackwardScratch&&) = delete;
+  static int64_t even(int64_t n) { return (n + 1) & ~int64_t(1); }
+};
+
+// rows x cols 16-bit entries (row stride ld) transposed into (cols, rows_pad), the pad column zero.
+inline void transpose16(const uint16_t* x, int64_t ld, int64_t rows, int64_t cols, int64_t rows_pad, uint16_t* out) {
+  constexpr int64_t tile = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += tile)
+    for (int64_t c0 = 0; c0 < cols; c0 += tile)
+      for (int64_t c = c0; c < std::min(c0 + tile, cols); ++c)
+        for (int64_t r = r0; r < std::min(r0 + tile, rows); ++r) out[c * rows_pad + r] = x[r * ld + c];
+  for (int64_t r = rows; r < rows_pad; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[c * rows_pad + r] = 0;
+}
+
+// float32 rows as 16-bit ones of the format `kind` (Half16), n entries.
+inline void round_to(int kind, const float* x, int64_t n, uint16_t* out) {
+  if (kind == kBF16)
+    round_row(x, n, reinterpret_cast<at::BFloat16*>(out));
+  else
+    round_row(x, n, reinterpret_cast<at::Half*>(out));
+}
+
+// Head h of batch b: every query block, accumulating its dk, dv rows (the query head's own, or its
+// key head's when grouped); dk is not yet multiplied by the scale (the caller does, once per row).
+template <typename T>
+void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int64_t h, BackwardScratch<T>& W) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  const int64_t nqb = P.q_blocks(), G = P.G();
+  const bool capped = P.softcap != T(0);
+  const T alpha = capped ? P.scale / P.softcap : P.scale;
+  Scratch<T>&sbuf = W.sbuf, &tbuf = W.tbuf, &dpbuf = W.dpbuf, &dqb = W.dqb;
+  {
+    {
+      const int64_t hk = h / G;
+      // 16-bit inputs: the same five products on the 16-bit q, k, v, dout and on the weights and dS
+      // rounded to their format, accumulated in float32 (oneMKL), as torch's CPU kernel does.
+      const bool half = P.half != kNoHalf;
+      const T* k = half ? nullptr : P.k + b * P.k_sb + hk * P.k_sh;
+      const T* v = half ? nullptr : P.v + b * P.v_sb + hk * P.v_sh;
+      const uint16_t* kh = half ? P.kh + b * P.k_sb + hk * P.k_sh : nullptr;
+      const uint16_t* vh = half ? P.vh + b * P.v_sb + hk * P.v_sh : nullptr;
+      const int64_t kv_head = IO.grouped ? b * P.Hkv + hk : b * P.H + h;
+      T* dk = IO.dk + (kv_head * P.k_rows + P.k_out_start) * P.D;
+      T* dv = IO.dv + (kv_head * P.k_rows + P.k_out_start) * P.Dv;
+      // brgemm (bfloat16, P.kpack): x = q k^T and dp = dout v^T on the packed k^T, v^T; dq += dS k
+      // on the packed k; dk^T += q^T dS and dv^T += dout^T p on dS and p in pairs of rows (W.dkt,
+      // W.dvt: the caller transposes them into dk, dv).
+      const bool packed = P.kpack != nullptr;
+      const uint16_t *kt_head = nullptr, *vt_head = nullptr, *kp_head = nullptr;
+      if (packed) {
+        const int64_t bh = b * P.Hkv + hk;
+        kt_head = P.kpack + bh * P.D * P.s_pad, vt_head = P.vtpack + bh * P.Dv * P.s_pad, kp_head = P.kpairs + bh * P.s_pad * P.D;
+      }
+      const T pre = packed ? alpha : T(1);  // brgemm's products come unscaled: score_row scales them
+      for (int64_t qb = 0; qb < nqb; ++qb) {
+        const int64_t i0 = qb * P.block_q, i1 = std::min(i0 + P.block_q, P.L), rows = i1 - i0;
+        const T* q = half ? nullptr : P.q + b * P.q_sb + h * P.q_sh + i0 * P.q_sl;
+        const uint16_t* qh = half ? P.qh + b * P.q_sb + h * P.q_sh + i0 * P.q_sl : nullptr;
+        const int64_t row0 = (b * P.H + h) * P.o_rows + P.o_start + i0;
+        const T* dout = IO.dout + row0 * P.Dv;
+        const uint16_t* dout16 = half ? IO.dout16 + row0 * P.Dv : nullptr;
+        std::fill(dqb.begin(), dqb.begin() + rows * P.D, T(0));
+        const int64_t rp = BackwardScratch<T>::even(rows);  // brgemm: the products over rows take pairs
+        if (packed) {
+          transpose16(qh, P.q_sl, rows, P.D, rp, W.qt.data());
+          transpose16(dout16, P.Dv, rows, P.Dv, rp, W.dot.data());
+        }
+        for (auto [j0, j1] : P.key_tiles(i0, i1)) {
+          const int64_t width = j1 - j0;
+          T* x = sbuf.data();
+          T* t = capped ? tbuf.data() : nullptr;
+          // The five products, each in the inputs' format: (transposes, m, n, k, alpha, A, lda, B,
+          // ldb, beta, C, ldc) column-major, the 16-bit operands where the inputs are 16-bit.
+          auto product = [&](char ta, char tb, int64_t mm, int64_t nn, int64_t kk, T a, const T* A, const uint16_t* A16,
+                             int64_t lda, const T* Bm, const uint16_t* B16, int64_t ldb, T beta, T* C, int64_t ldc) {
+            if constexpr (std::is_same_v<T, float>) {
+              if (half) return gemm16(P.half, ta, tb, mm, nn, kk, a, A16, lda, B16, ldb, beta, C, ldc);
+            }
+            gemm(ta, tb, mm, nn, kk, a, A, lda, Bm, ldb, beta, C, ldc);
+          };
+          if constexpr (std::is_same_v<T, float>) {
+            if (packed)  // x (rows, width) = q k^T, the packed k^T's columns j0.. (as the forward)
+              at::native::cpublas::brgemm(rows, width, P.D, P.q_sl, P.s_pad, width, false, bf16(qh), bf16(kt_head + 2 * j0), x, true);
+          }
+          if (!packed)
+            product('T', 'N', width, rows, P.D, alpha, k + (half ? 0 : j0 * P.k_sl), kh ? kh + j0 * P.k_sl : nullptr, P.k_sl,
+                    q, qh, P.q_sl, T(0), x, width);
+          for (int64_t r = 0; r < rows; ++r) {  // p = exp(s - m) / l: the forward's weights
+            T* xr = x + r * width;
+            score_row(P, b, h, i0 + r, j0, width, xr, capped ? t + r * width : nullptr, nullptr, true, pre);
+            exp_row(xr, width, IO.m[row0 + r]);
+            const Vec vl(IO.l[row0 + r]);
+            int64_t c = 0;
+            for (; c + n <= width; c += n) (Vec::loadu(xr + c) / vl).store(xr + c);
+            for (; c < width; ++c) xr[c] /= IO.l[row0 + r];
+          }
+          uint16_t* p16 = half ? W.p16.data() : nullptr;
+          if constexpr (std::is_same_v<T, float>)
+            if (half) round_to(P.half, x, rows * width, p16);
+          T* dp = dpbuf.data();
+          if constexpr (std::is_same_v<T, float>) {
+            if (packed) {  // dv^T (Dv, width) += dout^T p ; dp (rows, width) = dout v^T
+              for (int64_t r = 0; r < rp; r += 2)
+                pair_rows(p16 + r * width, r + 1 < rows ? p16 + (r + 1) * width : nullptr, width, W.pv.data() + r * width);
+              at::native::cpublas::brgemm(P.Dv, width, rp, rp, width, P.S, true, bf16(W.dot.data()), bf16(W.pv.data()), W.dvt.data() + j0, true);
+              at::native::cpublas::brgemm(rows, width, P.Dv, P.Dv, P.s_pad, width, false, bf16(dout16), bf16(vt_head + 2 * j0), dp, true);
+            }
+          }
+          if (!packed) {  // dV += P^T dO ; dP = dO V^T
+            product('N', 'T', P.Dv, width, rows, T(1), dout, dout16, P.Dv, x, p16, width, T(1), dv + j0 * P.Dv, P.Dv);
+            product('T', 'N', width, rows, P.Dv, T(1), v + (half ? 0 : j0 * P.v_sl), vh ? vh + j0 * P.v_sl : nullptr, P.v_sl,
+                    dout, dout16, P.Dv, T(0), dp, width);
+          }
+          for (int64_t r = 0; r < rows; ++r) {  // dS = P (dP - delta), times (1 - t^2) with softcap
+            const T* pr = x + r * width;
+            T* dr = dp + r * width;
+            const Vec vd(IO.delta[row0 + r]), one(T(1));
+            int64_t c = 0;
+            if (capped) {
+              const T* tr = t + r * width;
+              for (; c + n <= width; c += n) {
+                const Vec tv = Vec::loadu(tr + c);
+                ((Vec::loadu(dr + c) - vd) * Vec::loadu(pr + c) * (one - tv * tv)).store(dr + c);
+              }
+              for (; c < width; ++c) dr[c] = (dr[c] - IO.delta[row0 + r]) * pr[c] * (T(1) - tr[c] * tr[c]);
+            } else {
+              for (; c + n <= width; c += n) ((Vec::loadu(dr + c) - vd) * Vec::loadu(pr + c)).store(dr + c);
+              for (; c < width; ++c) dr[c] = (dr[c] - IO.delta[row0 + r]) * pr[c];
+            }
+          }
+          uint16_t* ds16 = half ? W.ds16.data() : nullptr;
+          if constexpr (std::is_same_v<T, float>) {
+            if (packed) {  // dq (rows, D) += dS k ; dk^T (D, width) += q^T dS (the scale multiplies both at the end)
+              const int64_t wp = BackwardScratch<T>::even(width);  // brgemm pairs keys: the pad key's dS is 0
+              for (int64_t r = 0; r < rows; ++r) {
+                round_to(P.half, dp + r * width, width, ds16 + r * wp);
+                if (wp != width) ds16[r * wp + width] = 0;
+              }
+              for (int64_t r = 0; r < rp; r += 2)
+                pair_rows(ds16 + r * wp, r + 1 < rows ? ds16 + (r + 1) * wp : nullptr, width, W.dsv.data() + r * width);
+              at::native::cpublas::brgemm(rows, P.D, wp, wp, P.D, P.D, true, bf16(ds16), bf16(kp_head + j0 * P.D), dqb.data(), true);
+              at::native::cpublas::brgemm(P.D, width, rp, rp, width, P.S, true, bf16(W.qt.data()), bf16(W.dsv.data()), W.dkt.data() + j0, true);
+              continue;
+            }
+            if (half) round_to(P.half, dp, rows * width, ds16);
+          }
+          // dQ += dS K ; dK += dS^T Q (the scale multiplies both at the end)
+          product('N', 'N', P.D, rows, width, T(1), k + (half ? 0 : j0 * P.k_sl), kh ? kh + j0 * P.k_sl : nullptr, P.k_sl,
+                  dp, ds16, width, T(1), dqb.data(), P.D);
+          product('N', 'T', P.D, width, rows, T(1), q, qh, P.q_sl, dp, ds16, width, T(1), dk + j0 * P.D, P.D);
+        }
+        T* dq = IO.dq + row0 * P.D;
+        for (int64_t e = 0; e < rows * P.D; ++e) dq[e] = dqb[e] * P.scale;
+      }
+    }
+  }
+}
+
+// dk rows of (batch-and-head index) kv_head, this problem's keys, times the scale.
+template <typename T>
+void scale_dk(const Problem<T>& P, const BackwardIO<T>& IO, int64_t kv_head) {
+  T* dk = IO.dk + (kv_head * P.k_rows + P.k_out_start) * P.D;
+  for (int64_t e = 0; e < P.S * P.D; ++e) dk[e] *= P.scale;
+}
+
+// With brgemm: dk, dv rows of (batch-and-head index) kv_head from the task's dk^T (times the
+// scale) and dv^T, 16 x 16 blocks at a time.
+template <typename T>
+void write_dk_dv(const Problem<T>& P, const BackwardIO<T>& IO, int64_t kv_head, const BackwardScratch<T>& W) {
+  T* dk = IO.dk + (kv_head * P.k_rows + P.k_out_start) * P.D;
+  T* dv = IO.dv + (kv_head * P.k_rows + P.k_out_start) * P.Dv;
+  auto transpose = [&](const T* src, int64_t cols, T factor, T* dst) {  // src (cols, S) -> dst (S, cols)
+    constexpr int64_t tile = 16;
+    for (int64_t j0 = 0; j0 < P.S; j0 += tile)
+      for (int64_t c0 = 0; c0 < cols; c0 += tile)
+        for (int64_t j = j0; j < std::min(j0 + tile, P.S); ++j)
+          for (int64_t c = c0; c < std::min(c0 + tile, cols); ++c) dst[j * cols + c] = src[c * P.S + j] * factor;
+  };
+  transpose(W.dkt.data(), P.D, P.scale, dk);
+  transpose(W.dvt.data(), P.Dv, T(1), dv);
+}
+
+// Parallel over batch and heads (packed: heads and sequences; a sequence's rows of dq, dk, dv are
+// its own, so tasks never write the same memory).
+template <typename T>
+void backward_kernel(const Problem<T>& P, const BackwardIO<T>& IO) {
+  const int64_t G = P.G(), heads = IO.grouped ? P.Hkv : P.H;  // one task per (sequence or batch, heads)
+  auto run = [&](const Problem<T>& Q, int64_t b, int64_t head, BackwardScratch<T>& W) {
+    if (W.brgemm) {  // this problem's keys only (a packed sequence's are a share of the scratch)
+      std::fill(W.dkt.begin(), W.dkt.begin() + Q.D * Q.S, T(0));
+      std::fill(W.dvt.begin(), W.dvt.begin() + Q.Dv * Q.S, T(0));
+    }
+    if (IO.grouped)
+      for (int64_t h = head * G; h < (head + 1) * G; ++h) backward_head(Q, IO, b, h, W);
+    else
+      backward_head(Q, IO, b, head, W);
+    const int64_t kv_head = IO.grouped ? b * Q.Hkv + head : b * Q.H + head;
+    if (W.brgemm)
+      write_dk_dv(Q, IO, kv_head, W);
+    else
+      scale_dk(Q, IO, kv_head);
+  };
+  auto make = [&] { return BackwardScratch<T>(P); };
+  if (P.spans) {
+    std::vector<int64_t> seqs;
+    for (int64_t s = 0; s < P.nseq; ++s)
+      if (P.spans[4 * s + 1] > P.spans[4 * s] && P.spans[4 * s + 3] > P.spans[4 * s + 2]) seqs.push_back(s);
+    const int64_t ns = static_cast<int64_t>(seqs.size());
+    parallel_tasks(heads * ns, make, [&](int64_t task, BackwardScratch<T>& W) { run(P.sequence(seqs[task % ns]), 0, task / ns, W); });
+    return;
+  }
+  parallel_tasks(P.B * heads, make, [&](int64_t task, BackwardScratch<T>& W) { run(P, task / heads, task % heads, W); });
+}
+
+}  // namespace
