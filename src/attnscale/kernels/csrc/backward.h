@@ -69,140 +69,179 @@ inline void round_to(int kind, const float* x, int64_t n, uint16_t* out) {
     round_row(x, n, reinterpret_cast<at::Half*>(out));
 }
 
-// Head h of batch b: every query block, accumulating its dk, dv rows (the query head's own, or its
-// key head's when grouped); dk is not yet multiplied by the scale (the caller does, once per row).
+// One of the backward's five products, each in the inputs' format: (transposes, m, n, k, alpha, A,
+// lda, B, ldb, beta, C, ldc) column-major, the 16-bit operands where the inputs are 16-bit (oneMKL,
+// accumulated in float32, as torch's CPU kernel does).
 template <typename T>
-void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int64_t h, BackwardScratch<T>& W) {
+void product(const Problem<T>& P, char ta, char tb, int64_t m, int64_t n, int64_t k, T alpha, const T* A, const uint16_t* A16,
+             int64_t lda, const T* B, const uint16_t* B16, int64_t ldb, T beta, T* C, int64_t ldc) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (P.half) return gemm16(P.half, ta, tb, m, n, k, alpha, A16, lda, B16, ldb, beta, C, ldc);
+  }
+  gemm(ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+// Head h of batch b's operands and gradients, with its query block's rows (at).
+template <typename T>
+struct BackwardHead {
+  int64_t b, h;
+  const T *k, *v;               // float inputs (null for 16-bit ones)
+  const uint16_t *kh, *vh;      // 16-bit inputs (null for float ones)
+  T *dk, *dv;                   // the head's dk, dv rows (its own, or its key head's when grouped)
+  // brgemm (bfloat16, P.kpack): x = q k^T and dp = dout v^T on the packed k^T, v^T; dq += dS k on
+  // the packed k; dk^T += q^T dS and dv^T += dout^T p on dS and p in pairs of rows (W.dkt, W.dvt:
+  // the caller transposes them into dk, dv).
+  const uint16_t *kt, *vt, *kp;
+  T alpha, pre;  // the products' multiplier; brgemm's products come unscaled: score_row scales them by pre
+  // The query block: rows i0.., its q, dout (and their 16-bit forms) and first output row.
+  int64_t i0, rows, rp, row0;   // rp: rows rounded up to even (brgemm's products over rows take pairs)
+  const T *q, *dout;
+  const uint16_t *qh, *dout16;
+
+  BackwardHead(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int64_t h) : b(b), h(h) {
+    const int64_t hk = h / P.G(), bh = b * P.Hkv + hk;
+    const bool half = P.half != kNoHalf;
+    k = half ? nullptr : P.k + b * P.k_sb + hk * P.k_sh, v = half ? nullptr : P.v + b * P.v_sb + hk * P.v_sh;
+    kh = half ? P.kh + b * P.k_sb + hk * P.k_sh : nullptr, vh = half ? P.vh + b * P.v_sb + hk * P.v_sh : nullptr;
+    const int64_t kv_head = IO.grouped ? bh : b * P.H + h;
+    dk = IO.dk + (kv_head * P.k_rows + P.k_out_start) * P.D, dv = IO.dv + (kv_head * P.k_rows + P.k_out_start) * P.Dv;
+    const bool packed = P.kpack != nullptr;
+    kt = packed ? P.kpack + bh * P.D * P.s_pad : nullptr, vt = packed ? P.vtpack + bh * P.Dv * P.s_pad : nullptr;
+    kp = packed ? P.kpairs + bh * P.s_pad * P.D : nullptr;
+    alpha = P.softcap != T(0) ? P.scale / P.softcap : P.scale;
+    pre = packed ? alpha : T(1);
+  }
+
+  // Query block qb's rows (brgemm: its q^T and dout^T transposed into W.qt, W.dot).
+  void at(const Problem<T>& P, const BackwardIO<T>& IO, int64_t qb, BackwardScratch<T>& W) {
+    const bool half = P.half != kNoHalf;
+    i0 = qb * P.block_q, rows = std::min(i0 + P.block_q, P.L) - i0, rp = BackwardScratch<T>::even(rows);
+    q = half ? nullptr : P.q + b * P.q_sb + h * P.q_sh + i0 * P.q_sl;
+    qh = half ? P.qh + b * P.q_sb + h * P.q_sh + i0 * P.q_sl : nullptr;
+    row0 = (b * P.H + h) * P.o_rows + P.o_start + i0;
+    dout = IO.dout + row0 * P.Dv, dout16 = half ? IO.dout16 + row0 * P.Dv : nullptr;
+    if (P.kpack) {
+      transpose16(qh, P.q_sl, rows, P.D, rp, W.qt.data());
+      transpose16(dout16, P.Dv, rows, P.Dv, rp, W.dot.data());
+    }
+  }
+};
+
+// The tile's weights p = exp(s - m) / l (the forward's, from its m and l) into W.sbuf (rows, width),
+// with softcap tanh of the products into W.tbuf; 16-bit inputs: also rounded to their format (W.p16).
+template <typename T>
+void backward_weights(const Problem<T>& P, const BackwardIO<T>& IO, const BackwardHead<T>& A, int64_t j0, int64_t width, BackwardScratch<T>& W) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
-  const int64_t nqb = P.q_blocks(), G = P.G();
   const bool capped = P.softcap != T(0);
-  const T alpha = capped ? P.scale / P.softcap : P.scale;
-  Scratch<T>&sbuf = W.sbuf, &tbuf = W.tbuf, &dpbuf = W.dpbuf, &dqb = W.dqb;
-  {
-    {
-      const int64_t hk = h / G;
-      // 16-bit inputs: the same five products on the 16-bit q, k, v, dout and on the weights and dS
-      // rounded to their format, accumulated in float32 (oneMKL), as torch's CPU kernel does.
-      const bool half = P.half != kNoHalf;
-      const T* k = half ? nullptr : P.k + b * P.k_sb + hk * P.k_sh;
-      const T* v = half ? nullptr : P.v + b * P.v_sb + hk * P.v_sh;
-      const uint16_t* kh = half ? P.kh + b * P.k_sb + hk * P.k_sh : nullptr;
-      const uint16_t* vh = half ? P.vh + b * P.v_sb + hk * P.v_sh : nullptr;
-      const int64_t kv_head = IO.grouped ? b * P.Hkv + hk : b * P.H + h;
-      T* dk = IO.dk + (kv_head * P.k_rows + P.k_out_start) * P.D;
-      T* dv = IO.dv + (kv_head * P.k_rows + P.k_out_start) * P.Dv;
-      // brgemm (bfloat16, P.kpack): x = q k^T and dp = dout v^T on the packed k^T, v^T; dq += dS k
-      // on the packed k; dk^T += q^T dS and dv^T += dout^T p on dS and p in pairs of rows (W.dkt,
-      // W.dvt: the caller transposes them into dk, dv).
-      const bool packed = P.kpack != nullptr;
-      const uint16_t *kt_head = nullptr, *vt_head = nullptr, *kp_head = nullptr;
-      if (packed) {
-        const int64_t bh = b * P.Hkv + hk;
-        kt_head = P.kpack + bh * P.D * P.s_pad, vt_head = P.vtpack + bh * P.Dv * P.s_pad, kp_head = P.kpairs + bh * P.s_pad * P.D;
-      }
-      const T pre = packed ? alpha : T(1);  // brgemm's products come unscaled: score_row scales them
-      for (int64_t qb = 0; qb < nqb; ++qb) {
-        const int64_t i0 = qb * P.block_q, i1 = std::min(i0 + P.block_q, P.L), rows = i1 - i0;
-        const T* q = half ? nullptr : P.q + b * P.q_sb + h * P.q_sh + i0 * P.q_sl;
-        const uint16_t* qh = half ? P.qh + b * P.q_sb + h * P.q_sh + i0 * P.q_sl : nullptr;
-        const int64_t row0 = (b * P.H + h) * P.o_rows + P.o_start + i0;
-        const T* dout = IO.dout + row0 * P.Dv;
-        const uint16_t* dout16 = half ? IO.dout16 + row0 * P.Dv : nullptr;
-        std::fill(dqb.begin(), dqb.begin() + rows * P.D, T(0));
-        const int64_t rp = BackwardScratch<T>::even(rows);  // brgemm: the products over rows take pairs
-        if (packed) {
-          transpose16(qh, P.q_sl, rows, P.D, rp, W.qt.data());
-          transpose16(dout16, P.Dv, rows, P.Dv, rp, W.dot.data());
-        }
-        for (auto [j0, j1] : P.key_tiles(i0, i1)) {
-          const int64_t width = j1 - j0;
-          T* x = sbuf.data();
-          T* t = capped ? tbuf.data() : nullptr;
-          // The five products, each in the inputs' format: (transposes, m, n, k, alpha, A, lda, B,
-          // ldb, beta, C, ldc) column-major, the 16-bit operands where the inputs are 16-bit.
-          auto product = [&](char ta, char tb, int64_t mm, int64_t nn, int64_t kk, T a, const T* A, const uint16_t* A16,
-                             int64_t lda, const T* Bm, const uint16_t* B16, int64_t ldb, T beta, T* C, int64_t ldc) {
-            if constexpr (std::is_same_v<T, float>) {
-              if (half) return gemm16(P.half, ta, tb, mm, nn, kk, a, A16, lda, B16, ldb, beta, C, ldc);
-            }
-            gemm(ta, tb, mm, nn, kk, a, A, lda, Bm, ldb, beta, C, ldc);
-          };
-          if constexpr (std::is_same_v<T, float>) {
-            if (packed)  // x (rows, width) = q k^T, the packed k^T's columns j0.. (as the forward)
-              at::native::cpublas::brgemm(rows, width, P.D, P.q_sl, P.s_pad, width, false, bf16(qh), bf16(kt_head + 2 * j0), x, true);
-          }
-          if (!packed)
-            product('T', 'N', width, rows, P.D, alpha, k + (half ? 0 : j0 * P.k_sl), kh ? kh + j0 * P.k_sl : nullptr, P.k_sl,
-                    q, qh, P.q_sl, T(0), x, width);
-          for (int64_t r = 0; r < rows; ++r) {  // p = exp(s - m) / l: the forward's weights
-            T* xr = x + r * width;
-            score_row(P, b, h, i0 + r, j0, width, xr, capped ? t + r * width : nullptr, nullptr, true, pre);
-            exp_row(xr, width, IO.m[row0 + r]);
-            const Vec vl(IO.l[row0 + r]);
-            int64_t c = 0;
-            for (; c + n <= width; c += n) (Vec::loadu(xr + c) / vl).store(xr + c);
-            for (; c < width; ++c) xr[c] /= IO.l[row0 + r];
-          }
-          uint16_t* p16 = half ? W.p16.data() : nullptr;
-          if constexpr (std::is_same_v<T, float>)
-            if (half) round_to(P.half, x, rows * width, p16);
-          T* dp = dpbuf.data();
-          if constexpr (std::is_same_v<T, float>) {
-            if (packed) {  // dv^T (Dv, width) += dout^T p ; dp (rows, width) = dout v^T
-              for (int64_t r = 0; r < rp; r += 2)
-                pair_rows(p16 + r * width, r + 1 < rows ? p16 + (r + 1) * width : nullptr, width, W.pv.data() + r * width);
-              at::native::cpublas::brgemm(P.Dv, width, rp, rp, width, P.S, true, bf16(W.dot.data()), bf16(W.pv.data()), W.dvt.data() + j0, true);
-              at::native::cpublas::brgemm(rows, width, P.Dv, P.Dv, P.s_pad, width, false, bf16(dout16), bf16(vt_head + 2 * j0), dp, true);
-            }
-          }
-          if (!packed) {  // dV += P^T dO ; dP = dO V^T
-            product('N', 'T', P.Dv, width, rows, T(1), dout, dout16, P.Dv, x, p16, width, T(1), dv + j0 * P.Dv, P.Dv);
-            product('T', 'N', width, rows, P.Dv, T(1), v + (half ? 0 : j0 * P.v_sl), vh ? vh + j0 * P.v_sl : nullptr, P.v_sl,
-                    dout, dout16, P.Dv, T(0), dp, width);
-          }
-          for (int64_t r = 0; r < rows; ++r) {  // dS = P (dP - delta), times (1 - t^2) with softcap
-            const T* pr = x + r * width;
-            T* dr = dp + r * width;
-            const Vec vd(IO.delta[row0 + r]), one(T(1));
-            int64_t c = 0;
-            if (capped) {
-              const T* tr = t + r * width;
-              for (; c + n <= width; c += n) {
-                const Vec tv = Vec::loadu(tr + c);
-                ((Vec::loadu(dr + c) - vd) * Vec::loadu(pr + c) * (one - tv * tv)).store(dr + c);
-              }
-              for (; c < width; ++c) dr[c] = (dr[c] - IO.delta[row0 + r]) * pr[c] * (T(1) - tr[c] * tr[c]);
-            } else {
-              for (; c + n <= width; c += n) ((Vec::loadu(dr + c) - vd) * Vec::loadu(pr + c)).store(dr + c);
-              for (; c < width; ++c) dr[c] = (dr[c] - IO.delta[row0 + r]) * pr[c];
-            }
-          }
-          uint16_t* ds16 = half ? W.ds16.data() : nullptr;
-          if constexpr (std::is_same_v<T, float>) {
-            if (packed) {  // dq (rows, D) += dS k ; dk^T (D, width) += q^T dS (the scale multiplies both at the end)
-              const int64_t wp = BackwardScratch<T>::even(width);  // brgemm pairs keys: the pad key's dS is 0
-              for (int64_t r = 0; r < rows; ++r) {
-                round_to(P.half, dp + r * width, width, ds16 + r * wp);
-                if (wp != width) ds16[r * wp + width] = 0;
-              }
-              for (int64_t r = 0; r < rp; r += 2)
-                pair_rows(ds16 + r * wp, r + 1 < rows ? ds16 + (r + 1) * wp : nullptr, width, W.dsv.data() + r * width);
-              at::native::cpublas::brgemm(rows, P.D, wp, wp, P.D, P.D, true, bf16(ds16), bf16(kp_head + j0 * P.D), dqb.data(), true);
-              at::native::cpublas::brgemm(P.D, width, rp, rp, width, P.S, true, bf16(W.qt.data()), bf16(W.dsv.data()), W.dkt.data() + j0, true);
-              continue;
-            }
-            if (half) round_to(P.half, dp, rows * width, ds16);
-          }
-          // dQ += dS K ; dK += dS^T Q (the scale multiplies both at the end)
-          product('N', 'N', P.D, rows, width, T(1), k + (half ? 0 : j0 * P.k_sl), kh ? kh + j0 * P.k_sl : nullptr, P.k_sl,
-                  dp, ds16, width, T(1), dqb.data(), P.D);
-          product('N', 'T', P.D, width, rows, T(1), q, qh, P.q_sl, dp, ds16, width, T(1), dk + j0 * P.D, P.D);
-        }
-        T* dq = IO.dq + row0 * P.D;
-        for (int64_t e = 0; e < rows * P.D; ++e) dq[e] = dqb[e] * P.scale;
-      }
+  T* x = W.sbuf.data();
+  if constexpr (std::is_same_v<T, float>) {
+    if (P.kpack)  // x (rows, width) = q k^T, the packed k^T's columns j0.. (as the forward)
+      at::native::cpublas::brgemm(A.rows, width, P.D, P.q_sl, P.s_pad, width, false, bf16(A.qh), bf16(A.kt + 2 * j0), x, true);
+  }
+  if (!P.kpack)
+    product(P, 'T', 'N', width, A.rows, P.D, A.alpha, A.k + (P.half ? 0 : j0 * P.k_sl), A.kh ? A.kh + j0 * P.k_sl : nullptr, P.k_sl,
+            A.q, A.qh, P.q_sl, T(0), x, width);
+  for (int64_t r = 0; r < A.rows; ++r) {
+    T* xr = x + r * width;
+    const T l = IO.l[A.row0 + r];
+    score_row(P, A.b, A.h, A.i0 + r, j0, width, xr, capped ? W.tbuf.data() + r * width : nullptr, nullptr, true, A.pre);
+    exp_row(xr, width, IO.m[A.row0 + r]);
+    const Vec vl(l);
+    int64_t c = 0;
+    for (; c + n <= width; c += n) (Vec::loadu(xr + c) / vl).store(xr + c);
+    for (; c < width; ++c) xr[c] /= l;
+  }
+  if constexpr (std::is_same_v<T, float>)
+    if (P.half) round_to(P.half, x, A.rows * width, W.p16.data());
+}
+
+// dv (brgemm: dv^T) += p^T dout, and dp (rows, width) = dout v^T into W.dpbuf.
+template <typename T>
+void backward_dv_dp(const Problem<T>& P, const BackwardHead<T>& A, int64_t j0, int64_t width, BackwardScratch<T>& W) {
+  T* dp = W.dpbuf.data();
+  uint16_t* p16 = P.half ? W.p16.data() : nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    if (P.kpack) {
+      for (int64_t r = 0; r < A.rp; r += 2)
+        pair_rows(p16 + r * width, r + 1 < A.rows ? p16 + (r + 1) * width : nullptr, width, W.pv.data() + r * width);
+      at::native::cpublas::brgemm(P.Dv, width, A.rp, A.rp, width, P.S, true, bf16(W.dot.data()), bf16(W.pv.data()), W.dvt.data() + j0, true);
+      at::native::cpublas::brgemm(A.rows, width, P.Dv, P.Dv, P.s_pad, width, false, bf16(A.dout16), bf16(A.vt + 2 * j0), dp, true);
+      return;
     }
+  }
+  product(P, 'N', 'T', P.Dv, width, A.rows, T(1), A.dout, A.dout16, P.Dv, W.sbuf.data(), p16, width, T(1), A.dv + j0 * P.Dv, P.Dv);
+  product(P, 'T', 'N', width, A.rows, P.Dv, T(1), A.v + (P.half ? 0 : j0 * P.v_sl), A.vh ? A.vh + j0 * P.v_sl : nullptr, P.v_sl,
+          A.dout, A.dout16, P.Dv, T(0), dp, width);
+}
+
+// dS = p (dp - delta) in place of dp, times (1 - t^2) with softcap (t = tanh of the products).
+template <typename T>
+void backward_ds(const Problem<T>& P, const BackwardIO<T>& IO, const BackwardHead<T>& A, int64_t width, BackwardScratch<T>& W) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  for (int64_t r = 0; r < A.rows; ++r) {
+    const T* pr = W.sbuf.data() + r * width;
+    T* dr = W.dpbuf.data() + r * width;
+    const T delta = IO.delta[A.row0 + r];
+    const Vec vd(delta), one(T(1));
+    int64_t c = 0;
+    if (P.softcap != T(0)) {
+      const T* tr = W.tbuf.data() + r * width;
+      for (; c + n <= width; c += n) {
+        const Vec tv = Vec::loadu(tr + c);
+        ((Vec::loadu(dr + c) - vd) * Vec::loadu(pr + c) * (one - tv * tv)).store(dr + c);
+      }
+      for (; c < width; ++c) dr[c] = (dr[c] - delta) * pr[c] * (T(1) - tr[c] * tr[c]);
+    } else {
+      for (; c + n <= width; c += n) ((Vec::loadu(dr + c) - vd) * Vec::loadu(pr + c)).store(dr + c);
+      for (; c < width; ++c) dr[c] = (dr[c] - delta) * pr[c];
+    }
+  }
+}
+
+// dq (the block's, W.dqb) += dS k and dk (brgemm: dk^T) += dS^T q; the scale multiplies both at the end.
+template <typename T>
+void backward_dq_dk(const Problem<T>& P, const BackwardHead<T>& A, int64_t j0, int64_t width, BackwardScratch<T>& W) {
+  T* ds = W.dpbuf.data();
+  uint16_t* ds16 = P.half ? W.ds16.data() : nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    if (P.kpack) {
+      const int64_t wp = BackwardScratch<T>::even(width);  // brgemm pairs keys: the pad key's dS is 0
+      for (int64_t r = 0; r < A.rows; ++r) {
+        round_to(P.half, ds + r * width, width, ds16 + r * wp);
+        if (wp != width) ds16[r * wp + width] = 0;
+      }
+      for (int64_t r = 0; r < A.rp; r += 2)
+        pair_rows(ds16 + r * wp, r + 1 < A.rows ? ds16 + (r + 1) * wp : nullptr, width, W.dsv.data() + r * width);
+      at::native::cpublas::brgemm(A.rows, P.D, wp, wp, P.D, P.D, true, bf16(ds16), bf16(A.kp + j0 * P.D), W.dqb.data(), true);
+      at::native::cpublas::brgemm(P.D, width, A.rp, A.rp, width, P.S, true, bf16(W.qt.data()), bf16(W.dsv.data()), W.dkt.data() + j0, true);
+      return;
+    }
+    if (P.half) round_to(P.half, ds, A.rows * width, ds16);
+  }
+  product(P, 'N', 'N', P.D, A.rows, width, T(1), A.k + (P.half ? 0 : j0 * P.k_sl), A.kh ? A.kh + j0 * P.k_sl : nullptr, P.k_sl,
+          ds, ds16, width, T(1), W.dqb.data(), P.D);
+  product(P, 'N', 'T', P.D, width, A.rows, T(1), A.q, A.qh, P.q_sl, ds, ds16, width, T(1), A.dk + j0 * P.D, P.D);
+}
+
+// Head h of batch b: every query block, accumulating its dk, dv rows (the query head's own, or its
+// key head's when grouped); dk is not yet multiplied by the scale (the caller does, once per row).
+// Each tile recomputes the forward's weights, then the five products of FlashAttention-2's backward.
+template <typename T>
+void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int64_t h, BackwardScratch<T>& W) {
+  BackwardHead<T> A(P, IO, b, h);
+  for (int64_t qb = 0; qb < P.q_blocks(); ++qb) {
+    A.at(P, IO, qb, W);
+    std::fill(W.dqb.begin(), W.dqb.begin() + A.rows * P.D, T(0));
+    for (auto [j0, j1] : P.key_tiles(A.i0, A.i0 + A.rows)) {
+      backward_weights(P, IO, A, j0, j1 - j0, W);
+      backward_dv_dp(P, A, j0, j1 - j0, W);
+      backward_ds(P, IO, A, j1 - j0, W);
+      backward_dq_dk(P, A, j0, j1 - j0, W);
+    }
+    T* dq = IO.dq + A.row0 * P.D;
+    for (int64_t e = 0; e < A.rows * P.D; ++e) dq[e] = W.dqb[e] * P.scale;
   }
 }
 

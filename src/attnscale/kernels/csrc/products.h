@@ -90,6 +90,11 @@ inline void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, T alpha, con
 // product accumulated in float32 by oneMKL; everything else (the score path, the softmax, the
 // statistics, the output) in float32, as for float32 inputs.
 enum Half16 : int { kNoHalf = 0, kBF16 = 1, kF16 = 2 };
+// The Half16 of a 16-bit type.
+template <typename H>
+constexpr int half_kind_of() {
+  return std::is_same_v<H, at::BFloat16> ? kBF16 : std::is_same_v<H, at::Half> ? kF16 : kNoHalf;
+}
 
 // 16-bit entries as brgemm's bfloat16 operand.
 inline const at::BFloat16* bf16(const uint16_t* x) { return reinterpret_cast<const at::BFloat16*>(x); }
