@@ -50,17 +50,120 @@ T query_norm2(const Problem<T>& P, const T* q, const uint16_t* qh, int64_t r) {
   return sum_squares<T>(q + r * P.q_sl, P.D);
 }
 
+// A row's vector loops over its span [c, hi): whole vectors, then once over the span's last
+// entries, fewer than a vector, as a partial one (its lanes past hi read as 0, are not written and
+// miss the maximum); vmax keeps the logits' maximum where asked.
+template <typename T>
+struct SpanLoop {
+  using Vec = Vectorized<T>;
+  static constexpr int64_t n = Vec::size();
+  int64_t c, hi;
+  Vec vmax = Vec(-std::numeric_limits<T>::infinity());
+
+  template <typename Body>
+  __attribute__((always_inline)) void run(Body&& body) {
+    for (; c + n <= hi; c += n) body(c, n);
+    if (c < hi) body(c, hi - c), c = hi;
+  }
+  __attribute__((always_inline)) void keep_max(const Vec& xv, int64_t count) {
+    vmax = at::vec::maximum(vmax, count == n ? xv : Vec::blendv(Vec(-std::numeric_limits<T>::infinity()), xv, first_lanes<T>(count)));
+  }
+  T max() const {
+    return at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& v) { return at::vec::maximum(a, v); }, vmax);
+  }
+};
+
+// Every loop below turns an infinite product (an inf in q or k, or overflow) into NaN with + (raw -
+// raw), which is 0 for a finite one: as -inf it would hide its key and leave the row finite, where
+// the rules make a row that sees a non-finite key NaN; as NaN the row check reports the row. Only
+// rows that never settle can meet one (their bound is inf or NaN), so want_max is false only where
+// no product is infinite.
+
+// The products are the logits (no softcap, ALiBi or float mask): multiplied by pre where brgemm left
+// them unscaled, and their maximum, if wanted.
+template <typename T>
+__attribute__((always_inline)) inline void plain_logits(const Problem<T>& P, T* x, T pre, bool want_max, SpanLoop<T>& loop) {
+  using Vec = Vectorized<T>;
+  const Vec vpre(pre);
+  if (pre != T(1) && want_max) {
+    loop.run([&](int64_t c, int64_t count) __attribute__((always_inline)) {
+      const Vec raw = Vec::loadu(x + c, count);
+      const Vec xv = at::vec::fmadd(raw, vpre, raw - raw);
+      xv.store(x + c, count);
+      loop.keep_max(xv, count);
+    });
+  } else if (pre != T(1)) {
+    loop.run([&](int64_t c, int64_t count) __attribute__((always_inline)) { (Vec::loadu(x + c, count) * vpre).store(x + c, count); });
+  } else if (want_max && P.bmask) {  // the mask re-reads x: the NaN must be in it
+    loop.run([&](int64_t c, int64_t count) __attribute__((always_inline)) {
+      const Vec raw = Vec::loadu(x + c, count);
+      const Vec xv = raw + (raw - raw);
+      xv.store(x + c, count);
+      loop.keep_max(xv, count);
+    });
+  } else if (want_max) {  // x may keep -inf: the NaN maximum makes the row NaN
+    loop.run([&](int64_t c, int64_t count) __attribute__((always_inline)) {
+      const Vec raw = Vec::loadu(x + c, count);
+      loop.keep_max(raw + (raw - raw), count);
+    });
+  } else {
+    loop.c = loop.hi;  // nothing to compute: the span's logits are the products as they stand
+  }
+}
+
+// softcap only, the common case: its own loop, nothing else tested. t (or null): tanh of the products.
+template <typename T>
+__attribute__((always_inline)) inline void capped_logits(T* x, T* t, T cap, T pre, SpanLoop<T>& loop) {
+  using Vec = Vectorized<T>;
+  const Vec vcap(cap), vpre(pre);
+  const bool scaled = pre != T(1);
+  loop.run([&](int64_t c, int64_t count) __attribute__((always_inline)) {
+    const Vec raw = scaled ? Vec::loadu(x + c, count) * vpre : Vec::loadu(x + c, count);
+    const Vec th = vtanh(raw);
+    if (t) th.store(t + c, count);
+    // + (raw - raw): 0 for a finite product, NaN for an infinite one (overflow, or an inf in q or
+    // k), which tanh would cap to a finite logit that no row check could tell from a right one.
+    const Vec xv = at::vec::fmadd(th, vcap, raw - raw);
+    xv.store(x + c, count);
+    loop.keep_max(xv, count);
+  });
+}
+
+// ALiBi and / or a float mask whose keys are contiguous (fm: the row's, from key j0), softcap or
+// not (alibi: the slope applies). p: the row's aligned position less the tile's first key (i' - j =
+// p - c at column c).
+template <typename T>
+__attribute__((always_inline)) inline void biased_logits(T* x, T* t, T cap, T pre, bool alibi, T slope, int64_t p, const T* fm,
+                                                        SpanLoop<T>& loop) {
+  using Vec = Vectorized<T>;
+  const Vec vcap(cap), vslope(slope), iota = Vec::arange(T(0), T(1)), vpre(pre);
+  const bool scaled = pre != T(1);
+  loop.run([&](int64_t c, int64_t count) __attribute__((always_inline)) {
+    Vec xv = scaled ? Vec::loadu(x + c, count) * vpre : Vec::loadu(x + c, count);
+    if (cap != T(0)) {
+      const Vec th = vtanh(xv);
+      if (t) th.store(t + c, count);
+      xv = at::vec::fmadd(th, vcap, xv - xv);  // an infinite product gives NaN, as above
+    } else {
+      xv = xv + (xv - xv);
+    }
+    if (alibi) xv = xv - vslope * (Vec(static_cast<T>(p - c)) - iota).abs();  // exact below 2^24 keys
+    if (fm) xv = xv + Vec::loadu(fm + c, count);
+    xv.store(x + c, count);
+    loop.keep_max(xv, count);
+  });
+}
+
 // Logits of one row of a tile, in place, and their maximum (NaN if any is NaN): on entry x (width
 // entries) holds the raw products times (scale, or scale / softcap with softcap); on exit the score
 // path's logits, -inf where a key is hidden. One pass over the keys causal / window leave visible
 // (the rest is filled). With softcap, t (if not null) receives tanh of the products (0 at keys
 // outside the span), for the backward pass, which calls this with the same arguments as the
-// forward: both see bit-identical logits.
+// forward: both see bit-identical logits. pre: the factor brgemm's unscaled products still need.
+// A float mask with strided keys takes the scalar loop at the end.
 template <typename T>
 T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t width, T* x, T* t,
             int64_t* visible = nullptr, bool want_max = true, T pre = T(1)) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t n = Vec::size();
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const T cap = P.softcap;
   int64_t lo, hi;
@@ -76,81 +179,16 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
   const T slope = P.alibi ? P.alibi[b * P.al_sb + h * P.al_sh] : T(0);
   const int64_t p = P.q_start + i + P.q_offset - P.k_start - j0;  // i' - j = p - c at column c
   const T* fm = P.fmask ? P.fmask + b * P.m_sb + h * P.m_sh + i * P.m_sl + j0 * P.m_ss : nullptr;
-  const Vec vcap(cap), vslope(slope), iota = Vec::arange(T(0), T(1)), vpre(pre);
-  Vec vmax(neg_inf);
-  int64_t c = lo;
-  const bool alibi = P.alibi != nullptr;  // a local: the loops below test it in a register
-  const bool scaled = pre != T(1);  // products not yet multiplied by their factor (brgemm has none)
-  // Every loop below turns an infinite product (an inf in q or k, or overflow) into NaN with
-  // + (raw - raw), which is 0 for a finite one: as -inf it would hide its key and leave the row
-  // finite, where the rules make a row that sees a non-finite key NaN; as NaN the row check
-  // reports the row. Only rows that never settle can meet one (their bound is inf or NaN), so
-  // want_max is false only where no product is infinite.
-  // Each loop runs over whole vectors, then once over the span's last entries, fewer than a
-  // vector, as a partial one: its lanes past hi read as 0, are not written and miss the maximum.
-  const Vec vneg_inf(neg_inf);
-  auto span = [&](auto&& body) __attribute__((always_inline)) {
-    for (; c + n <= hi; c += n) body(c, n);
-    if (c < hi) body(c, hi - c), c = hi;
-  };
-  auto keep_max = [&](const Vec& xv, int64_t count) __attribute__((always_inline)) {
-    vmax = at::vec::maximum(vmax, count == n ? xv : Vec::blendv(vneg_inf, xv, first_lanes<T>(count)));
-  };
-  if (cap == T(0) && !alibi && !fm) {  // the products are the logits: only their maximum, if wanted
-    if (scaled && want_max) {
-      span([&](int64_t c, int64_t count) __attribute__((always_inline)) {
-        const Vec raw = Vec::loadu(x + c, count);
-        const Vec xv = at::vec::fmadd(raw, vpre, raw - raw);
-        xv.store(x + c, count);
-        keep_max(xv, count);
-      });
-    } else if (scaled) {
-      span([&](int64_t c, int64_t count) __attribute__((always_inline)) { (Vec::loadu(x + c, count) * vpre).store(x + c, count); });
-    } else if (want_max && P.bmask) {  // the mask below re-reads x: the NaN must be in it
-      span([&](int64_t c, int64_t count) __attribute__((always_inline)) {
-        const Vec raw = Vec::loadu(x + c, count);
-        const Vec xv = raw + (raw - raw);
-        xv.store(x + c, count);
-        keep_max(xv, count);
-      });
-    } else if (want_max) {  // x may keep -inf: the NaN maximum makes the row NaN
-      span([&](int64_t c, int64_t count) __attribute__((always_inline)) {
-        const Vec raw = Vec::loadu(x + c, count);
-        keep_max(raw + (raw - raw), count);
-      });
-    } else {
-      c = hi;  // nothing to compute: the span's logits are the products as they stand
-    }
-  } else if (!alibi && !fm) {  // softcap only, the common case: its own loop, nothing else tested
-    span([&](int64_t c, int64_t count) __attribute__((always_inline)) {
-      const Vec raw = scaled ? Vec::loadu(x + c, count) * vpre : Vec::loadu(x + c, count);
-      const Vec th = vtanh(raw);
-      if (t) th.store(t + c, count);
-      // + (raw - raw): 0 for a finite product, NaN for an infinite one (overflow, or an inf in q
-      // or k), which tanh would cap to a finite logit that no row check could tell from a right one.
-      const Vec xv = at::vec::fmadd(th, vcap, raw - raw);
-      xv.store(x + c, count);
-      keep_max(xv, count);
-    });
-  } else if (!fm || P.m_ss == 1) {
-    span([&](int64_t c, int64_t count) __attribute__((always_inline)) {
-      Vec xv = scaled ? Vec::loadu(x + c, count) * vpre : Vec::loadu(x + c, count);
-      if (cap != T(0)) {
-        const Vec th = vtanh(xv);
-        if (t) th.store(t + c, count);
-        xv = at::vec::fmadd(th, vcap, xv - xv);  // an infinite product gives NaN, as above
-      } else {
-        xv = xv + (xv - xv);
-      }
-      if (alibi) xv = xv - vslope * (Vec(static_cast<T>(p - c)) - iota).abs();  // exact below 2^24 keys
-      if (fm) xv = xv + Vec::loadu(fm + c, count);
-      xv.store(x + c, count);
-      keep_max(xv, count);
-    });
-  }
-  T m = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& v) { return at::vec::maximum(a, v); }, vmax);
-  for (; c < hi; ++c) {
-    T xc = scaled ? x[c] * pre : x[c];
+  SpanLoop<T> loop{lo, hi};
+  if (cap == T(0) && !P.alibi && !fm)
+    plain_logits(P, x, pre, want_max, loop);
+  else if (!P.alibi && !fm)
+    capped_logits(x, t, cap, pre, loop);
+  else if (!fm || P.m_ss == 1)
+    biased_logits(x, t, cap, pre, P.alibi != nullptr, slope, p, fm, loop);
+  T m = loop.max();
+  for (int64_t c = loop.c; c < hi; ++c) {  // a float mask with strided keys
+    T xc = pre != T(1) ? x[c] * pre : x[c];
     if (cap != T(0)) {
       const T th = stanh(xc);
       if (t) t[c] = th;
@@ -158,20 +196,20 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
     } else if (want_max) {
       xc = xc + (xc - xc);
     }
-    if (alibi) xc -= slope * static_cast<T>(std::abs(p - c));
+    if (P.alibi) xc -= slope * static_cast<T>(std::abs(p - c));
     if (fm) xc += fm[c * P.m_ss];
     x[c] = xc;
     if (std::isnan(xc) || xc > m) m = xc;  // NaN propagates, as in at::vec::maximum
   }
   if (P.bmask) {
     const bool* mr = P.bmask + b * P.m_sb + h * P.m_sh + i * P.m_sl + j0 * P.m_ss;
-    for (c = lo; c < hi; ++c) x[c] = mr[c * P.m_ss] ? x[c] : neg_inf;
+    for (int64_t c = lo; c < hi; ++c) x[c] = mr[c * P.m_ss] ? x[c] : neg_inf;
     if (want_max) m = row_max(x + lo, hi - lo);
   }
   if (visible) {  // the keys in the span, less those a mask hides (-inf)
     int64_t count = hi - lo;
     if (P.bmask || P.fmask)
-      for (c = lo; c < hi; ++c) count -= x[c] == neg_inf;
+      for (int64_t c = lo; c < hi; ++c) count -= x[c] == neg_inf;
     *visible = count;
   }
   return m;
