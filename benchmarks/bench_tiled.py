@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from attnscale import ScorePath, tiled
+from attnscale.constants import EXP_FLOOR
 from attnscale.tiled import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, tiled_attention
 
 SCHEMA = "attnscale.bench_tiled/1"
@@ -234,7 +236,7 @@ def op_probe(repeats: int) -> dict:
     * hiding keys of one 8 x 128 x 256 causal tile: ``masked_fill`` with a broadcast bool tile
       (causal, and random), against adding a 0/-inf tile and multiplying by a 1/0 tile;
     * ``p v`` of one such tile (``baddbmm_``, Dv = 64) with ordinary weights, every weight at the
-      old exp floor 1.6e-38 (products below the normal range), and at the new 1.2e-30;
+      old exp floor 1.6e-38 (products below the normal range), and at the floor exp(EXP_FLOOR) = 1.1e-30;
     * the 272 q k^T tiles of a causal L = 4096, D = 64 call (128 x 256 tiles) reading k
       transposed, from one (n, D, S) copy of k^T, and from per-block copies.
     """
@@ -248,7 +250,8 @@ def op_probe(repeats: int) -> dict:
     weight = causal.float()
     v, acc = torch.randn(H, Sb, D, generator=gen), torch.zeros(H, Lb, D)
     weights = {"normal": torch.rand(H, Lb, Sb, generator=gen), "1.6e-38": torch.full((H, Lb, Sb), 1.6e-38)}
-    weights["1.2e-30"] = torch.full((H, Lb, Sb), 1.2e-30)
+    floor = math.exp(EXP_FLOOR[torch.float32])
+    weights[f"{floor:.1e}"] = torch.full((H, Lb, Sb), floor)
     q, k = (torch.randn(H, L, D, generator=gen) for _ in range(2))
     kt = k.transpose(1, 2).contiguous()
     kt_blocks = [kt[:, :, j : j + Sb].contiguous() for j in range(0, L, Sb)]
@@ -333,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--offset",
         choices=("auto", "running-max"),
         default="auto",
-        help="auto: the kernel's choice (a static softmax offset where |logits| are bounded under 34.4, as for "
+        help="auto: the kernel's choice (a static softmax offset where |logits| are bounded under 34.5, as for "
         "these standard-normal inputs); running-max: the online max everywhere, the path that inputs with larger "
         "norms (and ALiBi, float masks, statistics) take",
     )
@@ -342,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.offset == "running-max":
-        tiled._STATIC_LIMIT = {}  # no dtype qualifies: every query block keeps a running max
+        tiled._OFFSET_LIMIT = {}  # no dtype qualifies: every query block keeps a running max
 
     result: dict = {
         "schema": SCHEMA,

@@ -333,9 +333,9 @@ def test_half_inputs_outputs_statistics_and_gradients_within_twice_the_math_back
 
 @pytest.mark.parametrize("Hkv", [2, 1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_inputs_of_long_calls_settle_rows_and_stay_within_twice_the_math_backends_error(half_path, dtype, Hkv):
-    """1,100 query rows against 1,300 keys (several query blocks and key tiles, so rows settle on
-    an offset), causal + softcap, GQA and MQA (one key head in a batch of 1: on 2 or more threads
+def test_half_inputs_of_long_calls_take_static_offsets_and_stay_within_twice_the_math_backends_error(half_path, dtype, Hkv):
+    """1,100 query rows against 1,300 keys (several query blocks and key tiles, so rows take static
+    offsets), causal + softcap, GQA and MQA (one key head in a batch of 1: on 2 or more threads
     the backward runs per query head, the group summed after), and packed sequences: every path
     against fp64, gradients included."""
     q, k, v = make_inputs(B=1, H=4, Hkv=Hkv, L=1100, S=1300, D=64, Dv=64, dtype=dtype, seed=3)
@@ -431,7 +431,7 @@ def test_float32_tanh_is_within_2_ulp_odd_and_keeps_nan():
 
 def test_float32_softmax_weights_are_exp_u20_bit_for_bit_zero_below_the_floor_and_keep_nan():
     """The softmax's exp of centred scores, specialised from ATen's exp_u20 to x = s - m in
-    [-69, 34.5] (above 0 only in rows that settled on an offset), on every 127th float32 bit
+    [-69, 34.5] (above 0 only in rows on a static offset), on every 127th float32 bit
     pattern there (17.5 million values): the same bits as exp_u20 with the same floor applied
     after it, and 3.24e-7 at most in relative error from float64 exp (measured). Below the floor
     and at -inf the weight is 0; NaN stays NaN (exp_u20 gives inf)."""
@@ -460,7 +460,7 @@ def _kernel_forward(q, k, v, scale, *, softcap=0.0, stats=False, half_products=F
     return out, lse, m, l
 
 
-def test_rows_settle_on_a_max_near_their_bound_and_only_then():
+def test_rows_take_a_static_offset_at_a_max_near_their_bound_and_only_then():
     """Without ALiBi, a float mask or packed sequences, and with at least 1024 query rows and more
     than one key tile, a row whose running max m has come within 34.5 of its Cauchy-Schwarz bound
     u_i = scale |q_i| max_j |k_j| keeps m as its offset for its later key tiles (the saved m is
@@ -491,7 +491,7 @@ def test_rows_settle_on_a_max_near_their_bound_and_only_then():
     want = reference.attention(q.double().numpy(), k.double().numpy(), v.double().numpy() * 1e30, scale=scale)
     err_math = np.abs(sdpa(q, k, v * 1e30, scale=scale, backend="math").double().numpy() - want).max()
     assert np.isfinite(out.numpy()).all() and np.abs(out.double().numpy() - want).max() <= 2 * err_math
-    # Logits near -u (q anti-aligned with every key, u = 28.8): m - u = -57.6, never settles.
+    # Logits near -u (q anti-aligned with every key, u = 28.8): m - u = -57.6, never takes a static offset.
     axis = torch.zeros(16)
     axis[0] = 8.0
     qa = axis.expand(1, 1, 1024, 16) + 1e-3 * torch.randn(1, 1, 1024, 16, generator=gen)
@@ -501,14 +501,14 @@ def test_rows_settle_on_a_max_near_their_bound_and_only_then():
 
 
 @pytest.mark.parametrize("top", [47.0, 47.5])
-def test_bfloat16_rows_with_a_bound_of_at_most_47_25_settle_before_their_first_tile(top):
+def test_bfloat16_rows_with_a_bound_of_at_most_47_25_take_a_static_offset_before_their_first_tile(top):
     """Weights rounded to bfloat16, no statistics: a row whose bound u (here exactly top, from
     |q| = 8 and max |k| = top / 8) is at most 47.25 takes the offset u - 34.5 from its first key
     tile on; its logits in [-u, u] give weights in [e^-60, e^34.5]. Logits spread over that whole
     range, the output stays within twice the math backend's error of float64. A bound above 47.25
-    keeps the running max until it settles (the saved m is then an actual logit, the first
+    keeps the running max until it takes a static offset (the saved m is then an actual logit, the first
     tile's largest). With float32 tiles (no 16-bit products here) the weights are float32 and
-    nothing settles early. Values too large for weights up to e^34.5 settle no row."""
+    no row takes one early. Values too large for weights up to e^34.5 give no row a static offset."""
     gen = torch.Generator().manual_seed(10)
     D, L, S = 16, 1024, 3 * ops.BLOCK_K
     q = torch.zeros(1, 1, L, D)
@@ -529,7 +529,7 @@ def test_bfloat16_rows_with_a_bound_of_at_most_47_25_settle_before_their_first_t
     err = (sdpa(q, k, v, scale=1.0).double() - want).abs().max().item()
     err_math = (sdpa(q, k, v, scale=1.0, backend="math").double() - want).abs().max().item()
     assert err <= 2 * err_math + TOLERANCE_FLOOR[torch.bfloat16], f"{err} against the math backend's {err_math}"
-    # Values so large (1e30) that weights up to e^34.5 could overflow their sum: no row settles,
+    # Values so large (1e30) that weights up to e^34.5 could overflow their sum: no row takes a static offset,
     # each ends on its own maximum, and the output stays finite and as close as the math backend's.
     big = (v.double() * 1e30).bfloat16()
     _, _, m, _ = _kernel_forward(q, k, big, 1.0, half_products=products16)
@@ -540,10 +540,10 @@ def test_bfloat16_rows_with_a_bound_of_at_most_47_25_settle_before_their_first_t
     assert math.isfinite(err) and err <= 2 * err_math + TOLERANCE_FLOOR[torch.bfloat16] * 1e30, f"{err} against the math backend's {err_math}"
 
 
-def test_bfloat16_rows_of_short_calls_and_packed_sequences_settle_where_brgemm_packs(half_path):
+def test_bfloat16_rows_of_short_calls_and_packed_sequences_take_static_offsets_where_brgemm_packs(half_path):
     """With brgemm the key norms come from the packing's reads: a call of fewer than 1024 query
-    rows over a single key tile settles its bfloat16 rows before their first tile too, and packed
-    sequences each settle on their own keys' norms (here bounds 20 and 40: offsets -14.5 and 5.5).
+    rows over a single key tile gives its bfloat16 rows static offsets before their first tile too, and packed
+    sequences each take static offsets from their own keys' norms (here bounds 20 and 40: offsets -14.5 and 5.5).
     Where oneMKL multiplies, or the kernel converts the tiles to float32, such calls keep the
     running max: m is the row's largest logit. Either way the outputs stay within twice the math
     backend's error of float64."""
@@ -585,9 +585,9 @@ def test_bfloat16_rows_of_short_calls_and_packed_sequences_settle_where_brgemm_p
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("softcap", "a"), [(0.0, 5.0), (100.0, 8.0)])
-def test_settled_rows_give_weights_far_below_their_offset_zero(dtype, softcap, a):
-    """A settled row drops the floor's test from its weights only where no logit can lie more than
-    60 below its offset (m + bound <= 60). Here every row settles on logit +L0 in the first key tile
+def test_static_rows_give_weights_far_below_their_offset_zero(dtype, softcap, a):
+    """A static row drops the floor's test from its weights only where no logit can lie more than
+    60 below its offset (m + bound <= 60). Here every row takes logit +L0 as its static offset in the first key tile
     (L0 = 50, or 100 tanh(0.8) = 66.4 under softcap 100) with a bound of L0, and its later tiles hold
     logits -L0: exp(-2 L0) is far under float32's floor, so their weights must be 0 (without the
     floor's test they come out as garbage: exp's exponent bits wrap below 2^-126)."""
@@ -601,7 +601,7 @@ def test_settled_rows_give_weights_far_below_their_offset_zero(dtype, softcap, a
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     out, _, m, _ = _kernel_forward(q, k, v, 1.0, softcap=softcap, half_products=ops.half_products(dtype))  # 16-bit products where the CPU has them
     top = 10.0 * a if softcap == 0 else softcap * math.tanh(10.0 * a / softcap)
-    assert torch.allclose(m.double(), torch.full_like(m.double(), top), rtol=1e-6)  # settled on the first tile's max
+    assert torch.allclose(m.double(), torch.full_like(m.double(), top), rtol=1e-6)  # took the first tile's max as its static offset
     want = v[0, 0, : ops.BLOCK_K].double().mean(0).expand(L, D)  # the first tile's values, equally weighted
     err = (out[0, 0].double() - want).abs().max().item()
     assert err <= (1e-6 if dtype == torch.float32 else 1e-2), err
@@ -609,10 +609,10 @@ def test_settled_rows_give_weights_far_below_their_offset_zero(dtype, softcap, a
 
 def _round_out_cases(dtype):
     """(name, q, k, v, (alibi, mask, spans), ops.KernelOptions but half_products and round_out) for 16-bit calls: long
-    causal softcapped rows that settle, with statistics; odd head dims; packed sequences with a
+    causal softcapped rows on static offsets, with statistics; odd head dims; packed sequences with a
     query row no span names (zeros); values so small that the outputs are subnormal in the format."""
     q, k, v = make_inputs(B=1, H=4, Hkv=2, L=1100, S=3 * ops.BLOCK_K, D=24, Dv=20, dtype=dtype, seed=3, mag=2.0)
-    yield "settling-causal-softcap-stats", q, k, v, (None, None, None), ops.KernelOptions(scale=0.3, softcap=30.0, causal=True, q_offset=3 * ops.BLOCK_K - 1100, with_stats=True)
+    yield "static-offset-causal-softcap-stats", q, k, v, (None, None, None), ops.KernelOptions(scale=0.3, softcap=30.0, causal=True, q_offset=3 * ops.BLOCK_K - 1100, with_stats=True)
     q, k, v = make_inputs(B=2, H=2, Hkv=1, L=37, S=90, D=7, Dv=5, dtype=dtype, seed=4)
     yield "odd-dims", q, k, v, (None, None, None), ops.KernelOptions(scale=0.5)
     tiny = torch.finfo(dtype).smallest_normal
@@ -794,15 +794,15 @@ def test_the_kernels_row_check_holds_of_the_rounded_16_bit_output(half_path, dty
     """Given 16-bit inputs, on every path, the kernel checks each float32 row against the format's
     range once rounded, so its verdict is that of the rounded output. A row whose float32 value is
     half the format's smallest subnormal rounds to 0 (to even): no row that looks right. Just above
-    that half it rounds to the subnormal, and looks right: here where bfloat16 rows settle before
-    their first tile on the offset -34.5 (brgemm), whose weights e^34.5 are rounded for the product
+    that half it rounds to the subnormal, and looks right: here where bfloat16 rows take, before
+    their first tile, the static offset -34.5 (brgemm), whose weights e^34.5 are rounded for the product
     but not for their sum, the uniform weights' mean comes out a little above the half."""
     from attnscale.guard import _row_peaks, _rows_look_right
     from attnscale.score import ScorePath
 
     path = ScorePath(scale=1.0)
     zeros = torch.zeros(1, 1, 2, 4, dtype=dtype)
-    # Uniform weights 1/2 from logits 0, two ways: q = k = 0 (bound 0: a settled row's offset is
+    # Uniform weights 1/2 from logits 0, two ways: q = k = 0 (bound 0: a static row's offset is
     # -34.5), and q orthogonal to k with |q| |k| = 34.5 (offset 0: weights 1, exact in any format).
     across, along = zeros.clone(), zeros.clone()
     across[..., 0], along[..., 1] = 34.5, 1.0
@@ -954,7 +954,7 @@ def test_packed_sequences_with_overlapping_rows_give_the_answer_of_their_copies(
     assert "MKL" not in capfd.readouterr().err
 
 
-SETTLING = [
+STATIC_OFFSET_CASES = [
     {},
     {"softcap": 5.0},
     {"is_causal": True, "causal_alignment": "bottom_right"},
@@ -964,17 +964,17 @@ SETTLING = [
 ]
 
 
-@pytest.mark.parametrize("opts", SETTLING, ids=lambda o: "-".join(o) or "plain")
-def test_rows_that_settle_give_the_reference_outputs_and_gradients(opts):
-    """Calls where rows settle on an offset (1024+ query rows, several key tiles, no ALiBi or float
-    mask) against float64, with each feature that allows it: the settled rows' outputs, statistics
+@pytest.mark.parametrize("opts", STATIC_OFFSET_CASES, ids=lambda o: "-".join(o) or "plain")
+def test_rows_on_static_offsets_give_the_reference_outputs_and_gradients(opts):
+    """Calls where rows take a static offset (1024+ query rows, several key tiles, no ALiBi or float
+    mask) against float64, with each feature that allows it: the static rows' outputs, statistics
     and gradients, not only their offsets."""
     opts = dict(opts)
     Hkv = 1 if opts.pop("gqa", False) else 2
     q, k, v = make_inputs(B=1, H=2, Hkv=Hkv, L=1024, S=3 * ops.BLOCK_K + 40, D=16, Dv=8, seed=7)
     mask = make_mask("bool", H=2, L=1024, S=k.shape[-2], seed=7) if opts.pop("mask", None) else None
     mask = None if mask is None else mask[:1]
-    if Hkv == 2:  # some rows' maximum lies after their first key tile: they settle before it
+    if Hkv == 2:  # some rows' maximum lies after their first key tile: they take a static offset before it
         _, _, m, _ = _kernel_forward(q, k, v, 0.25)
         assert (m < (q @ k.transpose(-1, -2)).amax(-1) * 0.25 - 1e-9).any()
     leaves = [t.requires_grad_() for t in (q, k, v)]
@@ -996,11 +996,11 @@ def test_rows_that_settle_give_the_reference_outputs_and_gradients(opts):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("opts", [{}, {"softcap": 20.0}, {"is_causal": True}], ids=["plain", "softcap", "causal"])
-def test_statistics_of_rows_that_settle_stay_within_twice_the_math_backends_error(dtype, opts):
-    """Statistics of a long call (rows settle on an offset) in each dtype: every statistic within
+def test_statistics_of_rows_on_static_offsets_stay_within_twice_the_math_backends_error(dtype, opts):
+    """Statistics of a long call (rows take a static offset) in each dtype: every statistic within
     twice the math backend's error of float64 (plus the dtype's floor), as the output."""
     q, k, v = make_inputs(B=1, H=2, Hkv=2, L=1100, S=3 * ops.BLOCK_K + 40, D=64, Dv=64, dtype=dtype, seed=8)
-    if dtype == torch.float32:  # some rows settle before their maximum
+    if dtype == torch.float32:  # some rows take a static offset before their maximum
         _, _, m, _ = _kernel_forward(q, k, v, 64**-0.5)
         assert (m.double() < (q.double() @ k.double().transpose(-1, -2)).amax(-1) * 64**-0.5 - 1e-6).any()
     with torch.no_grad():
@@ -1017,8 +1017,8 @@ def test_statistics_of_rows_that_settle_stay_within_twice_the_math_backends_erro
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("delta", [5.0, 20.0, 34.0])
-def test_a_settled_rows_entropy_is_good_to_a_unit_in_the_last_place_of_its_offsets_distance(dtype, delta):
-    """A row settles on its first tile's maximum 6 (its bound is 6 + delta), and a key of a later
+def test_a_static_rows_entropy_is_good_to_a_unit_in_the_last_place_of_its_offsets_distance(dtype, delta):
+    """A row takes its first tile's maximum 6 as its static offset (its bound is 6 + delta), and a key of a later
     tile reaches 6 + delta: its entropy is then log l - w / l against an offset delta below the
     maximum, two numbers near delta whose difference keeps their rounding. The error stays within
     twice the math backend's plus one unit in the last place of 34.5 in float32 (2^-18 = 3.8e-6
@@ -1036,7 +1036,7 @@ def test_a_settled_rows_entropy_is_good_to_a_unit_in_the_last_place_of_its_offse
     v = torch.randn(1, 1, S, 8, generator=gen)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     _, _, m, _ = _kernel_forward(q.float(), k.float(), v.float(), 1.0)
-    assert (m < 6.5).all()  # every row settled on the first tile's maximum
+    assert (m < 6.5).all()  # every row took the first tile's maximum as its static offset
     with torch.no_grad():
         _, got = sdpa(q, k, v, scale=1.0, return_stats=True)
         _, math = sdpa(q, k, v, scale=1.0, backend="math", return_stats=True)
@@ -1057,3 +1057,78 @@ def test_forcing_16_bit_products_without_them_is_an_error(monkeypatch):
         ops.half_products(torch.bfloat16)
     monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "0")
     assert ops.half_products(torch.bfloat16) is False
+
+
+# --------------------------------------------------------------------------------------------
+# The compiled kernel's weights against the tiled kernel's, entry by entry
+# --------------------------------------------------------------------------------------------
+
+WEIGHT_CASES = {  # name: (kernel options, ALiBi, mask kind); logits spread past the exp floor
+    "plain": (dict(scale=1.0), False, None),
+    "softcap": (dict(scale=1.0, softcap=50.0), False, None),
+    "alibi-causal": (dict(scale=0.5, causal=True, q_offset=6), True, None),
+    "window-bool-mask": (dict(scale=1.0, left=4, right=2), False, "bool"),
+    "float-mask-with-inf": (dict(scale=1.0), False, "float"),
+}
+# Largest relative error of a weight against exp(s - m) in float64, measured on these tiles: float32
+# 1.4e-5 (logits up to ~100 carry float32 rounding), float64 1.2e-13 (up to ~1000); twice that here.
+WEIGHT_RTOL = {torch.float32: 3e-5, torch.float64: 3e-13}
+
+
+def tile_weights_case(name, dtype):
+    """One 7 x 13 tile: the compiled kernel's weights and m, the specification's centred logits
+    c = s - max s in float64 (attnscale.score on the same inputs), the hidden keys and max s."""
+    opts, with_alibi, mask_kind = WEIGHT_CASES[name]
+    gen = torch.Generator().manual_seed(3)
+    B, H, L, S, D = 1, 2, 7, 13, 8
+    mag = 4.0 if dtype == torch.float32 else 12.0  # spreads of hundreds (float32) and thousands of nats
+    q, k, v = ((torch.randn(B, H, n, D, generator=gen, dtype=torch.float64) * mag).to(dtype) for n in (L, S, S))
+    slopes = torch.tensor([[3.0, 40.0]], dtype=dtype) if with_alibi else None
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(B, H, L, S, generator=gen) > 0.3
+    elif mask_kind == "float":
+        mask = (torch.randn(B, H, L, S, generator=gen, dtype=torch.float64) * 30).to(dtype)
+        mask[..., ::5] = NEG_INF
+    options = ops.KernelOptions(block_q=L, block_k=S, **opts)
+    weights, m = kernels.load().tile_weights(q=q, k=k, v=v, alibi=slopes, mask=mask, **options._asdict())
+    window = None if options.left < 0 and options.right < 0 else (options.left if options.left >= 0 else None, options.right if options.right >= 0 else None)
+    path = attnscale.ScorePath(scale=options.scale, softcap=options.softcap or None, causal=options.causal, window=window, q_offset=options.q_offset)
+    q_pos, k_pos = path.positions(0, L, 0, S, q.device)
+    additive = mask.double() if mask is not None and mask.dtype != torch.bool else None
+    s = path.logits(q.double() @ k.double().mT, q_pos=q_pos, k_pos=k_pos, alibi_slopes=None if slopes is None else slopes.double(), additive=additive)
+    hidden = torch.zeros(B, H, L, S, dtype=torch.bool)
+    if path.visibility(q_pos, k_pos) is not None:
+        hidden |= ~path.visibility(q_pos, k_pos)
+    if mask is not None and mask.dtype == torch.bool:
+        hidden |= ~mask
+    s = s.masked_fill(hidden, NEG_INF)
+    hidden |= s == NEG_INF
+    peak = s.amax(-1)
+    return weights, m, s - peak[..., None], hidden, peak
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name", list(WEIGHT_CASES))
+def test_the_kernels_weights_are_the_tiled_kernels_weight_by_weight(name, dtype):
+    """The compiled kernel (its forward's steps on one tile) and the tiled kernel's weight rule
+    (tiled._exp_) against exp(s - m) of the specification's logits, entry by entry, with the one
+    exp floor both read (attnscale.constants.EXP_FLOOR): hidden keys exactly 0 in both; above the
+    floor both within WEIGHT_RTOL of exp(s - m); below it the compiled kernel's weight is exactly 0
+    and the tiled kernel's exactly exp(floor), the two ways the constants module documents."""
+    from attnscale import tiled
+    from attnscale.constants import EXP_FLOOR
+
+    weights, m, c, hidden, peak = tile_weights_case(name, dtype)
+    floor = EXP_FLOOR[dtype]
+    below, above = (c < floor) & ~hidden, (c > floor) & ~hidden
+    assert not (((c - floor).abs() < 0.01) & ~hidden).any()  # no entry so close to the floor that rounding picks its side
+    assert above.any() and (below.any() or (dtype == torch.float64 and name == "softcap"))  # a cap of 50 spans 100 nats
+    tiled_weights = tiled._exp_(c.to(dtype).masked_fill(hidden, 0.0), (~hidden).to(dtype), NEG_INF)
+    spec = c.exp()
+    for got in (weights, tiled_weights):
+        assert (got[hidden] == 0).all()
+        assert ((got.double() - spec).abs() / spec)[above].max() <= WEIGHT_RTOL[dtype]
+    assert (weights[below] == 0).all()
+    assert (tiled_weights[below] == torch.tensor(floor, dtype=dtype).exp()).all()
+    torch.testing.assert_close(m.double(), peak, rtol=WEIGHT_RTOL[dtype], atol=0)  # the offset: the row's largest logit

@@ -358,10 +358,10 @@ def test_an_inf_in_k_whose_products_are_all_minus_inf_with_gqa_features_and_dtyp
 @pytest.mark.parametrize("hidden", [False, True], ids=["visible", "hidden-by-causal"])
 def test_an_inf_in_k_whose_products_are_all_minus_inf_over_many_key_tiles(hidden, key):
     # 1100 rows and keys: the compiled kernel meets the key in one of several key tiles, beside
-    # rows that could settle on their offset (the key is hidden from the causal rows before it).
+    # rows that could take a static offset (the key is hidden from the causal rows before it).
     # Key 1023 ends a key tile, so every causal row that sees it has it inside a whole vector.
-    # With softcap the key's infinite norm must keep rows from settling: softcap tanh(inf) is
-    # finite, and a settled row's softcap bounds the infinite product to a finite logit.
+    # With softcap the key's infinite norm must keep rows from a static offset: softcap tanh(inf) is
+    # finite, and a static row's softcap bounds the infinite product to a finite logit.
     q, k, v = minus_inf_products(-math.inf, L=1100, S=1100, key=key)
     options = dict(is_causal=True, softcap=30.0) if hidden else {}
     ref = oracle(q, k, v, **options)

@@ -115,7 +115,7 @@ from attnscale import kernels
 assert kernels.available(), kernels.unavailable_reason()
 torch.manual_seed(0)
 out = [kernels.isa()]
-# (L, S, D, causal, softcap, statistics, query heads per key head): rows that settle and rows that
+# (L, S, D, causal, softcap, statistics, query heads per key head): rows on static offsets and rows that
 # do not, tails shorter than a vector pair, several key tiles, statistics, grouped heads.
 for L, S, D, causal, cap, stats, group in [(300, 301, 64, True, 30.0, False, 1), (1030, 1030, 128, True, None, False, 1),
                                           (64, 2100, 64, False, None, True, 1), (520, 1200, 32, True, 50.0, False, 2),

@@ -1,6 +1,7 @@
 """The tiled (online-softmax) backend against the fp64 NumPy reference and the math backend."""
 
 import itertools
+import math
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 
 import attnscale
 from attnscale import ScorePath, reference, tiled
+from attnscale.constants import EXP_FLOOR
 from attnscale._validate import check_attention_call
 from attnscale.tiled import attention_partial, merge_partials, tiled_attention
 
@@ -103,7 +105,7 @@ def offset_mode(request, monkeypatch):
     """Run a test with the kernel's default choice of softmax offset (a static bound where the score
     path allows one, see test_static_offset_*) and again with the running max everywhere."""
     if request.param == "running-max":
-        monkeypatch.setattr(tiled, "_STATIC_LIMIT", {})
+        monkeypatch.setattr(tiled, "_OFFSET_LIMIT", {})
     return request.param
 
 
@@ -380,7 +382,7 @@ def test_rows_spread_past_the_exp_floor_match_the_reference_and_keep_hidden_keys
     err = (out.double() - torch.from_numpy(expected)).abs().max().item()
     err_math = (run_math(q, k, v, mask, **opts).double() - torch.from_numpy(expected)).abs().max().item()
     assert err <= 2 * err_math
-    # a hidden key's value can be huge: the floor weight 1.2e-30 on 1e37 would move the output by 1e7
+    # a hidden key's value can be huge: the floor weight 1.1e-30 on 1e37 would move the output by 1e7
     v_far = v.clone()
     hidden_everywhere = ~keep[0, 0].any(0)  # keys no query row may see
     v_far[..., hidden_everywhere, :] = 1e37
@@ -511,7 +513,7 @@ def spy_static_blocks(monkeypatch, name="_static_block"):
     [
         ({"is_causal": True}, 1.0, 3),
         ({"softcap": 30.0, "window": (5, 2)}, 1.0, 3),
-        ({"softcap": 20.0}, 100.0, 3),  # |cap * tanh| <= 20 < 34.4 whatever the products
+        ({"softcap": 20.0}, 100.0, 3),  # |cap * tanh| <= 20 < 34.5 whatever the products
         ({"softcap": 30.0}, 6.0, 3),
         ({"mask": "bool"}, 1.0, 3),
         ({}, 6.0, 0),  # Cauchy-Schwarz bound ~ 6 * 4 * 6 * 6 / 4 = 216 nats: past the limit
@@ -556,7 +558,7 @@ def test_static_offset_far_below_the_bound_keeps_float32_precision(monkeypatch, 
     exp(-2u) = 2e-19 and the largest is exp(-1.5u) = 1e-14, still kept by the check; weights times
     values of 1e-15 must stay normal numbers."""
     u = 21.5
-    assert u < tiled._STATIC_LIMIT[torch.float32]
+    assert u < tiled._OFFSET_LIMIT[torch.float32]
     D, S = 8, 3 * BK + 5
     direction = torch.zeros(D)
     direction[0] = 1.0
@@ -589,7 +591,7 @@ def test_static_offset_costs_no_float32_precision_against_the_running_max(monkey
     calls = spy_static_blocks(monkeypatch)
     err_static = np.abs(tiled_attention(q, k, v, path=path)[0].double().numpy() - expected).max()
     assert calls == [0]
-    monkeypatch.setattr(tiled, "_STATIC_LIMIT", {})
+    monkeypatch.setattr(tiled, "_OFFSET_LIMIT", {})
     err_running = np.abs(tiled_attention(q, k, v, path=path)[0].double().numpy() - expected).max()
     assert err_static <= 1.2 * err_running, (err_static, err_running)
 
@@ -646,8 +648,9 @@ def test_visibility_patterns_are_shared_along_diagonals(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_no_weight_falls_below_the_exp_floor(monkeypatch, dtype):
     """ALiBi rows span thousands of nats; every nonzero weight the kernel hands to its matmuls, forward
-    and backward, stays at or above exp(floor) = 1e8 tiny, where products with values down to 1e-8
-    are normal numbers (products below the normal range made the CPU matmul ~100x slower)."""
+    and backward, stays at or above exp(floor) (attnscale.constants.EXP_FLOOR: 1.1e-30 in float32), where
+    products with values down to 1.1e-8 are normal numbers (products below the normal range made the CPU
+    matmul ~100x slower)."""
     smallest = []
     real = tiled._exp_
 
@@ -664,7 +667,7 @@ def test_no_weight_falls_below_the_exp_floor(monkeypatch, dtype):
     out = run_tiled(q, k, v, is_causal=True, causal_alignment="bottom_right", alibi_slopes=slopes)
     out.sum().backward()
     assert len(smallest) > 4
-    floor = torch.finfo(dtype).tiny * 1e8
+    floor = math.exp(EXP_FLOOR[dtype])
     assert min(smallest) >= floor * (1 - 1e-6), (min(smallest), floor)
     assert min(smallest) < floor * 1.001  # the floor was reached: the rows really span past it
 

@@ -18,8 +18,9 @@ Where every logit of a row is bounded in advance, ``|s_ij| <= u_i``, the row nee
 (a static offset, like FlashDecoding++'s unified max value, but from a bound by proof, so no weight
 can overflow). The bound is Cauchy-Schwarz, ``|q_i . k_j| <= |q_i| max_j |k_j|``, and with
 softcap ``softcap * tanh`` of that. A query block takes it when the score path has no ALiBi and no
-float mask, no statistics are asked for, and every ``u_i <= 34.4`` (float32; 345 in float64).
-Its weights are then ``exp(s)`` itself, in ``[exp(-u), exp(u)]`` (1.1e-15 to 8.7e14 in float32),
+float mask, no statistics are asked for, and every ``u_i <= 34.5`` (float32; 345 in float64:
+:data:`attnscale.constants.OFFSET_LIMIT`).
+Its weights are then ``exp(s)`` itself, in ``[exp(-u), exp(u)]`` (1.0e-15 to 9.6e14 in float32),
 where ``S e^u max |v|`` fits the dtype; else ``exp(s - u)``, in ``[exp(-2 u), 1]``. Each tile
 skips the row max and the rescaling of the sum and the accumulator. Offset 0 subtracts nothing,
 so a weight carries only its logit's own rounding, as with the running max; offset ``u`` puts up
@@ -35,8 +36,9 @@ O((L + S) * D) plus one tile. Accumulation is float32 (float64 for float64 input
 Semantics match the ``"math"`` backend exactly, with these choices:
 
 * A row with no visible key returns zeros and ``lse = -inf``; its gradients are zero, never NaN.
-* A visible key more than 68.9 nats below its row's maximum (float32; 690.8 in float64) gets the
-  unnormalised weight 1e8 * tiny = 1.2e-30 rather than something smaller: ATen's exp is ~50x slower
+* A visible key more than 69 nats below its row's maximum (float32; 690 in float64:
+  :data:`attnscale.constants.EXP_FLOOR`) gets the unnormalised weight exp(-69) = 1.1e-30 rather
+  than something smaller: ATen's exp is ~50x slower
   for results below the normal range and its matmuls ~100x slower for products there, and such a
   weight is far below float32 resolution next to the maximum's 1. Hidden keys (mask, causal,
   window, -inf in a float mask) get exactly zero.
@@ -70,6 +72,7 @@ from torch import Tensor
 from ._autograd import first_order
 from ._tracing import tracing
 from .dense import accumulation_dtype
+from .constants import EXP_FLOOR, OFFSET_LIMIT
 from .score import ScorePath
 from .stats import AttentionStats, with_sinks
 
@@ -270,17 +273,18 @@ def _tile_logits(
 # for results below the normal range (arguments under about -87.3 in float32, -inf included) and
 # runs some 50x slower there; and a matmul whose products fall below the normal range runs some
 # 90x slower (``bench_tiled.py --op-probe``: p v of one 8 x 128 x 256 tile with every weight
-# 1.6e-38, 47.9 ms against 0.53 ms). So no weight goes below exp(floor) = 1e8 tiny (1.2e-30 in float32; floor -68.9, and
-# -690.8 in float64): arguments are raised to the floor before exp, weights times values down to
-# 1e-8 stay normal numbers, and hidden keys are set back to exactly 0 afterwards. A weight of
-# 1.2e-30 next to a row maximum's exp(0) = 1 is far below float32 resolution.
-_EXP_FLOOR = {dtype: math.log(torch.finfo(dtype).tiny * 1e8) for dtype in (torch.float32, torch.float64)}
+# 1.6e-38, 47.9 ms against 0.53 ms). So no weight goes below exp(floor) (1.1e-30 in float32, floor
+# -69, and -690 in float64; attnscale.constants.EXP_FLOOR, which the compiled kernel reads too):
+# arguments are raised to the floor before exp, weights times values down to 1.1e-8 stay normal
+# numbers, and hidden keys are set back to exactly 0 afterwards. A weight of 1.1e-30 next to a
+# row maximum's exp(0) = 1 is far below float32 resolution.
+_EXP_FLOOR = EXP_FLOOR
 
 
 def _exp_(centred: Tensor, keep: Tensor | None, lowest: float) -> Tensor:
     """exp of a centred tile in place, on ATen's fast path, with hidden keys at exactly 0.
 
-    Visible entries are <= 0 with a running max, and at most the static limit (34.4 in float32)
+    Visible entries are <= 0 with a running max, and at most the offset limit (34.5 in float32)
     in rows whose static offset is 0 (:func:`_centre`); hidden ones (``keep`` 0) may hold anything,
     -inf included, and are clamped into [floor, limit] before the exp. ``lowest`` bounds the
     visible entries from below when the score path does (softcap), else it is -inf.
@@ -309,10 +313,10 @@ def _group_rows(x: Tensor, plan: _Plan, i0: int, i1: int) -> Tensor:
 
 
 # A row whose logits are known to satisfy |s_ij| <= u_i needs no running max: exp(s_ij) lies in
-# [exp(-u_i), exp(u_i)] and exp(s_ij - u_i) in [exp(-2 u_i), 1]. While 2 u_i <= -floor (u_i <= 34.4
-# in float32, 345 in float64) no weight overflows or falls below the exp floor, so exp and the
-# matmuls stay on their fast paths without any clamp.
-_STATIC_LIMIT = {dtype: -floor / 2 for dtype, floor in _EXP_FLOOR.items()}
+# [exp(-u_i), exp(u_i)] and exp(s_ij - u_i) in [exp(-2 u_i), 1]. While 2 u_i <= -floor (u_i <= 34.5
+# in float32, 345 in float64: attnscale.constants.OFFSET_LIMIT) no weight overflows or falls below
+# the exp floor, so exp and the matmuls stay on their fast paths without any clamp.
+_OFFSET_LIMIT = OFFSET_LIMIT
 
 
 def _row_bounds(plan: _Plan, q: Tensor, k: Tensor, mask: Tensor | None, alibi: Tensor | None) -> Tensor | None:
@@ -326,7 +330,7 @@ def _row_bounds(plan: _Plan, q: Tensor, k: Tensor, mask: Tensor | None, alibi: T
         return None
     if tracing(q, k):  # choosing it needs the bounds' values: traced calls take the running max
         return None
-    if q.dtype not in _STATIC_LIMIT:
+    if q.dtype not in _OFFSET_LIMIT:
         return None
     k_norm = torch.linalg.vector_norm(k, dim=-1).amax(dim=-1)  # (*batch, Hkv)
     q_norm = torch.linalg.vector_norm(q, dim=-1).view(*plan.batch, plan.Hkv, plan.G, plan.L)
@@ -359,7 +363,7 @@ def _centre(u: Tensor, v_peak: float, S: int) -> Tensor:
     with the running max; subtracting u puts up to 2u on exp's argument and (u - max) eps of
     relative error on the largest weights, which shows where the Cauchy-Schwarz bound is loose
     (D = 80: tests/test_tiled.py, test_static_offset_costs_no_float32_precision_against_the_running_max).
-    Weights are then in [exp(-u), exp(u)], 1.1e-15 to 8.7e14 at u = 34.4 in float32: above the
+    Weights are then in [exp(-u), exp(u)], 1.0e-15 to 9.6e14 at u = 34.5 in float32: above the
     exp floor, and no weight or sum overflows."""
     fits = u.exp().mul_(S * v_peak) < torch.finfo(u.dtype).max / 2  # False for NaN or inf values
     return torch.where(fits, torch.zeros_like(u), u)
@@ -370,7 +374,7 @@ def _static_offset(bounds: Tensor | None, i0: int, i1: int) -> Tensor | None:
     if bounds is None:
         return None
     u = bounds[..., i0:i1]
-    return u if float(u.amax()) <= _STATIC_LIMIT[u.dtype] else None  # NaN / inf bounds fail the test
+    return u if float(u.amax()) <= _OFFSET_LIMIT[u.dtype] else None  # NaN / inf bounds fail the test
 
 
 class _Tiler:
@@ -529,7 +533,7 @@ def _online_block(
             # Re-centre the running sum of p log p on the new max (where alpha = 0 the old keys'
             # share is 0: m - m_new may be -inf beside l = 0), then add this tile's. log p is the
             # centred logit as _exp_ clamped it: p * (s - m) would give a floored weight a term
-            # of 1.2e-30 times a logit gap of any size (0.15 at a gap of 1e29).
+            # of 1.1e-30 times a logit gap of any size (0.15 at a gap of 1e29).
             w = torch.where(alpha == 0, 0.0, alpha * (w + l * (m - m_new)))
             if centred.device.type == "cpu":
                 centred.clamp_min_(_EXP_FLOOR[centred.dtype])

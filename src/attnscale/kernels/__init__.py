@@ -32,6 +32,8 @@ from types import ModuleType
 
 import torch
 
+from .. import constants
+
 __all__ = ["available", "build", "build_precondition", "isa", "kernel_dir", "library_path", "load", "unavailable_reason"]
 
 _SOURCE = Path(__file__).with_name("fused.cpp")  # the binding; it includes csrc/*.h, one file per concern
@@ -46,7 +48,10 @@ _ISA_FLAGS = {
     "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]),
     "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]),
 }
-_FLAGS = ["-O3", "-fopenmp", "-std=c++17"]
+# -ffp-contract=off: the kernel's arithmetic is its source's, every FMA written as one. Left to the
+# compiler, a * b + c was fused or not by where it was inlined, so moving code changed bits (one
+# unit in the last place of a row's sum). attnscale.constants: the numbers both kernels share.
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17", *constants.cpp_defines()]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -7,7 +7,8 @@
 // product p v. Tiles that causality or the window hide are never computed, and each query block
 // only visits the key range its rows can see. Where every logit is bounded in advance (no ALiBi
 // or float mask), a row whose running max comes close enough to its bound keeps that max from
-// then on, and its later tiles skip the max pass and the rescaling (forward_block). The
+// then on as its static offset, and its later tiles skip the max pass and the rescaling
+// (forward_block). The
 // backward pass recomputes each tile exactly as the forward did (same tiles, same products, same
 // order of operations) and normalises with the forward's own (m, l), so the weights it
 // differentiates are the forward's.
@@ -21,11 +22,16 @@
 // elsewhere the forward converts each tile to float32 in scratch of its own (Problem::widen), and
 // the caller passes the backward float32 copies.
 //
+// The algorithm, its names and its constants are attnscale/tiled.py's (the executable
+// specification; the numbers both read live in attnscale/constants.py), but where a row's offset
+// may become static: the tiled kernel decides it per query block before the block, this kernel
+// per row, as soon as the row's running max comes within OFFSET_LIMIT of its bound.
+//
 // Files, one concern each (csrc/): options.h (the options by name), products.h (BLAS and 16-bit
 // loads), vector_math.h (exp floor, tanh, exp), problem.h (a call's shapes, visible keys, tiles,
 // scratch and parallel loop), rows.h (a row's score path, weights and statistics), bounds.h (the
-// logits' bound that lets rows settle), packing.h (brgemm's operands), forward.h, backward.h; this
-// file makes a call's problem and outputs and binds the kernel to Python.
+// logits' bound behind static offsets), packing.h (brgemm's operands), forward.h, backward.h;
+// this file makes a call's problem and outputs and binds the kernel to Python.
 
 #include "csrc/backward.h"
 #include "csrc/bounds.h"
@@ -149,25 +155,25 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
   std::atomic<bool> suspect{false};
   AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_forward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, alibi, mask, spans, o);
-    // Settling needs a bound on every logit (no ALiBi, no float mask). With brgemm the key norms
-    // come beside the packing, from its reads (pack_problem), at little cost: every such call
-    // settles, packed sequences each on their own keys' norms, and bfloat16 rows of a single
-    // key tile save its max pass too (forward_block's early settle). Elsewhere the norms take a
-    // pass over k and v of their own, which costs several query rows' products and pays only for
-    // rows that see more than one key tile: packed sequences (each row sees only its own
-    // sequence's keys) and calls with fewer than 1024 query rows go without.
+    // A static offset needs a bound on every logit (no ALiBi, no float mask). With brgemm the key
+    // norms come beside the packing, from its reads (pack_problem), at little cost: every such
+    // call's rows may take one, packed sequences each on their own keys' norms, and bfloat16 rows
+    // of a single key tile save its max pass too (start_rows's offset before the first tile).
+    // Elsewhere the norms take a pass over k and v of their own, which costs several query rows'
+    // products and pays only for rows that see more than one key tile: packed sequences (each row
+    // sees only its own sequence's keys) and calls with fewer than 1024 query rows go without.
     std::vector<scalar_t> kmax;
     const bool brgemm = takes_brgemm(P, false);
     const bool bounded = P.alibi == nullptr && P.fmask == nullptr;
-    const bool settles = bounded && (brgemm || (P.spans == nullptr && P.L >= 1024 && P.S > P.block_k));
-    if (settles && !brgemm) kmax = key_norms(P);
+    const bool static_offsets = bounded && (brgemm || (P.spans == nullptr && P.L >= 1024 && P.S > P.block_k));
+    if (static_offsets && !brgemm) kmax = key_norms(P);
     SequencePacks seqs;
     PackPtr packed;  // brgemm's k^T and v, every key head (P.kpack, P.vpack)
     if (brgemm) {
-      if (settles) kmax.resize((P.spans ? P.nseq : 1) * P.B * P.Hkv);
-      packed = pack_problem(P, false, seqs, settles ? kmax.data() : nullptr);
+      if (static_offsets) kmax.resize((P.spans ? P.nseq : 1) * P.B * P.Hkv);
+      packed = pack_problem(P, false, seqs, static_offsets ? kmax.data() : nullptr);
     }
-    if (settles && !P.spans) P.kmax = kmax.data();  // packed: each sequence's, from seqs
+    if (static_offsets && !P.spans) P.kmax = kmax.data();  // packed: each sequence's, from seqs
     ForwardOut<scalar_t> O{out16 ? nullptr : out.data_ptr<scalar_t>(), nullptr, kNoHalf, lse.data_ptr<scalar_t>(),
                            m.data_ptr<scalar_t>(), l.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr, &suspect};
     if (out16) O.out16 = static_cast<uint16_t*>(out.data_ptr()), O.out16_kind = half_kind(q);
@@ -269,6 +275,42 @@ std::tuple<torch::Tensor, torch::Tensor> weights_op(const torch::Tensor& x) {
   return {out, ref};
 }
 
+// One tile's softmax weights as the forward makes them, for the tests that hold them to the tiled
+// kernel's: q (B, H, L, D), k, v float32 or float64, L <= block_q and S <= block_k (one query block,
+// one key tile, no packed sequences). Each row runs the forward's first-tile steps (block_at, the
+// tile's products, online_tile_row): weights exp(s - m) against the row's largest logit m, 0 at
+// hidden keys and below the exp floor. Returns [weights (B, H, L, S), m (B, H, L)].
+std::vector<torch::Tensor> tile_weights_op(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                           const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
+                                           const py::kwargs& options) {
+  const Options o = Options::from(options);
+  TORCH_CHECK(half_kind(q) == kNoHalf && q.size(2) <= o.block_q && k.size(2) <= o.block_k,
+              "attnscale fused kernel: tile_weights takes float32 or float64 inputs of one tile (L <= block_q, S <= block_k)");
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  auto weights = torch::zeros({B, H, L, S}, q.options()), m = torch::zeros({B, H, L}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnscale_tile_weights", [&] {
+    const auto P = make_problem<scalar_t>(q, k, v, alibi, mask, c10::nullopt, o);
+    ForwardOut<scalar_t> O{};  // no statistics: block_at reads only whether they are asked for
+    ForwardScratch<scalar_t> W(P);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        const Block<scalar_t> blk = block_at(P, O, b, h, 0, W);
+        start_rows<scalar_t, scalar_t>(P, blk, W);
+        for (auto [j0, j1] : P.key_tiles(0, L)) {
+          const Tile<scalar_t> t = tile_at<scalar_t, scalar_t>(P, blk, W, j0, j1);
+          tile_scores<scalar_t, scalar_t>(P, blk, t, W.sbuf.data());
+          scalar_t* out = weights.data_ptr<scalar_t>() + (b * H + h) * L * S;
+          for (int64_t r = 0; r < L; ++r) {
+            online_tile_row<scalar_t, scalar_t>(P, blk, t, W, r);
+            std::copy(W.sbuf.data() + r * t.width, W.sbuf.data() + (r + 1) * t.width, out + r * S + j0);
+            m.data_ptr<scalar_t>()[(b * H + h) * L + r] = W.m[r];
+          }
+        }
+      }
+  });
+  return {weights, m};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // The options by keyword (Options::from): a call that names one wrongly, or leaves one out,
   // fails, where one that swapped two ints or bools by position was silent.
@@ -279,6 +321,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("half_gemm", &half_gemm, "whether 16-bit q, k, v of this format (1 bfloat16, 2 float16) can be passed as they are (oneMKL's products)");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");
   module.def("weights", &weights_op, "the softmax's exp of centred scores, and exp_u20 floored the same way (float32, 1-d, a multiple of 8 long)");
+  module.def("tile_weights", &tile_weights_op, "one tile's softmax weights exp(s - m) and m as the forward makes them (tests; float32/float64, one block and tile)",
+             py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alibi"), py::arg("mask"));
   module.def("backward", &backward, "attnscale fused attention backward (dq, dk, dv; dk, dv per key head, or per query head for the caller to sum per group); the options by keyword (Options)",
              py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"), py::arg("delta"), py::arg("m"), py::arg("l"),
              py::arg("alibi"), py::arg("mask"), py::arg("spans"));

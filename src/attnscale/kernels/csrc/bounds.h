@@ -1,5 +1,5 @@
 // The bound on every logit of a row (|q_i| max |k_j| scale, capped by softcap) that lets a row
-// settle on a fixed offset: each key head's largest |k_j|.
+// take a static offset: each key head's largest |k_j|.
 #pragma once
 
 #include "rows.h"
@@ -10,12 +10,12 @@ using at::vec::Vectorized;
 
 // max_j |k_j| from max_j |k_j|^2 (best), but inf where max |v| (vmax) is too large: see head_key_norm.
 template <typename T>
-T settle_norm(const Problem<T>& P, T best, T vmax) {
-  const T room = std::numeric_limits<T>::max() / (T(256) * static_cast<T>(P.S) * std::exp(-exp_floor<T>() / 2));
+T offset_norm(const Problem<T>& P, T best, T vmax) {
+  const T room = std::numeric_limits<T>::max() / (T(256) * static_cast<T>(P.S) * std::exp(offset_limit<T>()));
   return vmax <= room ? std::sqrt(best) : std::numeric_limits<T>::infinity();  // NaN vmax: inf
 }
 
-// max_j |k_j| of one key head (NaN if some |k_j| is NaN): the settled offset's key side
+// max_j |k_j| of one key head (NaN if some |k_j| is NaN): the static offset's key side
 // (forward_block). Inf where the head's values are so large (max |v| above max / (256 S e^limit))
 // that weights up to e^limit could overflow the accumulator: such heads keep the running max.
 template <typename T, typename E>
@@ -44,7 +44,7 @@ T head_key_norm(const Problem<T>& P, const E* k, const E* v) {
   }
   const T peak = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, vpeak);
   if (std::isnan(peak) || peak > vmax) vmax = peak;  // a NaN (in either) stays, and fails the test below
-  return settle_norm(P, best, vmax);
+  return offset_norm(P, best, vmax);
 }
 
 // head_key_norm of key head bh (batch bh / Hkv), in whichever format the problem's k and v are.

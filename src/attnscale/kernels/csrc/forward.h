@@ -1,5 +1,5 @@
-// The forward pass: one query block against its key tiles (online softmax, or rows settled on a
-// fixed offset), and the parallel loop over blocks.
+// The forward pass: one query block against its key tiles (online softmax, or rows on a static
+// offset), and the parallel loop over blocks.
 #pragma once
 
 #include "packing.h"
@@ -48,12 +48,12 @@ struct ForwardScratch {
   Scratch<uint16_t> pbuf;  // 16-bit products: the tile's weights, rounded for the second product
   Scratch<T> wq, wk, wv;   // Problem::widen: the block's q and the tile's k, v in float32
   std::vector<int64_t> seen;
-  std::vector<char> settled;
+  std::vector<char> is_static;
   explicit ForwardScratch(const Problem<T>& P)
       : sbuf(P.tile_rows() * P.tile_width()), acc(P.tile_rows() * P.Dv), m(P.tile_rows()), l(P.tile_rows()),
         w(P.tile_rows()), bound(P.tile_rows()), top(P.tile_rows()), pbuf(P.half && !P.widen ? P.tile_rows() * (P.tile_width() + 1) : 0),
         wq(P.widen ? P.tile_rows() * P.D : 0), wk(P.widen ? P.tile_width() * P.D : 0),
-        wv(P.widen ? P.tile_width() * P.Dv : 0), seen(P.tile_rows()), settled(P.tile_rows()), brgemm(P.brgemm()) {}
+        wv(P.widen ? P.tile_width() * P.Dv : 0), seen(P.tile_rows()), is_static(P.tile_rows()), brgemm(P.brgemm()) {}
   // The thread's AMX tile state, set up by brgemm's first call, released with the scratch.
   bool brgemm;
   ~ForwardScratch() {
@@ -71,7 +71,7 @@ struct Block {
   int64_t q_ld;                   // q's row stride
   T alpha;                        // the products' multiplier: scale, over softcap where capped
   T pre;                          // brgemm's products come unscaled: score_row multiplies them by pre
-  bool stats, settles;            // statistics asked for; rows may settle (Problem::kmax)
+  bool stats, static_offsets;            // statistics asked for; rows may take a static offset (Problem::kmax)
 };
 
 template <typename T>
@@ -90,18 +90,18 @@ Block<T> block_at(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64_
   B.alpha = P.softcap != T(0) ? P.scale / P.softcap : P.scale;
   B.pre = P.kpack ? B.alpha : T(1);
   B.stats = O.max_logit != nullptr;
-  B.settles = P.kmax != nullptr;
+  B.static_offsets = P.kmax != nullptr;
   return B;
 }
 
-// A settled offset: Cauchy-Schwarz bounds every logit of row i, s_ij <= u_i = alpha |q_i| max_j
+// A static offset: Cauchy-Schwarz bounds every logit of row i, s_ij <= u_i = alpha |q_i| max_j
 // |k_j| (with softcap, softcap tanh of that). Once the row's running max m has reached u_i - 34.5
 // (float32; -floor / 2), no later weight exp(s - m) can exceed exp(34.5) = 1e15, so the row keeps
 // m as its offset from then on: its later tiles need no max pass and no rescaling of the sum or
 // the accumulator. m is an actual logit of the row (but for the bfloat16 rows of start_rows), so
 // the row's largest weight is at least 1 and precision is the running max's. (key_norms refuses
 // the bound where values are so large that 1e15 times their sum could overflow.) With statistics
-// a settled row also keeps its largest logit (top) apart from m, and sum p (s - m) against m: the
+// a static row also keeps its largest logit (top) apart from m, and sum p (s - m) against m: the
 // entropy, log l - w / l, does not depend on the offset. This writes u_i into W.bound.
 template <typename T>
 void row_bounds(const Problem<T>& P, const Block<T>& B, ForwardScratch<T>& W) {
@@ -110,8 +110,8 @@ void row_bounds(const Problem<T>& P, const Block<T>& B, ForwardScratch<T>& W) {
   if (P.softcap == T(0)) return;
   // softcap tanh(u), with the score path's tanh, in vectors (libm's, row by row, showed in
   // profiles). Where u is NaN or inf (an inf or NaN in q or k, or overflow) the bound stays u, so
-  // the row never settles, softcap or not: the unsettled path sees the infinite product, which a
-  // settled row's softcap would bound to a finite logit.
+  // the row never takes a static offset, softcap or not: the running max sees the infinite
+  // product, which a static row's softcap would bound to a finite logit.
   using Vec = Vectorized<T>;
   const Vec vcap(P.softcap), zero(T(0));
   for (int64_t r = 0; r < B.rows; r += Vec::size()) {
@@ -126,25 +126,25 @@ void row_bounds(const Problem<T>& P, const Block<T>& B, ForwardScratch<T>& W) {
 template <typename T, typename Weight>
 void start_rows(const Problem<T>& P, const Block<T>& B, ForwardScratch<T>& W) {
   const T neg_inf = -std::numeric_limits<T>::infinity();
-  std::fill(W.settled.begin(), W.settled.end(), 0);
-  if (B.settles) row_bounds(P, B, W);
+  std::fill(W.is_static.begin(), W.is_static.end(), 0);
+  if (B.static_offsets) row_bounds(P, B, W);
   std::fill(W.acc.begin(), W.acc.begin() + B.rows * P.Dv, T(0));
   std::fill(W.m.begin(), W.m.end(), neg_inf);
   std::fill(W.l.begin(), W.l.end(), T(0));
   std::fill(W.w.begin(), W.w.end(), T(0));
   std::fill(W.top.begin(), W.top.end(), neg_inf);
   std::fill(W.seen.begin(), W.seen.end(), 0);
-  // Weights rounded to bfloat16 (without statistics): a row whose bound is at most 47.25 settles
-  // before its first tile, on the offset bound - 34.5. Its logits lie in [-bound, bound], so its
-  // weights lie in [e^-60, e^34.5]: none overflows, none reaches the floor (settled_row's
+  // Weights rounded to bfloat16 (without statistics): a row whose bound is at most 47.25 takes
+  // the static offset bound - 34.5 before its first tile. Its logits lie in [-bound, bound], so its
+  // weights lie in [e^-60, e^34.5]: none overflows, none reaches the floor (static_row's
   // unfloored form), and bfloat16 has float32's range. The offset is no logit of the row, so s - m
   // keeps the rounding of numbers up to 47 + 34.5 (a few float32 ulps of them), far under
-  // bfloat16's; float32 and float16 weights, and statistics, keep the running max until it settles.
+  // bfloat16's; float32 and float16 weights, and statistics, keep the running max until it may
+  // become their static offset.
   if constexpr (std::is_same_v<Weight, at::BFloat16>) {
-    if (B.settles && !B.stats) {
-      const T limit = -exp_floor<T>() / 2;
+    if (B.static_offsets && !B.stats) {
       for (int64_t r = 0; r < B.rows; ++r) {
-        if (W.bound[r] <= T(47.25)) W.m[r] = W.bound[r] - limit, W.settled[r] = 1;  // false for NaN or inf
+        if (W.bound[r] <= T(47.25)) W.m[r] = W.bound[r] - offset_limit<T>(), W.is_static[r] = 1;  // false for NaN or inf
       }
     }
   }
@@ -229,11 +229,11 @@ void tile_values(const Problem<T>& P, const Block<T>& B, const Tile<T>& t, Forwa
   }
 }
 
-// Row r of a tile, settled on its offset W.m[r]: its weights added to the row's sums. Without a
-// mask, in one pass (settled_row; no ALiBi or float mask where rows settle); with a bool mask,
-// the score path first (hidden keys are -inf, so weight 0).
+// Row r of a tile, on its static offset W.m[r]: its weights added to the row's sums. Without a
+// mask, in one pass (static_row; no ALiBi or float mask where rows take static offsets); with a
+// bool mask, the score path first (hidden keys are -inf, so weight 0).
 template <typename T, typename Weight>
-void settled_tile_row(const Problem<T>& P, const Block<T>& B, const Tile<T>& t, ForwardScratch<T>& W, int64_t r) {
+void static_tile_row(const Problem<T>& P, const Block<T>& B, const Tile<T>& t, ForwardScratch<T>& W, int64_t r) {
   T* xr = W.sbuf.data() + r * t.width;
   Weight* out = weights_of<T, Weight>(W, t, r);
   const int64_t i = B.i0 + r;
@@ -242,8 +242,8 @@ void settled_tile_row(const Problem<T>& P, const Block<T>& B, const Tile<T>& t, 
     // short of -floor (a margin far above the products' rounding), no weight reaches the floor (a
     // NaN keeps the test). In place where Weight = T: each entry is read before it is written.
     const bool floored = !(W.m[r] + W.bound[r] <= -exp_floor<T>() - T(9));
-    SettledStats<T> tile;
-    W.l[r] += settled_row(P, i, t.j0, t.width, xr, W.m[r], B.pre, out, floored, B.stats ? &tile : nullptr);
+    StaticStats<T> tile;
+    W.l[r] += static_row(P, i, t.j0, t.width, xr, W.m[r], B.pre, out, floored, B.stats ? &tile : nullptr);
     if (B.stats) W.w[r] += tile.weighted, W.top[r] = std::max(W.top[r], tile.top), W.seen[r] += tile.visible;
     return;
   }
@@ -261,7 +261,7 @@ void settled_tile_row(const Problem<T>& P, const Block<T>& B, const Tile<T>& t, 
 
 // Row r of a tile with the running max (FlashAttention-2's online softmax): the score path, the
 // new max, the row's sums and accumulator rescaled to it, this tile's weights added; the row
-// settles once its max comes within -floor / 2 of its bound.
+// takes a static offset once its max comes within -floor / 2 of its bound.
 template <typename T, typename Weight>
 void online_tile_row(const Problem<T>& P, const Block<T>& B, const Tile<T>& t, ForwardScratch<T>& W, int64_t r) {
   T* xr = W.sbuf.data() + r * t.width;
@@ -291,7 +291,7 @@ void online_tile_row(const Problem<T>& P, const Block<T>& B, const Tile<T>& t, F
     for (int64_t c = 0; c < P.Dv; ++c) ar[c] *= rescale;
   }
   W.m[r] = m_new, W.top[r] = m_new;
-  W.settled[r] = B.settles && W.bound[r] - m_new <= -exp_floor<T>() / 2;  // false for NaN
+  W.is_static[r] = B.static_offsets && W.bound[r] - m_new <= offset_limit<T>();  // false for NaN
 }
 
 // dst = the accumulator's row over its sum; returns the row's largest |entry| (NaN if any is NaN).
@@ -350,7 +350,7 @@ void write_rows(const Problem<T>& P, const Block<T>& B, const ForwardOut<T>& O, 
     O.l[row0 + r] = safe;
     if (O.max_logit) {
       O.max_logit[row0 + r] = has ? top : neg_inf;
-      // exp(top - m) / l: 1 / l where the row never settled (top = m; NaN: NaN either way).
+      // exp(top - m) / l: 1 / l where the row kept its running max (top = m; NaN: NaN either way).
       O.max_prob[row0 + r] = has ? (top == m ? T(1) : std::exp(top - m)) / safe : T(0);
       O.entropy[row0 + r] = has ? std::max(T(0), std::log(safe) - W.w[r] / safe) : T(0);
       O.visible[row0 + r] = W.seen[r];
@@ -369,8 +369,8 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
     const Tile<T> t = tile_at<T, Weight>(P, B, W, j0, j1);
     tile_scores<T, Weight>(P, B, t, W.sbuf.data());
     for (int64_t r = 0; r < B.rows; ++r) {
-      if (W.settled[r])
-        settled_tile_row<T, Weight>(P, B, t, W, r);
+      if (W.is_static[r])
+        static_tile_row<T, Weight>(P, B, t, W, r);
       else
         online_tile_row<T, Weight>(P, B, t, W, r);
     }

@@ -211,7 +211,7 @@ PackPtr pack_problem(Problem<T>& P, bool backward, SequencePacks& seqs, T* kmax 
       } else if (kmax) {  // head_key_norm's result, from the packing's reads and the packed k^T
         const uint16_t peak = pack_paired<true>(v, Q.v_sl, Q.S, Dv, Q.s_pad, second + bh * Q.s_pad * Dv);
         const float vmax = peak > 0x7f80 ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(c10::BFloat16(peak, c10::BFloat16::from_bits()));
-        kmax[s * Q.B * Q.Hkv + bh] = settle_norm(Q, static_cast<T>(packed_key_norm2(kt + bh * D * Q.s_pad, Q.S, D, Q.s_pad)), static_cast<T>(vmax));
+        kmax[s * Q.B * Q.Hkv + bh] = offset_norm(Q, static_cast<T>(packed_key_norm2(kt + bh * D * Q.s_pad, Q.S, D, Q.s_pad)), static_cast<T>(vmax));
       } else {
         pack_paired(v, Q.v_sl, Q.S, Dv, Q.s_pad, second + bh * Q.s_pad * Dv);
       }

@@ -12,7 +12,7 @@ using at::vec::Vectorized;
 struct SequencePacks {
   std::vector<const uint16_t*> kpack, vpack, vtpack, kpairs;
   std::vector<int64_t> s_pad;
-  std::vector<const float*> kmax;  // each sequence's key norms, (Hkv,), where its rows may settle
+  std::vector<const float*> kmax;  // each sequence's key norms, (Hkv,), where its rows may take a static offset
 };
 
 template <typename T>
@@ -44,7 +44,7 @@ struct Problem {
   // aligned; rows no span names are not visited (the caller's fill values stay).
   const int64_t* spans = nullptr;
   int64_t nseq = 0;
-  // The largest |k_j| of each key head, (B, Hkv), where the forward's rows may settle on an
+  // The largest |k_j| of each key head, (B, Hkv), where the forward's rows may take a static
   // offset (see forward_block); null where they may not (ALiBi, a float mask; without brgemm
   // also packed sequences, fewer than 1024 query rows, a single key tile: see forward).
   const T* kmax = nullptr;

@@ -1,5 +1,5 @@
 // The row path: one query row's scores through the score path (scale, softcap, ALiBi, masks), its
-// exp against the row's offset (running max, or settled), the weights' sums and the statistics.
+// exp against the row's offset (running max, or static), the weights' sums and the statistics.
 #pragma once
 
 #include "problem.h"
@@ -24,7 +24,7 @@ T row_max(const T* x, int64_t width) {
 }
 
 // sum x_c^2 over one contiguous row of `width` entries, vectorised: |q_i|^2 and |k_j|^2 for the
-// Cauchy-Schwarz bound rows settle on (forward_block, key_norms).
+// Cauchy-Schwarz bound behind the rows' static offsets (forward_block, key_norms).
 template <typename T, typename E = T>
 T sum_squares(const E* x, int64_t width) {
   using Vec = Vectorized<T>;
@@ -76,8 +76,8 @@ struct SpanLoop {
 // Every loop below turns an infinite product (an inf in q or k, or overflow) into NaN with + (raw -
 // raw), which is 0 for a finite one: as -inf it would hide its key and leave the row finite, where
 // the rules make a row that sees a non-finite key NaN; as NaN the row check reports the row. Only
-// rows that never settle can meet one (their bound is inf or NaN), so want_max is false only where
-// no product is infinite.
+// rows that never take a static offset can meet one (their bound is inf or NaN), so want_max is
+// false only where no product is infinite.
 
 // The products are the logits (no softcap, ALiBi or float mask): multiplied by pre where brgemm left
 // them unscaled, and their maximum, if wanted.
@@ -296,17 +296,17 @@ float exp_row_weighted_to(const float* x, int64_t width, float m, float* weighte
   return at::vec::vec_reduce_all<float>(add, acc);
 }
 
-// settled_row's vector pairs over [c, hi), specialised on the softcap and the pending factor: the
+// static_row's vector pairs over [c, hi), specialised on the softcap and the pending factor: the
 // constants are values here, so they stay in registers (as captured references they were reloaded
 // after every store, since a float store may alias them); the results are the same operations.
-// A settled row's products are finite (its bound is), so the softcap's + (raw - raw) is +0 there,
+// A static row's products are finite (its bound is), so the softcap's + (raw - raw) is +0 there,
 // a constant. With kFloor false the caller knows that no weight falls under the floor
 // (vexp_unfloored). With kStats also the logits' maximum (*top) and sum p (s - m) (*weighted): a
 // weight under the floor is 0 and its finite s - m gives a 0 term. The last entries, fewer than a
 // pair, take the same operations on partial vectors (the lanes past hi read as 0, weigh 0 and are
 // not written); their weights in T take vexp_accurate.
 template <bool kCap, bool kScaled, bool kFloor, bool kStats, typename T, typename O>
-int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* out, Vectorized<T>* sum,
+int64_t static_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* out, Vectorized<T>* sum,
                       Vectorized<T>* weighted, Vectorized<T>* top) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
@@ -371,25 +371,25 @@ int64_t settled_pairs(const T* x, int64_t c, int64_t hi, T m, T cap, T pre, O* o
   return c;
 }
 
-// What settled_row adds for the statistics: sum p (s - m), the largest logit, the visible keys.
+// What static_row adds for the statistics: sum p (s - m), the largest logit, the visible keys.
 template <typename T>
-struct SettledStats {
+struct StaticStats {
   T weighted, top;
   int64_t visible;
 };
 
-// score_row then exp_row (or exp_row_to) in one pass, for a row that settled on its offset m
+// score_row then exp_row (or exp_row_to) in one pass, for a row on its static offset m
 // (forward_block) in a problem without ALiBi or masks: the products x (times pre) through the
 // softcap, exp(s - m) and the sum, written to out (T, or the 16-bit format of the inputs), 0 outside
 // the row's span; x is not written. Each entry takes score_row's and exp_row's operations on it,
 // in the same order, so its weight has their bits, but for the row's last entries, fewer than a
-// vector pair (settled_pairs' partial vectors, which need not fall where exp_row's do). floored
+// vector pair (static_pairs' partial vectors, which need not fall where exp_row's do). floored
 // false: the caller knows every logit of the span is at least m + exp_floor (forward_block), so no
 // weight needs the floor's test. stats (or null): the tile's sum p (s - m), largest logit (-inf
 // without a visible key) and visible keys, written there.
 template <typename T, typename O>
-T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T* x, T m, T pre, O* out, bool floored,
-              SettledStats<T>* stats = nullptr) {
+T static_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T* x, T m, T pre, O* out, bool floored,
+              StaticStats<T>* stats = nullptr) {
   using Vec = Vectorized<T>;
   int64_t lo, hi;
   P.row_span(i, &lo, &hi);
@@ -405,10 +405,10 @@ T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T
   auto pairs = [&](auto floor, auto with_stats) {
     constexpr bool kFloor = decltype(floor)::value, kStats = decltype(with_stats)::value;
     if (cap != T(0))
-      return scaled ? settled_pairs<true, true, kFloor, kStats>(x, lo, hi, m, cap, pre, out, &acc, &wacc, &vtop)
-                    : settled_pairs<true, false, kFloor, kStats>(x, lo, hi, m, cap, pre, out, &acc, &wacc, &vtop);
-    return scaled ? settled_pairs<false, true, kFloor, kStats>(x, lo, hi, m, cap, pre, out, &acc, &wacc, &vtop)
-                  : settled_pairs<false, false, kFloor, kStats>(x, lo, hi, m, cap, pre, out, &acc, &wacc, &vtop);
+      return scaled ? static_pairs<true, true, kFloor, kStats>(x, lo, hi, m, cap, pre, out, &acc, &wacc, &vtop)
+                    : static_pairs<true, false, kFloor, kStats>(x, lo, hi, m, cap, pre, out, &acc, &wacc, &vtop);
+    return scaled ? static_pairs<false, true, kFloor, kStats>(x, lo, hi, m, cap, pre, out, &acc, &wacc, &vtop)
+                  : static_pairs<false, false, kFloor, kStats>(x, lo, hi, m, cap, pre, out, &acc, &wacc, &vtop);
   };
   if (stats)
     c = floored ? pairs(std::true_type{}, std::true_type{}) : pairs(std::false_type{}, std::true_type{});
@@ -419,7 +419,7 @@ T settled_row(const Problem<T>& P, int64_t i, int64_t j0, int64_t width, const T
   T weighted = at::vec::vec_reduce_all<T>(add, wacc);
   T top = at::vec::vec_reduce_all<T>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, vtop);
   TORCH_INTERNAL_ASSERT(c == hi);
-  if (stats) *stats = SettledStats<T>{weighted, top, hi - lo};
+  if (stats) *stats = StaticStats<T>{weighted, top, hi - lo};
   return sum;
 }
 

@@ -7,12 +7,24 @@ namespace {
 
 using at::vec::Vectorized;
 
-// Weights below exp(floor) times the row maximum's are set to 0: a matmul whose products fall
+// attnscale.constants, defined by the build (kernels/__init__.py): one value for both kernels.
+#if !defined(ATTNSCALE_EXP_FLOOR_F32) || !defined(ATTNSCALE_EXP_FLOOR_F64)
+#error "build the kernel with attnscale.constants.cpp_defines() (python -m attnscale.kernels)"
+#endif
+
+// EXP_FLOOR: weights below exp(floor) times the offset's are set to 0: a matmul whose products fall
 // below the normal range runs ~100x slower on x86, and such a weight is far below the precision of
 // the row's sum (float32: exp(-69) = 1e-30; float64: exp(-690)).
 template <typename T>
 constexpr T exp_floor() {
-  return std::is_same_v<T, float> ? T(-69.0) : T(-690.0);
+  return std::is_same_v<T, float> ? T(ATTNSCALE_EXP_FLOOR_F32) : T(ATTNSCALE_EXP_FLOOR_F64);
+}
+
+// OFFSET_LIMIT: a row takes a static offset once no weight against it can exceed e^limit (float32:
+// 34.5), so none overflows or, its logits within 2 limit of each other, falls below the floor.
+template <typename T>
+constexpr T offset_limit() {
+  return -exp_floor<T>() / 2;
 }
 
 // tanh for float, in two pieces. |x| < 0.625: x (1 + x^2 P(x^2)), P of degree 4 fitted (minimax
@@ -81,15 +93,15 @@ inline Vectorized<float> vexp(const Vectorized<float>& x) { return x.exp_u20(); 
 inline Vectorized<double> vexp(const Vectorized<double>& x) { return x.exp(); }
 
 // exp(x) for x known to lie in [floor, 34.5] (float32): vexp_weights' steps without the floor's
-// test (settled rows, where no logit can fall under it: forward_block), and their core.
+// test (static rows, where no logit can fall under it: forward_block), and their core.
 template <typename T>
 inline Vectorized<T> vexp_unfloored(const Vectorized<T>& x) {
   return vexp(x);
 }
 
 // The softmax's weights: exp(x) for x = s - m, 0 where x < floor (-inf included), NaN for NaN; x <= 0
-// with a running max, x <= 34.5 (float32) in rows that settled (forward_block). For float on AVX2
-// this is exp_u20 specialised to that range, with the same bits on [floor, 34.5]: exp_u20 clamps x
+// with a running max, x <= 34.5 (float32) in rows on a static offset (forward_block). For float on
+// AVX2 this is exp_u20 specialised to that range, with the same bits on [floor, 34.5]: exp_u20 clamps x
 // to [ln FLT_MIN, ln FLT_MAX], zeroes below ln FLT_MIN and forms 2^(n-1) * 2 (for n = 128 near
 // ln FLT_MAX); here the only bound x can cross is the floor, so one max (NaN passes: max_ps returns
 // its second operand then) and one blend replace the clamp, exp_u20's own zeroing and ours, and
