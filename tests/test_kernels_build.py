@@ -70,25 +70,53 @@ def test_a_built_kernel_loads_in_any_environment_without_a_compiler():
     assert "building" not in done.stderr
 
 
+# The build machinery on a small extension of its own (a few seconds to compile, where the kernel
+# takes about a minute): build() with its source and headers pointed elsewhere.
+_BUILD_SMALL = """
+import sys
+from pathlib import Path
+from attnscale import kernels
+kernels._SOURCE, kernels._HEADERS = Path(sys.argv[1]), Path(sys.argv[2])
+print(kernels.build().one())
+"""
+
+
+def _compiling(source: Path) -> bool:
+    """Whether a compiler process is compiling ``source`` now."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            words = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(source).encode() in words and b"-c" in words and b"-o" in words:  # c++ ... -c SOURCE -o OBJECT
+            return True
+    return False
+
+
 @pytest.mark.slow
 @needs_a_compiler
 def test_a_killed_build_leaves_nothing_that_blocks_the_next_one(tmp_path):
-    """A builder killed mid-build (SIGKILL, as an interrupted job may be) leaves its folder; the
-    next build neither waits on it nor trips over it, and removes it."""
-    env = {**os.environ, "ATTNSCALE_KERNEL_DIR": str(tmp_path)}
-    first = subprocess.Popen([sys.executable, "-m", "attnscale.kernels"], env=env, start_new_session=True, stderr=subprocess.DEVNULL)
+    """A builder killed mid-build (SIGKILL while its compiler runs, as an interrupted job may be)
+    leaves its folder; the next build neither waits on it nor trips over it, and removes it."""
+    source, headers = tmp_path / "small.cpp", tmp_path / "csrc"
+    source.write_text("#include <pybind11/pybind11.h>\nint one() { return 1; }\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"one\", &one); }\n")
+    headers.mkdir()
+    kernels_dir = tmp_path / "kernels"
+    env = {**os.environ, "ATTNSCALE_KERNEL_DIR": str(kernels_dir)}
+    command = [sys.executable, "-c", _BUILD_SMALL, str(source), str(headers)]
+    first = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not list(tmp_path.glob("*/build-*")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(2)  # the compiler is running now
+    while not _compiling(source) and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert first.poll() is None, "the first build ended before its compiler was seen"
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
-    (stale,) = tmp_path.glob("*/build-*")
-    second = subprocess.run([sys.executable, "-m", "attnscale.kernels"], env=env, capture_output=True, text=True, timeout=300)
-    assert second.returncode == 0, second.stderr
-    (library,) = tmp_path.glob("*/*.so")
+    (stale,) = kernels_dir.glob("*/build-*")
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0 and second.stdout.split() == ["1"], second.stderr
+    (library,) = kernels_dir.glob("*/*.so")
     assert library.parent == stale.parent
-    assert not Path(stale).exists() and not list(tmp_path.glob("*/build-*"))
+    assert not Path(stale).exists() and not list(kernels_dir.glob("*/build-*"))
 
 
 @pytest.mark.slow

@@ -31,7 +31,6 @@ SKIPPED = {
     "make test": "the whole test suite, this file included",
     "attnscale run training-stall --profile quick": "trains 2 inits x 2 divisors x 6 seeds to 90%, over 10 s on 2 cores; "
     "`attnscale run saturation-example --profile quick` runs the same command at a size the suite affords",
-    "attnscale report --executor ray": "the whole default-profile report (minutes on 2 cores), on Ray",
 }
 
 
