@@ -19,10 +19,10 @@ Where every logit of a row is bounded in advance, ``|s_ij| <= u_i``, the row nee
 can overflow). The bound is Cauchy-Schwarz, ``|q_i . k_j| <= |q_i| max_j |k_j|``, and with
 softcap ``softcap * tanh`` of that. A query block takes it when the score path has no ALiBi and no
 float mask, no statistics are asked for, and every ``u_i <= 34.5`` (float32; 345 in float64:
-:data:`attnscale.constants.OFFSET_LIMIT`).
-Its weights are then ``exp(s)`` itself, in ``[exp(-u), exp(u)]`` (1.0e-15 to 9.6e14 in float32),
-where ``S e^u max |v|`` fits the dtype; else ``exp(s - u)``, in ``[exp(-2 u), 1]``. Each tile
-skips the row max and the rescaling of the sum and the accumulator. Offset 0 subtracts nothing,
+:data:`attnscale.constants.OFFSET_LIMIT`). Its weights are then ``exp(s)`` itself, in
+``[exp(-u), exp(u)]`` (1.0e-15 to 9.6e14 in float32), where ``S e^u max |v|`` fits the dtype; else
+``exp(s - u)``, in ``[exp(-2 u), 1]``. Each tile skips the row max and the rescaling of the sum
+and the accumulator. Offset 0 subtracts nothing,
 so a weight carries only its logit's own rounding, as with the running max; offset ``u`` puts up
 to ``2 u`` on exp's argument, ``(u - M) eps`` of relative error on the largest weights. The block
 is kept if every row's sum of weights shows a largest weight of at least sqrt(tiny); a row whose
@@ -38,9 +38,9 @@ Semantics match the ``"math"`` backend exactly, with these choices:
 * A row with no visible key returns zeros and ``lse = -inf``; its gradients are zero, never NaN.
 * A visible key more than 69 nats below its row's maximum (float32; 690 in float64:
   :data:`attnscale.constants.EXP_FLOOR`) gets the unnormalised weight exp(-69) = 1.1e-30 rather
-  than something smaller: ATen's exp is ~50x slower
-  for results below the normal range and its matmuls ~100x slower for products there, and such a
-  weight is far below float32 resolution next to the maximum's 1. Hidden keys (mask, causal,
+  than something smaller: ATen's exp is ~50x slower for results below the normal range and its
+  matmuls ~100x slower for products there, and such a weight is far below float32 resolution next
+  to the maximum's 1. Hidden keys (mask, causal,
   window, -inf in a float mask) get exactly zero.
 * With softcap, ``scale / softcap`` is folded into the query and ``softcap`` into the pass that
   subtracts the running max, so capping costs one pass (tanh) per tile.
