@@ -1108,6 +1108,16 @@ def tile_weights_case(name, dtype):
     return weights, m, s - peak[..., None], hidden, peak
 
 
+@pytest.mark.parametrize("option", ["with_stats", "half_products", "round_out"])
+def test_the_tile_weights_binding_refuses_the_options_it_does_not_compute(option):
+    """tile_weights runs the forward's weight steps only: an option it would not honour is refused
+    by name, never ignored."""
+    q = torch.randn(1, 1, 3, 8)
+    options = ops.KernelOptions(scale=1.0, block_q=3, block_k=3)._replace(**{option: True})
+    with pytest.raises(RuntimeError, match="tile_weights computes weights only: with_stats, half_products and round_out must be False"):
+        kernels.load().tile_weights(q=q, k=q, v=q, alibi=None, mask=None, **options._asdict())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("name", list(WEIGHT_CASES))
 def test_the_kernels_weights_are_the_tiled_kernels_weight_by_weight(name, dtype):

@@ -286,6 +286,11 @@ std::vector<torch::Tensor> tile_weights_op(const torch::Tensor& q, const torch::
   const Options o = Options::from(options);
   TORCH_CHECK(half_kind(q) == kNoHalf && q.size(2) <= o.block_q && k.size(2) <= o.block_k,
               "attnscale fused kernel: tile_weights takes float32 or float64 inputs of one tile (L <= block_q, S <= block_k)");
+  // Weights only: no statistics, no 16-bit products or rounding (their inputs are refused above),
+  // so an option this path would not honour is refused, never ignored.
+  TORCH_CHECK(!o.with_stats && !o.half_products && !o.round_out,
+              "attnscale fused kernel: tile_weights computes weights only: with_stats, half_products and round_out must be False (got ",
+              o.with_stats, ", ", o.half_products, ", ", o.round_out, ")");
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
   auto weights = torch::zeros({B, H, L, S}, q.options()), m = torch::zeros({B, H, L}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attnscale_tile_weights", [&] {
