@@ -96,9 +96,12 @@ def test_every_feature_matches_the_reference_in_float64(case):
     np.testing.assert_allclose(out.numpy(), run_reference(q, k, v, mask, **opts), rtol=0, atol=1e-13)
 
 
-# One case per feature and their mix, through torch's compiled CPU FlexAttention (each mod set
-# compiles once: a second of compile time each).
-COMPILED_CASES = [0, 9, 13, 23, 35, 47, 58, 71]
+# Through torch's compiled CPU FlexAttention (each mod set, dtype and shape compiles once: about
+# 4 s on a cold cache, mostly the C++ compiler): the plain call and mixes that between them turn on
+# every feature (softcap, ALiBi, window, both causal alignments, bool and float masks) on all three
+# head layouts and lengths across a block. The float64 matrix above runs every case eagerly with
+# the same mods.
+COMPILED_CASES = [0, 13, 47, 58, 71]
 
 
 @pytest.mark.parametrize("case", COMPILED_CASES, ids=feature_id)
@@ -115,7 +118,7 @@ def test_compiled_forward_error_is_like_math_in_float32(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", [0, 23, 71], ids=feature_id)
+@pytest.mark.parametrize("case", [0, 71], ids=feature_id)
 def test_half_precision_error_is_like_math(dtype, case):
     """16-bit inputs (compiled forward, float32 scores inside): error against fp64 at most twice
     the math backend's in the same dtype, plus a floor of one unit in the last place at 1."""
@@ -244,7 +247,7 @@ def test_one_compilation_per_shape_family():
 
 
 @pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not be instantiated:DeprecationWarning")  # dynamo's vmap of the mask
-@pytest.mark.parametrize("case", [47, 58, 71], ids=feature_id)
+@pytest.mark.parametrize("case", [58, 71], ids=feature_id)
 def test_inside_torch_compile_one_graph(case):
     """Under torch.compile (fullgraph) the call is one flex_attention op in the caller's graph;
     statistics take the second pass's log-sum-exp where compiled CPU FlexAttention has none.
@@ -386,7 +389,7 @@ def test_a_window_edge_on_a_block_edge_through_compiled_flexattention(window):
 
 def test_mods_are_the_score_path():
     """The score_mod and mask_mod alone, on flex_attention itself, give ScorePath's logits."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     q, k, v = make_inputs(H=2, Hkv=2, L=6, S=8)
     path = ScorePath(scale=0.3, softcap=2.0, causal=True, window=(3, None), q_offset=2)
@@ -517,7 +520,7 @@ def test_packed_sequences_in_one_call_match_math_in_float64(opts):
             torch.testing.assert_close(got_s, want_s, rtol=0, atol=1e-13, msg=name)
 
 
-@pytest.mark.parametrize("opts", VARLEN_OPTIONS[:4], ids=lambda o: "-".join(o) or "plain")
+@pytest.mark.parametrize("opts", VARLEN_OPTIONS[2:4], ids=lambda o: "-".join(o) or "plain")  # the causal document mask with the other mods
 def test_packed_sequences_compiled_forward_is_like_math_in_float32(opts):
     """The compiled CPU FlexAttention on the document mask: error against float64 at most twice the
     math backend's float32 error plus 1e-6 (measured: at most 1.1x)."""
@@ -593,7 +596,7 @@ def test_cuda_packed_sequences_forward_and_backward_match_math(opts):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D", [1, 3, 16, 59])
+@pytest.mark.parametrize("D", [3, 59])  # q and k padded to 24 dims (D < 24), and as they are
 def test_half_precision_softcap_through_the_compiled_forward(dtype, D):
     """16-bit inputs with a small softcap (0.7) through compiled CPU FlexAttention, and with
     statistics through the eager one: error at most twice the math backend's in the same dtype
