@@ -7,8 +7,6 @@ from html import escape
 import pytest
 
 from attnscale.lab import schema
-from attnscale.lab.base import no_progress
-from attnscale.lab.execute import Task, execute
 from attnscale.lab.registry import CLAIM_IDS
 from attnscale.lab.render_html import render_html
 from attnscale.lab.render_markdown import render_markdown
@@ -24,11 +22,10 @@ def _results(claims: list[dict]) -> dict:
 
 
 @pytest.mark.parametrize("claim_id", CLAIM_IDS)
-def test_every_figure_at_the_tiny_profile_has_a_caption_that_the_page_shows(claim_id, tmp_path):
-    module_name = f"attnscale.lab.experiments.{claim_id.replace('-', '_')}"
-    task = Task(module_name, claim_id, "tiny", 0, str(tmp_path / "figures" / claim_id), f"figures/{claim_id}", None)
-    record = execute(task, no_progress)
+def test_every_figure_at_the_tiny_profile_has_a_caption_that_the_page_shows(claim_id, tiny_run):
+    record, saved = tiny_run(claim_id)
     assert record["error"] is None, record["error"]
+    assert [fig["name"] for fig in record["figures"]] == [name for name, _ in saved]
     if claim_id == "scale-in-the-wild" and not record["figures"]:
         pytest.skip("transformers probed no architecture here: the experiment draws no figure")
     assert record["figures"], f"{claim_id} drew no figure"

@@ -52,13 +52,16 @@ CASES = {**{cid: (cid, None, None) for cid in CLAIM_IDS}, **LARGER}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def figures(request):
-    """(case, [(name, Figure)]) for one experiment at profile tiny (or its LARGER config), drawn once."""
+def figures(request, tiny_run):
+    """(case, [(name, Figure)]) for one experiment at profile tiny (the session's run, shared with
+    tests/lab/test_captions.py) or at its LARGER config, drawn once."""
     cid, config, widen = CASES[request.param]
+    if config is None and widen is None:
+        record, saved = tiny_run(cid)
+        assert record["error"] is None, record["error"]
+        return request.param, saved
     module = MODULES[cid]
-    measured = module.run(config or module.Config.for_profile("tiny"), 0, no_progress)
-    if widen is not None:
-        measured = widen(measured)
+    measured = widen(tiny_run(cid)[0]["measured"]) if config is None else module.run(config, 0, no_progress)
     saved = []
 
     def record(fig, outdir, name):
