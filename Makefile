@@ -18,13 +18,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m attnscale.kernels
 	touch $@
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q
+# In parallel workers (pytest-xdist, one per core, at most 4): most of the suite runs one thread at
+# a time (compiles, subprocesses, small calls), so a second worker keeps a second core busy; each
+# worker takes its share of torch's threads (tests/conftest.py).
+XDIST := -n auto --maxprocesses=4
 
-# The inner loop (68 to 80 s on 2 cores of an AMD EPYC): every test but those listed in tests/slow_tests.txt,
-# the ones that took 0.5 s or more (tests/update_slow_tests.py rewrites the list from a run).
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(XDIST)
+
+# The inner loop (74 s on 2 cores of an AMD EPYC): every test but those listed in tests/slow_tests.txt,
+# the ones that took 0.25 s or more (tests/update_slow_tests.py rewrites the list from a run).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" --durations=5
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" --durations=5
 
 report: $(STAMP)
 	$(BIN)/attnscale report --out attnscale-report

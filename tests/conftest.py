@@ -12,6 +12,18 @@ settings.register_profile(
 settings.load_profile("attnscale")
 
 
+def pytest_configure(config):
+    """Under ``pytest -n N`` (pytest-xdist) each worker takes its share of torch's threads, so N
+    workers together use the cores one process would, instead of N times as many threads."""
+    import os
+
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+
+        torch.set_num_threads(max(1, torch.get_num_threads() // int(workers)))
+
+
 def pytest_collection_modifyitems(config, items):
     """Where the compiled kernel cannot be had (no compiler or ninja, ATTNSCALE_NO_KERNEL, a CPU
     without AVX2 and FMA), a test parametrized with ``backend="fused"`` is skipped with that reason:

