@@ -101,6 +101,16 @@ def test_yarn_attention_factor_multiplies_the_logit_by_its_square():
     assert row.cls == census.OTHER_CONSTANT
 
 
+def test_falcon_h1_key_multiplier_scales_the_logit():
+    """Falcon-H1 multiplies k by ``key_multiplier`` after its projection, before attention's
+    1/sqrt(head_dim): the logit's multiplier is key_multiplier / sqrt(head_dim), invisible to a
+    probe of the q and k attention receives. One layer: each pairs the attention with a Mamba
+    mixer whose reference path is slow on CPU."""
+    row = census.probe_type("falcon_h1", {"key_multiplier": 0.5}, layers=1)
+    assert _ratios(row) == pytest.approx([0.5] * len(row.layers[0].positions), rel=1e-3)
+    assert row.cls == census.OTHER_CONSTANT
+
+
 def test_gpt2_inverse_layer_index_option_makes_it_layer_dependent():
     row = census.probe_type("gpt2", {"scale_attn_by_inverse_layer_idx": True})
     assert [_ratios(row, i)[0] for i in range(len(row.layers))] == pytest.approx([1 / (i + 1) for i in range(len(row.layers))], rel=1e-3)
