@@ -145,6 +145,20 @@ def test_the_multiplier_after_qk_norm_follows_the_config(model_type, overrides, 
         assert _ratios(row, i) == pytest.approx([expected(lay.head_dim)] * len(lay.positions), rel=1e-3)
 
 
+def test_a_layer_whose_weights_ignore_q_k_is_not_measurable_and_not_read_as_qk_norm():
+    """RT-DETR's first decoder self-attention, built small, gives weights that do not follow q.k at
+    all (its identical object queries: R^2 0). Doubled q and k then "shrink" a multiplier that is
+    noise (measured 0.25, 0.51 and -5e19 in runs that differed in thread count alone), which read
+    as QK-norm in some runs and not in others; now such a layer is not measurable in every run,
+    while layers with a norm (fits of 0.47 and more against the raw q.k) still read as normalised."""
+    row = census.probe_type("rt_detr")
+    blind = [lay for lay in row.layers if lay.r2 < census.NO_SIGNAL_R2]
+    assert blind and not any(lay.normalised for lay in blind)
+    assert row.cls == census.NOT_MEASURABLE and "R^2 0.000" in row.why
+    swin = census.probe_type("swinv2", layers=1)  # cosine attention: q and k normalised, then a learned logit scale
+    assert all(lay.normalised and lay.r2 > 0.4 for lay in swin.layers) and swin.cls == census.NORMALISED
+
+
 def test_alibi_is_read_as_a_position_bias_beside_the_multiplier():
     row = census.probe_type("bloom")
     assert row.cls == census.SQRT

@@ -65,6 +65,18 @@ GAIN = 2.0
 NORMALISED_RESPONSE = 0.75
 """A layer whose multiplier falls below this share when q and k are doubled normalises them: 1
 without a norm, 1/2 with one of q and k normalised, 1/4 with both."""
+NO_SIGNAL_R2 = 0.1
+"""Below this fit of the weights against the raw q.k (and with no fit after a norm), the probe's
+weights do not follow q.k at all (queries or keys that carry no signal, such as a detection
+decoder's identical object queries): the multiplier is then noise, and so is its response to
+doubled q and k (whose 1/4 is also what weights blind to q.k give), so no norm is inferred from it.
+Layers with QK-norm fit 0.47 or more (measured on swinv2, inkling_text, prophetnet); blind ones 0."""
+
+
+def _responds_as_normalised(gain_response: float | None, r2: float, after_norm_r2: float | None) -> bool:
+    """Whether doubled q and k shrink the multiplier as a norm would, where the weights follow q.k."""
+    blind = r2 < NO_SIGNAL_R2 and (after_norm_r2 is None or after_norm_r2 < MIN_R2)
+    return gain_response is not None and gain_response < NORMALISED_RESPONSE and not blind
 
 SQRT = "1/sqrt(head_dim)"
 OTHER_CONSTANT = "another constant"
@@ -241,7 +253,7 @@ class LayerScale:
 
     @property
     def normalised(self) -> bool:
-        return self.gain_response is not None and self.gain_response < NORMALISED_RESPONSE
+        return _responds_as_normalised(self.gain_response, self.r2, self.after_norm_r2)
 
     @property
     def effective(self) -> list[float] | None:
@@ -567,7 +579,7 @@ def probe_model(
         m0 = rec["m"][0]
         response = gain_m[id(tap.module)] / m0 if id(tap.module) in gain_m and m0 != 0 else None
         complete = len(rec["after"]) == len(positions)
-        normalised = response is not None and response < NORMALISED_RESPONSE
+        normalised = _responds_as_normalised(response, min(rec["r2"]), min(rec["after_r2"]) if complete else None)
         layers.append(
             LayerScale(
                 layer=tap.name,
