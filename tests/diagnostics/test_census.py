@@ -147,7 +147,7 @@ def test_the_multiplier_after_qk_norm_follows_the_config(model_type, overrides, 
 
 def test_a_layer_whose_weights_ignore_q_k_is_not_measurable_and_not_read_as_qk_norm():
     """RT-DETR's first decoder self-attention, built small, gives weights that do not follow q.k at
-    all (its identical object queries: R^2 0). Doubled q and k then "shrink" a multiplier that is
+    all (R^2 0). Doubled q and k then "shrink" a multiplier that is
     noise (measured 0.25, 0.51 and -5e19 in runs that differed in thread count alone), which read
     as QK-norm in some runs and not in others; now such a layer is not measurable in every run,
     while layers with a norm (fits of 0.47 and more against the raw q.k) still read as normalised."""
