@@ -1,5 +1,6 @@
 """Fixtures the lab's tests share."""
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ def tiny_run(tmp_path_factory):
                 saved.append((name, fig))
                 return written
 
-            module = __import__(module_name, fromlist=["plot"])
+            module = importlib.import_module(module_name)
             mp = pytest.MonkeyPatch()
             mp.setattr(module, "save_figure", record)
             try:

@@ -67,10 +67,11 @@ NORMALISED_RESPONSE = 0.75
 without a norm, 1/2 with one of q and k normalised, 1/4 with both."""
 NO_SIGNAL_R2 = 0.1
 """Below this fit of the weights against the raw q.k (and with no fit after a norm), the probe's
-weights do not follow q.k at all (a decoder layer of RT-DETR and its kin, built small, fits
-with R^2 0): the multiplier is then noise, and so is its response to
-doubled q and k (whose 1/4 is also what weights blind to q.k give), so no norm is inferred from it.
-Layers with QK-norm fit 0.47 or more (measured on swinv2, inkling_text, prophetnet); blind ones 0."""
+weights do not follow q.k at all (a decoder layer of RT-DETR and its kin, built small, fits with
+R^2 0): the multiplier is then noise, and so is its response to doubled q and k (whose 1/4 is
+also what weights blind to q.k give), so no norm is inferred from it. Layers the gain test reads
+as normalised and whose fit after the norm falls short (swinv2, inkling_text, prophetnet) fit the
+raw q.k with R^2 0.47 or more."""
 
 
 def _responds_as_normalised(gain_response: float | None, r2: float, after_norm_r2: float | None) -> bool:
