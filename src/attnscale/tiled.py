@@ -22,9 +22,9 @@ float mask, no statistics are asked for, and every ``u_i <= 34.5`` (float32; 345
 :data:`attnscale.constants.OFFSET_LIMIT`). Its weights are then ``exp(s)`` itself, in
 ``[exp(-u), exp(u)]`` (1.0e-15 to 9.6e14 in float32), where ``S e^u max |v|`` fits the dtype; else
 ``exp(s - u)``, in ``[exp(-2 u), 1]``. Each tile skips the row max and the rescaling of the sum
-and the accumulator. Offset 0 subtracts nothing,
-so a weight carries only its logit's own rounding, as with the running max; offset ``u`` puts up
-to ``2 u`` on exp's argument, ``(u - M) eps`` of relative error on the largest weights. The block
+and the accumulator. Offset 0 subtracts nothing, so a weight carries only its logit's own
+rounding, as with the running max; offset ``u`` puts up to ``2 u`` on exp's argument,
+``(u - M) eps`` of relative error on the largest weights. The block
 is kept if every row's sum of weights shows a largest weight of at least sqrt(tiny); a row whose
 maximum sits far below its bound (only possible with offset ``u``) fails this and the block is
 recomputed with the running max.
@@ -40,8 +40,7 @@ Semantics match the ``"math"`` backend exactly, with these choices:
   :data:`attnscale.constants.EXP_FLOOR`) gets the unnormalised weight exp(-69) = 1.1e-30 rather
   than something smaller: ATen's exp is ~50x slower for results below the normal range and its
   matmuls ~100x slower for products there, and such a weight is far below float32 resolution next
-  to the maximum's 1. Hidden keys (mask, causal,
-  window, -inf in a float mask) get exactly zero.
+  to the maximum's 1. Hidden keys (mask, causal, window, -inf in a float mask) get exactly zero.
 * With softcap, ``scale / softcap`` is folded into the query and ``softcap`` into the pass that
   subtracts the running max, so capping costs one pass (tanh) per tile.
 * Dropout is not implemented: :func:`scaled_dot_product_attention` rejects ``dropout_p > 0`` with

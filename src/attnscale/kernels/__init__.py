@@ -2,9 +2,10 @@
 
 The kernel (``fused.cpp`` and the headers it includes from ``csrc/``) is C++ built against the
 installed torch with its extension machinery (g++ and ninja, no network, no prebuilt binary). It is
-built once per (source, torch, Python, flags) into ``$ATTNSCALE_KERNEL_DIR`` (default ``~/.cache/attnscale/kernels``), under a name that
-hashes those and nothing else: environments that share the folder share the build, whatever
-their paths, and a built kernel loads without a compiler. :func:`build` does it ahead of time
+built once per (source, torch, Python, flags) into ``$ATTNSCALE_KERNEL_DIR`` (default
+``~/.cache/attnscale/kernels``), under a name that hashes those and nothing else: environments
+that share the folder share the build, whatever their paths, and a built kernel loads without a
+compiler. :func:`build` does it ahead of time
 (``python -m attnscale.kernels``, which ``make`` runs at install); otherwise the first call that
 needs it builds it and says so on stderr first.
 
