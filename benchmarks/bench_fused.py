@@ -17,6 +17,7 @@ cells meet them.
     python benchmarks/bench_fused.py --blocks           # the kernel's tile shapes compared
     python benchmarks/bench_fused.py --cases bf16 fp16  # only the cases whose name contains a word given
     python benchmarks/bench_fused.py --half-paths       # 16-bit forwards: float32 tiles vs 16-bit products
+    python benchmarks/bench_fused.py --compare a1.json a2.json b1.json b2.json  # two commits' runs, cell by cell
 
 Before any timing, every case's output is checked once per shape against the math backend (its
 first and last 64 query rows): a wrong output fails the run (exit 1) and nothing is timed.
@@ -481,6 +482,58 @@ def markdown(result: dict) -> str:
     return "\n".join(out)
 
 
+def _cells(result: dict) -> dict[str, float]:
+    """Every timed ratio of a ``--json`` run by a name that is the same in every run of the bench."""
+    cells = {f"{r['threads']}t L={r['L']} D={r['D']} {r['case']}": r["ratio"] for r in result.get("rows", [])}
+    cells.update({f"{w['threads']}t window at L={w['L']}": w["ratio"] for w in result.get("windows", [])})
+    for r in result.get("varlen", []):
+        cells[f"{r['threads']}t varlen {r.get('dtype', 'float32')}, packed kernel"] = r["ratio"]["packed kernel"]
+    if "tanh" in result:
+        cells["1t tanh, abs(x) < 0.625, kernel / torch.tanh"] = result["tanh"]["kernel near"] / result["tanh"]["torch near"]
+        cells["1t tanh, abs(x) in [0.7, 3], kernel / torch.tanh"] = result["tanh"]["kernel far"] / result["tanh"]["torch far"]
+    return cells
+
+
+def compare(results: Sequence[dict]) -> str:
+    """Two commits' ``--json`` runs, cell by cell (the first commit named is "before"): each cell's
+    ratios to torch on each side, and whether the two sides' ranges over their runs overlap (within
+    run-to-run noise) or not, with the change of the medians. Runs of one commit are grouped."""
+    by_commit: dict[str, list[dict[str, float]]] = {}
+    cpus = {r.get("cpu", "an unrecorded CPU") for r in results}
+    for r in results:
+        by_commit.setdefault(r.get("commit", "unknown"), []).append(_cells(r))
+    if len(by_commit) != 2:
+        raise SystemExit(f"--compare: expected runs of exactly two commits, got {len(by_commit)} ({', '.join(by_commit)})")
+    (before, old), (after, new) = by_commit.items()
+    names = [n for n in old[0] if all(n in c for c in old + new)]
+    lines = [
+        f"{len(old)} run(s) at {before} against {len(new)} at {after} on {', '.join(sorted(cpus))}: each cell's ratios to torch "
+        "(lower is faster); 'overlap' when the two sides' ranges meet (within run-to-run noise), else the change of the medians.",
+        "",
+        f"| cell | {before} | {after} | |",
+        "|---|---|---|---|",
+    ]
+    apart = []
+    for n in names:
+        a, b = [c[n] for c in old], [c[n] for c in new]
+        fmt = lambda xs: "/".join(f"{x:.3f}" for x in xs)  # noqa: E731
+        if max(a) < min(b) or max(b) < min(a):
+            change = statistics.median(b) / statistics.median(a) - 1
+            verdict = f"{'slower' if change > 0 else 'faster'} by {abs(change):.1%}"
+            apart.append(f"{n}: {verdict}")
+        else:
+            verdict = "overlap"
+        lines.append(f"| {n} | {fmt(a)} | {fmt(b)} | {verdict} |")
+    changes = sorted(statistics.median(c[n] for c in new) / statistics.median(c[n] for c in old) - 1 for n in names)
+    lines += [
+        "",
+        f"{len(names) - len(apart)} of {len(names)} cells overlap" + (": apart, " + "; ".join(apart) if apart else "."),
+        f"Change of the medians over the cells: median {statistics.median(changes):+.1%}, from {changes[0]:+.1%} to {changes[-1]:+.1%}"
+        + ("" if min(len(old), len(new)) > 1 else " (one run a side: no run-to-run range, so every cell reads as apart)."),
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="L = 2048, D = 64 only, 3 repeats, no memory run")
@@ -494,6 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode.add_argument("--tanh", action="store_true", help="only time the kernel's tanh against torch.tanh")
     mode.add_argument("--varlen", action="store_true", help="only time packed sequences (varlen_attention)")
     mode.add_argument("--markdown", metavar="JSON", help="print the docs' table from a --json file and exit")
+    mode.add_argument("--compare", nargs="+", metavar="JSON", help="compare --json runs of two commits cell by cell (the first commit named is 'before') and exit")
     mode.add_argument("--blocks", action="store_true", help="only compare the kernel's tile shapes (float32, and bfloat16 with a softcapped causal case)")
     mode.add_argument("--half-paths", action="store_true", help="only the 16-bit forward cases, float32 tiles against 16-bit products (ATTNSCALE_HALF_PRODUCTS=0 / 1)")
     mode.add_argument("--cases", nargs="+", metavar="WORD", help="only the cases whose name contains one of these words (e.g. bf16 decoding); no tanh, varlen, window or memory rows")
@@ -501,6 +555,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.markdown:
         with open(args.markdown) as f:
             print(markdown(json.load(f)))
+        return 0
+    if args.compare:
+        runs = []
+        for path in args.compare:
+            with open(path) as f:
+                runs.append(json.load(f))
+        print(compare(runs))
         return 0
     names = selected(args.cases)
     if not names:

@@ -103,3 +103,25 @@ def test_bench_fused_half_paths_time_each_way_the_kernel_takes_16_bit_inputs(mon
     rows = json.loads(out.read_text())["half_paths"]
     assert [r["case"] for r in rows] == list(bench.HALF_CASES)
     assert all(set(r["ratio"]) == set(paths) and all(x > 0 for x in r["ratio"].values()) for r in rows)
+
+
+def test_bench_fused_compare_groups_runs_by_commit_and_says_which_cells_moved_apart(capsys):
+    """Two runs a side: a cell whose ranges meet is within noise; one whose ranges do not is named
+    with the change of its medians; one commit alone, or three, is an error."""
+    bench = _benchmark("benchmarks/bench_fused.py")
+
+    def run(commit, causal, decoding):
+        rows = [
+            {"case": "causal, no features (fused forced)", "L": 2048, "D": 64, "threads": 1, "ratio": causal},
+            {"case": "decoding (L = 1, S = 4 L) with softcap", "L": 2048, "D": 64, "threads": 1, "ratio": decoding},
+        ]
+        return {"commit": commit, "cpu": "a CPU", "rows": rows}
+
+    text = bench.compare([run("old", 0.90, 1.00), run("old", 0.92, 1.02), run("new", 0.91, 1.10), run("new", 0.93, 1.12)])
+    assert "| 1t L=2048 D=64 causal, no features (fused forced) | 0.900/0.920 | 0.910/0.930 | overlap |" in text
+    assert "| 1t L=2048 D=64 decoding (L = 1, S = 4 L) with softcap | 1.000/1.020 | 1.100/1.120 | slower by 9.9% |" in text
+    assert "1 of 2 cells overlap: apart, 1t L=2048 D=64 decoding (L = 1, S = 4 L) with softcap: slower by 9.9%" in text
+    assert text.endswith("Change of the medians over the cells: median +5.5%, from +1.1% to +9.9%")
+    for wrong in ([run("old", 0.9, 1.0)], [run("a", 0.9, 1.0), run("b", 0.9, 1.0), run("c", 0.9, 1.0)]):
+        with pytest.raises(SystemExit, match="exactly two commits"):
+            bench.compare(wrong)

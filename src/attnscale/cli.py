@@ -306,6 +306,7 @@ def _check_model(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .diagnostics import census
+    from .lab import census_verdict
 
     given_options = {"--projections": args.projections, "--num-heads": args.num_heads, "--head-dim": args.head_dim, "--timeout": args.timeout}
     for option, value in given_options.items():
@@ -337,7 +338,7 @@ def _check_model(args: argparse.Namespace) -> int:
         else:
             _summary(args, f"attnscale check {args.target}: FAIL: cannot be probed: {exc}")
         return EXIT_FAILED
-    ok = row.cls == census.SQRT or (row.cls == census.NORMALISED and bool(row.after_norm_sqrt))
+    ok = census_verdict.conforms(row.as_dict())
     code, word = (EXIT_OK, "OK") if ok else (EXIT_WARNINGS, "DEPARTS")
     if args.json:
         data = row.as_dict()
@@ -805,8 +806,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Whole models: TARGET hf:MODEL_TYPE (a tiny random model from transformers' config) or a local "
             "HuggingFace folder with a config.json gets each attention layer's effective scale, measured from its "
             "q/k projections to the softmax at positions from 0 to 4x the config's length thresholds, and its class "
-            "(1/sqrt(head_dim), another constant, position-, layer- or head-dependent, after QK-norm); exit 0 when "
-            "it divides by sqrt(head_dim), 3 when it departs, 1 when it cannot be probed."
+            "(1/sqrt(head_dim), another constant, position-, layer- or head-dependent, after QK-norm, clipped: a "
+            "clamp on q or k, learned: a multiplier that is a parameter); exit 0 when it divides by sqrt(head_dim), "
+            "3 when it departs, 1 when it cannot be probed."
         ),
         example="attnscale check torch.nn.functional:scaled_dot_product_attention --json\n  attnscale check hf:llama4_text",
     )

@@ -156,7 +156,45 @@ def test_a_layer_whose_weights_ignore_q_k_is_not_measurable_and_not_read_as_qk_n
     assert blind and not any(lay.normalised for lay in blind)
     assert row.cls == census.NOT_MEASURABLE and "R^2 0.000" in row.why
     swin = census.probe_type("swinv2", layers=1)  # cosine attention: q and k normalised, then a learned logit scale
-    assert all(lay.normalised and lay.r2 > 0.4 for lay in swin.layers) and swin.cls == census.NORMALISED
+    assert all(lay.normalised and lay.r2 > 0.4 for lay in swin.layers)
+    assert swin.cls == census.LEARNED and all(lay.parameters == ["logit_scale"] for lay in swin.layers)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "clip"),
+    [
+        pytest.param("olmo", {"clip_qkv": 8.0}, id="olmo-q-k-projections"),  # clamped in place after q_proj, k_proj
+        pytest.param("mpt", {"attn_config.clip_qkv": 8.0}, id="mpt-fused-qkv"),  # one Wqkv output, clamped whole
+    ],
+)
+def test_clip_qkv_is_found_by_driving_q_past_the_clamp(model_type, clip):
+    """OLMo 1.7 and DBRX clamp q, k and v to [-8, 8] (clip_qkv 8): a random small model's q never
+    reaches 8, so the multiplier is 1/sqrt(head_dim) and only the clip test, q driven to 100 with k
+    shrunk alike, sees the clamp; without clip_qkv the same test leaves the multiplier alone."""
+    plain = census.probe_type(model_type)
+    assert plain.cls == census.SQRT
+    assert all(lay.clip_response == pytest.approx(1.0, abs=1e-4) and not lay.clipped for lay in plain.layers)
+    row = census.probe_type(model_type, clip)
+    assert row.cls == census.CLIPPED and row.below_clip_sqrt is True
+    assert all(lay.clip_response < 0.5 for lay in row.layers)  # most of q's entries clamped from about 28 to 8
+    assert all(r == pytest.approx(1.0, rel=1e-3) for i in range(len(row.layers)) for r in _ratios(row, i))
+
+
+def test_a_learned_per_dimension_scale_is_found_by_moving_the_attention_parameters():
+    """TimesFM multiplies q by softplus(s) * 1.442695041 / sqrt(head_dim), per dimension, with s a
+    parameter initialised to 1: the multiplier at rest is softplus(1) * 1.4427 = 1.895 / sqrt(head_dim),
+    and the learned test (s -> 1.5 s + 0.25 = 1.75) moves it by softplus(1.75) / softplus(1). gpt-oss's
+    sinks, also parameters of its attention, only add a column to every row: they move nothing."""
+    row = census.probe_type("timesfm")
+    softplus = lambda x: math.log1p(math.exp(x))  # noqa: E731
+    assert row.cls == census.LEARNED
+    for i, lay in enumerate(row.layers):
+        assert lay.parameters == ["scaling"]
+        assert lay.parameter_response == pytest.approx(softplus(1.75) / softplus(1.0), rel=1e-3)
+        assert _ratios(row, i) == pytest.approx([softplus(1.0) * 1.442695041], rel=1e-3)
+    sinks = census.probe_type("gpt_oss", layers=1)
+    assert all(lay.parameters == ["sinks"] and lay.parameter_response == pytest.approx(1.0, abs=1e-4) for lay in sinks.layers)
+    assert sinks.cls != census.LEARNED
 
 
 def test_alibi_is_read_as_a_position_bias_beside_the_multiplier():

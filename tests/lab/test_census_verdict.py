@@ -4,7 +4,7 @@ verdict reached, and the edges of each threshold."""
 import pytest
 
 from attnscale.lab.base import Verdict
-from attnscale.lab.census_verdict import NORMALISED, OTHER_CONSTANT, POSITION, SQRT, conforms, judge_census
+from attnscale.lab.census_verdict import CLIPPED, LEARNED, NORMALISED, OTHER_CONSTANT, POSITION, SQRT, conforms, judge_census
 
 
 def _rows(sqrt=0, other=0, normalised_sqrt=0, normalised_other=0, position=0):
@@ -29,6 +29,9 @@ def _missing(n):
         pytest.param({"class": NORMALISED, "after_norm_sqrt": False}, False, id="qk-norm-then-other"),
         pytest.param({"class": NORMALISED}, False, id="qk-norm-unmeasured-after-norm"),
         pytest.param({"class": POSITION}, False, id="position-dependent"),
+        pytest.param({"class": CLIPPED, "below_clip_sqrt": True}, True, id="clipped-sqrt-below-the-clamp"),
+        pytest.param({"class": CLIPPED, "below_clip_sqrt": False}, False, id="clipped-other-below-the-clamp"),
+        pytest.param({"class": LEARNED}, False, id="learned"),
     ],
 )
 def test_what_conforms(row, expected):

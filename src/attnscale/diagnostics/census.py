@@ -85,7 +85,18 @@ POSITION = "position-dependent"
 LAYER = "layer-dependent"
 HEAD = "head-dependent"
 NORMALISED = "after QK-norm"
+CLIPPED = "clipped"
+LEARNED = "learned"
 NOT_MEASURABLE = "not measurable"
+
+CLIP_REACH = 100.0
+"""The clip test drives each layer's q until its largest entry is this (12.5x the clip_qkv of 8 in
+OLMo 1.7 7B and DBRX) and shrinks k by the same factor, so that q.k, and with it every weight of
+a layer without a clamp, is unchanged."""
+PERTURBED = (1.5, 0.25)
+"""The learned-scale test sets every parameter of an attention module outside its projections to
+1.5 p + 0.25 (an additive table shifts every logit of a row alike, which the fit's row constant
+absorbs; a multiplier on q or k moves the fitted multiplier)."""
 
 
 class ProbeFailed(RuntimeError):
@@ -190,27 +201,47 @@ def _raw_qk(tap: _Tap, heads: int, config: Any) -> list[tuple[Tensor, Tensor]]:
         n = min(kv.shape[-2], k_rot.shape[-2])  # the probe's own tokens (a cache may add earlier ones)
         return [(q, torch.cat([kv[..., -n:, :nope], k_rot[..., -n:, :]], dim=-1))]
     fused = out[tap.children[0]]
-    width = fused.shape[-1]
-    candidates = []
+    return [layout(fused) for layout in _fused_layouts(fused.shape[-1], heads, config)]
+
+
+Layout = Callable[[Tensor], tuple[Tensor, Tensor]]
+"""One way of reading a fused projection's output (B, L, width) as q (B, H, L, d) and k (B, Hk, L, d)."""
+
+
+def _fused_layouts(width: int, heads: int, config: Any) -> list[Layout]:
+    """Every plausible layout of a fused q/k/v projection of ``width`` outputs (the fit keeps the
+    best); applied to ``arange(width)``, a layout names the columns that hold q and k."""
+    layouts: list[Layout] = []
     kv_heads = [h for h in (heads, getattr(config, "num_key_value_heads", None), getattr(config, "multi_query_group_num", None), 1) if h]
     for hk in dict.fromkeys(kv_heads):
         if width % (heads + 2 * hk):
             continue
         d = width // (heads + 2 * hk)
-        q, k = fused[..., : heads * d], fused[..., heads * d : (heads + hk) * d]  # [q | k | v]
-        candidates.append((_heads(q, d), _heads(k, d)))
+        layouts.append(lambda t, d=d, hk=hk: (_heads(t[..., : heads * d], d), _heads(t[..., heads * d : (heads + hk) * d], d)))  # [q | k | v]
         if hk == heads:  # per head [q k v] side by side (GPT-NeoX, BLOOM)
-            per = fused.reshape(*fused.shape[:-1], heads, 3, d)
-            candidates.append((per[..., 0, :].transpose(1, 2), per[..., 1, :].transpose(1, 2)))
+
+            def per_head(t: Tensor, d: int = d) -> tuple[Tensor, Tensor]:
+                per = t.reshape(*t.shape[:-1], heads, 3, d)
+                return per[..., 0, :].transpose(1, 2), per[..., 1, :].transpose(1, 2)
+
+            layouts.append(per_head)
             for shards in (2, 4, 8):  # model-parallel shards of [q v k] each (CodeGen)
                 if heads % shards == 0:
-                    per = fused.reshape(*fused.shape[:-1], shards, 3, heads // shards * d)
-                    candidates.append((_heads(per[..., 0, :].flatten(-2), d), _heads(per[..., 2, :].flatten(-2), d)))
+
+                    def sharded(t: Tensor, d: int = d, shards: int = shards) -> tuple[Tensor, Tensor]:
+                        per = t.reshape(*t.shape[:-1], shards, 3, heads // shards * d)
+                        return _heads(per[..., 0, :].flatten(-2), d), _heads(per[..., 2, :].flatten(-2), d)
+
+                    layouts.append(sharded)
         else:  # per key/value group [q ... q k v] (Falcon's new architecture)
-            g = heads // hk
-            per = fused.reshape(*fused.shape[:-1], hk, g + 2, d)
-            candidates.append((per[..., :g, :].flatten(-3, -2).transpose(1, 2), per[..., g, :].transpose(1, 2)))
-    return candidates
+
+            def grouped(t: Tensor, d: int = d, hk: int = hk) -> tuple[Tensor, Tensor]:
+                g = heads // hk
+                per = t.reshape(*t.shape[:-1], hk, g + 2, d)
+                return per[..., :g, :].flatten(-3, -2).transpose(1, 2), per[..., g, :].transpose(1, 2)
+
+            layouts.append(grouped)
+    return layouts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,10 +282,32 @@ class LayerScale:
     after_norm_r2: float | None = None
     through_cache: bool = False
     """Whether positions > 0 were also set through a filled cache (else by position ids alone)."""
+    clip_response: float | None = None
+    """m with q driven to :data:`CLIP_REACH` and k shrunk alike / m (1 without a clamp; None for
+    latent attention, which the clip test does not drive, or where that pass failed)."""
+    clip_r2: float | None = None
+    parameter_response: float | None = None
+    """m with the attention module's own parameters perturbed / m (None where it has none)."""
+    parameters: list[str] = field(default_factory=list)
+    """The attention module's own parameters outside its projections and norms (what the learned
+    test moves)."""
 
     @property
     def normalised(self) -> bool:
         return _responds_as_normalised(self.gain_response, self.r2, self.after_norm_r2)
+
+    @property
+    def clipped(self) -> bool:
+        """Whether a clamp on q or k binds under the clip test (in a layer that is not normalised)."""
+        if self.normalised or self.clip_response is None or self.r2 < MIN_R2:
+            return False
+        return abs(self.clip_response - 1) > TOLERANCE or (self.clip_r2 or 0.0) < MIN_R2
+
+    @property
+    def learned(self) -> bool:
+        """Whether the multiplier moves with the module's own parameters (outside its projections
+        and norms): a learned temperature, before or after a QK-norm."""
+        return self.parameter_response is not None and abs(self.parameter_response - 1) > TOLERANCE
 
     @property
     def effective(self) -> list[float] | None:
@@ -292,8 +345,9 @@ def position_ladder(config: Any, *, rotary: bool, limit: int | None = None) -> l
     return sorted(ladder)
 
 
-_SIGNALS = ("pixel_values", "input_values", "input_features")
-"""Non-token inputs the census drives with random values (images, waveforms, spectrogram features)."""
+_SIGNALS = ("pixel_values", "input_values", "input_features", "past_values")
+"""Non-token inputs the census drives with random values (images, waveforms, spectrogram features,
+time series)."""
 
 
 def _signal(config: Any, name: str, batch: int, generator: torch.Generator) -> Tensor:
@@ -306,6 +360,8 @@ def _signal(config: Any, name: str, batch: int, generator: torch.Generator) -> T
         return torch.randn(batch, int(getattr(vision, "num_channels", 3) or 3), int(h), int(w), generator=generator)
     if name == "input_values":
         return torch.randn(batch, 4000, generator=generator)  # a quarter second at 16 kHz
+    if name == "past_values":  # a time series (TimesFM): 12 patches
+        return torch.randn(batch, 12 * int(getattr(config, "patch_length", 32) or 32), generator=generator)
     audio = getattr(config, "audio_config", None) or config
     bins = next((v for v in (getattr(audio, n, None) for n in ("num_mel_bins", "feature_size", "input_feat_per_channel")) if isinstance(v, int)), 80)
     source = getattr(audio, "max_source_positions", None)
@@ -325,7 +381,7 @@ def _takes(model: nn.Module, name: str) -> bool:
 def _main_input(model: nn.Module) -> str:
     main = getattr(model, "main_input_name", "input_ids")
     if main != "input_ids" and main not in _SIGNALS:
-        raise ProbeFailed(f"input {main!r} is not driven by the census (token ids, images, waveforms and audio features only)")
+        raise ProbeFailed(f"input {main!r} is not driven by the census (token ids, images, waveforms, audio features and time series only)")
     return main
 
 
@@ -340,6 +396,10 @@ def _inputs(model: nn.Module, *, batch: int, length: int, position: int | None, 
     inputs: dict[str, Tensor] = {}
     if main != "input_ids":
         inputs[main] = _signal(config, main, batch, generator)
+        if main == "past_values":  # no padding, the first frequency class where the model takes one
+            inputs["past_values_padding"] = torch.zeros_like(inputs[main], dtype=torch.long)
+            if _takes(model, "freq"):
+                inputs["freq"] = torch.zeros(batch, 1, dtype=torch.long)
     else:
         vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None) or 100
         ids = torch.randint(3, max(4, min(int(vocab), 1000)), (batch, length), generator=generator)
@@ -400,8 +460,13 @@ def _filled_cache(model: nn.Module, inputs: dict, position: int) -> Any | None:
     return cache
 
 
+Gains = float | dict[tuple[int, str], "float | Tensor"]
+"""A factor on every tap's children's outputs, or one per (id(tap module), child) (1 where absent;
+a tensor: one per output column)."""
+
+
 @contextlib.contextmanager
-def _recording(taps: Sequence[_Tap], gain: float) -> Iterator[dict[int, list]]:
+def _recording(taps: Sequence[_Tap], gain: Gains) -> Iterator[dict[int, list]]:
     """Record each tap's children outputs (scaled by ``gain``) and the weights each tapped module
     returns; yields {id(module): [weights...]}."""
     weights: dict[int, list] = {id(t.module): [] for t in taps}
@@ -409,10 +474,11 @@ def _recording(taps: Sequence[_Tap], gain: float) -> Iterator[dict[int, list]]:
     try:
         for tap in taps:
             for child in tap.children:
+                factor = gain if isinstance(gain, float) else gain.get((id(tap.module), child), 1.0)
 
-                def keep(mod, args, out, tap=tap, child=child):
-                    out = out * gain if gain != 1.0 else out
-                    tap.outputs[child] = out.detach()
+                def keep(mod, args, out, tap=tap, child=child, factor=factor):
+                    out = out * factor.to(out.dtype) if isinstance(factor, Tensor) else out * factor if factor != 1.0 else out
+                    tap.outputs[child] = out.detach().clone()  # OLMo clamps q and k in place
                     return out
 
                 handles.append(tap.module.get_submodule(child).register_forward_hook(keep))
@@ -436,7 +502,8 @@ INTERFACE = "attnscale_census"
 def _census_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: the module's own eager attention, with the q and k it was
     handed and the weights it returned kept for the fit after the norm."""
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    modeling = sys.modules[type(module).__module__]
+    eager = getattr(modeling, "eager_attention_forward", None) or getattr(modeling, "simple_eager_attention_forward", None)  # TimesFM's name
     if eager is None:
         raise ProbeFailed("its modeling code has no eager_attention_forward")
     out, weights = eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -453,7 +520,7 @@ def _register_interface(transformers: Any) -> None:
     transformers.AttentionMaskInterface.register(INTERFACE, eager_mask)
 
 
-def _forward(model: nn.Module, taps: Sequence[_Tap], gain: float, inputs: dict) -> dict[int, list]:
+def _forward(model: nn.Module, taps: Sequence[_Tap], gain: Gains, inputs: dict) -> dict[int, list]:
     """One forward pass, recording every tap; the weights each tapped module returned."""
     for tap in taps:
         tap.outputs.clear()
@@ -473,18 +540,19 @@ def _wants_image(model: nn.Module) -> bool:
     return main == "input_ids" and _takes(model, "pixel_values") and hasattr(model.config, "vision_config")
 
 
-def _best_fit(tap: _Tap, weights: Tensor, config: Any) -> tuple[ScaleFit, int] | None:
+def _best_fit(tap: _Tap, weights: Tensor, config: Any) -> tuple[ScaleFit, int, int] | None:
     """The fit of ``weights`` against the tap's raw q and k (the best-fitting layout of a fused
-    projection) and the head dim it implies; None where no layout matches the weights' shape."""
+    projection), the head dim it implies and the layout's index in :func:`_raw_qk`; None where no
+    layout matches the weights' shape."""
     heads = weights.shape[1]
     best = None
-    for q, k in _raw_qk(tap, heads, config):
+    for index, (q, k) in enumerate(_raw_qk(tap, heads, config)):
         w = weights[..., -k.shape[-2] :] if weights.shape[-1] > k.shape[-2] else weights  # a filled cache's columns come first
         if q.shape[1] != heads or q.shape[-2] != w.shape[-2] or k.shape[-2] != w.shape[-1] or heads % k.shape[1]:
             continue
         fit = _fit(q, k, w)
         if best is None or min(fit.r2) > min(best[0].r2):
-            best = (fit, q.shape[-1])
+            best = (fit, q.shape[-1], index)
     return best
 
 
@@ -502,7 +570,9 @@ def probe_model(
     seed: int = 0,
 ) -> list[LayerScale]:
     """Each attention layer's effective scale at each of ``positions`` (all tokens at one position;
-    None: the model's own positions 0..length-1, then only position-free effects are meaningful).
+    None: the model's own positions 0..length-1, then only position-free effects are meaningful),
+    with the QK-norm test (q and k doubled), the clip test (q driven to :data:`CLIP_REACH`, k shrunk
+    alike) and the learned test (the attention modules' own parameters moved) at the first position.
 
     Raises :class:`ProbeFailed` when no attention layer can be read or the model cannot be run."""
     config = model.config
@@ -515,6 +585,7 @@ def probe_model(
     positions = list(positions) if positions is not None else [None]  # type: ignore[list-item]
     by_tap: dict[int, dict] = {id(t.module): {"m": [], "r2": [], "b": [], "spread": [], "after": [], "after_r2": [], "after_spread": [], "dim": None, "heads": None} for t in taps}
     gain_m: dict[int, float] = {}
+    drive: dict[int, dict] = {}  # each tap's clip-test factors (_clip_gains), from the first position
     cache_argument = _cache_argument(model)
     cached: bool | None = None if cache_argument else False  # positions also set through a cache? (None: not tried yet)
     model.eval()
@@ -553,10 +624,12 @@ def probe_model(
                 key = id(tap.module)
                 w = weights[key][-1] if weights[key] else (_HANDED[key][2] if key in _HANDED else None)
                 found = _best_fit(tap, w, config) if w is not None and tap.outputs else None
+                if gain == 1.0 and found is not None and key not in drive:
+                    drive[key] = _clip_gains(tap, w.shape[1], config, found[2])
                 tap.outputs.clear()
                 if found is None:
                     continue
-                fit, dim = found
+                fit, dim, _ = found
                 rec = by_tap[key]
                 if gain != 1.0:
                     gain_m[key] = statistics.median(fit.scale)
@@ -572,6 +645,13 @@ def probe_model(
                     rec["after"].append(statistics.median(after.scale))
                     rec["after_r2"].append(min(after.r2))
                     rec["after_spread"].append(_spread(after.scale))
+    first = _inputs(model, batch=batch, length=length, position=positions[0], seed=seed, extra=extra)
+    factors = {child: factor for gains in drive.values() for child, factor in gains.items()}
+    clipped, moved, owned = {}, {}, {}
+    with contextlib.suppress(ProbeFailed):  # a pass the model refuses leaves its test unanswered (None)
+        clipped = _fits(taps, _forward(model, taps, factors, first), config) if factors else {}
+    with contextlib.suppress(ProbeFailed):
+        moved, owned = _parameter_test(model, taps, first, config)
     layers = []
     for tap in taps:
         rec = by_tap[id(tap.module)]
@@ -579,6 +659,8 @@ def probe_model(
             continue
         m0 = rec["m"][0]
         response = gain_m[id(tap.module)] / m0 if id(tap.module) in gain_m and m0 != 0 else None
+        clip = clipped.get(id(tap.module))
+        perturbed = moved.get(id(tap.module))
         complete = len(rec["after"]) == len(positions)
         normalised = _responds_as_normalised(response, min(rec["r2"]), min(rec["after_r2"]) if complete else None)
         layers.append(
@@ -595,11 +677,85 @@ def probe_model(
                 after_norm=rec["after"] if complete else None,
                 after_norm_r2=min(rec["after_r2"]) if complete else None,
                 through_cache=bool(cached),
+                clip_response=statistics.median(clip.scale) / m0 if clip is not None and m0 != 0 else None,
+                clip_r2=min(clip.r2) if clip is not None else None,
+                parameter_response=statistics.median(perturbed.scale) / m0 if perturbed is not None and m0 != 0 else None,
+                parameters=owned.get(id(tap.module), []),
             )
         )
     if not layers:
         raise ProbeFailed("no attention layer returned weights the census could fit (no 4-D weights from the attention modules)")
     return layers
+
+
+def _fits(taps: Sequence[_Tap], weights: dict[int, list], config: Any) -> dict[int, ScaleFit]:
+    """Each tap's fit of one forward pass's weights against its recorded raw q and k."""
+    fits = {}
+    for tap in taps:
+        key = id(tap.module)
+        w = weights[key][-1] if weights[key] else (_HANDED[key][2] if key in _HANDED else None)
+        found = _best_fit(tap, w, config) if w is not None and tap.outputs else None
+        tap.outputs.clear()
+        if found is not None:
+            fits[key] = found[0]
+    return fits
+
+
+def _clip_gains(tap: _Tap, heads: int, config: Any, layout: int) -> dict[tuple[int, str], float | Tensor]:
+    """The clip test's factors on one tap's recorded outputs: q driven until its largest entry is
+    :data:`CLIP_REACH`, k shrunk by the same factor, so that q.k is unchanged and a clamp between the
+    projections and the softmax (OLMo's and MPT's ``clip_qkv``) binds and moves the multiplier. A
+    fused projection gets one factor per column (its q and k columns from the best-fitting layout);
+    latent attention is not driven (empty)."""
+    if tap.kind == "mla":
+        return {}
+    q, _ = _raw_qk(tap, heads, config)[layout]
+    top = float(q.abs().max())
+    if not top > 0:
+        return {}
+    g = CLIP_REACH / top
+    if tap.kind == "pair":
+        return {(id(tap.module), tap.children[0]): g, (id(tap.module), tap.children[1]): 1 / g}
+    width = tap.outputs[tap.children[0]].shape[-1]
+    columns = torch.arange(width, dtype=torch.float64).expand(1, 1, width)
+    q_cols, k_cols = _fused_layouts(width, heads, config)[layout](columns)
+    factor = torch.ones(width, dtype=q.dtype)
+    factor[q_cols.flatten().long()] = g
+    factor[k_cols.flatten().long()] = 1 / g
+    return {(id(tap.module), tap.children[0]): factor}
+
+
+def _own_parameters(tap: _Tap) -> list[tuple[str, nn.Parameter]]:
+    """The attention module's floating parameters outside its linear layers (its projections) and
+    its norms (a QK-norm's gain is read by the fit after the norm)."""
+    inside = {
+        id(p)
+        for child in tap.module.modules()
+        if child is not tap.module and (_linear(child) or "norm" in type(child).__name__.lower())
+        for p in child.parameters()
+    }
+    return [(name, p) for name, p in tap.module.named_parameters() if id(p) not in inside and p.is_floating_point()]
+
+
+def _parameter_test(model: nn.Module, taps: Sequence[_Tap], inputs: dict, config: Any) -> tuple[dict[int, ScaleFit], dict[int, list[str]]]:
+    """The fit with every attention module's own parameters perturbed (:data:`PERTURBED`), and their
+    names: a learned multiplier (TimesFM's per-dimension softplus on q) moves the fit."""
+    owned = {id(tap.module): _own_parameters(tap) for tap in taps}
+    owned = {key: params for key, params in owned.items() if params}
+    if not owned:
+        return {}, {}
+    factor, shift = PERTURBED
+    kept = list({id(p): (p, p.detach().clone()) for params in owned.values() for _, p in params}.values())
+    try:
+        with torch.no_grad():
+            for p, _ in kept:
+                p.mul_(factor).add_(shift)
+        fits = _fits(taps, _forward(model, taps, 1.0, inputs), config)
+    finally:
+        with torch.no_grad():
+            for p, value in kept:
+                p.copy_(value)
+    return {key: fit for key, fit in fits.items() if key in owned}, {key: [name for name, _ in params] for key, params in owned.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -613,11 +769,25 @@ def _same(values: Sequence[float]) -> bool:
 
 def classify(layers: Sequence[LayerScale]) -> tuple[str, str]:
     """The type's class and a line on why, from its layers (the first that applies: not measurable,
-    position-, layer- or head-dependent, after QK-norm, 1/sqrt(head_dim), another constant)."""
+    clipped, learned, after QK-norm without a fit after the norm, position-, layer- or head-dependent,
+    after QK-norm, 1/sqrt(head_dim), another constant)."""
     normed = [lay for lay in layers if lay.normalised]
     bad = [lay for lay in layers if not lay.normalised and lay.r2 < MIN_R2]
     if bad:
         return NOT_MEASURABLE, f"{bad[0].layer}: weights are not one multiplier times q.k (R^2 {bad[0].r2:.3f})"
+    clipped = [lay for lay in layers if lay.clipped]
+    if clipped:
+        lay = clipped[0]
+        below = lay.multiplier[0] * math.sqrt(lay.head_dim)
+        return CLIPPED, (
+            f"{lay.layer}: with q driven to |q| <= {CLIP_REACH:g} (k shrunk alike) the multiplier falls to "
+            f"{lay.clip_response:.3g}x (fit R^2 {lay.clip_r2:.3f}); below the clamp x sqrt(head_dim) = {below:.4g}"
+        )
+    learned = [lay for lay in layers if lay.learned]
+    if learned:
+        lay = learned[0]
+        at_init = "" if lay.normalised else f"; at initialisation x sqrt(head_dim) = {lay.multiplier[0] * math.sqrt(lay.head_dim):.4g}"
+        return LEARNED, f"{lay.layer}: the multiplier moves {lay.parameter_response:.3g}x with its own parameters ({', '.join(lay.parameters[:3])}){at_init}"
     if any(lay.after_norm is None or (lay.after_norm_r2 or 0) < MIN_R2 for lay in normed):
         return NORMALISED, "q/k are normalised before attention; the multiplier after the norm could not be fitted"
     effective = [lay.effective for lay in layers]
@@ -780,6 +950,14 @@ class CensusRow:
     seconds: float = 0.0
 
     @property
+    def below_clip_sqrt(self) -> bool | None:
+        """For a clipped type: whether below the clamp every layer's multiplier is 1/sqrt(head_dim)
+        within the tolerance at every position (None for any other class)."""
+        if self.cls != CLIPPED:
+            return None
+        return all(abs(v * math.sqrt(lay.head_dim) - 1) <= TOLERANCE for lay in self.layers for v in lay.multiplier)
+
+    @property
     def after_norm_sqrt(self) -> bool | None:
         normed = [lay for lay in self.layers if lay.normalised]
         if not normed or any(lay.after_norm is None for lay in normed):
@@ -793,6 +971,7 @@ class CensusRow:
             "class": self.cls,
             "why": self.why,
             "after_norm_sqrt": self.after_norm_sqrt,
+            "below_clip_sqrt": self.below_clip_sqrt,
             "released": self.released,
             "fields": self.fields,
             "seconds": round(self.seconds, 3),

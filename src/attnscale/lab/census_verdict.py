@@ -1,4 +1,4 @@
-"""The verdict rule of ``scale-in-the-wild`` over the scale census (rule version 4).
+"""The verdict rule of ``scale-in-the-wild`` over the scale census (rule version 5).
 
 The census (:mod:`attnscale.diagnostics.census`) gives, per model type of the installed
 transformers, the class of its attention scale measured end to end (from the raw projections'
@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from ..diagnostics.census import HEAD, LAYER, NORMALISED, NOT_MEASURABLE, OTHER_CONSTANT, POSITION, SQRT
+from ..diagnostics.census import CLIPPED, HEAD, LAYER, LEARNED, NORMALISED, NOT_MEASURABLE, OTHER_CONSTANT, POSITION, SQRT
 from .base import Judgement, Verdict
 
-CLASSES = (SQRT, NORMALISED, OTHER_CONSTANT, POSITION, LAYER, HEAD, NOT_MEASURABLE)
+CLASSES = (SQRT, NORMALISED, CLIPPED, OTHER_CONSTANT, POSITION, LAYER, HEAD, LEARNED, NOT_MEASURABLE)
 """The classes of a probed type (:func:`attnscale.diagnostics.census.classify`), in the order the
 verdict's reason counts them."""
 
@@ -27,8 +27,11 @@ APPROXIMATE_SHARE = 2 / 3
 RULE = (
     "Over the census of model types at their config defaults (released configs are measured and named "
     "beside the verdict, not counted): a type conforms when its class is 1/sqrt(head_dim) (every layer, "
-    "head and probed position within 3% of 1/sqrt(head_dim), fit R^2 > 0.99), or when it is after QK-norm "
-    "and the multiplier after its normalisation is 1/sqrt(head_dim) within 3%. inconclusive if transformers "
+    "head and probed position within 3% of 1/sqrt(head_dim), fit R^2 > 0.99), when it is after QK-norm "
+    "and the multiplier after its normalisation is 1/sqrt(head_dim) within 3%, or when it is clipped (a clamp "
+    "on q or k binds once q is driven far past its usual size) and the multiplier below the clamp is "
+    "1/sqrt(head_dim) within 3%; a learned multiplier does not conform (its value is whatever training "
+    "makes it). inconclusive if transformers "
     f"is missing, fewer than {MIN_PROBED} types were probed, or fewer than half of the types tried; holds if "
     f"every probed type conforms and at least {HOLDS_PROBED_SHARE:.0%} of the types tried were probed; "
     "holds-approximately if at least two thirds of the probed types conform; does-not-hold otherwise. Every "
@@ -40,12 +43,14 @@ def conforms(row: Mapping) -> bool:
     """Whether one census row divides its logits by sqrt(head_dim) in the rule's sense."""
     if row.get("class") == SQRT:
         return True
+    if row.get("class") == CLIPPED:
+        return bool(row.get("below_clip_sqrt"))
     return row.get("class") == NORMALISED and bool(row.get("after_norm_sqrt"))
 
 
 def judge_census(rows: Sequence[Mapping], not_probed: Sequence[Mapping], *, transformers: str | None) -> Judgement:
     """The verdict over census ``rows`` (probed types: ``model_type``, ``class``, ``after_norm_sqrt``,
-    ``released``) and ``not_probed`` (``model_type``, ``reason``)."""
+    ``below_clip_sqrt``, ``released``) and ``not_probed`` (``model_type``, ``reason``)."""
     if transformers is None:
         return Judgement(Verdict.INCONCLUSIVE, "transformers is not installed (pip install 'attnscale[hf]')")
     counted = [r for r in rows if not r.get("released")]

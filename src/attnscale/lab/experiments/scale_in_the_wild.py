@@ -51,10 +51,12 @@ CLAIM = Claim(
         "multiplier. All tokens share one position id, so RoPE cancels, and m is read at positions 0, 1, 15 and "
         "1/2 to 4x every length threshold of the config (also through a zero-filled cache). Doubling the "
         "projections' outputs finds QK-norm (m falls to a quarter); there m is also fitted after the norm. "
-        "Each type is classed 1/sqrt(head_dim), another constant, position-, layer- or head-dependent, after "
-        "QK-norm, or not measurable; types without attention are listed, not counted. Released configs whose "
-        "values depart from their type's defaults (Gemma 2 27B, Gemma 3 27B, Granite 3.0 8B, DeepSeek-V3) are "
-        "measured beside the census."
+        "Driving q until its largest entry is 100 while k shrinks by the same factor (q.k unchanged) finds a "
+        "clamp on q or k (clip_qkv); moving the attention module's own parameters (outside its projections and "
+        "norms) finds a learned multiplier. Each type is classed 1/sqrt(head_dim), another constant, position-, "
+        "layer- or head-dependent, after QK-norm, clipped, learned, or not measurable; types without attention "
+        "are listed, not counted. Released configs whose values depart from their type's defaults (Gemma 2 27B, "
+        "Gemma 3 27B, Granite 3.0 8B, DeepSeek-V3, OLMo 1.7 7B, DBRX) are measured beside the census."
     ),
     rule=census_verdict.RULE,
     rule_history=(
@@ -77,6 +79,17 @@ CLAIM = Claim(
             "1/sqrt(head_dim) at every layer and position, or after QK-norm with 1/sqrt(head_dim) after the norm; "
             "at least 25 types and half of those tried must be probed; holds needs 90% probed",
             "c40ad1b314b998fc",
+        ),
+        RuleVersion(
+            5,
+            "2026-12-05",
+            "two classes the census could not see before, each found by a measurement: clipped (a clamp on q "
+            "or k, found by driving q far past its usual size with q.k unchanged) and learned (a multiplier "
+            "that moves with the attention module's own parameters); time series inputs driven (TimesFM); "
+            "OLMo 1.7 7B and DBRX (clip_qkv 8) measured as released configs. A clipped type conforms when its "
+            "multiplier below the clamp is 1/sqrt(head_dim) within 3% (the clamp bounds q and k, not the "
+            "scale); a learned one does not. Written before the census was run with these tests",
+            "98f6dad0599c6f46",
         ),
     ),
 )
@@ -121,6 +134,18 @@ RELEASED: tuple[tuple[str, str, dict, str], ...] = (
         },
         "deepseek-ai/DeepSeek-V3, config.json: rope_scaling yarn, factor 40, mscale 1.0, mscale_all_dim 1.0, "
         "original_max_position_embeddings 4096",
+    ),
+    (
+        "OLMo 1.7 7B",
+        "olmo",
+        {"clip_qkv": 8.0},
+        "allenai/OLMo-1.7-7B-hf, config.json: clip_qkv 8.0 (q, k and v clamped to [-8, 8])",
+    ),
+    (
+        "DBRX",
+        "dbrx",
+        {"attn_config.clip_qkv": 8.0, "attn_config.rope_theta": 500000.0},
+        "databricks/dbrx-base, config.json: attn_config clip_qkv 8, rope_theta 500000",
     ),
 )
 
