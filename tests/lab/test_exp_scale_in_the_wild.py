@@ -1,4 +1,4 @@
-"""scale-in-the-wild (rule version 4): the census wired into the lab. The rule itself is tested on
+"""scale-in-the-wild (rule version 6): the census wired into the lab. The rule itself is tested on
 synthetic censuses in test_census_verdict.py; the probe's numbers per family in
 tests/diagnostics/test_census.py."""
 
@@ -78,3 +78,19 @@ def test_a_qk_norm_layer_whose_multiplier_after_the_norm_was_not_fitted_keeps_it
     assert record["at_position_0"] == pytest.approx(1.0) and record["by_layer_far"] == "1 -"  # the norm's layer: nothing read
     only = census.CensusRow("odd", "", cls, why, layers[1:], {})
     assert exp._record(only)["at_position_0"] is None
+
+
+@pytest.mark.parametrize(("below", "conforms"), [pytest.param(0.25, True, id="sqrt-below-the-clamp"), pytest.param(0.5, False, id="other-below-the-clamp")])
+def test_a_clipped_row_is_judged_by_its_multiplier_below_the_clamp(below, conforms):
+    """The table's record carries what the rule reads: a released config with clip_qkv (OLMo 1.7 7B)
+    conforms when 1/sqrt(head_dim) below the clamp, and is named as departing otherwise."""
+    lay = census.LayerScale(
+        layer="a", head_dim=16, heads=4, positions=[0, 15], multiplier=[below, below], head_spread=0.0, r2=1.0,
+        bias_slope=0.0, gain_response=1.0, clip_response=0.24, clip_r2=0.7,
+    )
+    cls, why = census.classify([lay])
+    assert cls == census.CLIPPED
+    record = exp._record(census.CensusRow("olmo", "OLMo 1.7 7B", cls, why, [lay], {}, released=True), "source")
+    assert record["below_clip_sqrt"] is conforms and census_verdict.conforms(record) is conforms
+    measured = {"transformers": "x", "census": [_record(f"t{i}", census.SQRT) for i in range(30)], "released": [record], "not_probed": []}
+    assert ("released configs that depart: olmo OLMo 1.7 7B" in exp.judge(measured).reason) is not conforms

@@ -1,4 +1,4 @@
-"""The verdict rule of ``scale-in-the-wild`` over the scale census (rule version 5).
+"""The verdict rule of ``scale-in-the-wild`` over the scale census (rule version 6).
 
 The census (:mod:`attnscale.diagnostics.census`) gives, per model type of the installed
 transformers, the class of its attention scale measured end to end (from the raw projections'

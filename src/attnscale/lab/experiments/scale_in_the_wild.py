@@ -91,6 +91,14 @@ CLAIM = Claim(
             "scale); a learned one does not. Written before the census was run with these tests",
             "98f6dad0599c6f46",
         ),
+        RuleVersion(
+            6,
+            "2026-12-05",
+            "the census table's rows carry below_clip_sqrt, which v5's judge reads: under v5's code a clipped "
+            "row always read as departing (OLMo 1.7 7B and DBRX, released configs, named as departing in a run "
+            "that was not published), against v5's own rule; the rule is unchanged",
+            "ffb589d449f27b48",
+        ),
     ),
 )
 
@@ -185,6 +193,7 @@ def _record(row: Any, source: str = "") -> dict:
         "class": row.cls,
         "conforms": census_verdict.conforms(data),
         "after_norm_sqrt": data["after_norm_sqrt"],
+        "below_clip_sqrt": data["below_clip_sqrt"],
         "released": row.released,
         "head_dim": dims[0] if len(dims) == 1 else " ".join(map(str, dims)),
         "layers": len(layers),
