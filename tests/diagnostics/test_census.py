@@ -195,6 +195,9 @@ def test_a_learned_per_dimension_scale_is_found_by_moving_the_attention_paramete
     sinks = census.probe_type("gpt_oss", layers=1)
     assert all(lay.parameters == ["sinks"] and lay.parameter_response == pytest.approx(1.0, abs=1e-4) for lay in sinks.layers)
     assert sinks.cls != census.LEARNED
+    # DeBERTa's q_bias and v_bias add to q and v: biases are not moved (q_bias at 0.25 moved the fit 4%)
+    deberta = census.probe_type("deberta", layers=1)
+    assert deberta.cls == census.SQRT and all(lay.parameters == [] for lay in deberta.layers)
 
 
 def test_alibi_is_read_as_a_position_bias_beside_the_multiplier():

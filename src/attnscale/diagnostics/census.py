@@ -727,14 +727,20 @@ def _clip_gains(tap: _Tap, heads: int, config: Any, layout: int) -> dict[tuple[i
 
 def _own_parameters(tap: _Tap) -> list[tuple[str, nn.Parameter]]:
     """The attention module's floating parameters outside its linear layers (its projections) and
-    its norms (a QK-norm's gain is read by the fit after the norm)."""
+    its norms (a QK-norm's gain is read by the fit after the norm), biases left out: a bias adds to
+    q, k or the logit, it does not multiply (DeBERTa's q_bias, zero at initialisation, moved to
+    0.25 adds 0.25 sum_d k_jd to every logit of key j and moved the fit by 4%)."""
     inside = {
         id(p)
         for child in tap.module.modules()
         if child is not tap.module and (_linear(child) or "norm" in type(child).__name__.lower())
         for p in child.parameters()
     }
-    return [(name, p) for name, p in tap.module.named_parameters() if id(p) not in inside and p.is_floating_point()]
+    return [
+        (name, p)
+        for name, p in tap.module.named_parameters()
+        if id(p) not in inside and p.is_floating_point() and "bias" not in name.rsplit(".", 1)[-1]
+    ]
 
 
 def _parameter_test(model: nn.Module, taps: Sequence[_Tap], inputs: dict, config: Any) -> tuple[dict[int, ScaleFit], dict[int, list[str]]]:
