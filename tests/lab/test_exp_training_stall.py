@@ -3,13 +3,15 @@ the tiny profile run end to end (JSON, determinism, the figure)."""
 
 import dataclasses
 import json
+import statistics
+from pathlib import Path
 
 import pytest
 import torch
 
 from attnscale.lab.base import Verdict, no_progress
 from attnscale.lab.experiments import training_stall as exp
-from attnscale.lab.stall_phase import Point
+from attnscale.lab.stall_phase import Point, paired_ratios, seeds_needed
 
 
 def _rung(name, dk, std, unscaled, scaled=(100, 110, 120, 105, 115)):
@@ -118,3 +120,39 @@ def test_profiles_keep_realistic_head_dims_and_enough_seeds():
 def test_reports_at_different_seeds_share_no_model():
     assert exp.model_seeds(0, 5) == [0, 1, 2, 3, 4]
     assert not set(exp.model_seeds(1, 8)) & (set(exp.model_seeds(0, 8)) | set(exp.model_seeds(2, 8)))
+
+
+
+V11_SEEDS = json.loads((Path(__file__).resolve().parents[2] / "results" / "training_stall_v11_seeds.json").read_text(encoding="utf-8"))
+
+
+def _pooled_v11() -> dict[tuple[str, str, int], list[Point]]:
+    """Each realistic rung's points over the three v11 default runs (report seeds 0-2)."""
+    pooled: dict[tuple[str, str, int], list[Point]] = {}
+    for run in V11_SEEDS["runs"]:
+        for arm, points in run["arms"].items():
+            for d in points:
+                pooled.setdefault((arm, d["name"], d["dk"]), []).append(Point.from_dict(d))
+    return pooled
+
+
+def test_the_power_calculation_the_seed_counts_rest_on():
+    """The module's seed counts come from the three v11 default runs (15 seeds per realistic rung):
+    each rung's median, standard deviation and the seeds its margin to 2x needs, as it cites them."""
+    pooled = _pooled_v11()
+    assert [run["seed"] for run in V11_SEEDS["runs"]] == [0, 1, 2]
+
+    def at(arm, name, dk):
+        r = [x for p in pooled[(arm, name, dk)] for x in paired_ratios(p)]
+        assert len(r) == 15
+        return round(statistics.median(r), 2), round(statistics.stdev(r), 2), seeds_needed(r)
+
+    mqar = [at("adamw mqar", n, dk) for n in ("default", "unit") for dk in (64, 128)]
+    assert min(m for m, _, _ in mqar) == 1.00 and max(m for m, _, _ in mqar) == 1.43
+    assert min(s for _, s, _ in mqar) == 0.09 and max(s for _, s, _ in mqar) == 0.17 and max(n for _, _, n in mqar) == 3
+    assert [at("adamw copy", "unit", dk) for dk in (64, 128)] == [(3.06, 1.58, 16), (3.43, 2.26, 18)]
+    assert [at("sgd mqar", n, 64) for n in ("default", "unit")] == [(1.00, 0.96, 9), (3.10, 1.05, 9)]
+    for name in ("default", "unit"):  # 3 of 15 scaled runs missed 90% at the rate v11 picked
+        assert sum(s is None for p in pooled[("sgd mqar", name, 64)] for s in p.scaled) == 3
+    assert at("sgd copy", "default", 64) == (1.78, 1.04, 135)
+    assert (exp.Config.for_profile("default").seeds, exp.Config.for_profile("default").sgd_seeds) == (5, 8)

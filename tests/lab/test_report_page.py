@@ -1,7 +1,6 @@
 """The report page reads summary first, folds raw data away, and fits the page's budget: checked on a
 report of 20 claims with real figures, long reasons and wide measured tables, in headless Chromium."""
 
-import copy
 import json
 import re
 import shutil

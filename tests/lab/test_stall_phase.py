@@ -54,6 +54,13 @@ def test_a_stall_counts_above_any_bound_and_the_crossing_is_reached_by_it():
     assert point_slowdown(_point(2, None)) is None
 
 
+def test_the_stall_starts_where_every_larger_rung_stalls():
+    assert crossing(LADDER, 2.0).stall == 32
+    assert crossing([_point(1, 1.2), _point(2, None), _point(4, 3.0), _point(8, None), _point(16, None)], 2.0).stall == 8
+    assert crossing([_point(1, 1.2), _point(2, None), _point(4, 3.0)], 2.0).stall is None  # the largest rung learns
+    assert "a stall from an init logit std of 32" in stall_phase.judge_ladder(LADDER).reason
+
+
 def test_a_rung_clearly_above_below_one_clearly_below_is_not_monotone():
     c = crossing([_point(1, 3.0), _point(2, 1.0)], 2.0)
     assert c.monotone is False
@@ -118,9 +125,12 @@ def test_sgd_counts_a_collapse_as_a_miss_and_picks_the_best_learning_rate():
     assert stall_phase.kept(log([0.1, 0.95, 0.99])) == 10
     assert stall_phase.kept(log([0.1, 0.95, 0.05])) is None  # passed 90%, then collapsed
     assert stall_phase.kept(log([0.1, 0.5, 0.6])) is None
-    assert stall_phase.best_lr({0.03: 300, 0.1: 200, 0.3: None}) == 0.1
-    assert stall_phase.best_lr({0.03: 200, 0.1: 200}) == 0.03
-    assert stall_phase.best_lr({0.1: None, 0.3: None}) == 0.1
+    assert stall_phase.best_lr({0.03: [300, 310], 0.1: [200, 190], 0.3: [None, None]}) == 0.1
+    assert stall_phase.best_lr({0.03: [200, 200], 0.1: [200, 200]}) == 0.03
+    assert stall_phase.best_lr({0.1: [None, None], 0.3: [None, None]}) == 0.1
+    # the fastest median at the edge of stability loses to a rate whose every seed keeps 90%
+    assert stall_phase.best_lr({0.1: [200, 210, 220], 0.3: [90, 100, None]}) == 0.1
+    assert stall_phase.best_lr({0.1: [200, None, 220], 0.3: [90, 100, None]}) == 0.3
 
 
 LRS = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
@@ -142,12 +152,19 @@ def test_learning_rate_search_never_stops_at_an_untried_edge(profile, best, trie
 
     def evaluate(lr):
         seen.append(lr)
-        return profile.get(lr)
+        return [profile.get(lr)] * 3  # three seeds alike
 
     result = stall_phase.search_lr(LRS, 0.1, evaluate)
     assert stall_phase.best_lr(result) == best and set(result) == tried and len(seen) == len(set(seen))
     with pytest.raises(ValueError, match="start must be one of"):
         stall_phase.search_lr(LRS, 0.2, evaluate)
+
+
+def test_a_learning_rate_search_start_without_a_ladder_is_refused():
+    task = stall_phase.task_named("copy", context=4, queries=2, vocab=8)
+    tc = TrainConfig(steps=10, batch=8, log_every=5, eval_batch=16, stop_at=0.9)
+    with pytest.raises(ValueError, match="lr_start=0.1 starts a learning-rate search, which needs lrs"):
+        stall_phase.measure_point(task, ModelConfig(d_model=16, head_dim=16), tc, 1.0, (0,), lr_start=0.1)
 
 
 def test_a_rung_is_a_realistic_init_or_a_target_std():

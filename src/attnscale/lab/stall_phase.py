@@ -37,7 +37,7 @@ import torch
 from .base import Judgement, Progress, Verdict, no_progress
 from .tasks import MQAR, PointerCopy, Task
 from .training import ModelConfig, RunLog, TinyTransformer, TrainConfig, init_logit_std, median_steps, train_seeds
-from .uncertainty import Estimate, Side, estimate, quantisation, side
+from .uncertainty import MEDIAN_SE, Estimate, Side, estimate, margin, quantisation, side
 
 __all__ = [
     "REALISTIC",
@@ -52,8 +52,10 @@ __all__ = [
     "kept",
     "measure_ladder",
     "measure_point",
+    "paired_ratios",
     "point_slowdown",
     "search_lr",
+    "seeds_needed",
     "task_named",
 ]
 
@@ -134,6 +136,24 @@ class Point:
         )  # fmt: skip
 
 
+def paired_ratios(point: Point) -> list[float]:
+    """Each seed's steps to 90% without the scale over with it, a run that never gets there counted
+    at the budget."""
+    return [(point.budget if u is None else u) / max(point.budget if s is None else s, 1) for u, s in zip(point.unscaled, point.scaled, strict=True)]
+
+
+def seeds_needed(ratios: Sequence[float], bound: float = MUCH_SLOWER, *, most: int = 1000) -> int | None:
+    """The power calculation: the fewest seeds ``n`` at which a rung whose seeds' ratios spread as
+    ``ratios`` do (their median and standard deviation taken as the truth) is clear of ``bound``
+    by the rule's margin, Student's t(n) x 1.25 s / sqrt(n) < |median - bound|; None past ``most``.
+
+    >>> seeds_needed([1.0, 1.1, 1.2, 1.3]), seeds_needed([1.9, 2.0, 2.1]) is None
+    (3, True)
+    """
+    centre, s = statistics.median(ratios), statistics.stdev(ratios)
+    return next((n for n in range(2, most + 1) if margin(n) * MEDIAN_SE * s / math.sqrt(n) < abs(centre - bound)), None)
+
+
 def point_slowdown(point: Point) -> Estimate | None:
     """Steps to 90% without the scale over with it, paired by seed: each seed's ratio (the same
     initialisation and data at both divisors, so a seed's own difficulty cancels), their median
@@ -141,7 +161,7 @@ def point_slowdown(point: Point) -> Estimate | None:
     a stall (the unscaled median never gets there), which is clearly slower than any bound."""
     if median_steps(list(point.unscaled)) is None:
         return None
-    counted = [(point.budget if u is None else u) / max(point.budget if s is None else s, 1) for u, s in zip(point.unscaled, point.scaled, strict=True)]
+    counted = paired_ratios(point)
     scaled_median = statistics.median(point.budget if s is None else s for s in point.scaled)
     # a step count is known to a logging interval: the ratio to that over the scaled median
     return estimate(counted, quantisation(point.log_every) / max(scaled_median, 1))
@@ -157,16 +177,19 @@ class Crossing:
     """Where the slowdown passes ``bound`` along the logit std: ``low`` the largest rung clearly
     below it, ``high`` the smallest clearly above it (None where no rung is), ``at`` the log-log
     interpolation of the medians between the rungs around the bound (None without both), and
-    ``monotone`` False when some rung clearly above lies below some rung clearly below."""
+    ``monotone`` False when some rung clearly above lies below some rung clearly below; ``stall``
+    the smallest logit std from which every rung stalls (its unscaled median never reaches 90%),
+    None where the largest rung does not."""
 
     bound: float
     low: float | None
     high: float | None
     at: float | None
     monotone: bool
+    stall: float | None = None
 
     def as_dict(self) -> dict:
-        return {"bound": self.bound, "low": self.low, "high": self.high, "at": self.at, "monotone": self.monotone}
+        return {"bound": self.bound, "low": self.low, "high": self.high, "at": self.at, "monotone": self.monotone, "stall": self.stall}
 
 
 def crossing(points: Sequence[Point], bound: float) -> Crossing:
@@ -189,7 +212,12 @@ def crossing(points: Sequence[Point], bound: float) -> Crossing:
                 t = (math.log(bound) - math.log(y0)) / (math.log(y1) - math.log(y0))
                 at = math.exp(math.log(x0) + t * (math.log(x1) - math.log(x0)))
             break
-    return Crossing(bound, low, high, at, monotone)
+    stall = None
+    for x, y in reversed(medians):
+        if not math.isinf(y):
+            break
+        stall = x
+    return Crossing(bound, low, high, at, monotone, stall)
 
 
 REALISTIC = ("default", "unit")
@@ -211,6 +239,7 @@ def judge_ladder(points: Sequence[Point], bound: float = MUCH_SLOWER) -> Judgeme
     c = crossing(points, bound)
     stated = f"{bound:g}x crossed at an init logit std of {_std_text(c.at)} (bracket {_std_text(c.low)} .. {_std_text(c.high)}"
     stated += ")" if c.monotone else "; the clear rungs are out of order)"
+    stated += f"; a stall from an init logit std of {_std_text(c.stall)}" if c.stall is not None else "; no stall at the largest rung"
     realistic = sorted((p for p in points if p.name in REALISTIC), key=lambda p: (p.dk, REALISTIC.index(p.name)))
     if not realistic:
         return Judgement(Verdict.INCONCLUSIVE, f"no rung at a realistic initialisation; {stated}")
@@ -254,23 +283,40 @@ def kept(log: RunLog) -> int | None:
     return log.steps_to(TARGET) if log.accuracy[-1] >= TARGET else None
 
 
-def best_lr(medians: Mapping[float, float | None]) -> float:
-    """The learning rate with the smallest median steps (None is never); ties and all-None go to the smallest."""
-    return min(medians, key=lambda lr: (math.inf if medians[lr] is None else medians[lr], lr))
+def best_lr(tried: Mapping[float, Sequence[int | None]]) -> float:
+    """The learning rate whose seeds most often keep 90% (``tried``: each rate's steps per seed,
+    None for a miss), the smallest median steps among those; ties go to the smallest rate.
+
+    The fastest median alone would pick a rate at the edge of stability, where a seed or two
+    diverge: a seed whose scaled run misses counts its unscaled steps over the budget, a ratio
+    that measures the miss, not the scale.
+
+    >>> best_lr({0.1: [200, 210, 190], 0.3: [90, None, 100], 1.0: [None, None, None]})
+    0.1
+    """
+
+    def key(lr: float) -> tuple[int, float, float]:
+        median = median_steps(list(tried[lr]))
+        return sum(s is None for s in tried[lr]), math.inf if median is None else median, lr
+
+    return min(tried, key=key)
 
 
-def search_lr(ladder: Sequence[float], start: float, evaluate: Callable[[float], float | None]) -> dict[float, float | None]:
-    """Median steps at the learning rates a ladder search tries; :func:`best_lr` of the result is the pick.
+def search_lr(
+    ladder: Sequence[float], start: float, evaluate: Callable[[float], Sequence[int | None]]
+) -> dict[float, Sequence[int | None]]:
+    """Steps per seed (None: a miss) at the learning rates a ladder search tries; :func:`best_lr` of
+    the result is the pick.
 
     Tries ``start`` and its neighbours, then the untried neighbours of the best so far until the best
     has both neighbours tried (or the ladder ends there), so the pick is never an untried edge.
-    While no learning rate has reached the target, it widens on both sides until one does or the
+    While no learning rate's median seed has reached the target, it widens on both sides until one does or the
     ladder is exhausted.
     """
     ladder = list(ladder)
     if start not in ladder:
         raise ValueError(f"start must be one of the ladder's learning rates {ladder}; got {start!r}.")
-    tried: dict[float, float | None] = {}
+    tried: dict[float, Sequence[int | None]] = {}
 
     def visit(i: int) -> None:
         if 0 <= i < len(ladder) and ladder[i] not in tried:
@@ -280,7 +326,7 @@ def search_lr(ladder: Sequence[float], start: float, evaluate: Callable[[float],
     for j in (i, i - 1, i + 1):
         visit(j)
     while True:
-        if all(v is None for v in tried.values()):
+        if all(median_steps(list(v)) is None for v in tried.values()):
             idx = [ladder.index(lr) for lr in tried]
             todo = [j for j in (min(idx) - 1, max(idx) + 1) if 0 <= j < len(ladder)]
         else:
@@ -320,6 +366,11 @@ def measure_point(
     stack of models each). With ``lrs``, each divisor's learning rate is searched on that ladder
     from ``lr_start`` (:func:`search_lr`) and its best one kept, the fair comparison for SGD,
     whose step moves unscaled logits about d_k times further than scaled ones at one learning rate."""
+    if lr_start is not None and not lrs:
+        raise ValueError(
+            f"lr_start={lr_start!r} starts a learning-rate search, which needs lrs (the ladder to search); got no lrs. "
+            "Pass lrs, or leave lr_start out to train at train_cfg.lr."
+        )
     seeds = list(seeds)
     runs: dict[str, list[RunLog]] = {}
     chosen: dict[str, float] = {}
@@ -330,9 +381,9 @@ def measure_point(
             continue
         logs: dict[float, list[RunLog]] = {}
 
-        def evaluate(lr: float, cfg: ModelConfig = cfg, logs: dict[float, list[RunLog]] = logs) -> float | None:
+        def evaluate(lr: float, cfg: ModelConfig = cfg, logs: dict[float, list[RunLog]] = logs) -> list[int | None]:
             logs[lr] = [log for _, log in train_seeds(task, cfg, dataclasses.replace(train_cfg, lr=lr), seeds)]
-            return median_steps([kept(log) for log in logs[lr]])
+            return [kept(log) for log in logs[lr]]
 
         chosen[divisor] = best_lr(search_lr(lrs, lr_start if lr_start is not None else lrs[len(lrs) // 2], evaluate))
         runs[divisor] = logs[chosen[divisor]]
@@ -411,7 +462,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rungs = ([] if args.no_realistic else [Rung(name) for name in REALISTIC]) + [Rung(sigma=s) for s in args.sigmas]
     start = time.perf_counter()
     points = measure_ladder(
-        task, ModelConfig(d_model=32, head_dim=args.dk), train_cfg, rungs, range(args.seeds), lrs=args.lrs if sgd else (), lr_start=args.lr_start
+        task, ModelConfig(d_model=32, head_dim=args.dk), train_cfg, rungs, range(args.seeds), lrs=args.lrs if sgd else (),
+        lr_start=args.lr_start if sgd else None,
     )  # fmt: skip
     for p in sorted(points, key=lambda p: p.logit_std):
         e = point_slowdown(p)
