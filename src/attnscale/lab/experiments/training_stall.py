@@ -372,6 +372,12 @@ def plot(measured: dict, outdir: Path) -> list[str]:
                         ax.errorbar(p["logit_std"], y, yerr=p["slowdown"]["spread"], color=colour, lw=1, capsize=2)
                     if big:
                         ax.annotate(p["name"], (p["logit_std"], y), textcoords="offset points", xytext=(6, -12), fontsize=9)
+            c = measured.get("crossings", {}).get(f"{optimizer} {task}") or {}
+            if c.get("stall") is not None:
+                ax.axvspan(c["stall"], x_top, color="tab:red", alpha=0.07, lw=0)
+            if c.get("at") is not None:
+                ax.axvline(c["at"], color="black", ls=":", lw=1)
+                ax.text(c["at"] * 1.05, 0.55, f"2x at {c['at']:.3g}", fontsize=9, va="bottom")
             ax.axhline(MUCH_SLOWER, color="black", ls="--", lw=1)
             ax.axhline(1.0, color="grey", ls=":", lw=1)
             ax.axhline(top, color="grey", lw=0.6)
@@ -389,7 +395,7 @@ def plot(measured: dict, outdir: Path) -> list[str]:
             ax.set_xlabel("unscaled model's init logit std", fontsize=9)
             ax.set_ylabel("steps to 90%: no scale / scale", fontsize=9)
             ax.set_title(f"{'AdamW' if optimizer == 'adamw' else 'SGD, lr tuned'}: {TASK_NAMES[task]}", fontsize=10)
-            ax.legend(fontsize=9, loc="lower right", framealpha=0.8)
+            ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(0.0, 0.86), framealpha=0.8)
     return [save_figure(fig, outdir, "training_stall_phase")]
 
 
@@ -402,6 +408,8 @@ def captions(measured: dict) -> dict[str, str]:
             f"seed's own ratio, bars its standard error over {c['seeds']} seeds; {c['sgd_seeds']} for SGD), against the "
             "unscaled model's logit std at initialisation, one panel per task and optimizer, d_k as colour. The "
             "outlined squares and diamonds are the realistic inits (nn.Linear's default and unit-variance q/k "
-            "components); triangles on the top line are stalls. Above the dashed line a missing scale costs 2x or more."
+            "components); triangles on the top line are stalls. Above the dashed line a missing scale costs 2x or more; "
+            "the dotted vertical line marks where the slowdown crosses 2x, the shaded band the init logit stds from "
+            "which every rung stalls."
         )
     }
