@@ -1,6 +1,7 @@
 """The stall's phase diagram (attnscale.lab.stall_phase): the crossing read on synthetic ladders,
 and a tiny ladder trained end to end."""
 
+import json
 import math
 
 import pytest
@@ -186,3 +187,12 @@ def test_the_command_refuses_an_option_it_would_ignore(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         stall_phase.main(argv)
     assert exit_.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_a_searched_rung_keeps_every_rates_runs_through_its_dict():
+    p = Point(64, 1.0, 2.5, (90, None), (30, 40), 400, 10, "default", 0.1, (0.03, 0.3),
+              (("1", 0.03, (90, None)), ("1", 0.1, (None, None)), ("sqrt", 0.1, (60, 40)), ("sqrt", 0.3, (30, None))))  # fmt: skip
+    d = p.as_dict()
+    assert d["by_lr"] == {"unscaled": {"0.03": [90, None], "0.1": [None, None]}, "scaled": {"0.1": [60, 40], "0.3": [30, None]}}
+    assert Point.from_dict(json.loads(json.dumps(d))) == p
+    assert stall_phase.fastest_per_seed({0.1: [60, 40], 0.3: [30, None]}) == p.scaled

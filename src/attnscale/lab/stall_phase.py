@@ -47,6 +47,7 @@ __all__ = [
     "Rung",
     "best_lr",
     "crossing",
+    "fastest_per_seed",
     "gains_for",
     "judge_ladder",
     "kept",
@@ -103,9 +104,11 @@ def gains_for(task: Task, model_cfg: ModelConfig, seeds: Sequence[int], sigmas: 
 class Point:
     """One rung at one d_k: the unscaled and scaled runs' steps to 90% per seed (None: never got
     there), the unscaled model's measured init logit std and share of saturated rows at init
-    (medians over seeds), and, where a learning rate was searched, each divisor's best one
-    (``lrs``: unscaled, scaled). ``name`` names a realistic initialisation ("default": gain 1,
-    "unit": unit-variance components), empty for a rung set by its target logit std."""
+    (medians over seeds), and, where a learning rate was searched, each divisor's search pick
+    (``lrs``: unscaled, scaled) and every rate's steps per seed (``by_lr``: (divisor, rate, steps)
+    per rate tried, divisor "1" or "sqrt"), of which ``unscaled`` and ``scaled`` hold each seed's
+    fastest (:func:`fastest_per_seed`). ``name`` names a realistic initialisation ("default":
+    gain 1, "unit": unit-variance components), empty for a rung set by its target logit std."""
 
     dk: int
     gain: float
@@ -117,12 +120,16 @@ class Point:
     name: str = ""
     saturated: float = 0.0
     lrs: tuple[float, float] | None = None
+    by_lr: tuple[tuple[str, float, tuple[int | None, ...]], ...] = ()
 
     def as_dict(self) -> dict:
+        by_lr: dict[str, dict[str, list]] = {}
+        for divisor, lr, steps in self.by_lr:
+            by_lr.setdefault(_DIVISOR_KEYS[divisor], {})[f"{lr:g}"] = list(steps)
         return {
             "dk": self.dk, "gain": self.gain, "logit_std": self.logit_std, "unscaled": list(self.unscaled),
             "scaled": list(self.scaled), "budget": self.budget, "log_every": self.log_every, "name": self.name,
-            "saturated": self.saturated, "lrs": None if self.lrs is None else list(self.lrs),
+            "saturated": self.saturated, "lrs": None if self.lrs is None else list(self.lrs), "by_lr": by_lr,
             "slowdown": None if (e := point_slowdown(self)) is None else e.as_dict(),
             "never_unscaled": sum(u is None for u in self.unscaled) / len(self.unscaled),
         }  # fmt: skip
@@ -130,10 +137,33 @@ class Point:
     @classmethod
     def from_dict(cls, d: dict) -> Point:
         lrs = None if d.get("lrs") is None else (float(d["lrs"][0]), float(d["lrs"][1]))
+        by_lr = tuple(
+            (divisor, float(lr), tuple(steps))
+            for divisor, key in _DIVISOR_KEYS.items()
+            for lr, steps in d.get("by_lr", {}).get(key, {}).items()
+        )
         return cls(
             d["dk"], d["gain"], d["logit_std"], tuple(d["unscaled"]), tuple(d["scaled"]), d["budget"], d["log_every"],
-            d.get("name", ""), d.get("saturated", 0.0), lrs,
+            d.get("name", ""), d.get("saturated", 0.0), lrs, by_lr,
         )  # fmt: skip
+
+
+_DIVISOR_KEYS = {"1": "unscaled", "sqrt": "scaled"}
+
+
+def fastest_per_seed(tried: Mapping[float, Sequence[int | None]]) -> tuple[int | None, ...]:
+    """Each seed's fastest steps to 90% over the learning rates tried (``tried``: each rate's steps
+    per seed, None for a miss); None for a seed that missed at every rate.
+
+    Each seed is judged at its own best rate, so that the uncertainty of which rate is best enters
+    the spread over seeds; one rate shared by all seeds (the median's best) makes every seed's
+    ratio move together when the pick flips between neighbouring rates.
+
+    >>> fastest_per_seed({0.1: [200, None, 300], 0.3: [90, None, None]})
+    (90, None, 300)
+    """
+    per_seed = zip(*tried.values(), strict=True)
+    return tuple(min((s for s in steps if s is not None), default=None) for steps in per_seed)
 
 
 def paired_ratios(point: Point) -> list[float]:
@@ -364,7 +394,8 @@ def measure_point(
 ) -> Point:
     """One rung: ``seeds`` trained at q/k init gain ``gain`` without and with the scale (as one
     stack of models each). With ``lrs``, each divisor's learning rate is searched on that ladder
-    from ``lr_start`` (:func:`search_lr`) and its best one kept, the fair comparison for SGD,
+    from ``lr_start`` (:func:`search_lr`, walking towards :func:`best_lr`), and each seed's steps
+    are its fastest over the rates tried (:func:`fastest_per_seed`): the fair comparison for SGD,
     whose step moves unscaled logits about d_k times further than scaled ones at one learning rate."""
     if lr_start is not None and not lrs:
         raise ValueError(
@@ -372,12 +403,15 @@ def measure_point(
             "Pass lrs, or leave lr_start out to train at train_cfg.lr."
         )
     seeds = list(seeds)
-    runs: dict[str, list[RunLog]] = {}
+    init: dict[str, list[RunLog]] = {}
+    steps: dict[str, tuple[int | None, ...]] = {}
     chosen: dict[str, float] = {}
+    by_lr: list[tuple[str, float, tuple[int | None, ...]]] = []
     for divisor in ("1", "sqrt"):
         cfg = dataclasses.replace(model_cfg, divisor=divisor, qk_init_gain=gain)
         if not lrs:
-            runs[divisor] = [log for _, log in train_seeds(task, cfg, train_cfg, seeds)]
+            init[divisor] = [log for _, log in train_seeds(task, cfg, train_cfg, seeds)]
+            steps[divisor] = tuple(kept(log) for log in init[divisor])
             continue
         logs: dict[float, list[RunLog]] = {}
 
@@ -385,20 +419,24 @@ def measure_point(
             logs[lr] = [log for _, log in train_seeds(task, cfg, dataclasses.replace(train_cfg, lr=lr), seeds)]
             return [kept(log) for log in logs[lr]]
 
-        chosen[divisor] = best_lr(search_lr(lrs, lr_start if lr_start is not None else lrs[len(lrs) // 2], evaluate))
-        runs[divisor] = logs[chosen[divisor]]
-    unscaled, scaled = runs["1"], runs["sqrt"]
+        tried = search_lr(lrs, lr_start if lr_start is not None else lrs[len(lrs) // 2], evaluate)
+        chosen[divisor] = best_lr(tried)
+        init[divisor] = logs[chosen[divisor]]  # the init (logit std, saturation) is the same at every rate
+        steps[divisor] = fastest_per_seed(tried)
+        by_lr.extend((divisor, lr, tuple(tried[lr])) for lr in sorted(tried))
+    unscaled = init["1"]
     return Point(
         dk=model_cfg.head_dim,
         gain=gain,
         logit_std=statistics.median(log.init_logit_std["raw"] for log in unscaled),
-        unscaled=tuple(kept(log) for log in unscaled),
-        scaled=tuple(kept(log) for log in scaled),
+        unscaled=steps["1"],
+        scaled=steps["sqrt"],
         budget=train_cfg.steps,
         log_every=train_cfg.log_every,
         name=name,
         saturated=statistics.median(log.saturated[0] for log in unscaled),
         lrs=(chosen["1"], chosen["sqrt"]) if lrs else None,
+        by_lr=tuple(by_lr),
     )
 
 
