@@ -622,8 +622,7 @@ def probe_model(
                 weights = _forward(model, taps, gain, inputs)
             for tap in taps:
                 key = id(tap.module)
-                w = weights[key][-1] if weights[key] else (_HANDED[key][2] if key in _HANDED else None)
-                found = _best_fit(tap, w, config) if w is not None and tap.outputs else None
+                found, w = _tap_fit(tap, weights, config)
                 if gain == 1.0 and found is not None and key not in drive:
                     drive[key] = _clip_gains(tap, w.shape[1], config, found[2])
                 tap.outputs.clear()
@@ -688,16 +687,24 @@ def probe_model(
     return layers
 
 
+def _tap_fit(tap: _Tap, weights: dict[int, list], config: Any) -> tuple[tuple | None, Tensor | None]:
+    """One tap's best fit (:func:`_best_fit`) of a forward pass's attention weights against its
+    recorded raw q and k, and the weights it read (the module's last returned ones, else those a
+    handed-over kernel recorded); (None, None) where it has neither. The record is left for the
+    caller to read further and clear."""
+    key = id(tap.module)
+    w = weights[key][-1] if weights[key] else (_HANDED[key][2] if key in _HANDED else None)
+    return (_best_fit(tap, w, config) if w is not None and tap.outputs else None), w
+
+
 def _fits(taps: Sequence[_Tap], weights: dict[int, list], config: Any) -> dict[int, ScaleFit]:
     """Each tap's fit of one forward pass's weights against its recorded raw q and k."""
     fits = {}
     for tap in taps:
-        key = id(tap.module)
-        w = weights[key][-1] if weights[key] else (_HANDED[key][2] if key in _HANDED else None)
-        found = _best_fit(tap, w, config) if w is not None and tap.outputs else None
+        found, _ = _tap_fit(tap, weights, config)
         tap.outputs.clear()
         if found is not None:
-            fits[key] = found[0]
+            fits[id(tap.module)] = found[0]
     return fits
 
 
@@ -961,14 +968,18 @@ class CensusRow:
         within the tolerance at every position (None for any other class)."""
         if self.cls != CLIPPED:
             return None
-        return all(abs(v * math.sqrt(lay.head_dim) - 1) <= TOLERANCE for lay in self.layers for v in lay.multiplier)
+        return self._at_sqrt(lambda lay: lay.multiplier)
 
     @property
     def after_norm_sqrt(self) -> bool | None:
         normed = [lay for lay in self.layers if lay.normalised]
         if not normed or any(lay.after_norm is None for lay in normed):
             return None
-        return all(abs(v * math.sqrt(lay.head_dim) - 1) <= TOLERANCE for lay in self.layers for v in lay.effective or [])
+        return self._at_sqrt(lambda lay: lay.effective or [])
+
+    def _at_sqrt(self, values: Callable[[LayerScale], Sequence[float]]) -> bool:
+        """Whether every layer's ``values`` are 1/sqrt(head_dim) within the tolerance."""
+        return all(abs(v * math.sqrt(lay.head_dim) - 1) <= TOLERANCE for lay in self.layers for v in values(lay))
 
     def as_dict(self) -> dict:
         return {
