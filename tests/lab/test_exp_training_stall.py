@@ -183,5 +183,5 @@ def test_v13s_reason_is_what_v12s_three_default_runs_measured():
     assert [(lrs, c) for lrs, c, _ in read("default")] == [((0.03, 0.1), 1.05), ((0.03, 0.1), 1.00), ((0.03, 0.3), 2.09)]
     assert read("default")[2][2] == 0.06
     assert all(d["lrs"][0] == 0.03 for run in v12["runs"] for arm in ("sgd mqar", "sgd copy") for d in run["arms"][arm])
-    reason = exp.CLAIM.rule_history[-1].why
+    (reason,) = [v.why for v in exp.CLAIM.rule_history if v.version == 13]
     assert "x3.09 +- 0.17" in reason and "x1.65 +- 0.07 and x1.76 +- 0.03" in reason and "x2.09 +- 0.06" in reason

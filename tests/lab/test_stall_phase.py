@@ -1,6 +1,7 @@
 """The stall's phase diagram (attnscale.lab.stall_phase): the crossing read on synthetic ladders,
 and a tiny ladder trained end to end."""
 
+import dataclasses
 import json
 import math
 
@@ -55,11 +56,22 @@ def test_a_stall_counts_above_any_bound_and_the_crossing_is_reached_by_it():
     assert point_slowdown(_point(2, None)) is None
 
 
-def test_the_stall_starts_where_every_larger_rung_stalls():
-    assert crossing(LADDER, 2.0).stall == 32
+def test_the_stall_starts_where_every_larger_rung_of_a_d_k_stalls():
+    assert (crossing(LADDER, 2.0).stall, crossing(LADDER, 2.0).stall_dk) == (32, 64)
     assert crossing([_point(1, 1.2), _point(2, None), _point(4, 3.0), _point(8, None), _point(16, None)], 2.0).stall == 8
     assert crossing([_point(1, 1.2), _point(2, None), _point(4, 3.0)], 2.0).stall is None  # the largest rung learns
-    assert "a stall from an init logit std of 32" in stall_phase.judge_ladder(LADDER).reason
+    assert "a stall from an init logit std of 32 (d_k 64)" in stall_phase.judge_ladder(LADDER).reason
+
+    def at(dk, sigma, slowdown):
+        return dataclasses.replace(_point(sigma, slowdown), dk=dk)
+
+    # rungs calibrated to one target differ by rounding: d_k 16's stalling rung a hair above d_k 64's learning one
+    c = crossing([at(64, 27.0, 1.9), at(64, 54.0, 2.3), at(16, 27.0, 1.8), at(16, 54.001, None)], 2.0)
+    assert (c.stall, c.stall_dk) == (54.001, 16)
+    # each d_k read on its own: d_k 64 stalls from 10, though d_k 128's rung at 15 learns
+    c = crossing([at(64, 5.0, 1.5), at(64, 10.0, None), at(64, 20.0, None), at(128, 15.0, 1.5)], 2.0)
+    assert (c.stall, c.stall_dk) == (10.0, 64)
+    assert crossing([at(64, 5.0, 1.5), at(128, 15.0, 1.5)], 2.0).stall_dk is None
 
 
 def test_a_rung_clearly_above_below_one_clearly_below_is_not_monotone():

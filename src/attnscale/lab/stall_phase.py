@@ -208,8 +208,9 @@ class Crossing:
     below it, ``high`` the smallest clearly above it (None where no rung is), ``at`` the log-log
     interpolation of the medians between the rungs around the bound (None without both), and
     ``monotone`` False when some rung clearly above lies below some rung clearly below; ``stall``
-    the smallest logit std from which every rung stalls (its unscaled median never reaches 90%),
-    None where the largest rung does not."""
+    the smallest logit std from which every rung of one d_k's ladder stalls (its unscaled median
+    never reaches 90%) and ``stall_dk`` that d_k, None where no d_k's largest rung stalls. (Rungs
+    calibrated to one target logit std differ by rounding across d_k, so the stall is read per d_k.)"""
 
     bound: float
     low: float | None
@@ -217,9 +218,13 @@ class Crossing:
     at: float | None
     monotone: bool
     stall: float | None = None
+    stall_dk: int | None = None
 
     def as_dict(self) -> dict:
-        return {"bound": self.bound, "low": self.low, "high": self.high, "at": self.at, "monotone": self.monotone, "stall": self.stall}
+        return {
+            "bound": self.bound, "low": self.low, "high": self.high, "at": self.at, "monotone": self.monotone,
+            "stall": self.stall, "stall_dk": self.stall_dk,
+        }  # fmt: skip
 
 
 def crossing(points: Sequence[Point], bound: float) -> Crossing:
@@ -242,12 +247,18 @@ def crossing(points: Sequence[Point], bound: float) -> Crossing:
                 t = (math.log(bound) - math.log(y0)) / (math.log(y1) - math.log(y0))
                 at = math.exp(math.log(x0) + t * (math.log(x1) - math.log(x0)))
             break
-    stall = None
-    for x, y in reversed(medians):
-        if not math.isinf(y):
-            break
-        stall = x
-    return Crossing(bound, low, high, at, monotone, stall)
+    stall, stall_dk = None, None
+    for dk in sorted({p.dk for p in ordered}):
+        onset = None
+        for p, (x, y) in reversed(list(zip(ordered, medians, strict=True))):
+            if p.dk != dk:
+                continue
+            if not math.isinf(y):
+                break
+            onset = x
+        if onset is not None and (stall is None or onset < stall):
+            stall, stall_dk = onset, dk
+    return Crossing(bound, low, high, at, monotone, stall, stall_dk)
 
 
 REALISTIC = ("default", "unit")
@@ -269,7 +280,7 @@ def judge_ladder(points: Sequence[Point], bound: float = MUCH_SLOWER) -> Judgeme
     c = crossing(points, bound)
     stated = f"{bound:g}x crossed at an init logit std of {_std_text(c.at)} (bracket {_std_text(c.low)} .. {_std_text(c.high)}"
     stated += ")" if c.monotone else "; the clear rungs are out of order)"
-    stated += f"; a stall from an init logit std of {_std_text(c.stall)}" if c.stall is not None else "; no stall at the largest rung"
+    stated += f"; a stall from an init logit std of {_std_text(c.stall)} (d_k {c.stall_dk})" if c.stall is not None else "; no stall at any d_k's largest rung"
     realistic = sorted((p for p in points if p.name in REALISTIC), key=lambda p: (p.dk, REALISTIC.index(p.name)))
     if not realistic:
         return Judgement(Verdict.INCONCLUSIVE, f"no rung at a realistic initialisation; {stated}")

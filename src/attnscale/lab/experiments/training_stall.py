@@ -90,7 +90,7 @@ CLAIM = Claim(
         "rung; holds if every realistic rung is clearly above 2; does-not-hold if every one is clearly below 2; "
         "holds-approximately if each is clearly on one side and both sides occur; inconclusive otherwise. The "
         "crossing of 2x over the whole ladder (the rungs clearly below and above it, log-log interpolated between "
-        "the medians around it) and the init logit std from which every rung stalls are stated, not judged. The claim's verdict: inconclusive if every arm is "
+        "the medians around it) and the init logit std from which every rung of one d_k stalls are stated, not judged. The claim's verdict: inconclusive if every arm is "
         "inconclusive; otherwise the least supportive conclusive arm's (does-not-hold < holds-approximately < "
         "holds), since the claim is stated for training in general."
     ),
@@ -190,6 +190,15 @@ CLAIM = Claim(
             "seeds. Its power is unknown before this run (v12 kept only the picked rate's runs; every rate's runs are "
             "now recorded, by_lr); the SGD arms may well stay inconclusive. The rule is otherwise v12's",
             "82293c24fe2fa7b5",
+        ),
+        RuleVersion(
+            14,
+            "2026-12-05",
+            "the stall stated in the reason is read per d_k: the smallest init logit std from which every rung of one "
+            "d_k's ladder stalls, with that d_k. v13 read it over all rungs sorted by logit std, where rungs calibrated "
+            "to one target differ by rounding across d_k: at full, AdamW on recall stated a stall from 54 on d_k 16's "
+            "rung alone, which sorted above three rungs at 54 that learn. Verdicts and measurements are v13's",
+            "129e739a464fb213",
         ),
     ),
 )
@@ -428,6 +437,6 @@ def captions(measured: dict) -> dict[str, str]:
             "outlined squares and diamonds are the realistic inits (nn.Linear's default and unit-variance q/k "
             "components); triangles on the top line are stalls. Above the dashed line a missing scale costs 2x or more; "
             "the dotted vertical line marks where the slowdown crosses 2x, the shaded band the init logit stds from "
-            "which every rung stalls."
+            "which every rung of one d_k stalls."
         )
     }
