@@ -202,8 +202,11 @@ def test_the_command_refuses_an_option_it_would_ignore(argv, capsys):
 
 
 def test_a_searched_rung_keeps_every_rates_runs_through_its_dict():
-    p = Point(64, 1.0, 2.5, (90, None), (30, 40), 400, 10, "default", 0.1, (0.03, 0.3),
-              (("1", 0.03, (90, None)), ("1", 0.1, (None, None)), ("sqrt", 0.1, (60, 40)), ("sqrt", 0.3, (30, None))))  # fmt: skip
+    p = Point(
+        dk=64, gain=1.0, logit_std=2.5, unscaled=(90, None), scaled=(30, 40), budget=400, log_every=10, name="default",
+        saturated=0.1, lrs=(0.03, 0.3),
+        by_lr=(("1", 0.03, (90, None)), ("1", 0.1, (None, None)), ("sqrt", 0.1, (60, 40)), ("sqrt", 0.3, (30, None))),
+    )  # fmt: skip
     d = p.as_dict()
     assert d["by_lr"] == {"unscaled": {"0.03": [90, None], "0.1": [None, None]}, "scaled": {"0.1": [60, 40], "0.3": [30, None]}}
     assert Point.from_dict(json.loads(json.dumps(d))) == p
