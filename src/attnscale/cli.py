@@ -332,6 +332,8 @@ def _check_model(args: argparse.Namespace) -> int:
     try:
         with _target_output(args):
             row = probe()
+    except census.UnusableFolder as exc:
+        _usage_error("check", f"TARGET: {exc}")
     except census.ProbeFailed as exc:
         if args.json:
             _print_check_json(args, {"schema": "attnscale.check-model/1", "target": args.target, "status": "FAIL", "exit_code": EXIT_FAILED, "error": str(exc)})

@@ -78,3 +78,103 @@ def test_bad_model_targets_are_one_line_usage_errors(argv, expected, capsys):
 def test_a_folder_without_config_json_is_a_usage_error(tmp_path, capsys):
     err = _usage_error(["check", str(tmp_path)], capsys)
     assert "expected a HuggingFace model folder with a config.json" in err and "Fix:" in err
+
+
+_SHIPPED_CODE = """import pathlib
+pathlib.Path(__file__).with_name("RAN").write_text("the folder's code ran")
+from transformers import PretrainedConfig, PreTrainedModel
+class EvilConfig(PretrainedConfig):
+    model_type = "evil"
+class EvilModel(PreTrainedModel):
+    config_class = EvilConfig
+"""
+_AUTO_MAP = {"AutoConfig": "evil.EvilConfig", "AutoModel": "evil.EvilModel"}
+
+
+def _in_a_terminal_that_says_yes(*argv):
+    """``python ARGV`` in a child whose stdin answers y to any prompt."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, *argv], input="y\n" * 50, capture_output=True, text=True, timeout=300)
+
+
+def _check_in_a_terminal_that_says_yes(folder):
+    return _in_a_terminal_that_says_yes("-m", "attnscale", "check", str(folder), "--json")
+
+
+def _tiny_bert_folder(folder, **config):
+    from transformers import BertConfig, BertModel
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    BertModel(BertConfig(hidden_size=16, num_attention_heads=2, intermediate_size=32, num_hidden_layers=1, vocab_size=64, **config)).save_pretrained(folder)
+    return folder
+
+
+def test_a_folder_of_unknown_type_never_runs_its_code_even_when_the_terminal_says_yes(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "evil", "auto_map": _AUTO_MAP}))
+    (tmp_path / "evil.py").write_text(_SHIPPED_CODE)
+    run = _check_in_a_terminal_that_says_yes(tmp_path)
+    assert run.returncode == EXIT_USAGE, run.stderr
+    assert not (tmp_path / "RAN").exists()
+    assert "Do you wish to run the custom code" not in run.stdout + run.stderr
+    assert "got 'evil'; the folder's own code (its auto_map) is never run by attnscale" in run.stderr and "Fix:" in run.stderr
+
+
+def test_the_monitors_loader_never_runs_a_folders_code_either(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "evil", "auto_map": _AUTO_MAP}))
+    (tmp_path / "evil.py").write_text(_SHIPPED_CODE)
+    run = _in_a_terminal_that_says_yes("-c", "import sys; from attnscale.diagnostics.hf import load; load(sys.argv[1])", str(tmp_path))
+    assert run.returncode != 0 and not (tmp_path / "RAN").exists()
+    assert "Do you wish to run the custom code" not in run.stdout + run.stderr
+
+
+def test_a_folder_of_a_known_type_is_probed_with_transformers_code_not_its_own(tmp_path):
+    folder = _tiny_bert_folder(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": _AUTO_MAP}))
+    (folder / "evil.py").write_text(_SHIPPED_CODE)
+    run = _check_in_a_terminal_that_says_yes(folder)
+    assert run.returncode == EXIT_OK, run.stderr
+    assert not (folder / "RAN").exists()
+    data = json.loads(run.stdout)
+    assert data["model_type"] == "bert" and data["class"] == "1/sqrt(head_dim)"
+    assert "custom code" not in data["target_output"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param('{"hidden_size": 8}', "expected a model_type of transformers", id="no-model-type"),
+        pytest.param('{"model_type": "lama"}', "got 'lama'", id="unknown-model-type"),
+        pytest.param("[1, 2]", "expected a JSON object, got a JSON list", id="not-an-object"),
+        pytest.param("{model_type: bert", "expected a JSON object, got a file that does not parse", id="not-json"),
+    ],
+)
+def test_an_unusable_config_is_a_usage_error_before_anything_is_loaded(tmp_path, capsys, text, expected):
+    (tmp_path / "config.json").write_text(text)
+    err = _usage_error(["check", str(tmp_path)], capsys)
+    assert expected in err and "Fix:" in err
+
+
+def test_a_folder_deeper_than_the_bound_is_refused_while_it_is_counted(tmp_path, capsys, monkeypatch):
+    from attnscale.diagnostics import census
+
+    # the bound as the counting meets it (at MAX_MODULES = 50,000 a million BERT layers stop
+    # after about 2,700 of them; 200 keeps the test fast): however deep the config, nothing more is built
+    monkeypatch.setattr(census, "MAX_MODULES", 200)
+    config = {"model_type": "bert", "num_hidden_layers": 10**6, "hidden_size": 8, "num_attention_heads": 2, "intermediate_size": 16, "vocab_size": 50}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["check", str(tmp_path), "--json"]) == EXIT_FAILED
+    assert json.loads(capsys.readouterr().out)["error"] == "too large: more than 200 modules (limit of attnscale check)"
+
+
+def test_a_folder_over_the_parameter_bound_is_refused_before_it_is_built(tmp_path, capsys):
+    # 4096 wide and 24 deep: about 4.4e9 parameters, counted on the meta device, never allocated
+    config = {"model_type": "bert", "num_hidden_layers": 24, "hidden_size": 4096, "num_attention_heads": 32, "intermediate_size": 16384}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["check", str(tmp_path), "--json"]) == EXIT_FAILED
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error.startswith("too large: ") and error.endswith("M parameters (limit of attnscale check 150M)")
+    assert int(error.split()[2][:-1]) == pytest.approx(4970, rel=0.01)

@@ -47,7 +47,10 @@ __all__ = [
     "LayerScale",
     "NoAttention",
     "ProbeFailed",
+    "TooLarge",
+    "UnusableFolder",
     "census",
+    "folder_config",
     "model_types",
     "position_ladder",
     "probe_model",
@@ -112,6 +115,16 @@ def _first_line(exc: BaseException) -> str:
 class NoAttention(ProbeFailed):
     """The model has no attention at all (its modeling code defines no attention module): it is
     outside the census, not a failure of it."""
+
+
+class TooLarge(ProbeFailed):
+    """A model over the census's bounds (:data:`MAX_PARAMETERS`, :data:`MAX_MODULES`); raised
+    while it is being built, before it is built whole."""
+
+
+class UnusableFolder(ValueError):
+    """A checkpoint folder that cannot be read as a model of the installed transformers (no JSON
+    object in ``config.json``, or a ``model_type`` transformers does not know); nothing was loaded."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -916,14 +929,18 @@ def _load(make: Callable[[str], nn.Module], what: str) -> nn.Module:
     import transformers
 
     _register_interface(transformers)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _bounded():
         warnings.simplefilter("ignore")
         try:
             return make(INTERFACE)
+        except TooLarge:
+            raise
         except Exception:
             pass
         try:
             return make("eager")
+        except TooLarge:
+            raise
         except Exception as exc:
             raise ProbeFailed(f"{what}: {_first_line(exc)}"[:200]) from None
 
@@ -1049,15 +1066,54 @@ def _probe_loaded(model: nn.Module) -> list[LayerScale]:
     return probe_model(model, positions=positions)
 
 
+MAX_MODULES = 50_000
+"""A model that makes more submodules than this while it is built is refused then (BERT makes 18 a
+layer: 2,700 layers; building on the meta device takes about 4 s to get there), so that no config,
+however deep, holds the check for long or fills memory with module objects."""
+
+
+@contextlib.contextmanager
+def _bounded(*, parameters: bool = True) -> Iterator[None]:
+    """Within: building a model raises :class:`TooLarge` at the first submodule past
+    :data:`MAX_MODULES` or (with ``parameters``) the first parameter past :data:`MAX_PARAMETERS`
+    entries (each parameter counted once), whatever the config's fields are called (torch's global
+    registration hooks). On the meta device, where nothing is allocated, only modules cost."""
+    from torch.nn.modules import module as registry
+
+    modules = 0
+    entries: dict[int, int] = {}
+
+    def on_module(parent: nn.Module, name: str, child: nn.Module | None) -> None:
+        nonlocal modules
+        modules += 1
+        if modules > MAX_MODULES:
+            raise TooLarge(f"too large: more than {MAX_MODULES} modules (limit of attnscale check)")
+
+    def on_parameter(parent: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if parameters and param is not None:
+            entries[id(param)] = param.numel()
+            if sum(entries.values()) > MAX_PARAMETERS:
+                raise TooLarge(f"too large: more than {MAX_PARAMETERS / 1e6:.0f}M parameters (limit of attnscale check)")
+
+    handles = (registry.register_module_module_registration_hook(on_module), registry.register_module_parameter_registration_hook(on_parameter))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _size(config: Any) -> int | None:
-    """Parameters of the base model of ``config``, counted on the meta device (nothing allocated);
-    None where the model cannot be built there."""
+    """Parameters of the base model of ``config``, counted on the meta device (nothing allocated;
+    :class:`TooLarge` past :data:`MAX_MODULES`); None where the model cannot be built there."""
     import transformers
 
     try:
-        with warnings.catch_warnings(), torch.device("meta"):
+        with warnings.catch_warnings(), torch.device("meta"), _bounded(parameters=False):
             warnings.simplefilter("ignore")
             model = transformers.AutoModel.from_config(config)
+    except TooLarge:
+        raise
     except Exception:
         return None
     return sum(p.numel() for p in model.parameters())
@@ -1138,25 +1194,68 @@ def probe_type(model_type: str, overrides: dict | None = None, *, label: str = "
     return CensusRow(model_type, label, cls, why, found, _fields(config), released, time.perf_counter() - start)
 
 
+def folder_config(path: str | os.PathLike[str]) -> Any:
+    """The config of a local checkpoint folder, read as data: ``config.json`` must be a JSON object
+    whose ``model_type`` the installed transformers knows. Code the folder ships (an ``auto_map``
+    naming its own classes) is never imported: every load passes ``trust_remote_code=False``, so
+    transformers neither runs it nor asks on the terminal whether to. Raises
+    :class:`UnusableFolder` (nothing loaded) or :class:`ProbeFailed` (a config transformers refuses)."""
+    import json
+
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    file = os.path.join(os.fspath(path), "config.json")
+    try:
+        with open(file, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UnusableFolder(f"{file}: expected a JSON object, got a file that does not parse ({_first_line(exc)}). Fix: point at a HuggingFace model folder") from None
+    if not isinstance(data, dict):
+        raise UnusableFolder(f"{file}: expected a JSON object, got a JSON {type(data).__name__}. Fix: point at a HuggingFace model folder")
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING_NAMES:
+        code = "; the folder's own code (its auto_map) is never run by attnscale" if "auto_map" in data else ""
+        raise UnusableFolder(
+            f"{file}: expected a model_type of transformers {transformers.__version__}, got {model_type!r}{code}. "
+            "Fix: a model type transformers knows (attnscale check hf:MODEL_TYPE lists close ones)"
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return transformers.AutoConfig.from_pretrained(os.fspath(path), trust_remote_code=False, local_files_only=True)
+    except Exception as exc:
+        raise ProbeFailed(f"cannot read {file}: {_first_line(exc)}"[:200]) from None
+
+
 def probe_pretrained(path: str | os.PathLike[str]) -> CensusRow:
-    """Probe a local HuggingFace checkpoint folder (offline; its own weights): each layer's effective
-    scale over its position ladder, and the class. Raises :class:`ProbeFailed` where it cannot."""
+    """Probe a local HuggingFace checkpoint folder (offline; its own weights; none of its code run,
+    :func:`folder_config`): each layer's effective scale over its position ladder, and the class.
+    Counted on the meta device first, a model past :data:`MAX_PARAMETERS` is refused before it is
+    built. Raises :class:`UnusableFolder` or :class:`ProbeFailed` where it cannot."""
     start = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import copy
+
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+    config = folder_config(path)
+    size = _size(config)
+    if size is not None and size > MAX_PARAMETERS:
+        raise TooLarge(f"too large: {size / 1e6:.0f}M parameters (limit of attnscale check {MAX_PARAMETERS / 1e6:.0f}M)")
 
     def make(implementation: str) -> nn.Module:
-        return transformers.AutoModel.from_pretrained(str(path), attn_implementation=implementation, local_files_only=True)
+        return transformers.AutoModel.from_pretrained(
+            os.fspath(path), config=copy.deepcopy(config), attn_implementation=implementation, local_files_only=True, trust_remote_code=False
+        )
 
-    model = _load(make, f"cannot load {str(path)!r}")
-    config = model.config
+    model = _load(make, f"cannot load {os.fspath(path)!r}")
     # in float64: rounded to float32, a trained model's peaked softmax moves the fit by an amount
     # that depends on the CPU's rounding; in float64 it holds the 1e-10 that test_check_model tests
     found = _probe_loaded(model.double())
     cls, why = classify(found)
-    return CensusRow(str(config.model_type), str(path), cls, why, found, _fields(config), True, time.perf_counter() - start)
+    return CensusRow(str(config.model_type), os.fspath(path), cls, why, found, _fields(config), True, time.perf_counter() - start)
 
 
 def model_types() -> list[str]:

@@ -263,8 +263,9 @@ def load(spec: str | os.PathLike[str], *, attn_implementation: str = NAME) -> tu
     if attn_implementation == NAME:
         register()
     path = resolve_model_path(spec)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModel.from_pretrained(path, attn_implementation=attn_implementation, local_files_only=True)
+    # trust_remote_code=False: code a folder ships is never imported, nor asked about on the terminal
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    model = AutoModel.from_pretrained(path, attn_implementation=attn_implementation, local_files_only=True, trust_remote_code=False)
     return model.eval(), tokenizer
 
 
