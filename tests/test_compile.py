@@ -14,7 +14,7 @@ import torch._dynamo.testing
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attnscale
-from attnscale import kernels
+from attnscale import kernels, reference
 from attnscale.kernels import ops
 
 NO_KERNEL = kernels.build_precondition()
@@ -464,6 +464,24 @@ def _bad_forward_calls():
     yield "an empty span table", call(q=q[:1], k=k[:1], v=v[:1], spans=torch.zeros(0, 4, dtype=torch.int64)), "spans"
     yield "a span past the keys", call(q=q[:1], k=k[:1], v=v[:1], spans=torch.tensor([[0, 8, 0, 9]])), "spans"
     yield "mixed dtypes", call(v=v.double()), "dtype"
+    yield "v with more heads than k", call(k=torch.randn(2, 2, 8, 8), v=torch.randn(2, 4, 8, 8)), "key/value heads"
+    yield "q with a strided last dim", call(q=torch.randn(2, 4, 8, 16)[..., ::2]), "contiguous last dim"
+    yield "keys that overlap (row stride 0)", call(k=torch.randn(2, 2, 1, 8).expand(2, 2, 8, 8)), "rows apart"
+
+    def option(**given):
+        return (q, k, v, None, None, None, *ops.KernelOptions(scale=0.35)._replace(**given))
+
+    yield "a NaN scale", option(scale=float("nan")), "scale"
+    yield "an infinite scale", option(scale=float("inf")), "scale"
+    yield "a scale beyond float32", option(scale=1e39), "scale, softcap: expected values that fit Float"
+    yield "a NaN softcap", option(softcap=float("nan")), "softcap"
+    yield "an infinite softcap", option(softcap=float("inf")), "softcap"
+    yield "a negative softcap", option(softcap=-1.0), "softcap"
+    yield "a window side of -5", option(left=-5), "left, right"
+    yield "a window side of -7", option(right=-7), "left, right"
+    yield "a negative k_start", option(k_start=-1), "q_start, k_start"
+    yield "a k_start past 2**61", option(k_start=2**61 + 1), "q_start, k_start"
+    yield "a q_offset near 2**63", option(causal=True, q_offset=2**63 - 4), "q_offset"
 
 
 @needs_kernel
@@ -474,6 +492,52 @@ def test_the_ops_refuse_inconsistent_arguments_with_a_clear_error(name, args, wo
     saying fine. Now each raises a ValueError naming the argument, before the kernel runs."""
     with pytest.raises(ValueError, match=rf"torch.ops.attnscale: .*{word}"):
         torch.ops.attnscale.fused_forward(*args)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name, args, word", list(_bad_forward_calls()), ids=[name for name, _, _ in _bad_forward_calls()])
+def test_the_kernel_binding_refuses_what_the_op_refuses(name, args, word):
+    """The compiled binding itself (``kernels.load().forward``) runs the same checks as the op
+    (one place, csrc/checks.h); block sizes reach it resolved, so 0 is refused there too."""
+    q, k, v, alibi, mask, spans, *options = args
+    given = ops.KernelOptions(*options)
+    given = given._replace(block_q=given.block_q or 4, block_k=given.block_k or 4)
+    with pytest.raises(ValueError, match=rf"torch.ops.attnscale: .*{word}"):
+        kernels.load().forward(q=q, k=k, v=v, alibi=alibi, mask=mask, spans=spans, **given._asdict())
+
+
+@needs_kernel
+@pytest.mark.parametrize("blocks", [(0, 4), (4, 0), (4, -2), (-1, 4)], ids=["block_q=0", "block_k=0", "block_k=-2", "block_q=-1"])
+def test_the_kernel_binding_refuses_block_sizes_that_crashed_or_hung_it(blocks):
+    """block_q 0 killed the process (SIGFPE), block_k 0 or -2 looped forever, block_q -1 returned
+    rows never written with rows_ok true."""
+    q = k = v = torch.randn(1, 2, 8, 8)
+    options = ops.KernelOptions(scale=0.35, block_q=blocks[0], block_k=blocks[1])._asdict()
+    with pytest.raises(ValueError, match="torch.ops.attnscale: block_q, block_k: expected positive block sizes"):
+        kernels.load().forward(q=q, k=k, v=v, alibi=None, mask=None, spans=None, **options)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "given, sees",
+    [
+        pytest.param({"k_start": 2**61}, lambda i, j: j >= 0, id="keys-at-2**61-no-mask"),
+        pytest.param({"q_start": 2**61, "k_start": 2**61 - 3, "causal": True}, lambda i, j: j <= i + 3, id="causal-near-2**61"),
+        pytest.param({"q_offset": 2**61, "causal": True}, lambda i, j: j >= 0, id="causal-offset-2**61"),
+        pytest.param({"q_offset": -(2**61), "causal": True}, lambda i, j: j < 0, id="causal-offset-minus-2**61"),
+        pytest.param({"q_start": 2**61, "k_start": 2**61, "left": 2, "right": 2**61}, lambda i, j: j >= i - 2, id="window-2**61"),
+    ],
+)
+def test_positions_up_to_2_to_the_61_are_exact(given, sees):
+    """Keys at 2**61 and no mask gave all zeros; causal offsets near 2**63 overflowed. Within the
+    op's range every key a row sees is the one the positions say: query row i at q_start + i +
+    q_offset sees key j at k_start + j up to it (causal) and within the window's sides."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    out = torch.ops.attnscale.fused_forward(q, k, v, None, None, None, *ops.KernelOptions(scale=0.35)._replace(**given))[0]
+    keep = sees(torch.arange(4)[:, None], torch.arange(4)[None, :])  # (L, S), worked out by hand from the positions
+    want = torch.from_numpy(reference.attention(q.numpy(), k.numpy(), v.numpy(), scale=0.35, attn_mask=keep.numpy()))
+    torch.testing.assert_close(out, torch.nan_to_num(want), rtol=0, atol=1e-12)
 
 
 @needs_kernel

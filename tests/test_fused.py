@@ -1142,3 +1142,19 @@ def test_the_kernels_weights_are_the_tiled_kernels_weight_by_weight(name, dtype)
     assert (weights[below] == 0).all()
     assert (tiled_weights[below] == torch.tensor(floor, dtype=dtype).exp()).all()
     torch.testing.assert_close(m.double(), peak, rtol=WEIGHT_RTOL[dtype], atol=0)  # the offset: the row's largest logit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("softcap", [1e-300, 1e-46], ids=["1e-300", "1e-46"])
+@pytest.mark.parametrize("backend", ["auto", "fused"])
+def test_a_tiny_softcap_still_caps(dtype, softcap, backend):
+    """A softcap that rounds to 0 in float32 was taken by the kernel as "no softcap" (0 means none
+    there): the output came back 1.59 off. Capped, every logit lies within the cap of 0, so each row
+    averages the values it sees (ALiBi and causality still apply): the fp64 reference's answer, to
+    the output's rounding (measured: one float32 ulp; bfloat16 and float16 as the reference rounded)."""
+    q, k, v = make_inputs(B=2, H=4, Hkv=2, L=5, S=9, D=16, Dv=8, dtype=dtype, seed=3)
+    for opts in ({}, {"alibi_slopes": attnscale.alibi_slopes(4), "is_causal": True, "causal_alignment": "bottom_right"}):
+        out = sdpa(q, k, v, backend=backend, softcap=softcap, **opts)
+        want = torch.from_numpy(run_reference(q, k, v, None, softcap=softcap, **opts))
+        rounding = (want.to(dtype).double() - want).abs().max()
+        assert (out.double() - want).abs().max() <= 2 * rounding + torch.finfo(dtype).eps, (opts, backend)

@@ -35,6 +35,7 @@
 
 #include "csrc/backward.h"
 #include "csrc/bounds.h"
+#include "csrc/checks.h"
 #include "csrc/forward.h"
 #include "csrc/options.h"
 #include "csrc/packing.h"
@@ -51,19 +52,11 @@ template <typename T>
 Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
                         const c10::optional<torch::Tensor>& spans, const Options& o) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attnscale fused kernel: q, k, v must be 4-d");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "attnscale fused kernel: last dims must be contiguous");
-  // BLAS reads each (n, d) matrix with leading dimension = the row stride: rows must not overlap
-  // (stride 0 or unfold views), or BLAS refuses the call and the product is never written.
-  auto rows_apart = [](const torch::Tensor& x) { return x.stride(2) >= std::max<int64_t>(1, x.size(3)); };
-  TORCH_CHECK(rows_apart(q) && rows_apart(k) && rows_apart(v), "attnscale fused kernel: rows must not overlap (row stride >= head dim)");
+  // check_call has run: the layout is consistent and the options in range.
   Problem<T> P{};
   const auto half = half_kind(q);
   if (half) {  // 16-bit inputs: float problems only
-    TORCH_CHECK((std::is_same_v<T, float>) && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-                "attnscale fused kernel: 16-bit q, k, v share one format and compute in float32");
-    TORCH_CHECK(!o.half_products || half_gemm(half),
-                "attnscale fused kernel: this torch has no 16-bit products (oneMKL); pass half_products=False or float32 inputs");
+    TORCH_CHECK((std::is_same_v<T, float>), "attnscale fused kernel: 16-bit q, k, v compute in float32");
     P.half = half;
     P.widen = !o.half_products;
     P.qh = static_cast<const uint16_t*>(q.const_data_ptr());
@@ -79,38 +72,28 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
   P.v_sb = v.stride(0), P.v_sh = v.stride(1), P.v_sl = v.stride(2);
   P.B = q.size(0), P.H = q.size(1), P.L = q.size(2), P.D = q.size(3);
   P.Hkv = k.size(1), P.S = k.size(2), P.Dv = v.size(3);
-  P.scale = static_cast<T>(o.scale), P.softcap = static_cast<T>(o.softcap);
+  P.scale = static_cast<T>(o.scale);
+  // A cap too small for T (1e-300 rounds to 0 in float32, and 0 means none) is computed as eps / 8:
+  // every capped logit lies within it of 0, as with the cap given, so the weights agree to T's
+  // rounding (tests/test_fused.py: test_a_tiny_softcap_still_caps).
+  P.softcap = o.softcap > 0 ? std::max(static_cast<T>(o.softcap), std::numeric_limits<T>::epsilon() / 8) : T(0);
   P.causal = o.causal, P.q_offset = o.q_offset, P.left = o.left, P.right = o.right;
   P.q_start = o.q_start, P.k_start = o.k_start;
   P.block_q = o.block_q, P.block_k = o.block_k;
   P.o_rows = P.L, P.o_start = 0, P.k_rows = P.S, P.k_out_start = 0;
   if (alibi.has_value()) {
-    TORCH_CHECK(alibi->dim() == 2 && alibi->scalar_type() == c10::CppTypeToScalarType<T>::value, "attnscale fused kernel: slopes (B, H) in the compute dtype");
     P.alibi = alibi->data_ptr<T>();
     P.al_sb = alibi->stride(0), P.al_sh = alibi->stride(1);
   }
   if (mask.has_value()) {
-    TORCH_CHECK(mask->dim() == 4, "attnscale fused kernel: mask (B, H, L, S)");
     if (mask->scalar_type() == torch::kBool) {
       P.bmask = mask->data_ptr<bool>();
     } else {
-      TORCH_CHECK(mask->scalar_type() == c10::CppTypeToScalarType<T>::value, "attnscale fused kernel: float mask in the compute dtype");
       P.fmask = mask->data_ptr<T>();
     }
     P.m_sb = mask->stride(0), P.m_sh = mask->stride(1), P.m_sl = mask->stride(2), P.m_ss = mask->stride(3);
   }
-  if (spans.has_value()) {
-    TORCH_CHECK(P.B == 1 && !mask.has_value(), "attnscale fused kernel: packed sequences take batch 1 and no mask");
-    TORCH_CHECK(spans->scalar_type() == torch::kInt64 && spans->is_contiguous() && spans->dim() == 2 && spans->size(1) == 4,
-                "attnscale fused kernel: spans (nseq, 4) contiguous int64");
-    P.spans = spans->data_ptr<int64_t>(), P.nseq = spans->size(0);
-    for (int64_t s = 0; s < P.nseq; ++s) {
-      const int64_t* span = P.spans + 4 * s;
-      TORCH_CHECK(0 <= span[0] && span[0] <= span[1] && span[1] <= P.L && 0 <= span[2] && span[2] <= span[3] &&
-                      span[3] <= P.S && (!alibi.has_value() || s < alibi->size(0)),
-                  "attnscale fused kernel: spans inside the packed tensors, one slope row per span");
-    }
-  }
+  if (spans.has_value()) P.spans = spans->data_ptr<int64_t>(), P.nseq = spans->size(0);
   return P;
 }
 
@@ -128,6 +111,7 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
                                    const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
                                    const c10::optional<torch::Tensor>& spans, const py::kwargs& options) {
   const Options o = Options::from(options);
+  check_call(q, k, v, alibi, mask, spans, o);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
   // Packed: rows of sequences without keys are not visited; they keep an empty row's values.
   const bool packed = spans.has_value();
@@ -199,6 +183,8 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
                                     const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& spans,
                                     const py::kwargs& options) {
   const Options o = Options::from(options);
+  check_call(q16, k16, v16, alibi, mask, spans, o);
+  check_backward(q16, v16, dout, delta, m, l);
   // A forward that widened its tiles (half_products false) is differentiated on float32 copies
   // the caller makes: 16-bit inputs here are always multiplied as they are.
   TORCH_CHECK(!half_kind(q16) || o.half_products, "attnscale fused kernel: the backward of 16-bit inputs takes them with half_products=True (else float32 copies)");
@@ -284,6 +270,7 @@ std::vector<torch::Tensor> tile_weights_op(const torch::Tensor& q, const torch::
                                            const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
                                            const py::kwargs& options) {
   const Options o = Options::from(options);
+  check_call(q, k, v, alibi, mask, c10::nullopt, o);
   TORCH_CHECK(half_kind(q) == kNoHalf && q.size(2) <= o.block_q && k.size(2) <= o.block_k,
               "attnscale fused kernel: tile_weights takes float32 or float64 inputs of one tile (L <= block_q, S <= block_k)");
   // Weights only: no statistics, no 16-bit products or rounding (their inputs are refused above),

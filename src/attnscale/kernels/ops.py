@@ -171,9 +171,10 @@ def _half_products(dtype: torch.dtype, few_rows: bool) -> bool:  # dtype in HALF
 
 
 def default_blocks(causal: bool, windowed: bool, L: int, spans: Tensor | None) -> tuple[int, int]:
-    """(block_q, block_k) for a call with L query rows (packed: its longest sequence's)."""
+    """(block_q, block_k) for a call with L query rows (packed: its longest sequence's; a table
+    that is not (nseq, 4) is left for the kernel to refuse)."""
     rows = L
-    if spans is not None:
+    if spans is not None and spans.ndim == 2 and spans.shape[1] == 4:
         rows = int((spans[:, 1] - spans[:, 0]).max()) if spans.numel() else 0
     block_q = BLOCK_Q // 2 if (causal or windowed) and rows < SHORT else BLOCK_Q
     block_k = BLOCK_K_FEW_ROWS if spans is None and L <= FEW_ROWS else BLOCK_K
@@ -186,70 +187,7 @@ def _blocks(block_q: int, block_k: int, causal: bool, left: int, right: int, L: 
 
 
 def _bad(arg: str, expected: str, got: object) -> ValueError:
-    return ValueError(f"torch.ops.attnscale: {arg}: expected {expected}, got {got}. Fix: pass the kernel's layout (see attnscale.kernels.ops)")
-
-
-def _shape(t: Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
-def check_forward_args(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Tensor | None, spans: Tensor | None, block_q: int, block_k: int) -> None:
-    """What the kernel reads without checking, checked from shapes, dtypes and devices alone (and a
-    span table's few numbers): an inconsistent call raises ValueError instead of reading out of
-    bounds (garbage, or a crash). A few microseconds: every decoding step passes here."""
-    if not (q.ndim == 4 and k.ndim == 4 and v.ndim == 4):
-        name, t = next((n, t) for n, t in (("q", q), ("k", k), ("v", v)) if t.ndim != 4)
-        raise _bad(name, "a 4-d tensor (B, heads, rows, dims)", f"shape {_shape(t)}")
-    if not (q.is_cpu and k.is_cpu and v.is_cpu):  # is_cpu: making a torch.device costs more
-        name, t = next((n, t) for n, t in (("q", q), ("k", k), ("v", v)) if not t.is_cpu)
-        raise _bad(name, "a CPU tensor", f"device {t.device}")
-    dtype = q.dtype
-    if k.dtype != dtype or v.dtype != dtype or dtype not in _KERNEL_DTYPES:
-        raise _bad("q, k, v", "one dtype of float32, float64, bfloat16, float16", f"{q.dtype}, {k.dtype}, {v.dtype}")
-    if (q.stride(3) != 1 and q.shape[3] > 1) or (k.stride(3) != 1 and k.shape[3] > 1) or (v.stride(3) != 1 and v.shape[3] > 1):
-        raise _bad("q, k, v", "rows with a contiguous last dim", f"strides {q.stride()}, {k.stride()}, {v.stride()}")
-    B, H, L, D = q.shape
-    Bk, Hkv, S, Dk = k.shape
-    Bv, Hv, Sv, _ = v.shape
-    if Bk != B or Bv != B:
-        raise _bad("k, v", f"q's batch B = {B}", f"k {_shape(k)}, v {_shape(v)}")
-    if not 1 <= Hkv <= H or H % Hkv or Hv != Hkv:
-        raise _bad("k, v", f"key/value heads that divide q's H = {H} (1 <= Hkv <= H)", f"k {_shape(k)}, v {_shape(v)}")
-    if Dk != D:
-        raise _bad("k", f"q's head dim D = {D}", f"shape {_shape(k)}")
-    if Sv != S:
-        raise _bad("v", f"k's key count S = {S}", f"shape {_shape(v)}")
-    if block_q < 0 or block_k < 0:
-        raise _bad("block_q, block_k", "0 (the default) or a positive block size", (block_q, block_k))
-    if alibi is None and mask is None and spans is None:
-        return
-    acc = torch.float32 if dtype in HALF else dtype
-    rows = spans.shape[0] if spans is not None else B
-    if alibi is not None and (_shape(alibi) != (rows, H) or alibi.dtype != acc or not alibi.is_cpu):
-        raise _bad("alibi", f"a {acc} CPU tensor ({'nseq' if spans is not None else 'B'}, H) = ({rows}, {H})", f"{alibi.dtype} {_shape(alibi)} on {alibi.device}")
-    if mask is not None and (_shape(mask) != (B, H, L, S) or mask.dtype not in (torch.bool, acc) or not mask.is_cpu):
-        raise _bad("mask", f"a bool or {acc} CPU tensor (B, H, L, S) = ({B}, {H}, {L}, {S})", f"{mask.dtype} {_shape(mask)} on {mask.device}")
-    if spans is not None:
-        if spans.ndim != 2 or spans.shape[1] != 4 or spans.dtype != torch.int64 or not spans.is_cpu or B != 1 or spans.shape[0] == 0:
-            raise _bad("spans", "an int64 CPU table (nseq >= 1, 4) of (q0, q1, k0, k1), with B = 1", f"{spans.dtype} {_shape(spans)} on {spans.device}, B = {B}")
-        for q0, q1, k0, k1 in spans.tolist():
-            if not (0 <= q0 <= q1 <= L and 0 <= k0 <= k1 <= S):
-                raise _bad("spans", f"rows 0 <= q0 <= q1 <= L = {L} and 0 <= k0 <= k1 <= S = {S}", (q0, q1, k0, k1))
-
-
-def check_backward_args(q: Tensor, v: Tensor, dout: Tensor, delta: Tensor, m: Tensor, l: Tensor) -> None:
-    """The backward's own arguments against the forward's (checked by :func:`check_forward_args`)."""
-    B, H, L = q.shape[0], q.shape[1], q.shape[2]
-    if _shape(dout) != (B, H, L, v.shape[3]):
-        raise _bad("dout", f"the output's shape (B, H, L, Dv) = ({B}, {H}, {L}, {v.shape[3]})", f"shape {_shape(dout)}")
-    for name, t in (("delta", delta), ("m", m), ("l", l)):
-        if _shape(t) != (B, H, L):
-            raise _bad(name, f"shape (B, H, L) = ({B}, {H}, {L})", f"shape {_shape(t)}")
-        if t.device.type != "cpu" or dout.device.type != "cpu":
-            raise _bad(name, "CPU tensors", f"device {t.device}")
-
-
-_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    return ValueError(f"torch.ops.attnscale: {arg}: expected {expected}, got {got}. Fix: pass the kernel's layout and options (see attnscale.kernels.ops)")
 
 
 def _kernel():
@@ -281,8 +219,9 @@ def fused_forward(q: Tensor, k: Tensor, v: Tensor, alibi: Optional[Tensor], mask
 
 
 def run_forward(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Tensor | None, spans: Tensor | None, options: KernelOptions) -> KernelOutputs:
-    """What ``fused_forward`` computes, on real CPU tensors: the kernel's forward itself."""
-    check_forward_args(q, k, v, alibi, mask, spans, options.block_q, options.block_k)
+    """What ``fused_forward`` computes, on real CPU tensors: the kernel's forward itself. The kernel
+    checks its arguments (csrc/checks.h, one place for the ops and the binding): an inconsistent
+    call raises a ValueError that names the argument before anything is read."""
     block_q, block_k = _blocks(options.block_q, options.block_k, options.causal, options.left, options.right, q.shape[2], spans)
     # The kernel makes every output, the empty statistics and the verdict too (see fused.cpp).
     kwargs = options._replace(block_q=block_q, block_k=block_k)._asdict()
@@ -326,8 +265,6 @@ def _(q, k, v, alibi, mask, spans, *options):
 def fused_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, delta: Tensor, m: Tensor, l: Tensor, alibi: Optional[Tensor], mask: Optional[Tensor], spans: Optional[Tensor], *options) -> tuple[Tensor, Tensor, Tensor]:
     """The kernel's backward as an op: the options positionally, in :data:`BACKWARD_FIELDS`' order."""
     given = KernelOptions(**dict(zip(BACKWARD_FIELDS, options)))  # with_stats and round_out: their defaults
-    check_forward_args(q, k, v, alibi, mask, spans, given.block_q, given.block_k)
-    check_backward_args(q, v, dout, delta, m, l)
     block_q, block_k = _blocks(given.block_q, given.block_k, given.causal, given.left, given.right, q.shape[2], spans)
     dtype = q.dtype
     if dtype in HALF and not given.half_products:  # the forward's float32 tiles: the same values, as whole copies

@@ -105,14 +105,16 @@ struct Problem {
   int64_t q_blocks() const { return (L + block_q - 1) / block_q; }
 
   // Keys [lo, hi) (local) that causal / window leave visible to query row i; hi <= lo if none.
+  // Every position and window side is at most 2^61 (checks.h), so no sum here leaves int64, and
+  // only the limits that exist are applied (no stand-in for "unbounded" that a position could reach).
   void row_span(int64_t i, int64_t* lo, int64_t* hi) const {
-    const int64_t p = q_start + i + q_offset;  // aligned position (global key coordinates)
-    int64_t first = std::numeric_limits<int64_t>::min() / 4, last = std::numeric_limits<int64_t>::max() / 4;
-    if (causal) last = p;
-    if (left >= 0) first = p - left;
+    const int64_t p = q_start + i + q_offset - k_start;  // aligned position, as a local key index
+    int64_t first = 0, last = S - 1;
+    if (causal) last = std::min(last, p);
+    if (left >= 0) first = std::max(first, p - left);
     if (right >= 0) last = std::min(last, p + right);
-    *lo = std::max<int64_t>(first - k_start, 0);
-    *hi = std::min<int64_t>(last - k_start + 1, S);
+    *lo = first;
+    *hi = last + 1;
   }
 
   // The key tiles [j0, j1) of query block i0:i1: fixed blocks of block_k, cut to the keys some

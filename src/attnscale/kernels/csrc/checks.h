@@ -1,0 +1,123 @@
+// What a call of the kernel must satisfy, checked once for every entry (the ops of
+// attnscale.kernels.ops and the binding itself): an inconsistent call raises a ValueError that
+// names the argument, what was expected and what came, before anything is read or allocated,
+// instead of reading out of bounds (garbage, a crash) or looping. From shapes, dtypes, strides and
+// options alone, and a span table's few numbers: every decoding step passes here.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <string>
+
+#include "options.h"
+#include "products.h"
+
+namespace {
+
+// Positions (q_offset, q_start, k_start) and window sides up to this size: their sums in
+// Problem::row_span and the ALiBi distance stay inside int64 (four terms of at most 2^61).
+constexpr int64_t kMaxPosition = int64_t(1) << 61;
+
+inline std::string shape_of(const torch::Tensor& x) {
+  std::ostringstream s;
+  s << x.sizes();
+  return s.str();
+}
+
+#define ATTNSCALE_REFUSE(cond, arg, expected, got)                                                       \
+  TORCH_CHECK_VALUE(cond, "torch.ops.attnscale: ", arg, ": expected ", expected, ", got ", got,          \
+                    ". Fix: pass the kernel's layout and options (see attnscale.kernels.ops)")
+
+inline bool kernel_dtype(const torch::Tensor& x) {
+  const auto t = x.scalar_type();
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// Rows the kernel reads with a contiguous last dim (any stride where it holds one entry), apart:
+// BLAS reads each (n, d) matrix with leading dimension = the row stride, so rows must not overlap
+// (stride 0 or unfold views), or it refuses the call and the product is never written.
+inline bool rows_readable(const torch::Tensor& x) {
+  return (x.stride(3) == 1 || x.size(3) <= 1) && x.stride(2) >= std::max<int64_t>(1, x.size(3));
+}
+
+inline void check_options(const Options& o) {
+  ATTNSCALE_REFUSE(std::isfinite(o.scale), "scale", "a finite number", o.scale);
+  ATTNSCALE_REFUSE(std::isfinite(o.softcap) && o.softcap >= 0, "softcap", "a finite cap > 0, or 0 for none", o.softcap);
+  ATTNSCALE_REFUSE(o.left >= -1 && o.right >= -1 && o.left <= kMaxPosition && o.right <= kMaxPosition, "left, right",
+                   "window sides of 0 to 2**61 keys, or -1 for unbounded", std::to_string(o.left) + ", " + std::to_string(o.right));
+  ATTNSCALE_REFUSE(o.q_start >= 0 && o.k_start >= 0 && o.q_start <= kMaxPosition && o.k_start <= kMaxPosition, "q_start, k_start",
+                   "global positions from 0 to 2**61", std::to_string(o.q_start) + ", " + std::to_string(o.k_start));
+  ATTNSCALE_REFUSE(o.q_offset >= -kMaxPosition && o.q_offset <= kMaxPosition, "q_offset", "a key position from -2**61 to 2**61",
+                   o.q_offset);
+  ATTNSCALE_REFUSE(o.block_q >= 1 && o.block_k >= 1, "block_q, block_k",
+                   "positive block sizes (the ops resolve 0 to their defaults)", std::to_string(o.block_q) + ", " + std::to_string(o.block_k));
+}
+
+inline void check_call(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
+                       const c10::optional<torch::Tensor>& spans, const Options& o) {
+  for (const auto& [name, x] : {std::pair<const char*, const torch::Tensor&>{"q", q}, {"k", k}, {"v", v}}) {
+    ATTNSCALE_REFUSE(x.dim() == 4, name, "a 4-d tensor (B, heads, rows, dims)", "shape " + shape_of(x));
+    ATTNSCALE_REFUSE(x.device().is_cpu(), name, "a CPU tensor", c10::str("device ", x.device()));
+    ATTNSCALE_REFUSE(rows_readable(x), name, "rows apart (row stride >= head dim) with a contiguous last dim",
+                     c10::str("shape ", x.sizes(), " with strides ", x.strides()));
+  }
+  ATTNSCALE_REFUSE(kernel_dtype(q) && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k, v dtype",
+                   "one dtype of float32, float64, bfloat16, float16", c10::str(q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type()));
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2);
+  ATTNSCALE_REFUSE(k.size(0) == B && v.size(0) == B, "k, v", c10::str("q's batch B = ", B), "k " + shape_of(k) + ", v " + shape_of(v));
+  ATTNSCALE_REFUSE(1 <= Hkv && Hkv <= H && H % Hkv == 0 && v.size(1) == Hkv, "k, v",
+                   c10::str("key/value heads that divide q's H = ", H, " (1 <= Hkv <= H), as many in v as in k"),
+                   "k " + shape_of(k) + ", v " + shape_of(v));
+  ATTNSCALE_REFUSE(k.size(3) == D, "k", c10::str("q's head dim D = ", D), "shape " + shape_of(k));
+  ATTNSCALE_REFUSE(v.size(2) == S, "v", c10::str("k's key count S = ", S), "shape " + shape_of(v));
+  check_options(o);
+  const bool half = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
+  ATTNSCALE_REFUSE(!half || !o.half_products || half_gemm(q.scalar_type() == at::kBFloat16 ? kBF16 : kF16), "half_products",
+                   "False where this torch has no 16-bit products (oneMKL)", "True");
+  const auto acc = half ? at::kFloat : q.scalar_type();
+  const double top = acc == at::kDouble ? std::numeric_limits<double>::max() : std::numeric_limits<float>::max();
+  ATTNSCALE_REFUSE(std::abs(o.scale) <= top && o.softcap <= top, "scale, softcap", c10::str("values that fit ", acc, ", where the scores are computed"),
+                   c10::str(o.scale, ", ", o.softcap));
+  const int64_t units = spans.has_value() && spans->dim() == 2 ? spans->size(0) : B;
+  if (alibi.has_value())
+    ATTNSCALE_REFUSE(alibi->dim() == 2 && alibi->size(0) == units && alibi->size(1) == H && alibi->scalar_type() == acc && alibi->device().is_cpu(),
+                     "alibi", c10::str("a ", acc, " CPU tensor (", spans.has_value() ? "nseq" : "B", ", H) = (", units, ", ", H, ")"),
+                     c10::str(alibi->scalar_type(), " ", alibi->sizes(), " on ", alibi->device()));
+  if (mask.has_value())
+    ATTNSCALE_REFUSE(mask->dim() == 4 && mask->size(0) == B && mask->size(1) == H && mask->size(2) == L && mask->size(3) == S &&
+                         (mask->scalar_type() == at::kBool || mask->scalar_type() == acc) && mask->device().is_cpu(),
+                     "mask", c10::str("a bool or ", acc, " CPU tensor (B, H, L, S) = (", B, ", ", H, ", ", L, ", ", S, ")"),
+                     c10::str(mask->scalar_type(), " ", mask->sizes(), " on ", mask->device()));
+  if (spans.has_value()) {
+    ATTNSCALE_REFUSE(spans->dim() == 2 && spans->size(0) >= 1 && spans->size(1) == 4 && spans->scalar_type() == at::kLong &&
+                         spans->is_contiguous() && spans->device().is_cpu() && B == 1 && !mask.has_value(),
+                     "spans", "a contiguous int64 CPU table (nseq >= 1, 4) of (q0, q1, k0, k1), with B = 1 and no mask",
+                     c10::str(spans->scalar_type(), " ", spans->sizes(), " on ", spans->device(), ", B = ", B));
+    const int64_t* span = spans->const_data_ptr<int64_t>();
+    for (int64_t s = 0; s < spans->size(0); ++s, span += 4)
+      ATTNSCALE_REFUSE(0 <= span[0] && span[0] <= span[1] && span[1] <= L && 0 <= span[2] && span[2] <= span[3] && span[3] <= S, "spans",
+                       c10::str("rows 0 <= q0 <= q1 <= L = ", L, " and 0 <= k0 <= k1 <= S = ", S),
+                       c10::str("(", span[0], ", ", span[1], ", ", span[2], ", ", span[3], ")"));
+  }
+}
+
+// The backward's own tensors against the forward's (checked by check_call).
+inline void check_backward(const torch::Tensor& q, const torch::Tensor& v, const torch::Tensor& dout, const torch::Tensor& delta,
+                           const torch::Tensor& m, const torch::Tensor& l) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
+  ATTNSCALE_REFUSE(dout.dim() == 4 && dout.size(0) == B && dout.size(1) == H && dout.size(2) == L && dout.size(3) == Dv && dout.device().is_cpu(),
+                   "dout", c10::str("the output's shape (B, H, L, Dv) = (", B, ", ", H, ", ", L, ", ", Dv, ") on the CPU"),
+                   c10::str("shape ", dout.sizes(), " on ", dout.device()));
+  for (const auto& [name, x] : {std::pair<const char*, const torch::Tensor&>{"delta", delta}, {"m", m}, {"l", l}})
+    ATTNSCALE_REFUSE(x.dim() == 3 && x.size(0) == B && x.size(1) == H && x.size(2) == L && x.device().is_cpu(), name,
+                     c10::str("shape (B, H, L) = (", B, ", ", H, ", ", L, ") on the CPU"), c10::str("shape ", x.sizes(), " on ", x.device()));
+}
+
+#undef ATTNSCALE_REFUSE
+
+}  // namespace
