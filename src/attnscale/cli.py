@@ -225,9 +225,18 @@ def _target_output(args: argparse.Namespace) -> Iterator[None]:
         yield
 
 
+def _print_json(data: Any) -> None:
+    """Strict JSON on stdout, as every ``--json`` prints it: non-finite numbers as the strings
+    "NaN", "Infinity" and "-Infinity" (results.json's convention), never the bare tokens that
+    strict parsers refuse."""
+    from .lab.schema import to_jsonable
+
+    print(json.dumps(to_jsonable(data), indent=2, allow_nan=False))
+
+
 def _print_check_json(args: argparse.Namespace, data: dict[str, Any]) -> None:
     captured = getattr(args, "target_output", None)
-    print(json.dumps({**data, "target_output": captured.getvalue() if captured is not None else ""}, indent=2))
+    _print_json({**data, "target_output": captured.getvalue() if captured is not None else ""})
 
 
 def _check_module(args: argparse.Namespace, module: torch.nn.Module) -> int:
@@ -340,11 +349,14 @@ def _check_model(args: argparse.Namespace) -> int:
         else:
             _summary(args, f"attnscale check {args.target}: FAIL: cannot be probed: {exc}")
         return EXIT_FAILED
-    ok = census_verdict.conforms(row.as_dict())
-    code, word = (EXIT_OK, "OK") if ok else (EXIT_WARNINGS, "DEPARTS")
+    if row.cls == census.NOT_MEASURABLE:  # nothing measured (no usable weights, or no one multiplier): no verdict
+        code, word = EXIT_FAILED, "FAIL"
+    else:
+        code, word = (EXIT_OK, "OK") if census_verdict.conforms(row.as_dict()) else (EXIT_WARNINGS, "DEPARTS")
     if args.json:
         data = row.as_dict()
-        _print_check_json(args, {"schema": "attnscale.check-model/1", "target": args.target, "status": word, "exit_code": code, **data})
+        error = {"error": f"not measurable: {row.why}"} if code == EXIT_FAILED else {}
+        _print_check_json(args, {"schema": "attnscale.check-model/1", "target": args.target, "status": word, "exit_code": code, **data, **error})
         return code
     console = _console(args)
     table = Table(title=f"{args.target}: effective scale x sqrt(head_dim) by query/key position")
@@ -539,7 +551,7 @@ def _list(args: argparse.Namespace) -> int:
     from .lab import registry, runner
 
     if args.json:
-        print(json.dumps({"schema": "attnscale.claims/1", "claims": _claim_rows()}, indent=2))
+        _print_json({"schema": "attnscale.claims/1", "claims": _claim_rows()})
         return EXIT_OK
     rows = _claim_rows()
     _console(args).print(runner.claims_table(registry.discover()))
@@ -562,7 +574,7 @@ def _run(args: argparse.Namespace) -> int:
     # Figures that were asked for and not written are a failure, never exit 0 (the reason says why).
     status = EXIT_FAILED if args.figures is not None and record.get("error") else EXIT_OK
     if args.json:
-        print(json.dumps(record, indent=2))
+        _print_json(record)
         return status
     console = _console(args)
     for part in runner.record_renderables(record):
@@ -596,7 +608,7 @@ def _plot_run(args: argparse.Namespace) -> int:
         _usage_error("monitor", f"--figure: expected a path this process can write, got {str(figure)!r} ({exc.strerror}). Fix: pass another path")
     alerts = [a for r in records for a in r.alerts]
     if args.json:
-        print(json.dumps({"steps": len(records), "figure": str(figure), "alerts": [a.message for a in alerts]}, indent=2))
+        _print_json({"steps": len(records), "figure": str(figure), "alerts": [a.message for a in alerts]})
         return EXIT_OK
     console = _console(args)
     for alert in alerts:
@@ -715,7 +727,7 @@ def _monitor(args: argparse.Namespace) -> int:
         _usage_error("monitor", str(exc))
     paths = report.save(args.out) if args.out else {}
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        _print_json(report.to_dict())
         return EXIT_OK
     console = _console(args)
     console.print(report.table(title=f"attention in {args.hf} ({len(texts)} texts, attn_implementation={args.attn})"))

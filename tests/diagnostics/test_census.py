@@ -31,6 +31,51 @@ def test_the_fit_reads_a_multiplier_and_a_linear_position_bias():
     assert min(fit.r2) > 1 - 1e-9
 
 
+@pytest.mark.parametrize(
+    "weights",
+    [
+        pytest.param(lambda w: torch.full_like(w, float("nan")), id="NaN-weights"),
+        pytest.param(lambda w: torch.zeros_like(w), id="zero-weights"),
+    ],
+)
+def test_no_usable_weights_fit_with_r2_0_not_1(weights):
+    """With no entry above min_prob the fit returned rows=0 and R^2 1.0 for every head: no data
+    read as a perfect fit (a checkpoint with NaN q/k weights then got a confident class)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 6, 8, generator=gen), torch.randn(1, 2, 6, 8, generator=gen)
+    fit = fit_logit_scale(q, k, weights(torch.rand(1, 2, 6, 6, generator=gen)), position_bias=True)
+    assert fit.rows == 0 and fit.r2 == (0.0, 0.0)
+
+
+def test_weights_of_a_constant_q_k_fit_with_r2_0():
+    """q = 0 (zero q/k weights): q.k is 0 everywhere and the weights uniform; no multiplier can be
+    read from that, so R^2 is 0."""
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 6, 8, generator=gen)
+    assert fit_logit_scale(torch.zeros(1, 2, 6, 8), k, torch.full((1, 2, 6, 6), 1 / 6)).r2 == (0.0, 0.0)
+
+
+def _layer(name, multiplier):
+    return census.LayerScale(name, 16, 4, [0, 4096][: len(multiplier)], multiplier, 0.0, 1.0, 0.0, 1.0)
+
+
+def test_positions_are_judged_before_layers():
+    """A layer whose multiplier moves with the position is position-dependent, even where the layers
+    also differ from each other (the class order: position before layer)."""
+    cls, why = census.classify([_layer("a", [0.25, 0.5]), _layer("b", [0.3, 0.3])])
+    assert cls == census.POSITION and why == "a: x sqrt(head_dim) = 1 at position 0, 2 at 4096"
+    assert census.classify([_layer("a", [0.25, 0.25]), _layer("b", [0.5, 0.5])])[0] == census.LAYER
+
+
+def test_mobilebert_fits_under_r2_0_99_and_is_not_measurable():
+    """MobileBERT built small fits one multiplier only to R^2 0.97-0.98 (its bottleneck's norm-free
+    attention over small widths; measured on AMD and Intel CPUs): under the rule's 0.99 that is not
+    one multiplier times q.k, never read as 1/sqrt(head_dim)."""
+    row = census.probe_type("mobilebert")
+    assert 0.95 < min(lay.r2 for lay in row.layers) < 0.99
+    assert row.cls == census.NOT_MEASURABLE
+
+
 def test_the_ladder_reaches_four_times_every_length_threshold():
     config = census.tiny_config("llama4_text")
     ladder = position_ladder(config, rotary=True)

@@ -178,3 +178,44 @@ def test_a_folder_over_the_parameter_bound_is_refused_before_it_is_built(tmp_pat
     error = json.loads(capsys.readouterr().out)["error"]
     assert error.startswith("too large: ") and error.endswith("M parameters (limit of attnscale check 150M)")
     assert int(error.split()[2][:-1]) == pytest.approx(4970, rel=0.01)
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0.0], ids=["NaN", "zero"])
+def test_a_checkpoint_whose_q_k_weights_are_unusable_is_not_measurable(tmp_path, capsys, value):
+    """NaN or all-zero q/k weights gave exit 3, "position-dependent", "0 at position 0, 0 at 15" and
+    R^2 1.0: no data read as a perfect fit. Now: not measurable, exit 1, with the reason."""
+    torch = pytest.importorskip("torch")
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(hidden_size=16, num_attention_heads=2, intermediate_size=32, num_hidden_layers=1, vocab_size=64))
+    with torch.no_grad():
+        for layer in model.encoder.layer:
+            layer.attention.self.query.weight.fill_(value)
+            layer.attention.self.key.weight.fill_(value)
+    model.save_pretrained(tmp_path)
+    assert main(["check", str(tmp_path), "--json"]) == EXIT_FAILED
+    data = _strict(capsys.readouterr().out)
+    assert data["status"] == "FAIL" and data["class"] == "not measurable"
+    assert data["error"] == "not measurable: encoder.layer.0.attention.self: weights are not one multiplier times q.k (R^2 0.000)"
+    assert [layer["r2"] for layer in data["layers"]] == [0.0]
+
+
+def _strict(text):
+    """json.loads that refuses the bare NaN / Infinity tokens, as strict parsers do."""
+
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_output_is_strict_with_non_finite_numbers_as_strings(tmp_path, capsys):
+    """A config field of Infinity was printed as the bare token Infinity (and a NaN-weight layer's
+    head_spread too): strict JSON parsers refuse both. Non-finite numbers are the strings
+    results.json uses."""
+    folder = _tiny_bert_folder(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "head_dim": float("inf")}))
+    assert main(["check", str(folder), "--json"]) == EXIT_OK
+    assert _strict(capsys.readouterr().out)["fields"]["head_dim"] == "Infinity"

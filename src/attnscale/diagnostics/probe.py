@@ -104,7 +104,8 @@ def fit_logit_scale(query: Tensor, key: Tensor, weights: Tensor, *, min_prob: fl
 
     Shapes: query (..., H, L, D), key (..., Hkv, S, D) with H a multiple of Hkv, weights
     (..., H, L, S). Entries with weight <= ``min_prob`` (masked, or underflowed) are ignored; rows
-    with fewer than two usable entries are skipped. With ``position_bias`` the fit also has a
+    with fewer than two usable entries are skipped. A head whose usable entries leave q.k constant
+    (none at all, from NaN or zero weights) has R^2 0: nothing was fitted. With ``position_bias`` the fit also has a
     slope ``b`` on the query-key distance (``i - j``, the last query at the last key), ALiBi's
     form: ``log weights = s * q.k + b * (i - j) + row constant`` (rows need three entries), and
     ``ScaleFit.bias_slope`` holds ``b`` per head.
@@ -155,7 +156,10 @@ def fit_logit_scale(query: Tensor, key: Tensor, weights: Tensor, *, min_prob: fl
         b = torch.where(solvable, (sdy - slope * sxd) / sdd.clamp_min(1e-300), torch.zeros_like(slope))
         resid = ((yc - slope[:, None] * xc - b[:, None] * dc) ** 2).sum(-1)
         bias = tuple(b.tolist())
-    r2 = torch.where(syy > 0, 1.0 - resid / syy.clamp_min(1e-300), torch.ones_like(syy))
+    # R^2 1 where the weights do not vary but q.k does (a multiplier of 0, fitted exactly); 0 where
+    # q.k does not vary over the usable entries (none: NaN or zero weights, or q.k constant): no
+    # data is never a perfect fit
+    r2 = torch.where(syy > 0, 1.0 - resid / syy.clamp_min(1e-300), torch.ones_like(syy)).where(sxx > 0, torch.zeros_like(syy))
     return ScaleFit(scale=tuple(slope.tolist()), r2=tuple(r2.tolist()), rows=int(row_ok.sum()), bias_slope=bias)
 
 
