@@ -253,9 +253,9 @@ def test_cache_ignores_unreadable_entries(tmp_path):
     path = tmp_path / "cache" / "x-1.json"
     path.parent.mkdir()
     path.write_text("{ truncated")
-    assert cache.load(path) is None
+    assert cache.read(path, "x") == (None, "is not JSON")
     path.write_text('{"id": "x"}')
-    assert cache.load(path) is None
+    assert cache.read(path, "x") == (None, "is not a cache entry")
 
 
 def test_resume_after_a_crash_recomputes_nothing_finished(fake_lab):
@@ -295,6 +295,27 @@ def test_resume_after_a_crash_recomputes_nothing_finished(fake_lab):
     assert by_id["fake-b-slow"]["verdict"] == "holds"
     assert counter.read_text().split() == ["fake-a-ok", "fake-b-slow", "fake-b-slow"]
     assert entry.stat().st_mtime_ns == mtime
+
+
+def test_a_cache_entry_copied_over_another_claims_is_recomputed_and_said(fake_lab):
+    """Copying one claim's cache file over another's made the report list one claim twice and the
+    other not at all (exit 0). An entry is used only as the record of the claim and key it is read for."""
+    name, counter, root = fake_lab
+    out, only = root / "out", ["fake-a-ok", "fake-d-other"]
+    (root / "src" / name / "d_other.py").write_text(_module(root, "fake-d-other", RUN_OK))
+    runner.run_report(out, profile="tiny", jobs=1, only=only, console=_quiet(), package=name)
+    entries = {p.name.rsplit("-", 1)[0]: p for p in (out / "cache").glob("*.json")}
+    entries["fake-d-other"].write_bytes(entries["fake-a-ok"].read_bytes())
+    console = _quiet()
+    results = runner.run_report(out, profile="tiny", jobs=1, only=only, console=console, package=name, replace=True)
+    assert [c["id"] for c in results["claims"]] == only
+    assert [c["cached"] for c in results["claims"]] == [True, False]
+    said = " ".join(console.file.getvalue().split())
+    assert f"fake-d-other: the cache entry {entries['fake-d-other'].name} holds 'fake-a-ok' under key" in said and "recomputed" in said
+    # the same claim's entry of another key (profile, seed or rule): recomputed too
+    other = entries["fake-a-ok"].with_name("fake-a-ok-" + "0" * 16 + ".json")
+    other.write_bytes(entries["fake-a-ok"].read_bytes())
+    assert cache.read(other, "fake-a-ok")[0] is None and "under key" in cache.read(other, "fake-a-ok")[1]
 
 
 def _descendants(pid):

@@ -327,7 +327,9 @@ def run_report(
             library_hash=library_hash,
         )
         path = cache.cache_path(outdir, exp.id, key)
-        hit = None if force else cache.load(path)
+        hit, unused = (None, "") if force else cache.read(path, exp.id)
+        if unused:
+            console.print(f"{exp.id}: the cache entry {path.name} {unused}: recomputed", highlight=False, markup=False)
         if hit is not None and _figures_exist(hit, outdir):
             records[exp.id] = {**hit, "cached": True}
         else:
