@@ -646,6 +646,20 @@ def test_empty_lengths_give_shaped_empty_or_zero_outputs(backend, L, S):
         assert stats.lse.shape == (2, 4, L) and torch.all(stats.lse == float("-inf"))
 
 
+@pytest.mark.parametrize("backend", GRAD_BACKENDS)
+def test_an_empty_batch_from_broadcasting_gives_the_empty_output(backend):
+    """q's batch of 0 against k and v of batch 1: the tiled kernel raised "cannot reshape tensor of
+    0 elements" (fused, math and torch returned the empty output); k and v get zero gradients."""
+    q = torch.randn(0, 2, 3, 4, requires_grad=True)
+    k, v = torch.randn(1, 2, 5, 4, requires_grad=True), torch.randn(1, 2, 5, 4, requires_grad=True)
+    for options in (dict(), dict(is_causal=True), dict(softcap=2.0) if backend != "torch" else {}):
+        out = sdpa(q, k, v, backend=backend, **options)
+        assert out.shape == (0, 2, 3, 4)
+        out.sum().backward()
+        assert torch.equal(k.grad, torch.zeros_like(k)) and torch.equal(v.grad, torch.zeros_like(v))
+        k.grad = v.grad = None
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_batch_dims_broadcast_and_may_be_absent(backend):
     gen = torch.Generator().manual_seed(13)

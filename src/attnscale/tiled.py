@@ -432,6 +432,8 @@ def _forward(
         for name in ("max_logit", "max_prob", "entropy"):
             stats[name] = q.new_empty(*batch, H, L)
         stats["visible_keys"] = torch.zeros(*batch, H, L, dtype=torch.int64, device=q.device)
+    if lse.numel() == 0:  # no query rows (an empty batch, H or L): nothing to compute
+        return out, lse, stats, (offset, total)
     tiler = _Tiler(plan, q, k, v)
     bounds = _row_bounds(plan, q, k, mask, alibi)
     v_peak = _abs_peak(v) if bounds is not None else math.nan
@@ -439,7 +441,7 @@ def _forward(
     n, G = plan.groups, plan.G
     for i0, i1 in plan.q_blocks():
         Lb = i1 - i0
-        q3 = _group_rows(q, plan, i0, i1).reshape(n, G * Lb, -1)  # (n, G * Lb, D)
+        q3 = _group_rows(q, plan, i0, i1).reshape(n, G * Lb, q.shape[-1])  # (n, G * Lb, D); sizes named: n may be 0
         acc = q.new_zeros(n, G * Lb, Dv)
         u = _static_offset(bounds, i0, i1)
         if u is not None:
@@ -570,6 +572,7 @@ def _backward(
     (a partial whose rows were merged over key shards) they are ``exp(s - lse)``.
     """
     batch, H, Hkv, G = plan.batch, plan.H, plan.Hkv, plan.G
+    D, Dv = q.shape[-1], v.shape[-1]
     # D_i = rowsum(dO * O) = sum_j p_ij dP_ij; a gradient on lse adds p_ij * dlse_i to dS_ij.
     delta = (dout * out).sum(dim=-1) - dlse  # (*batch, H, L)
     if norm is None:
@@ -585,6 +588,8 @@ def _backward(
     dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)  # k may be an expanded view
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     dmask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device) if mask_grad else None
+    if lse.numel() == 0:  # no query rows: every gradient is empty or zero
+        return torch.zeros_like(q), dk, dv, dmask
     cap = plan.path.softcap
     deferred = plan.defer_cap(mask, alibi) is not None
     mask_hides = _has_neg_inf(mask)
@@ -605,7 +610,7 @@ def _backward(
             Lb, Sb = i1 - i0, j1 - j0
             k_blk, v_blk = k[..., j0:j1, :], v[..., j0:j1, :]
             dk_blk, dv_blk = dk[..., j0:j1, :], dv[..., j0:j1, :]
-            qk = tiler.products(qs[b].reshape(n, G * Lb, -1), b0, j0, j1, Lb)  # (*batch, H, Lb, Sb)
+            qk = tiler.products(qs[b].reshape(n, G * Lb, D), b0, j0, j1, Lb)  # (*batch, H, Lb, Sb)
             neg_lse = offset[..., i0:i1].neg().unsqueeze(-1)
             if cap is None:
                 t = None
@@ -623,8 +628,8 @@ def _backward(
             if total is not None:
                 p = p.div_(total[..., i0:i1].unsqueeze(-1))
             # accumulate in place (baddbmm_): a matmul then += would allocate and sweep each result again
-            p3, do3 = p.view(n, G * Lb, Sb), dos[b].reshape(n, G * Lb, -1)
-            dv_blk.view(n, Sb, -1).baddbmm_(p3.transpose(1, 2), do3)
+            p3, do3 = p.view(n, G * Lb, Sb), dos[b].reshape(n, G * Lb, Dv)
+            dv_blk.view(n, Sb, Dv).baddbmm_(p3.transpose(1, 2), do3)
             dp = (dos[b] @ v_blk.transpose(-1, -2)).view(*batch, H, Lb, Sb)
             ds = dp.sub_(delta[..., i0:i1].unsqueeze(-1)).mul_(p)
             dqk = ds if t is None else torch.addcmul(ds, ds, t.square_(), value=-1.0, out=t)  # (1 - t^2) dS
@@ -632,8 +637,8 @@ def _backward(
                 blk = _mask_block(dmask, i0, i1, j0, j1)
                 blk += ds.sum_to_size(blk.shape)  # bias and float mask enter linearly, after the cap
             dqk = dqk.view(n, G * Lb, Sb)
-            dqs[b].view(n, G * Lb, -1).baddbmm_(dqk, k_blk.reshape(n, Sb, -1))
-            dk_blk.view(n, Sb, -1).baddbmm_(dqk.transpose(1, 2), qs[b].reshape(n, G * Lb, -1))
+            dqs[b].view(n, G * Lb, D).baddbmm_(dqk, k_blk.reshape(n, Sb, D))
+            dk_blk.view(n, Sb, D).baddbmm_(dqk.transpose(1, 2), qs[b].reshape(n, G * Lb, D))
     dq = torch.empty_like(q)
     for b, (i0, i1) in enumerate(q_blocks):
         dq[..., i0:i1, :] = dqs[b].view(*batch, H, i1 - i0, q.shape[-1])
