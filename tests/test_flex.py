@@ -210,6 +210,17 @@ def test_empty_lengths():
         assert (stats.visible_keys == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_under_no_grad_inputs_that_require_grad_are_computed(dtype):
+    """Under torch.no_grad, float64 inputs that require grad (a model's nn.Parameter) raised torch's
+    NotImplementedError "FlexAttention does not support backward on CPU": no backward is needed there."""
+    q, k, v = make_inputs(H=2, Hkv=2, L=5, S=6, dtype=dtype)
+    q, k = torch.nn.Parameter(q), k.requires_grad_()
+    got = run_flex(q, k, v, is_causal=True)
+    assert not got.requires_grad
+    torch.testing.assert_close(got, run_math(q, k, v, is_causal=True).detach(), rtol=0, atol=1e-13 if dtype == torch.float64 else 1e-6)
+
+
 def test_non_finite_inputs_follow_the_documented_rule():
     """The NaN-row rule of every backend: a NaN query row with a visible key is NaN, a NaN key
     spoils only the rows that see it."""

@@ -510,6 +510,10 @@ def _run(
     (B, H, L, Dv) and, when ``want_lse`` and the FlexAttention that runs has one (compiled CPU
     FlexAttention has none), the keys' log-sum-exp (B, H, L), natural log."""
     q, k, v = (_readable(t) for t in (q, k, v))
+    if q.device.type == "cpu" and not traced and not torch.is_grad_enabled():
+        # no graph is recorded here, yet CPU FlexAttention refuses inputs that require grad
+        # ("does not support backward on CPU"): detached, they are the same values
+        q, k, v = q.detach(), k.detach(), v.detach()
     run = _runner(q.device, q.dtype, want_lse, traced)
     if q.device.type == "cpu" and run is not _eager and q.shape[-1] < _CPU_MIN_HEAD_DIM:
         # Zero dims add nothing to q k^T; the scale is passed, not read from D.
