@@ -72,6 +72,11 @@ def test_json_output_is_offered(command, capsys):
         (["check", "torch.nn:Linear"], "TARGET: expected a module instance or a function, got the class"),
         (["check", "torch.nn.functional:scaled_dot_product_attention", "--projections", "a,b"], "--projections: expected 3 or 4"),
         (["monitor", "--hf", "x", "--text", "hi", "--max-length", "0"], "argument --max-length: expected a positive integer"),
+        # a seed past 64 bits ran the report to exit 0 with a traceback recorded in a claim
+        (["report", "--seed", "99999999999999999999", "--out", "unused"], "argument --seed: expected an integer from 0 to 2**32 - 1"),
+        (["report", "--seed", "-1"], "argument --seed: expected an integer from 0 to 2**32 - 1, got '-1'"),
+        (["run", "variance-law", "--seed", str(2**32)], "argument --seed: expected an integer from 0 to 2**32 - 1"),
+        (["demo", "--seed", "x"], "argument --seed: expected an integer from 0 to 2**32 - 1, got 'x'. Fix: pass e.g. --seed 1"),
     ],
 )
 def test_bad_arguments_are_usage_errors_without_a_traceback(argv, text, capsys):

@@ -67,6 +67,20 @@ def _positive_int(flag: str, example: int) -> Callable[[str], int]:
     return parse
 
 
+def _seed(text: str) -> int:
+    """An argparse type: a seed the lab takes (:data:`attnscale.lab.runner.SEED_LIMIT`), else a
+    usage error before any work."""
+    from .lab.runner import SEED_LIMIT
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**32 - 1, got {text!r}. Fix: pass e.g. --seed 1")
+    return value
+
+
 def _summary(args: argparse.Namespace, line: str) -> None:
     """The command's one-line result: printed unless the output is JSON, also with --quiet."""
     if not getattr(args, "json", False):
@@ -802,7 +816,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--keys", type=_positive_int("--keys", 64), default=64, help=f"number of keys S, 1 to {_DEMO_MAX_KEYS} (default 64)")
     demo.add_argument("--draws", type=_positive_int("--draws", 2000), default=2000, help="random query draws per D (default 2000)")
-    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
     demo.set_defaults(func=_demo)
 
     check = command(
@@ -866,7 +880,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="output folder (default ./attnscale-report; another profile or --only: ./attnscale-report-PROFILE[-only])",
     )
     report.add_argument("--profile", choices=profiles, default="default", help="size of the experiments (default: default)")
-    report.add_argument("--seed", type=int, default=0, help="random seed of every experiment (default 0)")
+    report.add_argument("--seed", type=_seed, default=0, help="random seed of every experiment (default 0)")
     report.add_argument("--only", nargs="+", metavar="ID", help="run only these claims (ids from 'attnscale list')")
     report.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, metavar="N", help="experiments run at once (default: CPU count)"
@@ -922,7 +936,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("claim", metavar="ID", help="claim id, e.g. saturation-example")
     run.add_argument("--profile", choices=profiles, default="default", help="size of the experiment (default: default)")
-    run.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    run.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
     run.add_argument("--figures", metavar="DIR", default=None, help="also write its figures (SVG and PNG) into DIR")
     run.add_argument("--json", action="store_true", help="print the experiment's results.json record as JSON")
     run.set_defaults(func=_run)

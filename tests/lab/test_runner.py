@@ -472,3 +472,10 @@ def test_a_failing_part_makes_the_claim_inconclusive_and_is_retried(fake_lab):
     (root / "break-yy").unlink()
     rec = runner.run_report(out, profile="tiny", jobs=2, only=["fake-f-parts"], console=_quiet(), package=name)["claims"][0]
     assert rec["verdict"] == "holds" and not rec["cached"]
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 10**20, 1.0, True], ids=str)
+def test_run_report_refuses_a_seed_outside_0_to_2_to_the_32_before_any_work(tmp_path, seed):
+    with pytest.raises(ValueError, match="seed: expected an integer from 0 to 2\\*\\*32 - 1"):
+        runner.run_report(tmp_path / "out", profile="tiny", seed=seed, console=_quiet())
+    assert not (tmp_path / "out").exists()

@@ -270,6 +270,11 @@ def check_replaces(outdir: Path, profile: str, seed: int, claim_ids: Sequence[st
     )
 
 
+SEED_LIMIT = 2**32
+"""Seeds run from 0 to 2**32 - 1: experiments derive their generators' seeds from the seed (times a
+million and more), which must stay inside torch's 64-bit seeds, and NumPy takes no negative one."""
+
+
 def run_report(
     outdir: Path | str = "attnscale-report",
     *,
@@ -301,6 +306,8 @@ def run_report(
     jobs = (os.cpu_count() or 1) if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}; use 1 to run one experiment at a time")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed: expected an integer from 0 to 2**32 - 1, got {seed!r}. Fix: pass e.g. seed=1")
     check_outdir(outdir, arg=names[0])
     console = console or Console()
     outdir = Path(outdir)
