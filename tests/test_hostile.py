@@ -156,6 +156,22 @@ def test_products_beyond_float32_give_the_float64_answer(backend, dtype):
     assert_matches(out, oracle(q, k, v), atol=1e-6 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto", "fused", "tiled", "math"])
+def test_last_backend_names_what_computed_the_returned_output(backend, caplog):
+    """After the float64 recompute, last_backend() said 'torch' for an output the fused kernel had
+    computed in float64. It names the recompute's backend (torch's SDPA never recomputes, see
+    guard._float64; the kernels recompute themselves), and the log says why."""
+    q, k, v = huge_inputs(torch.float32)
+    wide = "fused" if kernels.available() else "tiled"
+    with caplog.at_level("DEBUG", logger="attnscale"):
+        sdpa(q, k, v, backend=backend)
+    assert attnscale.last_backend() == (backend if backend in ("fused", "tiled", "math") else wide)
+    assert f"ran backend={attnscale.last_backend()} (float64 recompute: " in caplog.text
+    if backend != "auto":  # no recompute: the backend asked for
+        sdpa(q / 1e30, k / 1e30, v, backend=backend)
+        assert attnscale.last_backend() == backend
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_products_that_all_overflow_to_minus_inf_are_not_an_empty_row(backend):
     # Every q.k is about -1e60: float32 sees a row of -inf logits, fp64 a sharp softmax.

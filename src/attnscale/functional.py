@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -45,6 +46,17 @@ def record_backend(backend: Backend, why: object) -> None:
     (:func:`attnscale.varlen_attention`'s one kernel call)."""
     _state.backend = backend.value
     log.debug("attnscale attention ran backend=%s (%s)", backend.value, why)
+
+
+class _Recomputed(NamedTuple):
+    """Why the float64 recompute's backend ran (formatted only when the line is logged)."""
+
+    chosen: Backend
+    why: object
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"float64 recompute: {self.chosen.value} ({self.why}) gave {self.dtype} rows that overflowed or may have"
 
 
 def _plain_softcapped(
@@ -288,8 +300,11 @@ def scaled_dot_product_attention(
     if traced:
         out, stats = result.out, result.stats
     else:
-        out, stats = guard.check(implementation, c, result)
-        record_backend(implementation.backend, why)
+        out, stats, recomputed_by = guard.check(implementation, c, result)
+        if recomputed_by is None:
+            record_backend(implementation.backend, why)
+        else:  # what computed the returned output, and why
+            record_backend(recomputed_by, _Recomputed(implementation.backend, why, query.dtype))
     if call.return_stats:
         assert stats is not None
         return out, stats

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import torch
 from torch import Tensor
@@ -182,14 +182,23 @@ def _rows_may_hide_trouble(implementation: Implementation, c: Call, read: _Read)
     return may_overflow(bound, accumulation_dtype(query.dtype))
 
 
-def check(implementation: Implementation, c: Call, result: Result) -> tuple[Tensor, AttentionStats | None]:
+class Checked(NamedTuple):
+    """An eager call's output and statistics by the documented rules, and the float64 recompute's
+    backend where one computed them (None where ``implementation``'s own result stands)."""
+
+    out: Tensor
+    stats: AttentionStats | None
+    recomputed_by: Backend | None = None
+
+
+def check(implementation: Implementation, c: Call, result: Result) -> Checked:
     """The output of an eager call by the documented rules: ``result`` itself when its rows pass
     the check, else the result of :func:`_careful`."""
     out, stats, rows_ok = result
     on_host = rows_ok is not None or c.query.is_cpu
     read = _Read(out, rows_ok) if on_host else _OneRead(out, (c.query, c.key, c.alibi_slopes), c.attn_mask)
     if read.rows_look_right() and not _rows_may_hide_trouble(implementation, c, read):
-        return out, stats
+        return Checked(out, stats)
     return _careful(implementation, c, (out, stats), read.peaks)
 
 
@@ -224,9 +233,7 @@ def _cast_stats(stats: AttentionStats | None, dtype: torch.dtype) -> AttentionSt
     )
 
 
-def _careful(
-    implementation: Implementation, c: Call, fast: tuple[Tensor, AttentionStats | None], peaks: Tensor
-) -> tuple[Tensor, AttentionStats | None]:
+def _careful(implementation: Implementation, c: Call, fast: tuple[Tensor, AttentionStats | None], peaks: Tensor) -> Checked:
     """The result of a call whose fast output has a NaN, inf or zero row (or, from the tiled
     kernel, logits that may overflow), by the documented rules.
 
@@ -254,10 +261,13 @@ def _careful(
     # Finite rows are right unless the logits may overflow where that leaves them finite: the
     # tiled kernel's exp floor, and any softcap (it caps an overflowed product to a finite logit).
     trust_finite = not implementation.floors_exp and c.spec.path.softcap is None
+    recomputed_by = None
     if _misfit(peaks, nan_rows, lambda: may_overflow(bound(), acc), trust_finite):
         if acc == torch.float64:
             _refuse_overflow(c, query, key, value, acc, bound())
-        out, stats, _ = _float64(implementation, c).run(c, query.double(), key.double(), value.double())
+        wide = _float64(implementation, c)
+        recomputed_by = wide.backend
+        out, stats, _ = wide.run(c, query.double(), key.double(), value.double())
         if _misfit(_row_peaks(out), nan_rows, lambda: may_overflow(bound(), torch.float64), trust_finite):
             _refuse_overflow(c, query, key, value, acc, bound())
         # A convex combination of values (weights summing to at most 1) fits the values' dtype.
@@ -266,7 +276,7 @@ def _careful(
         out = out.masked_fill(nan_rows[..., None], math.nan)
         if stats is not None:
             stats = with_nan_rows(stats, nan_rows)
-    return out, stats
+    return Checked(out, stats, recomputed_by)
 
 
 def _float64(implementation: Implementation, c: Call) -> Implementation:
