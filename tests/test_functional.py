@@ -948,7 +948,7 @@ def test_tensors_that_are_not_plain_take_the_full_path(monkeypatch, name):
         assert torch.equal(out.detach(), want.detach()) or torch.allclose(out.detach(), want.detach(), rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("poison", ["none", "nan_q", "inf_k", "big_k", "zero_out_row"])
+@pytest.mark.parametrize("poison", ["none", "nan_q", "inf_k", "big_k", "zero_out_row", "inf_out_row", "nan_out_row"])
 @pytest.mark.parametrize("backend", ["tiled", "flex", "math"])
 def test_the_one_read_guard_decides_as_the_eager_one(poison, backend):
     """On accelerators the guard reads its numbers (row peaks, max |q|, |k|, slopes, float mask) in
@@ -971,6 +971,10 @@ def test_the_one_read_guard_decides_as_the_eager_one(poison, backend):
         k *= 1e30
     elif poison == "zero_out_row":
         out[0, 0, 3] = 0.0
+    elif poison == "inf_out_row":  # the top of the peaks' range: a row with +inf fails
+        out[0, 1, 2, 5] = m.inf
+    elif poison == "nan_out_row":
+        out[0, 1, 4, 0] = m.nan
     slopes = attnscale.alibi_slopes(2)
     mask = torch.randn(6, 7, generator=gen).masked_fill(torch.rand(6, 7, generator=gen) < 0.3, -m.inf)
     for opts in ({}, {"softcap": 5.0}, {"alibi_slopes": slopes, "attn_mask": mask}):

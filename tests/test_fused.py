@@ -1158,3 +1158,14 @@ def test_a_tiny_softcap_still_caps(dtype, softcap, backend):
         want = torch.from_numpy(run_reference(q, k, v, None, softcap=softcap, **opts))
         rounding = (want.to(dtype).double() - want).abs().max()
         assert (out.double() - want).abs().max() <= 2 * rounding + torch.finfo(dtype).eps, (opts, backend)
+
+
+@pytest.mark.parametrize("backend", ["auto", "fused"])
+def test_a_softcapped_call_with_dv_unlike_d_takes_the_default_scale_from_d(backend):
+    """The short route of plain softcapped calls: the default scale is 1/sqrt(D) of q and k, never
+    of v's head dim (the one Dv != D test passed a scale; the other had S = 1)."""
+    q, k, v = make_inputs(B=2, H=4, Hkv=4, L=6, S=9, D=16, Dv=4, dtype=torch.float32, seed=8)
+    out = sdpa(q, k, v, backend=backend, softcap=5.0)
+    assert attnscale.last_backend() == "fused"
+    want = torch.from_numpy(run_reference(q, k, v, None, softcap=5.0))
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-6)

@@ -173,6 +173,20 @@ def test_last_backend_names_what_computed_the_returned_output(backend, caplog):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_products_that_overflow_only_through_the_sum_over_d_give_the_float64_answer(backend):
+    """Each entry's product q_d k_d (about -1e38 to -2e38) fits float32; their sum over D = 64 does
+    not. Only the D in the logits' bound (D max|q| max|k| scale) says these rows may have overflowed:
+    without it the tiled kernel's floored rows came back 0.75 off the float64 answer."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.full((1, 2, 3, 64), 1e19)
+    k = -1e19 * (1 + torch.rand(1, 2, 5, 64, generator=gen))
+    v = torch.randn(1, 2, 5, 8, generator=gen)
+    one = q[..., :1, :] * k  # (1, 2, 5, 64): every query row is the same
+    assert torch.isfinite(one).all() and not torch.isfinite(one.sum(-1)).any()
+    assert_matches(sdpa(q, k, v, backend=backend), oracle(q, k, v), atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_products_that_all_overflow_to_minus_inf_are_not_an_empty_row(backend):
     # Every q.k is about -1e60: float32 sees a row of -inf logits, fp64 a sharp softmax.
     q, k, v = huge_inputs(torch.float32)
