@@ -330,6 +330,27 @@ def test_vmap_over_a_batch_equals_the_loop(feature):
     torch.testing.assert_close(torch.func.vmap(f, in_dims=(0, None))(q, k[0]), torch.stack([f(q[i], k[0]) for i in range(3)]), rtol=0, atol=atol)
 
 
+@needs_kernel
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32], ids=["bool", "float"])
+def test_vmap_over_per_sample_masks_equals_the_loop(mask_dtype):
+    """A mask mapped with the batch reaches the op's vmap rule with its own mapped dim, which the
+    rule folds into the kernel's batch like q, k and v (dropping it raised instead of matching).
+    A mask mapped alone (q and k shared) was not seen as traced: the kernel was handed vmap's
+    wrapper ("Cannot access data pointer"), or a float mask's values were read under vmap."""
+    gen = torch.Generator().manual_seed(6)
+    q, k = torch.randn(3, 2, H, 9, D, generator=gen), torch.randn(3, 2, H, 11, D, generator=gen)
+    keep = torch.rand(3, 2, H, 9, 11, generator=gen) > 0.3
+    keep[..., 0] = True  # every row sees a key
+    mask = keep if mask_dtype == torch.bool else torch.zeros(keep.shape).masked_fill(~keep, float("-inf")) + torch.randn(keep.shape, generator=gen)
+
+    def f(q, k, mask):
+        return attnscale.scaled_dot_product_attention(q, k, k, mask, softcap=5.0, backend="fused")
+
+    want = torch.stack([f(q[i], k[i], mask[i]) for i in range(3)])
+    torch.testing.assert_close(torch.func.vmap(f)(q, k, mask), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.func.vmap(f, in_dims=(None, None, 0))(q[0], k[0], mask), torch.stack([f(q[0], k[0], m) for m in mask]), rtol=0, atol=1e-6)
+
+
 def test_tiled_kernel_under_vmap_is_refused_and_auto_takes_a_backend_with_a_batching_rule():
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(3, 2, H, 9, D, generator=gen)

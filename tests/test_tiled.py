@@ -352,6 +352,23 @@ def test_auto_dispatch_rule(monkeypatch):
     assert attnscale.last_backend() == KERNEL
 
 
+@pytest.mark.parametrize(("L", "math_runs"), [(2896, True), (2897, False)], ids=["67094528-scores", "67140872-scores"])
+def test_auto_leaves_math_above_2_to_the_26_scores(L, math_runs):
+    """Up to 2**26 scores (256 MiB per (H, L, S) tensor in float32) auto may take math; above, a
+    kernel: the bound as the sizes meet it, not as a patched constant (doubled, a 7.2e7-score call
+    built the whole score matrix). D != Dv, so that torch's own kernel declines; nothing is run."""
+    from attnscale._validate import check_attention_call
+    from attnscale.backends import Call, choose
+
+    q, k, v = torch.zeros(1, 1, 1, 1).expand(1, 8, L, 4), torch.zeros(1, 1, 1, 1).expand(1, 8, L, 4), torch.zeros(1, 1, 1, 1).expand(1, 8, L, 3)
+    call = check_attention_call(
+        q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, causal_alignment="top_left",
+        backend="auto", softcap=None, alibi_slopes=None, window=None, return_stats=False, sinks=None, values=False,
+    )  # fmt: skip
+    chosen, _ = choose(Call(call, q, k, v, None, None, None))
+    assert (chosen.backend.value == "math") is math_runs
+
+
 @pytest.mark.parametrize(
     "opts",
     [

@@ -492,7 +492,7 @@ def flex_attention(
     k = key.expand(*batch, Hkv, S, D).reshape(B, Hkv, S, D)  # (B, Hkv, S, D)
     v = value.expand(*batch, Hkv, S, Dv).reshape(B, Hkv, S, Dv)  # (B, Hkv, S, Dv)
     acc = accumulation_dtype(query.dtype)
-    traced = tracing(query, key, value)
+    traced = tracing(query, key, value, attn_mask, alibi_slopes, sinks)
     score_mod, mask_mod, by = mods(path, batch=batch, attn_mask=attn_mask, alibi_slopes=alibi_slopes, device=device, dtype=acc, captured=not traced)
     block_mask = _block_mask(path, mask_mod, by, (B, H, L, S), attn_mask, device, traced)
     out, lse = _run(q, k, v, path=path, score_mod=score_mod, block_mask=block_mask, want_lse=sinks is not None or return_stats, traced=traced)

@@ -273,7 +273,7 @@ def scaled_dot_product_attention(
     )  # fmt: skip
     if out is not None:
         return out
-    traced = tracing(query, key, value)
+    traced = tracing(query, key, value, attn_mask, alibi_slopes, sinks)  # a mask mapped by vmap alone counts
     call = check_attention_call(
         query,
         key,

@@ -354,7 +354,7 @@ class FusedForward(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, alibi, mask, spans, *options):  # type: ignore[override]
-        if tracing(q, k, v):
+        if tracing(q, k, v, alibi, mask):
             return fused_forward(q, k, v, alibi, mask, spans, *options)
         return tuple(run_forward(q, k, v, alibi, mask, spans, KernelOptions(*options)))
 
@@ -373,10 +373,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Tensor 
     meta tensors), :class:`FusedForward` under torch.func transforms and wherever a gradient may
     be asked for, else the kernel itself (dispatching a Python custom op is a visible share of a
     decoding step: bench_fused.py's decoding case). The one route into the kernel for every caller."""
-    if not tracing(q, k, v):  # eager (the common case first: each check it passes costs)
+    if not tracing(q, k, v, alibi, mask):  # eager (the common case first: each check it passes costs)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return KernelOutputs(*FusedForward.apply(q, k, v, alibi, mask, spans, *options))
         return run_forward(q, k, v, alibi, mask, spans, options)
-    if not torch.compiler.is_compiling() and any(_functorch_wrapped(t) for t in (q, k, v)):
+    if not torch.compiler.is_compiling() and any(_functorch_wrapped(t) for t in (q, k, v, alibi, mask) if t is not None):
         return KernelOutputs(*FusedForward.apply(q, k, v, alibi, mask, spans, *options))
     return KernelOutputs(*fused_forward(q, k, v, alibi, mask, spans, *options))  # compiling, or fake / meta tensors
