@@ -122,6 +122,15 @@ def test_profiles_keep_realistic_head_dims_and_enough_seeds():
         exp.Config.for_profile("huge")
 
 
+def test_the_seed_counts_the_docs_state_are_the_profiles():
+    """The module's docstring (the claim's method) states each profile's seed counts; a profile
+    that trains another count than it says is caught here, not only by the rule's fingerprint."""
+    doc = " ".join(exp.__doc__.split())
+    quick, full = exp.Config.for_profile("quick"), exp.Config.for_profile("full")
+    assert f"``quick`` keeps MQAR at d_k 64, AdamW, the realistic rungs and {quick.seeds} seeds" in doc
+    assert full.seeds == full.sgd_seeds and f"SGD on 1, 27 and 54, {full.seeds} seeds each" in doc
+
+
 def test_reports_at_different_seeds_share_no_model():
     assert exp.model_seeds(0, 5) == [0, 1, 2, 3, 4]
     assert not set(exp.model_seeds(1, 8)) & (set(exp.model_seeds(0, 8)) | set(exp.model_seeds(2, 8)))

@@ -31,6 +31,15 @@ def test_a_clean_ladder_crosses_between_its_last_rung_below_and_first_above():
     assert c.at == pytest.approx(4 * 2**t, rel=1e-3)
 
 
+def test_the_crossing_is_interpolated_in_log_log_not_linearly():
+    """Between (1, 1.0) and (27, 6.0) the 2x crossing lies at 27 ** (ln 2 / ln 6) = 3.58 on the
+    log-log line (linearly it would be 6.2); the clean ladder above sits on a line through the
+    origin, where both agree."""
+    c = crossing([_point(1, 1.0), _point(27, 6.0)], 2.0)
+    assert c.at == pytest.approx(27 ** (math.log(2) / math.log(6)), rel=1e-3)
+    assert c.at == pytest.approx(3.58, abs=0.01)
+
+
 def test_the_slowdown_pairs_each_seeds_runs():
     """Seeds whose own speeds differ by 30% with one ratio 1.5 between the divisors: the paired
     slowdown is 1.5 to rounding, clearly below 2; unpaired medians would spread it by the speeds."""
