@@ -547,6 +547,8 @@ def test_the_kernel_binding_refuses_block_sizes_that_crashed_or_hung_it(blocks):
         pytest.param({"q_offset": 2**61, "causal": True}, lambda i, j: j >= 0, id="causal-offset-2**61"),
         pytest.param({"q_offset": -(2**61), "causal": True}, lambda i, j: j < 0, id="causal-offset-minus-2**61"),
         pytest.param({"q_start": 2**61, "k_start": 2**61, "left": 2, "right": 2**61}, lambda i, j: j >= i - 2, id="window-2**61"),
+        pytest.param({"q_start": 2**61, "left": 2**63 - 1, "right": 2**63 - 1}, lambda i, j: j >= 0, id="window-sides-of-int64-max"),
+        pytest.param({"q_offset": -(2**61), "k_start": 2**61, "causal": True, "left": 2**63 - 1}, lambda i, j: j < 0, id="causal-before-every-key-int64-max-left"),
     ],
 )
 def test_positions_up_to_2_to_the_61_are_exact(given, sees):

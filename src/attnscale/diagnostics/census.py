@@ -1080,8 +1080,8 @@ def _bounded(*, parameters: bool = True) -> Iterator[None]:
     registration hooks). On the meta device, where nothing is allocated, only modules cost."""
     from torch.nn.modules import module as registry
 
-    modules = 0
-    entries: dict[int, int] = {}
+    modules, entries = 0, 0
+    seen: set[int] = set()
 
     def on_module(parent: nn.Module, name: str, child: nn.Module | None) -> None:
         nonlocal modules
@@ -1090,9 +1090,11 @@ def _bounded(*, parameters: bool = True) -> Iterator[None]:
             raise TooLarge(f"too large: more than {MAX_MODULES} modules (limit of attnscale check)")
 
     def on_parameter(parent: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if parameters and param is not None:
-            entries[id(param)] = param.numel()
-            if sum(entries.values()) > MAX_PARAMETERS:
+        nonlocal entries
+        if parameters and param is not None and id(param) not in seen:  # a tied weight counts once
+            seen.add(id(param))
+            entries += param.numel()
+            if entries > MAX_PARAMETERS:
                 raise TooLarge(f"too large: more than {MAX_PARAMETERS / 1e6:.0f}M parameters (limit of attnscale check)")
 
     handles = (registry.register_module_module_registration_hook(on_module), registry.register_module_parameter_registration_hook(on_parameter))

@@ -105,10 +105,10 @@ def fit_logit_scale(query: Tensor, key: Tensor, weights: Tensor, *, min_prob: fl
     Shapes: query (..., H, L, D), key (..., Hkv, S, D) with H a multiple of Hkv, weights
     (..., H, L, S). Entries with weight <= ``min_prob`` (masked, or underflowed) are ignored; rows
     with fewer than two usable entries are skipped. A head whose usable entries leave q.k constant
-    (none at all, from NaN or zero weights) has R^2 0: nothing was fitted. With ``position_bias`` the fit also has a
-    slope ``b`` on the query-key distance (``i - j``, the last query at the last key), ALiBi's
-    form: ``log weights = s * q.k + b * (i - j) + row constant`` (rows need three entries), and
-    ``ScaleFit.bias_slope`` holds ``b`` per head.
+    (none at all, from NaN or zero weights) has R^2 0: nothing was fitted. With ``position_bias``
+    the fit also has a slope ``b`` on the query-key distance (``i - j``, the last query at the last
+    key), ALiBi's form: ``log weights = s * q.k + b * (i - j) + row constant`` (rows need three
+    entries), and ``ScaleFit.bias_slope`` holds ``b`` per head.
     """
     if weights.shape[-3:] != (*query.shape[-3:-1], key.shape[-2]):
         fail(

@@ -17,8 +17,8 @@
 
 namespace {
 
-// Positions (q_offset, q_start, k_start) and window sides up to this size: their sums in
-// Problem::row_span and the ALiBi distance stay inside int64 (four terms of at most 2^61).
+// Positions (q_offset, q_start, k_start) up to this size: the ALiBi distance, their sum, stays
+// inside int64 (four terms of at most 2^61); Problem::row_span adds window sides in 128 bits.
 constexpr int64_t kMaxPosition = int64_t(1) << 61;
 
 inline std::string shape_of(const torch::Tensor& x) {
@@ -46,8 +46,8 @@ inline bool rows_readable(const torch::Tensor& x) {
 inline void check_options(const Options& o) {
   ATTNSCALE_REFUSE(std::isfinite(o.scale), "scale", "a finite number", o.scale);
   ATTNSCALE_REFUSE(std::isfinite(o.softcap) && o.softcap >= 0, "softcap", "a finite cap > 0, or 0 for none", o.softcap);
-  ATTNSCALE_REFUSE(o.left >= -1 && o.right >= -1 && o.left <= kMaxPosition && o.right <= kMaxPosition, "left, right",
-                   "window sides of 0 to 2**61 keys, or -1 for unbounded", std::to_string(o.left) + ", " + std::to_string(o.right));
+  ATTNSCALE_REFUSE(o.left >= -1 && o.right >= -1, "left, right", "window sides of 0 keys or more, or -1 for unbounded",
+                   std::to_string(o.left) + ", " + std::to_string(o.right));
   ATTNSCALE_REFUSE(o.q_start >= 0 && o.k_start >= 0 && o.q_start <= kMaxPosition && o.k_start <= kMaxPosition, "q_start, k_start",
                    "global positions from 0 to 2**61", std::to_string(o.q_start) + ", " + std::to_string(o.k_start));
   ATTNSCALE_REFUSE(o.q_offset >= -kMaxPosition && o.q_offset <= kMaxPosition, "q_offset", "a key position from -2**61 to 2**61",

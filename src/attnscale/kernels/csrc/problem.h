@@ -105,16 +105,18 @@ struct Problem {
   int64_t q_blocks() const { return (L + block_q - 1) / block_q; }
 
   // Keys [lo, hi) (local) that causal / window leave visible to query row i; hi <= lo if none.
-  // Every position and window side is at most 2^61 (checks.h), so no sum here leaves int64, and
-  // only the limits that exist are applied (no stand-in for "unbounded" that a position could reach).
+  // Only the limits that exist are applied (no stand-in for "unbounded" that a position could
+  // reach). Positions are at most 2^61 (checks.h), window sides any int64: p plus or minus a side
+  // is taken in 128 bits, then cut to the keys [0, S).
   void row_span(int64_t i, int64_t* lo, int64_t* hi) const {
-    const int64_t p = q_start + i + q_offset - k_start;  // aligned position, as a local key index
-    int64_t first = 0, last = S - 1;
+    using Wide = __int128;
+    const Wide p = Wide(q_start) + i + q_offset - k_start;  // aligned position, as a local key index
+    Wide first = 0, last = S - 1;
     if (causal) last = std::min(last, p);
     if (left >= 0) first = std::max(first, p - left);
     if (right >= 0) last = std::min(last, p + right);
-    *lo = first;
-    *hi = last + 1;
+    *lo = static_cast<int64_t>(std::min<Wide>(first, S));
+    *hi = static_cast<int64_t>(std::max<Wide>(last + 1, 0));
   }
 
   // The key tiles [j0, j1) of query block i0:i1: fixed blocks of block_k, cut to the keys some

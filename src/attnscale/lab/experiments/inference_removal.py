@@ -229,8 +229,8 @@ def _minilm(exponents: tuple[float, ...]) -> dict:
     bar_was_on = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        model = transformers.AutoModel.from_pretrained(path, local_files_only=True, trust_remote_code=False, attn_implementation="eager").eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = transformers.AutoModel.from_pretrained(path, local_files_only=True, attn_implementation="eager").eval()
     finally:
         if bar_was_on:
             transformers.utils.logging.enable_progress_bar()
