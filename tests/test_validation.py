@@ -86,14 +86,20 @@ def test_head_mismatch_between_key_and_value():
     refused(ValueError, "value", q, k, v[:, :2])
 
 
-def test_zero_head_dim():
+def test_a_zero_head_dim_gives_uniform_weights_as_torch():
+    """D = 0: every logit is the empty sum 0 (whatever the scale), so each row averages the values
+    it sees, as torch computes it; it was refused."""
     q0, k0, v0 = qkv(D=0)
-    assert "D >= 1" in refused(ValueError, "query", q0, k0, v0)
+    v0 = torch.randn(*v0.shape[:-1], 3)
+    out = attnscale.scaled_dot_product_attention(q0, k0, v0)
+    torch.testing.assert_close(out, v0.mean(-2, keepdim=True).expand_as(out), rtol=0, atol=1e-6)
 
 
-def test_zero_kv_heads():
+def test_no_key_heads_for_query_heads_are_refused_and_no_heads_at_all_is_the_empty_output():
+    q4, k0, v0 = qkv(H=4, Hkv=0)
+    refused(ValueError, "key", q4, k0, v0, enable_gqa=True)
     q0, k0, v0 = qkv(H=0, Hkv=0)
-    refused(ValueError, "key", q0, k0, v0)
+    assert attnscale.scaled_dot_product_attention(q0, k0, v0).shape == (*q0.shape[:-1], v0.shape[-1])
 
 
 def test_heads_differ_without_enable_gqa():
@@ -153,9 +159,16 @@ def test_mask_on_another_device():
 # Scalars and choices ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scale", [0.0, -0.125, math.nan, math.inf, -math.inf])
-def test_scale_must_be_finite_and_positive(scale):
+@pytest.mark.parametrize("scale", [math.nan, math.inf, -math.inf])
+def test_scale_must_be_finite(scale):
     refused(ValueError, "scale", q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125])
+def test_a_zero_or_negative_scale_is_a_formula_like_any_other(scale):
+    """torch computes them (its regression test for pytorch#105190); they were refused."""
+    want = torch._C._nn.scaled_dot_product_attention(q, k, v, scale=scale)
+    torch.testing.assert_close(attnscale.scaled_dot_product_attention(q, k, v, scale=scale), want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("scale", ["0.125", True, torch.tensor(0.125), [0.125]])
@@ -253,7 +266,7 @@ def test_torch_backend_with_what_torch_lacks(option):
 def test_validation_runs_before_any_compute():
     # Meta tensors have no data: any attempt to compute would fail differently or silently succeed.
     qm, km, vm = (t.to("meta") for t in qkv())
-    refused(ValueError, "scale", qm, km, vm, scale=-1.0)
+    refused(ValueError, "scale", qm, km, vm, scale=math.nan)
     refused(ValueError, "key", qm, km[..., :7], vm)
     before = attnscale.last_backend()
     refused(ValueError, "dropout_p", q, k, v, dropout_p=2.0)

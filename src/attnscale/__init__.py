@@ -17,6 +17,8 @@ from .score import ScorePath
 from .stats import AttentionStats, HeadSummary, normalized_entropy, share_above, summarize
 from .tiled import attention_partial, merge_partials
 from .varlen import varlen_attention
+from .patch import TorchPatch, patch_torch
+from ._validate import InputError, InputTypeError
 from . import kernels, variants
 from .integrations.hf_autoregister import install as _register_with_transformers
 
@@ -43,9 +45,12 @@ __all__ = [
     "Backend",
     "CausalAlignment",
     "HeadSummary",
+    "InputError",
+    "InputTypeError",
     "KVCache",
     "MultiHeadAttention",
     "ScorePath",
+    "TorchPatch",
     "__version__",
     "alibi_bias",
     "alibi_slopes",
@@ -57,6 +62,7 @@ __all__ = [
     "monitor",
     "normalized_entropy",
     "padding_mask",
+    "patch_torch",
     "scaled_dot_product_attention",
     "share_above",
     "sliding_window_mask",

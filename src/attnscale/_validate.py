@@ -1,7 +1,9 @@
 """Input checks shared by every entry point: they run before any compute.
 
 Each failure names the argument, what was expected, what arrived, and how to fix it.
-Wrong types raise ``TypeError``; wrong values or shapes raise ``ValueError``.
+Wrong types raise :class:`InputTypeError` (a ``TypeError``); wrong values or shapes raise
+:class:`InputError` (a ``ValueError``). Both are also ``RuntimeError``, which torch's SDPA raises
+for the same calls, so that code written against torch (``except RuntimeError``) catches them too.
 """
 
 from __future__ import annotations
@@ -38,8 +40,19 @@ class Backend(StrEnum):
     FLEX = "flex"
 
 
+class InputError(ValueError, RuntimeError):
+    """A value or shape attnscale cannot take: a ValueError, and a RuntimeError as torch raises."""
+
+
+class InputTypeError(TypeError, RuntimeError):
+    """An argument of the wrong type: a TypeError, and a RuntimeError as torch raises."""
+
+
+_AS_INPUT_ERROR: dict[type[Exception], type[Exception]] = {ValueError: InputError, TypeError: InputTypeError}
+
+
 def fail(arg: str, expected: str, got: object, fix: str, *, exc: type[Exception] = ValueError) -> NoReturn:
-    raise exc(f"{arg}: expected {expected}, got {got}. Fix: {fix}")
+    raise _AS_INPUT_ERROR.get(exc, exc)(f"{arg}: expected {expected}, got {got}. Fix: {fix}")
 
 
 def _shape(t: Tensor) -> str:
@@ -55,6 +68,18 @@ def check_choice(arg: str, value: object, enum: type[StrEnum]) -> StrEnum:
     if not isinstance(value, str):
         fail(arg, f"one of {choices}", repr(value), f"pass one of {choices}", exc=TypeError)
     fail(arg, f"one of {choices}", repr(value), f"pass one of {choices}")
+
+
+def check_finite(arg: str, value: object) -> float | None:
+    """None, or a finite float (of any sign: a negative or zero scale is a formula like any other)."""
+    if value is None or (type(value) is float and -math.inf < value < math.inf):  # the common case first
+        return value
+    if isinstance(value, bool) or not isinstance(value, Real):
+        fail(arg, "a finite float", repr(value), f"pass a float, e.g. {arg}=0.125", exc=TypeError)
+    value = float(value)
+    if not math.isfinite(value):
+        fail(arg, "a finite float", repr(value), "pass a finite float (or None for the default)")
+    return value
 
 
 def check_positive_finite(arg: str, value: object, *, allow_none: bool = True) -> float | None:
@@ -154,6 +179,9 @@ def check_tensors(query: object, key: object, value: object) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
             fail(name, "a torch.Tensor", type(t).__name__, f"convert with torch.as_tensor({name})", exc=TypeError)
+        if t.is_nested or t.layout is not torch.strided:  # a nested or sparse tensor has no sizes to read
+            got = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+            fail(name, "a dense (strided) tensor", got, "pad it (torch.nested.to_padded_tensor), or use torch's SDPA for it", exc=TypeError)
         if t.dtype not in FLOAT_DTYPES:
             fail(
                 name,
@@ -200,11 +228,9 @@ def check_attention_call(
     H, L, D = query.shape[-3:]
     Hkv, S, Dk = key.shape[-3:]
     Hv, Sv, Dv = value.shape[-3:]
-    if D == 0:
-        fail("query", "head_dim D >= 1 (the last dim)", _shape(query), "D = 0 has no dot product; check the head split")
     if Dk != D:
         fail("key", f"last dim D = {D} like the query's", _shape(key), "query and key must share the head dim D")
-    if Hkv == 0:
+    if Hkv == 0 and H > 0:  # (no query heads and none of keys: the empty output, as torch gives)
         fail("key", "at least one head (dim -3)", _shape(key), "give key and value Hkv >= 1 heads; check the head split")
     if Sv != S:
         fail("value", f"length S = {S} (dim -2) like the key's", _shape(value), "key and value must have the same number of positions")
@@ -220,7 +246,7 @@ def check_attention_call(
                 "pass enable_gqa=True for grouped-query attention (a single key/value head broadcasts without it)",
             )
         if Hkv == 0 or H % Hkv != 0:
-            fail("key", f"a number of heads that divides the query's {H}", f"{Hkv} heads", "use Hkv in the divisors of H")
+            fail("key", f"a number of heads that divides the query's {H}", f"{Hkv} heads", "use Hkv in the divisors of H")  # fmt: skip
     try:
         batch = query.shape[:-3]
         if not batch == key.shape[:-3] == value.shape[:-3]:  # broadcast_shapes costs ~0.1 ms a call
@@ -253,11 +279,11 @@ def check_attention_call(
     if not 0.0 <= float(dropout_p) < 1.0:
         fail("dropout_p", "a float in [0, 1)", repr(dropout_p), "pass e.g. dropout_p=0.1, or 0.0 at inference")
     is_causal = check_bool("is_causal", is_causal)
-    scale = check_positive_finite("scale", scale)
+    scale = check_finite("scale", scale)
     softcap = check_positive_finite("softcap", softcap)
     for arg, value in (("scale", scale), ("softcap", softcap)):
         # Python floats are float64: a value beyond float32's range would become inf in the score path.
-        if value is not None and value > _SCORE_MAX[query.dtype]:
+        if value is not None and abs(value) > _SCORE_MAX[query.dtype]:
             acc = accumulation_dtype(query.dtype)
             fail(arg, f"a value that fits {acc} (at most {_SCORE_MAX[query.dtype]:.4g}), where {query.dtype} inputs are scored", repr(value), f"pass a smaller {arg}, or float64 inputs")
     alignment = check_choice("causal_alignment", causal_alignment, CausalAlignment)
@@ -280,7 +306,9 @@ def check_attention_call(
     if sinks is not None:
         check_sinks(sinks, H, query.device, values=values, dtype=query.dtype)
     path = ScorePath(
-        scale=scale if scale is not None else 1.0 / math.sqrt(D),
+        # D = 0: every logit is the empty sum 0 whatever the scale (torch's answer: uniform weights);
+        # 1 keeps 0 * scale from being 0 * inf
+        scale=1.0 if D == 0 else scale if scale is not None else 1.0 / math.sqrt(D),
         softcap=softcap,
         causal=is_causal,
         window=window,

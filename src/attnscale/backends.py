@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import NamedTuple, NoReturn
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from . import flex
 from ._tracing import under_vmap
@@ -28,6 +28,12 @@ from .stats import AttentionStats
 from .tiled import tiled_attention
 
 __all__ = ["AUTO", "IMPLEMENTATIONS", "MATH_MAX_SCORES", "Call", "Implementation", "Refusal", "Result", "Why", "choose"]
+
+TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
+"""torch's own SDPA, bound once at import (``torch.nn.functional.scaled_dot_product_attention``
+is this object until someone replaces it): the ``"torch"`` backend calls it, so that replacing
+torch's function with attnscale's (:func:`attnscale.patch_torch`) never sends attnscale back
+into itself."""
 
 MATH_MAX_SCORES = 2**26
 """``backend="auto"`` avoids the math backend above this many scores ``prod(batch) * H * L * S``:
@@ -352,11 +358,11 @@ def torch_attention(
     if mask is not None:
         mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + tuple(mask.shape))
         mh, ml, ms = mask.shape[-3:]
-        if all(n == 1 for n in mask.shape[:-3]):
+        if all(guard_or_false(n == 1) for n in mask.shape[:-3]):  # a data-dependent size (torch.export) takes the expand
             mask = mask.reshape(1, mh, ml, ms)  # (1, H or 1, L or 1, S or 1)
         else:
             mask = mask.expand(*batch, mh, ml, ms).reshape(B, mh, ml, ms)  # (B, H or 1, L or 1, S or 1)
-    out = F.scaled_dot_product_attention(
+    out = TORCH_SDPA(
         q,
         k,
         v,

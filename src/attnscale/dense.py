@@ -26,6 +26,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def head_groups(H: int, Hkv: int) -> int:
+    """G = H // Hkv, the query heads that read one key/value head; 0 for a query without heads and
+    keys without them (H = Hkv = 0, an empty output, as torch gives)."""
+    return H // Hkv if Hkv else 0
+
+
 def masked_softmax(
     logits: Tensor, keep: Tensor | None, *, with_stats: bool, sink: Tensor | None = None
 ) -> tuple[Tensor, AttentionStats | None]:
@@ -100,7 +106,7 @@ def dense_weights(
     acc = accumulation_dtype(query.dtype)
     H, L = query.shape[-3], query.shape[-2]
     Hkv, S = key.shape[-3], key.shape[-2]
-    q = query.to(acc).unflatten(-3, (Hkv, H // Hkv))  # (..., Hkv, G, L, D)
+    q = query.to(acc).unflatten(-3, (Hkv, head_groups(H, Hkv)))  # (..., Hkv, G, L, D)
     k = key.to(acc).unsqueeze(-3)  # (..., Hkv, 1, S, D)
     qk = (q @ k.transpose(-1, -2)).flatten(-4, -3)  # (..., H, L, S)
 
@@ -140,7 +146,7 @@ def dense_attention(
         p = F.dropout(p, p=dropout_p, training=True)
     Hkv = key.shape[-3]
     v = value.to(p.dtype).unsqueeze(-3)  # (..., Hkv, 1, S, Dv)
-    out = (p.unflatten(-3, (Hkv, p.shape[-3] // Hkv)) @ v).flatten(-4, -3)  # (..., H, L, Dv)
+    out = (p.unflatten(-3, (Hkv, head_groups(p.shape[-3], Hkv))) @ v).flatten(-4, -3)  # (..., H, L, Dv)
     if stats is not None and stats.lse.shape != out.shape[:-1]:
         # The value's batch dims can widen the batch beyond the scores': statistics follow the output.
         stats = AttentionStats(

@@ -484,7 +484,7 @@ def flex_attention(
     H, L, D = query.shape[-3:]
     Hkv, S, Dv = key.shape[-3], key.shape[-2], value.shape[-1]
     B = math.prod(batch)
-    if B == 0 or L == 0 or S == 0 or D == 0:  # nothing for a kernel to do: the dense result is exact and cheap
+    if B == 0 or H == 0 or L == 0 or S == 0 or D == 0:  # nothing for a kernel to do: the dense result is exact and cheap
         return dense_attention(query, key, value, path=path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=return_stats)
     device = query.device
     path = _clamped(path, L, S)

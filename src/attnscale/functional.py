@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.nn.attention.bias import CausalBias
 
 from . import _validate, backends, guard
 from ._tracing import _functorch_wrapped, refuse_jit_trace, tracing
@@ -21,7 +22,7 @@ from .guard import abs_max, may_overflow
 from .kernels import ops as kernel_ops
 from .kernels.fused import _blas_rows
 from .kernels.fused import supports as fused_supports
-from .masks import CausalAlignment
+from .masks import CausalAlignment, from_causal_bias
 from .stats import AttentionStats
 
 __all__ = ["MATH_MAX_SCORES", "Backend", "abs_max", "last_backend", "may_overflow", "record_backend", "scaled_dot_product_attention"]
@@ -267,6 +268,8 @@ def scaled_dot_product_attention(
     # Static checks -> choose -> call the backend; then, in eager mode only, the checks of the
     # output that need values (see attnscale._tracing): none of it while tracing.
     refuse_jit_trace("scaled_dot_product_attention")
+    if attn_mask is not None and isinstance(attn_mask, CausalBias):  # torch's causal bias objects: what they mean
+        attn_mask, is_causal, causal_alignment = from_causal_bias(attn_mask, is_causal, causal_alignment, query, key)
     out = _plain_softcapped(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, softcap, alibi_slopes, window, sinks,
         return_stats, backend,

@@ -143,7 +143,7 @@ def _logit_bound(c: Call, q_max: float, k_max: float, read: _Read) -> float:
         return math.nan
     spec, mask = c.spec, c.attn_mask
     softcap = spec.path.softcap
-    bound = spec.path.scale * spec.D * q_max * k_max if softcap is None else softcap
+    bound = abs(spec.path.scale) * spec.D * q_max * k_max if softcap is None else softcap
     if c.alibi_slopes is not None:
         bound += read(c.alibi_slopes) * max(spec.L, spec.S)  # |i' - j| < max(L, S)
     if mask is not None and mask.dtype != torch.bool:
@@ -152,7 +152,7 @@ def _logit_bound(c: Call, q_max: float, k_max: float, read: _Read) -> float:
     if softcap is not None:
         # Before the cap, whichever order a backend multiplies in: q.k, then the scale (and
         # 1 / softcap, folded into it), or q times the scale first.
-        bound = max(bound, spec.D * q_max * k_max * max(1.0, spec.path.scale, spec.path.scale / softcap))
+        bound = max(bound, spec.D * q_max * k_max * max(1.0, abs(spec.path.scale), abs(spec.path.scale) / softcap))
     return bound
 
 

@@ -16,6 +16,7 @@ from enum import StrEnum
 
 import torch
 from torch import Tensor
+from torch.nn.attention.bias import CausalBias
 
 __all__ = [
     "CausalAlignment",
@@ -23,6 +24,7 @@ __all__ = [
     "alibi_bias",
     "alibi_slopes",
     "causal_mask",
+    "from_causal_bias",
     "padding_mask",
     "query_offset",
     "sliding_window_mask",
@@ -47,6 +49,28 @@ class CausalAlignment(StrEnum):
 
     TOP_LEFT = "top_left"
     BOTTOM_RIGHT = "bottom_right"
+
+
+def from_causal_bias(bias: CausalBias, is_causal: object, alignment: object, query: object, key: object) -> tuple[None, bool, CausalAlignment]:
+    """torch's ``attn_mask=torch.nn.attention.bias.causal_upper_left(L, S)`` (or
+    ``causal_lower_right``) as what it means: no mask, ``is_causal=True`` and the variant's
+    alignment (UPPER_LEFT: TOP_LEFT, LOWER_RIGHT: BOTTOM_RIGHT), exactly. Refused with
+    ``is_causal=True`` (as torch refuses it), with another ``causal_alignment`` than the variant's,
+    and with lengths other than the call's."""
+    from torch.nn.attention.bias import CausalVariant
+
+    from ._validate import fail
+
+    variant = CausalAlignment.BOTTOM_RIGHT if bias.variant == CausalVariant.LOWER_RIGHT else CausalAlignment.TOP_LEFT
+    if is_causal is True:
+        fail("attn_mask", "a CausalBias without is_causal=True (CausalBias should not be used with causal=True)", "both", "drop is_causal=True: the bias is causal already")
+    if alignment is not CausalAlignment.TOP_LEFT and alignment != variant.value:
+        fail("causal_alignment", f"{variant.value!r}, the alignment of the CausalBias given", repr(alignment), "drop causal_alignment: the bias sets it")
+    if isinstance(query, Tensor) and isinstance(key, Tensor) and query.ndim >= 2 and key.ndim >= 2:
+        lengths = (query.shape[-2], key.shape[-2])
+        if (bias.seq_len_q, bias.seq_len_kv) != lengths:
+            fail("attn_mask", f"a CausalBias of the call's lengths (L, S) = {lengths}", f"one of {(bias.seq_len_q, bias.seq_len_kv)}", f"make it causal_upper_left{lengths} or causal_lower_right{lengths}")
+    return None, True, variant
 
 
 def query_offset(L: int, S: int, alignment: CausalAlignment | str) -> int:

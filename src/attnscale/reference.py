@@ -72,14 +72,16 @@ def attention(
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     H, L, D = q.shape[-3:]
     Hkv, S = k.shape[-3], k.shape[-2]
-    group = H // Hkv
+    group = H // Hkv if Hkv else 0  # H = Hkv = 0: no heads, the empty output
     k = np.repeat(k, group, axis=-3)  # (..., H, S, D): head h reads kv head h // group
     v = np.repeat(v, group, axis=-3)  # (..., H, S, Dv)
     # Missing (non-finite) vectors are set to 0 for the arithmetic and mark their rows NaN at the end.
     bad_q = ~np.isfinite(q).all(axis=-1)  # (..., H, L)
     bad_kv = ~np.isfinite(k).all(axis=-1) | ~np.isfinite(v).all(axis=-1)  # (..., H, S)
     q, k, v = (np.where(np.isfinite(x), x, 0.0) for x in (q, k, v))
-    if scale is None:
+    if D == 0:  # every logit is the empty sum 0, whatever the scale (0 * 1/sqrt(0) is no number)
+        scale = 1.0
+    elif scale is None:
         scale = 1.0 / math.sqrt(D)
 
     logits = np.einsum("...hld,...hsd->...hls", q, k) * scale  # (..., H, L, S)

@@ -70,7 +70,7 @@ from torch import Tensor
 
 from ._autograd import first_order
 from ._tracing import tracing
-from .dense import accumulation_dtype
+from .dense import accumulation_dtype, head_groups
 from .constants import EXP_FLOOR, OFFSET_LIMIT
 from .score import ScorePath
 from .stats import AttentionStats, with_sinks
@@ -106,7 +106,7 @@ class _Plan:
 
     @property
     def G(self) -> int:
-        return self.H // self.Hkv
+        return head_groups(self.H, self.Hkv)
 
     @property
     def groups(self) -> int:

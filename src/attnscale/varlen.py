@@ -32,6 +32,7 @@ from ._validate import (
     check_alibi_values,
     check_bool,
     check_choice,
+    check_finite,
     check_positive_finite,
     check_sinks,
     check_window,
@@ -141,7 +142,7 @@ def _check_options(
     """The options every path checks the same way (static: no tensor values read)."""
     checked = (
         check_bool("is_causal", is_causal),
-        check_positive_finite("scale", scale),
+        check_finite("scale", scale),
         check_positive_finite("softcap", softcap),
         check_window(window),
         check_bool("return_stats", return_stats),

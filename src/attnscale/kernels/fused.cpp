@@ -136,6 +136,10 @@ std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& 
     for (int i = 0; i < 3; ++i) result.push_back(torch::empty({0}, q.options().dtype(dt)));
     result.push_back(torch::empty({0}, q.options().dtype(torch::kInt64)));
   }
+  if (H == 0) {  // no query heads: the empty outputs, and no head is read
+    result.push_back(torch::scalar_tensor(true, q.options().dtype(torch::kBool)));
+    return result;
+  }
   std::atomic<bool> suspect{false};
   AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_forward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, alibi, mask, spans, o);
@@ -207,9 +211,10 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
   // sequence, key head) tasks than threads: otherwise each task runs a whole group into its key
   // head's rows, with no O(H S D) scratch.
   const int64_t Hkv = k.size(1), units = spans.has_value() ? spans->size(0) : B;
-  const bool grouped = Hkv == H || units * Hkv >= at::get_num_threads();
+  const bool grouped = H == 0 || Hkv == H || units * Hkv >= at::get_num_threads();
   auto dk = torch::zeros({B, grouped ? Hkv : H, S, D}, q.options().dtype(dt));
   auto dv = torch::zeros({B, grouped ? Hkv : H, S, Dv}, q.options().dtype(dt));
+  if (H == 0) return {dq, dk, dv};  // no query heads: no gradient reaches k or v
   AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_backward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, alibi, mask, spans, o);
     BackwardIO<scalar_t> IO{dout.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .._tracing import _functorch_wrapped, constant_result
-from ..dense import accumulation_dtype
+from ..dense import accumulation_dtype, head_groups
 from ..score import ScorePath
 from ..stats import AttentionStats, with_sinks
 from ..tiled import merge_sinks, tiled_attention
@@ -152,7 +152,7 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, ali
     L, S = query.shape[-2], key.shape[-2]
     q, k, v = (_flat(t, spec, query.dtype) for t in (query, key, value))  # 16-bit ones as they are
     m4, slopes = _flat_mask(mask, spec, L, S, acc), _flat_slopes(alibi, spec, acc)
-    products16 = ops.half_products(query.dtype, L, spec.H // spec.Hkv)
+    products16 = ops.half_products(query.dtype, L, head_groups(spec.H, spec.Hkv))
     out, lse, _, _, *stats, rows_ok = ops.forward(q, k, v, slopes, m4, None, spec.options(products16, round_out))
     stats = stats if spec.with_stats else []
     if len(spec.batch) == 1:  # the kernel's (B, H, L, .) is the caller's shape already

@@ -70,7 +70,8 @@ inline void check_call(const torch::Tensor& q, const torch::Tensor& k, const tor
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2);
   ATTNSCALE_REFUSE(k.size(0) == B && v.size(0) == B, "k, v", c10::str("q's batch B = ", B), "k " + shape_of(k) + ", v " + shape_of(v));
-  ATTNSCALE_REFUSE(1 <= Hkv && Hkv <= H && H % Hkv == 0 && v.size(1) == Hkv, "k, v",
+  // H = 0: no output rows, whatever Hkv (the kernel returns before it reads a head)
+  ATTNSCALE_REFUSE((H == 0 || (1 <= Hkv && Hkv <= H && H % Hkv == 0)) && v.size(1) == Hkv, "k, v",
                    c10::str("key/value heads that divide q's H = ", H, " (1 <= Hkv <= H), as many in v as in k"),
                    "k " + shape_of(k) + ", v " + shape_of(v));
   ATTNSCALE_REFUSE(k.size(3) == D, "k", c10::str("q's head dim D = ", D), "shape " + shape_of(k));
