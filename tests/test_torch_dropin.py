@@ -222,3 +222,17 @@ def test_export_with_a_data_dependent_batch_size():
     program = torch.export.export(Select(), (q, k, v, mask, chosen))
     rows = chosen.nonzero().squeeze(-1)
     torch.testing.assert_close(program.module()(q, k, v, mask, chosen), TORCH(q[rows], k[rows], v[rows], attn_mask=mask[rows]), rtol=0, atol=1e-6)
+
+
+def test_a_causal_bias_compiles_to_one_graph():
+    """torch's own test compiles SDPA with a CausalBias and counts one frame: attnscale's reading of
+    the bias (sys.modules, the bias's fields) traces without a break."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    q, k, v = (t.float().requires_grad_() for t in _inputs())
+    out = torch.compile(attnscale.scaled_dot_product_attention, backend=counter)(q, k, v, attn_mask=causal_lower_right(5, 7))
+    out.sum().backward()
+    assert counter.frame_count == 1
+    torch.testing.assert_close(out, TORCH(q, k, v, attn_mask=causal_lower_right(5, 7)._materialize()), rtol=0, atol=1e-6)

@@ -1,9 +1,10 @@
 """Input checks shared by every entry point: they run before any compute.
 
 Each failure names the argument, what was expected, what arrived, and how to fix it.
-Wrong types raise :class:`InputTypeError` (a ``TypeError``); wrong values or shapes raise
-:class:`InputError` (a ``ValueError``). Both are also ``RuntimeError``, which torch's SDPA raises
-for the same calls, so that code written against torch (``except RuntimeError``) catches them too.
+Wrong types raise ``TypeError``; wrong values or shapes raise ``ValueError``. From
+:func:`attnscale.scaled_dot_product_attention` they come as :class:`InputTypeError` and
+:class:`InputError` (:func:`as_input_error`), also ``RuntimeError`` as torch's SDPA raises for the
+same calls, so that code written against torch (``except RuntimeError``) catches them too.
 """
 
 from __future__ import annotations
@@ -41,18 +42,24 @@ class Backend(StrEnum):
 
 
 class InputError(ValueError, RuntimeError):
-    """A value or shape attnscale cannot take: a ValueError, and a RuntimeError as torch raises."""
+    """A value or shape attention cannot take: a ValueError, and a RuntimeError as torch raises."""
 
 
 class InputTypeError(TypeError, RuntimeError):
-    """An argument of the wrong type: a TypeError, and a RuntimeError as torch raises."""
+    """An argument of the wrong type for attention: a TypeError, and a RuntimeError as torch raises."""
 
 
-_AS_INPUT_ERROR: dict[type[Exception], type[Exception]] = {ValueError: InputError, TypeError: InputTypeError}
+def as_input_error(exc: ValueError | TypeError) -> Exception:
+    """``exc`` as :class:`InputError` or :class:`InputTypeError`, the message and traceback
+    unchanged (one already a RuntimeError is returned as it is)."""
+    if isinstance(exc, RuntimeError):
+        return exc
+    kind = InputTypeError if isinstance(exc, TypeError) else InputError
+    return kind(*exc.args).with_traceback(exc.__traceback__)
 
 
 def fail(arg: str, expected: str, got: object, fix: str, *, exc: type[Exception] = ValueError) -> NoReturn:
-    raise _AS_INPUT_ERROR.get(exc, exc)(f"{arg}: expected {expected}, got {got}. Fix: {fix}")
+    raise exc(f"{arg}: expected {expected}, got {got}. Fix: {fix}")
 
 
 def _shape(t: Tensor) -> str:

@@ -15,7 +15,6 @@ from typing import NamedTuple, NoReturn
 
 import torch
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from . import flex
 from ._tracing import under_vmap
@@ -358,7 +357,7 @@ def torch_attention(
     if mask is not None:
         mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + tuple(mask.shape))
         mh, ml, ms = mask.shape[-3:]
-        if all(guard_or_false(n == 1) for n in mask.shape[:-3]):  # a data-dependent size (torch.export) takes the expand
+        if all(type(n) is int and n == 1 for n in mask.shape[:-3]):  # a symbolic size (tracing) takes the expand: no guard on it
             mask = mask.reshape(1, mh, ml, ms)  # (1, H or 1, L or 1, S or 1)
         else:
             mask = mask.expand(*batch, mh, ml, ms).reshape(B, mh, ml, ms)  # (B, H or 1, L or 1, S or 1)

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.nn.attention.bias import CausalBias
 
 from . import _validate, backends, guard
 from ._tracing import _functorch_wrapped, refuse_jit_trace, tracing
-from ._validate import _SCORE_MAX, Backend, check_attention_call
+from ._validate import _SCORE_MAX, Backend, as_input_error, check_attention_call
 from .backends import MATH_MAX_SCORES
 from .guard import abs_max, may_overflow
 from .kernels import ops as kernel_ops
@@ -47,6 +47,13 @@ def record_backend(backend: Backend, why: object) -> None:
     (:func:`attnscale.varlen_attention`'s one kernel call)."""
     _state.backend = backend.value
     log.debug("attnscale attention ran backend=%s (%s)", backend.value, why)
+
+
+def _is_causal_bias(mask: object) -> bool:
+    """Whether ``mask`` is torch's ``CausalBias`` (whose module, which imports torch's compiler, is
+    loaded once one has been made: attnscale does not import it)."""
+    bias = sys.modules.get("torch.nn.attention.bias")
+    return bias is not None and isinstance(mask, bias.CausalBias)
 
 
 class _Recomputed(NamedTuple):
@@ -267,48 +274,51 @@ def scaled_dot_product_attention(
     """
     # Static checks -> choose -> call the backend; then, in eager mode only, the checks of the
     # output that need values (see attnscale._tracing): none of it while tracing.
-    refuse_jit_trace("scaled_dot_product_attention")
-    if attn_mask is not None and isinstance(attn_mask, CausalBias):  # torch's causal bias objects: what they mean
-        attn_mask, is_causal, causal_alignment = from_causal_bias(attn_mask, is_causal, causal_alignment, query, key)
-    out = _plain_softcapped(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, softcap, alibi_slopes, window, sinks,
-        return_stats, backend,
-    )  # fmt: skip
-    if out is not None:
+    try:
+        refuse_jit_trace("scaled_dot_product_attention")
+        if attn_mask is not None and _is_causal_bias(attn_mask):  # torch's causal bias objects: what they mean
+            attn_mask, is_causal, causal_alignment = from_causal_bias(attn_mask, is_causal, causal_alignment, query, key)
+        out = _plain_softcapped(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, softcap, alibi_slopes, window, sinks,
+            return_stats, backend,
+        )  # fmt: skip
+        if out is not None:
+            return out
+        traced = tracing(query, key, value, attn_mask, alibi_slopes, sinks)  # a mask mapped by vmap alone counts
+        call = check_attention_call(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            causal_alignment=causal_alignment,
+            backend=backend,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            window=window,
+            return_stats=return_stats,
+            sinks=sinks,
+            values=not traced,
+        )
+        if attn_mask is not None and attn_mask.ndim < 2:
+            attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.ndim) + tuple(attn_mask.shape))  # (S,) -> (1, S), as torch broadcasts
+        c = backends.Call(call, query, key, value, attn_mask, alibi_slopes, sinks)
+        implementation, why = backends.choose(c)
+        result = implementation.run(c, query, key, value)
+        if traced:
+            out, stats = result.out, result.stats
+        else:
+            out, stats, recomputed_by = guard.check(implementation, c, result)
+            if recomputed_by is None:
+                record_backend(implementation.backend, why)
+            else:  # what computed the returned output, and why
+                record_backend(recomputed_by, _Recomputed(implementation.backend, why, query.dtype))
+        if call.return_stats:
+            assert stats is not None
+            return out, stats
         return out
-    traced = tracing(query, key, value, attn_mask, alibi_slopes, sinks)  # a mask mapped by vmap alone counts
-    call = check_attention_call(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        causal_alignment=causal_alignment,
-        backend=backend,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        window=window,
-        return_stats=return_stats,
-        sinks=sinks,
-        values=not traced,
-    )
-    if attn_mask is not None and attn_mask.ndim < 2:
-        attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.ndim) + tuple(attn_mask.shape))  # (S,) -> (1, S), as torch broadcasts
-    c = backends.Call(call, query, key, value, attn_mask, alibi_slopes, sinks)
-    implementation, why = backends.choose(c)
-    result = implementation.run(c, query, key, value)
-    if traced:
-        out, stats = result.out, result.stats
-    else:
-        out, stats, recomputed_by = guard.check(implementation, c, result)
-        if recomputed_by is None:
-            record_backend(implementation.backend, why)
-        else:  # what computed the returned output, and why
-            record_backend(recomputed_by, _Recomputed(implementation.backend, why, query.dtype))
-    if call.return_stats:
-        assert stats is not None
-        return out, stats
-    return out
+    except (ValueError, TypeError) as exc:  # also RuntimeError, as torch raises for these (InputError)
+        raise as_input_error(exc) from None

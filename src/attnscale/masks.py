@@ -14,9 +14,13 @@ from __future__ import annotations
 import math
 from enum import StrEnum
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
-from torch.nn.attention.bias import CausalBias
+
+if TYPE_CHECKING:  # torch.nn.attention.bias imports torch's compiler (a second at import): only where a bias was made
+    from torch.nn.attention.bias import CausalBias
 
 __all__ = [
     "CausalAlignment",

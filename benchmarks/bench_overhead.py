@@ -1,0 +1,246 @@
+"""What one attention call costs beyond its kernel: tiny CPU calls (a decoding step: B 1, H 8, L 1,
+S 64, D 64, float32), where the kernel's own work is a few microseconds, for every feature,
+attnscale against torch's SDPA in the same process.
+
+Each round times every case's attnscale call and its torch baseline back to back (``--calls`` calls
+each), rounds interleaved; a case's figure is the median over rounds of the time per call, at
+torch's default thread count and at one thread. Targets: a call torch's SDPA computes (plain,
+causal, masks, GQA, torch's own module) at most torch's time + 10 us; a feature torch lacks at most
+2x torch's plain call; HuggingFace ``generate`` on a tiny Llama with ``attn_implementation=
+"attnscale"`` at least 0.95x the tokens per second of ``"sdpa"``. Every output is checked once
+against torch's or the float64 reference before it is timed.
+
+    python benchmarks/bench_overhead.py                       # every case, both thread counts
+    python benchmarks/bench_overhead.py --json benchmarks/recorded/overhead.json
+    python benchmarks/bench_overhead.py --markdown benchmarks/recorded/overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import attnscale
+from attnscale import reference
+from machine import DEFAULT_THREADS, describe
+
+SCHEMA = "attnscale.bench_overhead/1"
+TORCH_SLACK_US = 10.0  # a call torch computes: at most torch's time + this
+FEATURE_RATIO = 2.0  # a feature torch lacks: at most this times torch's plain call
+GENERATE_RATIO = 0.95  # HF generate: at least this share of "sdpa"'s tokens per second
+B, H, HKV, L, S, D = 1, 8, 2, 1, 64, 64
+TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call: attnscale's, its torch baseline (None: compared with torch's plain call), and what
+    attnscale's output must equal (computed once, before timing)."""
+
+    name: str
+    ours: Callable[[], object]
+    theirs: Callable[[], object] | None
+    want: Callable[[], torch.Tensor]
+    atol: float = 1e-5
+
+
+def _first(result: object) -> torch.Tensor:
+    return result[0] if isinstance(result, tuple) else result  # type: ignore[index,return-value]
+
+
+def _fp64(q, k, v, **options) -> torch.Tensor:
+    numpy = {name: (x.detach().double().numpy() if isinstance(x, torch.Tensor) else x) for name, x in options.items()}
+    return torch.from_numpy(reference.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), **numpy)).float()
+
+
+def cases() -> list[Case]:
+    gen = torch.Generator().manual_seed(0)
+    draw = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    q, k, v = draw(B, H, L, D), draw(B, H, S, D), draw(B, H, S, D)
+    kg, vg = draw(B, HKV, S, D), draw(B, HKV, S, D)
+    keep = torch.rand(B, 1, L, S, generator=gen) > 0.2
+    keep[..., 0] = True
+    add = torch.zeros(B, 1, L, S).masked_fill(~keep, float("-inf"))
+    slopes = attnscale.alibi_slopes(H)
+    learned = slopes.clone().requires_grad_()
+    sinks = draw(H)
+    sdpa = attnscale.scaled_dot_product_attention
+    found = [
+        Case("plain", lambda: sdpa(q, k, v), lambda: TORCH_SDPA(q, k, v), lambda: TORCH_SDPA(q, k, v)),
+        Case("causal (top-left)", lambda: sdpa(q, k, v, is_causal=True), lambda: TORCH_SDPA(q, k, v, is_causal=True), lambda: TORCH_SDPA(q, k, v, is_causal=True)),
+        Case("bool mask", lambda: sdpa(q, k, v, keep), lambda: TORCH_SDPA(q, k, v, keep), lambda: TORCH_SDPA(q, k, v, keep)),
+        Case("float mask", lambda: sdpa(q, k, v, add), lambda: TORCH_SDPA(q, k, v, add), lambda: TORCH_SDPA(q, k, v, add)),
+        Case("GQA (enable_gqa)", lambda: sdpa(q, kg, vg, enable_gqa=True), lambda: TORCH_SDPA(q, kg, vg, enable_gqa=True), lambda: TORCH_SDPA(q, kg, vg, enable_gqa=True)),
+        Case("causal, bottom-right", lambda: sdpa(q, k, v, is_causal=True, causal_alignment="bottom_right"), None, lambda: _fp64(q, k, v, is_causal=True, causal_alignment="bottom_right")),
+        Case("window (16, 0), bottom-right", lambda: sdpa(q, k, v, is_causal=True, causal_alignment="bottom_right", window=(16, 0)), None,
+             lambda: _fp64(q, k, v, is_causal=True, causal_alignment="bottom_right", window=(16, 0))),
+        Case("softcap 30", lambda: sdpa(q, k, v, softcap=30.0), None, lambda: _fp64(q, k, v, softcap=30.0)),
+        Case("ALiBi", lambda: sdpa(q, k, v, alibi_slopes=slopes), None, lambda: _fp64(q, k, v, alibi_slopes=slopes)),
+        Case("ALiBi, learned slopes", lambda: sdpa(q, k, v, alibi_slopes=learned), None, lambda: _fp64(q, k, v, alibi_slopes=learned)),
+        Case("sinks", lambda: sdpa(q, k, v, sinks=sinks), None, lambda: _fp64(q, k, v, sinks=sinks)),
+        Case("return_stats", lambda: _first(sdpa(q, k, v, return_stats=True)), None, lambda: TORCH_SDPA(q, k, v)),
+    ]
+    # varlen: 4 sequences, one query each (a batch of decoding steps of different lengths)
+    lengths = [16, 24, 8, 16]
+    cu_k = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu_q = torch.arange(0, 5, dtype=torch.int32)
+    pq, pk, pv = draw(4, H, D), draw(sum(lengths), H, D), draw(sum(lengths), H, D)
+
+    def packed_want() -> torch.Tensor:
+        rows = [TORCH_SDPA(pq[i : i + 1].transpose(0, 1)[None], pk[a:b].transpose(0, 1)[None], pv[a:b].transpose(0, 1)[None])[0].transpose(0, 1)
+                for i, (a, b) in enumerate(zip(cu_k[:-1].tolist(), cu_k[1:].tolist()))]  # fmt: skip
+        return torch.cat(rows)
+
+    found.append(Case("varlen, 4 sequences", lambda: attnscale.varlen_attention(pq, pk, pv, cu_q, cu_k, is_causal=True), None, packed_want))
+    # the module's forward against torch's own module, same width and heads, one new token
+    torch.manual_seed(0)
+    ours_module = attnscale.MultiHeadAttention(D * H, num_heads=H).eval()
+    theirs_module = torch.nn.MultiheadAttention(D * H, H, batch_first=True).eval()
+    with torch.no_grad():
+        theirs_module.in_proj_weight.copy_(torch.cat([ours_module.q_proj.weight, ours_module.k_proj.weight, ours_module.v_proj.weight]))
+        theirs_module.in_proj_bias.copy_(torch.cat([ours_module.q_proj.bias, ours_module.k_proj.bias, ours_module.v_proj.bias]))
+        theirs_module.out_proj.weight.copy_(ours_module.out_proj.weight)
+        theirs_module.out_proj.bias.copy_(ours_module.out_proj.bias)
+    x = draw(B, S, D * H)
+    found.append(
+        Case("the module's forward (MultiHeadAttention, 512 wide, 8 heads, 64 tokens)", lambda: ours_module(x), lambda: theirs_module(x, x, x, need_weights=False)[0],
+             lambda: theirs_module(x, x, x, need_weights=False)[0], atol=1e-4)  # fmt: skip
+    )
+    found.append(_hf_layer_case())
+    return found
+
+
+def _tiny_llama(implementation: str):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=H * D, intermediate_size=2 * H * D, num_hidden_layers=2, num_attention_heads=H, num_key_value_heads=HKV,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM._from_config(config, attn_implementation=implementation).eval()
+
+
+def _hf_layer_case() -> Case:
+    """One attention layer of a tiny Llama through attn_implementation="attnscale" against "sdpa"."""
+    ours, theirs = _tiny_llama("attnscale"), _tiny_llama("sdpa")
+    x = torch.randn(B, S, H * D, generator=torch.Generator().manual_seed(1))
+    position_ids = torch.arange(S)[None]
+    rotary = ours.model.rotary_emb(x, position_ids)
+
+    def run(model) -> torch.Tensor:
+        return model.model.layers[0].self_attn(x, position_embeddings=rotary, attention_mask=None)[0]
+
+    return Case("a HuggingFace Llama layer (attnscale vs sdpa)", lambda: run(ours), lambda: run(theirs), lambda: run(theirs), atol=1e-5)
+
+
+def _per_call_us(fn: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter_ns() - start) / calls / 1e3
+
+
+def time_cases(found: Sequence[Case], threads: int, rounds: int, calls: int) -> list[dict]:
+    torch.set_num_threads(threads)
+    plain = found[0].theirs
+    assert plain is not None
+    samples: dict[str, tuple[list[float], list[float]]] = {c.name: ([], []) for c in found}
+    with torch.no_grad():
+        for case in found:  # warm-up, and the output checked
+            got = case.ours()
+            torch.testing.assert_close(_first(got), case.want(), rtol=0, atol=case.atol, msg=case.name)
+            (case.theirs or plain)()
+        for _ in range(rounds):
+            for case in found:
+                ours, theirs = samples[case.name]
+                ours.append(_per_call_us(case.ours, calls))
+                theirs.append(_per_call_us(case.theirs or plain, calls))
+    rows = []
+    for case in found:
+        ours, theirs = (statistics.median(s) for s in samples[case.name])
+        against = "torch" if case.theirs is not None else "torch plain"
+        met = ours <= theirs + TORCH_SLACK_US if case.theirs is not None else ours <= FEATURE_RATIO * theirs
+        with torch.no_grad():
+            case.ours()
+        rows.append({"case": case.name, "threads": threads, "attnscale_us": ours, "torch_us": theirs, "against": against, "met": met, "backend": attnscale.last_backend()})
+    return rows
+
+
+def time_generate(threads: int, rounds: int, new_tokens: int) -> dict:
+    """Greedy decoding of ``new_tokens`` from an 8-token prompt, tokens per second of each
+    implementation (median over rounds, interleaved); the two must produce the same tokens."""
+    torch.set_num_threads(threads)
+    models = {name: _tiny_llama(name) for name in ("attnscale", "sdpa")}
+    prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
+    outputs, rates = {}, {name: [] for name in models}
+    for _ in range(rounds + 1):  # the first round warms up
+        for name, model in models.items():
+            start = time.perf_counter()
+            with torch.no_grad():
+                outputs[name] = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            rates[name].append(new_tokens / (time.perf_counter() - start))
+    assert torch.equal(outputs["attnscale"], outputs["sdpa"]), "attnscale and sdpa decoded different tokens"
+    ours, theirs = (statistics.median(rates[name][1:]) for name in ("attnscale", "sdpa"))
+    return {"threads": threads, "attnscale_tokens_per_s": ours, "sdpa_tokens_per_s": theirs, "ratio": ours / theirs, "met": ours >= GENERATE_RATIO * theirs}
+
+
+def markdown(result: dict) -> str:
+    """docs/performance.md's table of a ``--json`` run."""
+    lines = [
+        f"`python benchmarks/bench_overhead.py --rounds {result['rounds']} --calls {result['calls']}` on {result['cpu']}, torch {result['torch']}, "
+        f"commit {result['commit']}: microseconds per call (median of {result['rounds']} rounds of {result['calls']} calls, interleaved); "
+        f"target: a call torch computes at most torch's + {TORCH_SLACK_US:g} us, a feature torch lacks at most {FEATURE_RATIO:g}x torch's plain call.",
+        "",
+        "| case | threads | attnscale | torch | against | backend | target |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in result["cases"]:
+        lines.append(
+            f"| {row['case']} | {row['threads']} | {row['attnscale_us']:.1f} | {row['torch_us']:.1f} | {row['against']} | {row['backend']} | {'met' if row['met'] else 'MISSED'} |"
+        )
+    lines.append("")
+    for row in result["generate"]:
+        lines.append(
+            f"- HF generate, tiny Llama, {row['threads']} thread(s): attnscale {row['attnscale_tokens_per_s']:.0f} tokens/s, sdpa {row['sdpa_tokens_per_s']:.0f}: "
+            f"{row['ratio']:.2f}x ({'met' if row['met'] else 'MISSED'}, target {GENERATE_RATIO:g}x)"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--threads", type=int, nargs="+", default=None, help="thread counts (default: torch's default and 1)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens each HF generate decodes (default 32)")
+    parser.add_argument("--json", metavar="PATH", help="also write the run as JSON")
+    parser.add_argument("--markdown", metavar="JSON", help="print the docs' table from a --json file and exit")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as handle:
+            print(markdown(json.load(handle)))
+        return 0
+    threads = args.threads or sorted({DEFAULT_THREADS, 1}, reverse=True)
+    found = cases()
+    result = {"schema": SCHEMA, **describe(), "rounds": args.rounds, "calls": args.calls, "cases": [], "generate": []}
+    for count in threads:
+        result["cases"] += time_cases(found, count, args.rounds, args.calls)
+        result["generate"].append(time_generate(count, max(3, args.rounds // 3), args.new_tokens))
+    print(markdown(result))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
