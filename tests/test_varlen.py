@@ -451,7 +451,7 @@ BAD_INPUT = {
     "max-seqlen-small": (dict(max_seqlen_q=100), ValueError, "max_seqlen_q: expected at least the longest sequence in cu_seqlens_q, 113, got 100"),
     "max-seqlen-type": (dict(max_seqlen_k=113.0), TypeError, "max_seqlen_k: expected None or an int, got 113.0"),
     "is-causal": (dict(is_causal=1), TypeError, "is_causal: expected a bool"),
-    "scale": (dict(scale=-1.0), ValueError, "scale: expected a finite positive float"),
+    "scale": (dict(scale=float("inf")), ValueError, "scale: expected a finite float"),  # (a negative one is a formula, as in torch)
     "softcap": (dict(softcap=math.inf), ValueError, "softcap: expected a finite positive float"),
     "window": (dict(window=(1, -2)), ValueError, "window: expected None or a pair"),
     "backend": (dict(backend="flash"), ValueError, "backend: expected one of 'auto'"),
@@ -486,3 +486,16 @@ def test_bad_input_raises_a_clear_error_before_any_compute(name, monkeypatch):
 def test_options_no_backend_computes_are_refused_by_name():
     with pytest.raises(ValueError, match=r"^backend: expected a backend that implements return_stats"):
         attnscale.varlen_attention(**good_call(), return_stats=True, backend="torch")
+
+
+def test_a_negative_or_zero_scale_is_computed_as_scaled_dot_product_attention_computes_it():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(7, 2, 8, generator=gen), torch.randn(9, 2, 8, generator=gen), torch.randn(9, 2, 8, generator=gen)
+    cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+    for scale in (-0.7, 0.0):
+        out = attnscale.varlen_attention(q, k, v, cu_q, cu_k, scale=scale, is_causal=True)
+        for (a, b), (c, d) in zip(((0, 3), (3, 7)), ((0, 4), (4, 9))):
+            want = attnscale.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1), scale=scale, is_causal=True, causal_alignment="bottom_right"
+            ).transpose(0, 1)
+            torch.testing.assert_close(out[a:b], want, rtol=0, atol=1e-6)
