@@ -232,3 +232,23 @@ def test_bad_sinks_are_refused_before_any_compute(sinks, exc, match):
     for backend in ("auto", "math", "tiled", "torch"):
         with pytest.raises(exc, match=match):
             attnscale.scaled_dot_product_attention(q, k, v, enable_gqa=True, sinks=sinks, backend=backend)
+
+
+def test_sink_scaled_is_merge_sinks_output_with_its_gradients():
+    """The kernels' four-op form of the sinks (sigmoid of lse - sink) against merge_sinks, the
+    merge with a value-less partial: rows without keys and heads without a sink (-inf) included."""
+    from attnscale.tiled import merge_sinks, sink_scaled
+
+    gen = torch.Generator().manual_seed(0)
+    out = torch.randn(2, 4, 5, 3, dtype=torch.float64, generator=gen).requires_grad_()
+    lse = torch.randn(2, 4, 5, dtype=torch.float64, generator=gen)
+    lse[0, 1, 2] = -math.inf
+    lse[1, 3, :] = -math.inf  # a head whose rows see no key, and which has no sink either
+    lse.requires_grad_()
+    sinks = torch.tensor([0.5, -math.inf, 2.0, -math.inf], dtype=torch.float64, requires_grad=True)
+    want, got = merge_sinks(out, lse, sinks)[0], sink_scaled(out, lse, sinks)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-15)
+    grads = torch.autograd.grad(got.sum(), (out, lse, sinks))
+    for g, w in zip(grads, torch.autograd.grad(want.sum(), (out, lse, sinks))):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-14)

@@ -75,7 +75,7 @@ from .constants import EXP_FLOOR, OFFSET_LIMIT
 from .score import ScorePath
 from .stats import AttentionStats, with_sinks
 
-__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "attention_partial", "merge_partials", "merge_sinks", "tiled_attention"]
+__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "attention_partial", "merge_partials", "merge_sinks", "sink_scaled", "tiled_attention"]
 
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 256
@@ -754,7 +754,7 @@ def tiled_attention(
 
     query (..., H, L, D), key (..., Hkv, S, D), value (..., Hkv, S, Dv), H a multiple of Hkv,
     attn_mask broadcastable to (..., H, L, S). Returns (out (..., H, L, Dv), stats or None).
-    ``sinks`` (H,) enter after the last key tile, through :func:`merge_sinks` on the finished
+    ``sinks`` (H,) enter after the last key tile, through :func:`sink_scaled` on the finished
     ``(out, lse)`` in the accumulation dtype, so every tile runs as without them.
     ``block_q`` / ``block_k`` (default :data:`DEFAULT_BLOCK_Q` / :data:`DEFAULT_BLOCK_K`) set the
     tile; any positive size gives the same result up to rounding.
@@ -774,7 +774,7 @@ def tiled_attention(
     else:  # the kernel's output stays in the accumulation dtype until the sink has rescaled it
         acc = accumulation_dtype(query.dtype)
         out, lse, *rest = _apply(query.to(acc), key.to(acc), value.to(acc), attn_mask, alibi, plan)
-        out = merge_sinks(out, lse, sinks)[0].to(query.dtype)
+        out = sink_scaled(out, lse, sinks).to(query.dtype)
     if not return_stats:
         return out, None
     max_logit, max_prob, entropy, visible_keys = rest
@@ -865,6 +865,16 @@ def merge_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor
     """
     sink = sinks.to(lse.dtype)[..., None].expand(lse.shape)  # (..., H, L)
     return merge_partials(out, lse, torch.zeros_like(out), sink)
+
+
+def sink_scaled(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """The output of :func:`merge_sinks` alone, in four ops: each row's weights shrink by its keys'
+    share of the denominator, ``exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``. A row
+    with no visible key (``lse = -inf``) stays 0 whatever the sink, with zero gradients (the
+    difference, NaN there for a sink of -inf, is never read)."""
+    empty = lse == _NEG_INF
+    gap = torch.where(empty, lse, lse - sinks.to(lse.dtype)[..., None])  # (..., H, L): -inf where no key
+    return out * torch.sigmoid(gap).unsqueeze(-1)
 
 
 def partial_forward(

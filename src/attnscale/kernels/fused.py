@@ -8,7 +8,7 @@ float16 and bfloat16 accumulate in float32 (as every attnscale backend does) and
 rounded back (by the kernel as it writes the rows, where no gradient and no sink needs the float32
 output: :func:`_round_out`): where the CPU multiplies them natively (:func:`ops.half_products`: AMX, AVX512-BF16/FP16)
 the products take the 16-bit inputs as they are, as torch's CPU kernel does; elsewhere the kernel
-converts each tile to float32 as it goes (no copy of the inputs). Sinks enter through :func:`attnscale.tiled.merge_sinks` on the kernel's
+converts each tile to float32 as it goes (no copy of the inputs). Sinks enter through :func:`attnscale.tiled.sink_scaled` on the kernel's
 ``(out, lse)``, as in the tiled kernel. ALiBi slopes are constants; a float mask that requires
 grad is refused (``backend="auto"`` sends it to the tiled kernel).
 """
@@ -25,7 +25,7 @@ from .._tracing import _functorch_wrapped, constant_result
 from ..dense import accumulation_dtype, head_groups
 from ..score import ScorePath
 from ..stats import AttentionStats, with_sinks
-from ..tiled import merge_sinks, tiled_attention
+from ..tiled import sink_scaled, tiled_attention
 from . import load, ops
 
 __all__ = ["fused_attention", "fused_attention_checked", "fused_varlen_attention", "supports"]
@@ -247,7 +247,7 @@ def fused_attention_checked(
     # holds of the rounded output.
     rows_ok: Tensor | None = verdict if sinks is None else None
     if sinks is not None:
-        out, _ = merge_sinks(out, lse, sinks)
+        out = sink_scaled(out, lse, sinks)
     if out.dtype != query.dtype:
         out = out.to(query.dtype)
     if squeeze:
@@ -310,9 +310,8 @@ def fused_varlen_attention(
     out, lse, _, _, *rest, _ = ops.forward(q, k, v, slopes, None, table, options)
     out, lse = out[0].transpose(0, 1), lse[0]  # (total_q, H, Dv), (H, total_q)
     if sinks is not None:
-        # merge_sinks takes (..., H, L, Dv) and (..., H, L): the packed rows as L.
-        merged, _ = merge_sinks(out.transpose(0, 1), lse, sinks)
-        out = merged.transpose(0, 1)
+        # sink_scaled takes (..., H, L, Dv) and (..., H, L): the packed rows as L.
+        out = sink_scaled(out.transpose(0, 1), lse, sinks).transpose(0, 1)
     out = out.to(query.dtype)
     if not return_stats:
         return out, None
