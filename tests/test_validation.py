@@ -271,3 +271,34 @@ def test_validation_runs_before_any_compute():
     before = attnscale.last_backend()
     refused(ValueError, "dropout_p", q, k, v, dropout_p=2.0)
     assert attnscale.last_backend() == before  # nothing ran
+
+
+def test_a_signature_that_passed_is_not_checked_again_but_values_are(monkeypatch):
+    """What a call's signature proved (shapes, dtypes, devices, options) is not checked twice; what
+    it cannot prove is checked on every call: a float mask that turns NaN, slopes that turn inf."""
+    from attnscale import _validate
+
+    full = []
+    original = _validate._check_attention_call
+    monkeypatch.setattr(_validate, "_check_attention_call", lambda *a, **kw: full.append(1) or original(*a, **kw))
+    gen = torch.Generator().manual_seed(7)
+    qs, ks, vs = (torch.randn(1, 2, 3, 4, generator=gen) for _ in range(3))
+    mask = torch.zeros(3, 3)
+    slopes = torch.tensor([0.5, 0.25])
+    call = dict(attn_mask=mask, alibi_slopes=slopes, scale=0.3, window=(2, 0))
+    first = attnscale.scaled_dot_product_attention(qs, ks, vs, **call)
+    again = attnscale.scaled_dot_product_attention(qs, ks, vs, **call)
+    assert len(full) == 1 and torch.equal(first, again)
+    mask[0, 1] = math.nan
+    refused(ValueError, "attn_mask", qs, ks, vs, **call)
+    mask[0, 1] = 0.0
+    slopes[1] = math.inf
+    refused(ValueError, "alibi_slopes", qs, ks, vs, **call)
+    slopes[1] = 0.25
+    for changed in (dict(scale=0.31), dict(window=(1, 0)), dict(is_causal=True), dict(scale=1)):  # 1 (an int) is not 1.0's signature
+        attnscale.scaled_dot_product_attention(qs, ks, vs, **{**call, **changed})
+    assert len(full) == 5
+    refused(ValueError, "key", qs, ks[..., :2], vs, **call)  # another shape: checked, and refused
+    refused(ValueError, "window", qs, ks, vs, **{**call, "window": [2, "0"]})  # unhashable: checked every time
+    attnscale.scaled_dot_product_attention(qs, ks, vs, **{**call, "window": [2, 0]})
+    assert len(full) == 8

@@ -153,8 +153,12 @@ def check_sinks(sinks: object, H: int, device: torch.device, *, values: bool = T
         fail("sinks", f"shape (H,) = ({H},), one logit per query head", _shape(sinks), "pass one sink logit per query head")
     if sinks.device != device:
         fail("sinks", f"the query's device {device}", f"device {sinks.device}", "move it: sinks.to(query.device)")
-    if not values:
-        return
+    if values:
+        check_sink_values(sinks, dtype)
+
+
+def check_sink_values(sinks: Tensor, dtype: torch.dtype) -> None:
+    """Sinks (checked as :func:`check_sinks` checks them) finite or -inf in the accumulation dtype of ``dtype`` inputs."""
     used = sinks.detach().to(accumulation_dtype(dtype))
     bad = torch.isnan(used) | (used == float("inf"))
     if bool(bad.any()):
@@ -209,6 +213,32 @@ def check_tensors(query: object, key: object, value: object) -> None:
             fail(name, f"{query.ndim} dims like the query", _shape(t), "give query, key and value the same number of dims (use unsqueeze for broadcast batch dims)")
 
 
+def _check_values(query: Tensor, attn_mask: Tensor | None, alibi_slopes: Tensor | None, sinks: Tensor | None) -> None:
+    """What a call's signature cannot prove: a float mask's entries finite or -inf, finite slopes
+    and sinks (eager mode only: see :mod:`attnscale._tracing`)."""
+    if attn_mask is not None and attn_mask.dtype != torch.bool and (torch.isnan(attn_mask).any() or (attn_mask == float("inf")).any()):
+        fail("attn_mask", "float values that are finite or -inf", "NaN or +inf entries", "use -inf (or a bool mask) for hidden keys")
+    if alibi_slopes is not None:
+        check_alibi_values(alibi_slopes, query.dtype)
+    if sinks is not None:
+        check_sink_values(sinks, query.dtype)
+
+
+def _meta(t: object) -> object:
+    """What validation reads of a tensor argument (None for None); a non-tensor reads as itself,
+    which never equals a tensor's entry."""
+    if t is None:
+        return None
+    if type(t) is not Tensor:
+        return _UNCACHED
+    return (t.shape, t.dtype, t.layout, t.is_nested, t.device)
+
+
+_UNCACHED = object()
+_SIGNATURES: dict[tuple, AttentionCall] = {}
+_SIGNATURES_MAX = 512  # distinct call signatures a program makes: a handful per layer shape
+
+
 def check_attention_call(
     query: Tensor,
     key: Tensor,
@@ -230,7 +260,55 @@ def check_attention_call(
 ) -> AttentionCall:
     """Validate a call before any compute. Shapes, dtypes, devices and options always; with
     ``values`` (eager mode, see :mod:`attnscale._tracing`) also what needs the tensors' values:
-    finite ALiBi slopes and sinks, float-mask entries that are finite or -inf."""
+    finite ALiBi slopes and sinks, float-mask entries that are finite or -inf.
+
+    In eager mode a call whose signature (every tensor's shape, dtype, layout and device, every
+    option) passed before takes that result, and only the value checks run again: what the
+    signature proved is not checked twice."""
+    options = (dropout_p, is_causal, scale, enable_gqa, causal_alignment, backend, softcap, window, return_stats)
+    signature = None
+    if values and type(query) is Tensor and not query.is_nested:  # (a nested tensor has no shape to read)
+        signature = (_meta(query), _meta(key), _meta(value), _meta(attn_mask), _meta(alibi_slopes), _meta(sinks), *(type(o) for o in options), *options)
+        try:
+            call = _SIGNATURES.get(signature) if _UNCACHED not in signature else None
+        except TypeError:  # an option that cannot be a key (a list for window): checked every time
+            signature, call = None, None
+        if call is not None:
+            _check_values(query, attn_mask, alibi_slopes, sinks)  # type: ignore[arg-type]
+            return call
+        if signature is not None and _UNCACHED in signature:
+            signature = None
+    call = _check_attention_call(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+        causal_alignment=causal_alignment, backend=backend, softcap=softcap, alibi_slopes=alibi_slopes, window=window,
+        return_stats=return_stats, sinks=sinks, values=values,
+    )  # fmt: skip
+    if signature is not None:
+        if len(_SIGNATURES) >= _SIGNATURES_MAX:
+            _SIGNATURES.clear()
+        _SIGNATURES[signature] = call
+    return call
+
+
+def _check_attention_call(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    attn_mask: object,
+    dropout_p: object,
+    is_causal: object,
+    scale: object,
+    enable_gqa: object,
+    causal_alignment: object,
+    backend: object,
+    softcap: object,
+    alibi_slopes: object,
+    window: object,
+    return_stats: object,
+    sinks: object = None,
+    values: bool = True,
+) -> AttentionCall:
     check_tensors(query, key, value)
     H, L, D = query.shape[-3:]
     Hkv, S, Dk = key.shape[-3:]
@@ -279,8 +357,6 @@ def check_attention_call(
             ok = False
         if not ok:
             fail("attn_mask", f"a shape broadcastable to (..., H, L, S) = {target}", _shape(attn_mask), "use (L, S), (B, 1, L, S) or (B, 1, 1, S) for padding")
-        if values and attn_mask.dtype != torch.bool and (torch.isnan(attn_mask).any() or (attn_mask == float("inf")).any()):
-            fail("attn_mask", "float values that are finite or -inf", "NaN or +inf entries", "use -inf (or a bool mask) for hidden keys")
     if type(dropout_p) is not float and (isinstance(dropout_p, bool) or not isinstance(dropout_p, Real)):
         fail("dropout_p", "a float in [0, 1)", repr(dropout_p), "pass e.g. dropout_p=0.1, or 0.0 at inference", exc=TypeError)
     if not 0.0 <= float(dropout_p) < 1.0:
@@ -308,10 +384,10 @@ def check_attention_call(
             fail("alibi_slopes", f"shape (H,) or (B, H) broadcastable to {(*batch, H)}", _shape(alibi_slopes), "use attnscale.alibi_slopes(H)")
         if alibi_slopes.device != query.device:
             fail("alibi_slopes", f"the query's device {query.device}", f"device {alibi_slopes.device}", "move it to the query's device")
-        if values:
-            check_alibi_values(alibi_slopes, query.dtype)
     if sinks is not None:
-        check_sinks(sinks, H, query.device, values=values, dtype=query.dtype)
+        check_sinks(sinks, H, query.device, values=False)
+    if values:
+        _check_values(query, attn_mask, alibi_slopes, sinks)
     path = ScorePath(
         # D = 0: every logit is the empty sum 0 whatever the scale (torch's answer: uniform weights);
         # 1 keeps 0 * scale from being 0 * inf

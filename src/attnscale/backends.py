@@ -321,9 +321,15 @@ def torch_attention(
     """
     batch, H, L, S, path = call.batch, call.H, call.L, call.S, call.path
     B = math.prod(batch)  # explicit, not -1: reshape cannot infer a dim of an empty tensor
-    q = query.expand(*batch, H, L, call.D).reshape(B, H, L, call.D)  # (B, H, L, D)
-    k = key.expand(*batch, call.Hkv, S, call.D).reshape(B, call.Hkv, S, call.D)  # (B, Hkv, S, D)
-    v = value.expand(*batch, call.Hkv, S, call.Dv).reshape(B, call.Hkv, S, call.Dv)  # (B, Hkv, S, Dv)
+    # (B, H, L, D) inputs of one batch, eager (int sizes: no guard on a symbolic one), are torch's
+    # layout already: no views to make on the way in or out
+    as_given = query.ndim == 4 and all(type(n) is int and n == B for n in (query.shape[0], key.shape[0], value.shape[0]))
+    if as_given:
+        q, k, v = query, key, value
+    else:
+        q = query.expand(*batch, H, L, call.D).reshape(B, H, L, call.D)  # (B, H, L, D)
+        k = key.expand(*batch, call.Hkv, S, call.D).reshape(B, call.Hkv, S, call.D)  # (B, Hkv, S, D)
+        v = value.expand(*batch, call.Hkv, S, call.Dv).reshape(B, call.Hkv, S, call.Dv)  # (B, Hkv, S, Dv)
 
     native_causal = (
         path.causal and path.q_offset == 0 and path.window is None and attn_mask is None and alibi_slopes is None and sinks is None
@@ -371,7 +377,7 @@ def torch_attention(
         scale=path.scale,
         enable_gqa=True if call.H != call.Hkv else False,  # noqa: SIM210 - a branch, so that dynamic shapes guard on it: a SymBool is no bool to torch's SDPA
     )
-    return out.reshape(*batch, H, L, call.Dv)
+    return out if as_given else out.reshape(*batch, H, L, call.Dv)
 
 
 def _with_sink_column(mask: Tensor | None, sinks: Tensor, target: tuple[int, ...], dtype: torch.dtype) -> Tensor:

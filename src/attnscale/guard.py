@@ -43,11 +43,18 @@ def _row_peaks(out: Tensor) -> Tensor:
     """max |out| per row (..., H, L), NaN in a row with a NaN; 1 for rows of Dv = 0 (nothing to check)."""
     if out.shape[-1] == 0:
         return out.new_ones(out.shape[:-1])
-    # max(amax, -amin): two reductions without a copy of the output (abs().amax() makes one), and
-    # several times faster on CPU than linalg.vector_norm(out, inf), which is not vectorised there.
-    # amax and amin propagate NaN; maximum keeps it.
+    # Large outputs: max(amax, -amin), two reductions without a copy of the output (abs().amax()
+    # makes one), and several times faster on CPU than linalg.vector_norm(out, inf), which is not
+    # vectorised there. Small ones (decoding): abs().amax(), two ops for four, as each op's fixed
+    # cost is what counts there. amax and amin propagate NaN; maximum keeps it.
     detached = out.detach()
+    if detached.numel() <= _SMALL_OUTPUT:
+        return detached.abs().amax(dim=-1)
     return torch.maximum(detached.amax(dim=-1), detached.amin(dim=-1).neg())
+
+
+_SMALL_OUTPUT = 1 << 16
+"""Outputs up to this many entries take the row peaks in two ops (their copy is cheaper than an op)."""
 
 
 def _rows_look_right(peaks: Tensor) -> bool:
@@ -59,8 +66,9 @@ def _rows_look_right(peaks: Tensor) -> bool:
     """
     if peaks.numel() == 0:
         return True
-    # Two scalar reductions, not a boolean mask: at decode sizes every extra op is a visible cost.
-    return 0.0 < float(peaks.amin()) and float(peaks.amax()) < math.inf  # NaN fails both
+    # One reduction to both ends, not a boolean mask: at decode sizes every extra op is a visible cost.
+    lo, hi = torch.aminmax(peaks)
+    return 0.0 < float(lo) and float(hi) < math.inf  # NaN fails both
 
 
 def _finite_sum(x: Tensor) -> bool:
