@@ -1169,3 +1169,30 @@ def test_a_softcapped_call_with_dv_unlike_d_takes_the_default_scale_from_d(backe
     assert attnscale.last_backend() == "fused"
     want = torch.from_numpy(run_reference(q, k, v, None, softcap=5.0))
     torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_the_kernels_guard_checks_answer_as_the_guards_torch_ops(dtype):
+    """rows_ok and all_finite (one C++ call each, for the guard of small eager calls) against the
+    guard's torch-op definitions: every row finite and not all zeros; every entry finite. Each
+    poison in each position of a vector and its tail, strided inputs, empty ones."""
+    from attnscale.guard import _finite_sum, _row_peaks, _rows_look_right
+
+    kernel = kernels.load()
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(3, 5, 37, generator=gen, dtype=dtype)  # 37: whole vectors and a tail
+    cases = [base, base.transpose(0, 1), base[..., ::2], torch.zeros(2, 0, dtype=dtype), torch.empty(0, 4, dtype=dtype)]
+    for column in (0, 15, 16, 36):
+        for poison in (math.nan, math.inf, -math.inf):
+            x = base.clone()
+            x[1, 2, column] = poison
+            cases.append(x)
+        x = base.clone()
+        x[2, 4] = 0.0  # a zero row
+        x[0, 1, column] = 1e-300 if dtype == torch.float64 else 1e-40  # a row whose only peak is tiny
+        cases.append(x)
+    for x in cases:
+        assert kernel.rows_ok(x) == _rows_look_right(_row_peaks(x)), x.shape
+        assert kernel.all_finite(x) == _finite_sum(x), x.shape
+    with pytest.raises(ValueError, match="rows_ok takes float32 or float64"):
+        kernel.rows_ok(base.half())

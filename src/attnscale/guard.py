@@ -21,6 +21,7 @@ from torch import Tensor
 from ._validate import Backend, fail
 from .backends import FUSED, MATH, TILED, Call, Implementation, Result
 from .dense import accumulation_dtype
+from .kernels import load as load_kernel
 from .stats import AttentionStats, with_nan_rows
 
 __all__ = ["abs_max", "check", "may_overflow"]
@@ -92,13 +93,30 @@ class _Read:
         return _row_peaks(self._out)
 
     def rows_look_right(self) -> bool:
-        return bool(self._rows_ok) if self._rows_ok is not None else _rows_look_right(self.peaks)
+        if self._rows_ok is not None:
+            return bool(self._rows_ok)
+        kernel = _kernel_for(self._out)
+        return kernel.rows_ok(self._out.detach()) if kernel is not None else _rows_look_right(self.peaks)
 
     def __call__(self, t: Tensor, *, finite_part: bool = False) -> float:
         return abs_max(t.detach().nan_to_num(neginf=0.0) if finite_part else t)
 
     def finite(self, t: Tensor) -> bool:
-        return _finite_sum(t)
+        kernel = _kernel_for(t)
+        return kernel.all_finite(t.detach()) if kernel is not None else _finite_sum(t)
+
+
+_KERNEL_CHECKS_MAX = 1 << 16
+"""CPU tensors of float32 or float64 up to this many entries are checked by the compiled kernel's
+``rows_ok`` and ``all_finite``, one call each (a decoding step's guard in a few microseconds
+instead of several torch ops); larger ones by torch's reductions, which use every thread."""
+
+
+def _kernel_for(t: Tensor) -> object | None:
+    """The compiled kernel where it checks ``t`` (see :data:`_KERNEL_CHECKS_MAX`), else None."""
+    if t.is_cpu and (t.dtype is torch.float32 or t.dtype is torch.float64) and t.numel() <= _KERNEL_CHECKS_MAX:
+        return load_kernel()
+    return None
 
 
 class _OneRead(_Read):

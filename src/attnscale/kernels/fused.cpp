@@ -231,6 +231,67 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
 
 }  // namespace
 
+// The guard's two questions of an eager call (attnscale/guard.py), one C++ call each instead of
+// several torch ops from Python: whether every row (last dim) of x is finite and not all zeros
+// (rows of no entries count as right), and whether every entry of x is finite. float32 and
+// float64, any strides (a copy where not contiguous); one thread, as the guard runs on small
+// outputs (its caller says which).
+template <typename T>
+bool rows_ok_impl(const T* x, int64_t rows, int64_t width) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  for (int64_t r = 0; r < rows; ++r, x += width) {
+    Vec peak(T(0));
+    int64_t c = 0;
+    for (; c + n <= width; c += n) peak = at::vec::maximum(peak, Vec::loadu(x + c).abs());  // NaN stays
+    T lanes[n], top = T(0);
+    peak.store(lanes);
+    for (int64_t i = 0; i < n; ++i) {
+      if (std::isnan(lanes[i])) return false;
+      top = std::max(top, lanes[i]);
+    }
+    for (; c < width; ++c) {
+      if (std::isnan(x[c])) return false;
+      top = std::max(top, std::abs(x[c]));
+    }
+    if (!(top > T(0) && top <= std::numeric_limits<T>::max())) return false;  // inf, or a zero row
+  }
+  return true;
+}
+
+bool rows_ok_op(const torch::Tensor& x) {
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "attnscale fused kernel: rows_ok takes float32 or float64, got ", x.scalar_type());
+  if (x.dim() == 0 || x.numel() == 0 || x.size(-1) == 0) return true;
+  const auto dense = x.contiguous();
+  bool ok = true;
+  AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "attnscale_rows_ok", [&] {
+    ok = rows_ok_impl<scalar_t>(dense.const_data_ptr<scalar_t>(), dense.numel() / dense.size(-1), dense.size(-1));
+  });
+  return ok;
+}
+
+bool all_finite_op(const torch::Tensor& x) {
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "attnscale fused kernel: all_finite takes float32 or float64, got ", x.scalar_type());
+  if (x.numel() == 0) return true;
+  const auto dense = x.contiguous();
+  bool ok = true;
+  AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "attnscale_all_finite", [&] {
+    using Vec = Vectorized<scalar_t>;
+    const scalar_t* p = dense.const_data_ptr<scalar_t>();
+    const int64_t count = dense.numel();
+    Vec acc(scalar_t(0)), zero(scalar_t(0));
+    int64_t i = 0;
+    for (; i + Vec::size() <= count; i += Vec::size()) acc = acc + Vec::loadu(p + i) * zero;  // x * 0 is NaN for an inf or NaN
+    scalar_t tail = scalar_t(0);
+    for (; i < count; ++i) tail += p[i] * scalar_t(0);
+    scalar_t lanes[Vec::size()];
+    acc.store(lanes);
+    for (int64_t j = 0; j < Vec::size(); ++j) tail += lanes[j];
+    ok = tail == scalar_t(0);
+  });
+  return ok;
+}
+
 // The kernel's tanh elementwise on a contiguous tensor, on one thread, for its tests and benchmark.
 torch::Tensor tanh_op(const torch::Tensor& x) {
   TORCH_CHECK(x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
@@ -316,6 +377,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("option_names", &Options::names, "the options forward and backward take by keyword, in their order (Options)");
   module.def("brgemm_runs", &brgemm_runs, "whether bfloat16 products with an even head dim go through torch's brgemm (oneDNN) here, not oneMKL");
   module.def("half_gemm", &half_gemm, "whether 16-bit q, k, v of this format (1 bfloat16, 2 float16) can be passed as they are (oneMKL's products)");
+  module.def("rows_ok", &rows_ok_op, "whether every row (last dim) of a float32 or float64 tensor is finite and not all zeros (the guard's check)");
+  module.def("all_finite", &all_finite_op, "whether every entry of a float32 or float64 tensor is finite (the guard's check of k)");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");
   module.def("weights", &weights_op, "the softmax's exp of centred scores, and exp_u20 floored the same way (float32, 1-d, a multiple of 8 long)");
   module.def("tile_weights", &tile_weights_op, "one tile's softmax weights exp(s - m) and m as the forward makes them (tests; float32/float64, one block and tile)",
