@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -299,6 +300,7 @@ def test_a_signature_that_passed_is_not_checked_again_but_values_are(monkeypatch
         attnscale.scaled_dot_product_attention(qs, ks, vs, **{**call, **changed})
     assert len(full) == 5
     refused(ValueError, "key", qs, ks[..., :2], vs, **call)  # another shape: checked, and refused
+    refused(TypeError, "scale", qs, ks, vs, **{**call, "scale": np.array([0.3, 0.4])})  # its == is an array: never asked
     refused(ValueError, "window", qs, ks, vs, **{**call, "window": [2, "0"]})  # unhashable: checked every time
     attnscale.scaled_dot_product_attention(qs, ks, vs, **{**call, "window": [2, 0]})
-    assert len(full) == 8
+    assert len(full) == 9

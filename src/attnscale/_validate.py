@@ -225,13 +225,14 @@ def _check_values(query: Tensor, attn_mask: Tensor | None, alibi_slopes: Tensor 
 
 
 def _meta(t: object) -> object:
-    """What validation reads of a tensor argument (None for None); a non-tensor reads as itself,
-    which never equals a tensor's entry."""
+    """What validation reads of a tensor argument (None for None); :data:`_UNCACHED` for anything
+    but a plain dense tensor (a subclass, a nested tensor, which has no shape to read, or no tensor
+    at all): such calls are checked in full every time."""
     if t is None:
         return None
-    if type(t) is not Tensor:
+    if type(t) is not Tensor or t.is_nested:
         return _UNCACHED
-    return (t.shape, t.dtype, t.layout, t.is_nested, t.device)
+    return (t.shape, t.dtype, t.layout, t.device)
 
 
 _UNCACHED = object()
@@ -265,19 +266,19 @@ def check_attention_call(
     In eager mode a call whose signature (every tensor's shape, dtype, layout and device, every
     option) passed before takes that result, and only the value checks run again: what the
     signature proved is not checked twice."""
-    options = (dropout_p, is_causal, scale, enable_gqa, causal_alignment, backend, softcap, window, return_stats)
     signature = None
-    if values and type(query) is Tensor and not query.is_nested:  # (a nested tensor has no shape to read)
-        signature = (_meta(query), _meta(key), _meta(value), _meta(attn_mask), _meta(alibi_slopes), _meta(sinks), *(type(o) for o in options), *options)
-        try:
-            call = _SIGNATURES.get(signature) if _UNCACHED not in signature else None
-        except TypeError:  # an option that cannot be a key (a list for window): checked every time
-            signature, call = None, None
-        if call is not None:
-            _check_values(query, attn_mask, alibi_slopes, sinks)  # type: ignore[arg-type]
-            return call
-        if signature is not None and _UNCACHED in signature:
-            signature = None
+    if values:
+        tensors = (_meta(query), _meta(key), _meta(value), _meta(attn_mask), _meta(alibi_slopes), _meta(sinks))
+        if not any(m is _UNCACHED for m in tensors):  # identity only: an odd option's == is never asked
+            options = (dropout_p, is_causal, scale, enable_gqa, causal_alignment, backend, softcap, window, return_stats)
+            signature = (*tensors, *(type(o) for o in options), *options)
+            try:
+                call = _SIGNATURES.get(signature)
+            except TypeError:  # an option that cannot be a key (a list for window): checked every time
+                signature, call = None, None
+            if call is not None:
+                _check_values(query, attn_mask, alibi_slopes, sinks)  # type: ignore[arg-type]
+                return call
     call = _check_attention_call(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
         causal_alignment=causal_alignment, backend=backend, softcap=softcap, alibi_slopes=alibi_slopes, window=window,
