@@ -280,8 +280,8 @@ def test_a_signature_that_passed_is_not_checked_again_but_values_are(monkeypatch
     from attnscale import _validate
 
     full = []
-    original = _validate._check_attention_call
-    monkeypatch.setattr(_validate, "_check_attention_call", lambda *a, **kw: full.append(1) or original(*a, **kw))
+    original = _validate.check_tensors  # the first of the full checks
+    monkeypatch.setattr(_validate, "check_tensors", lambda *a, **kw: full.append(1) or original(*a, **kw))
     gen = torch.Generator().manual_seed(7)
     qs, ks, vs = (torch.randn(1, 2, 3, 4, generator=gen) for _ in range(3))
     mask = torch.zeros(3, 3)

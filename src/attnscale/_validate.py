@@ -279,37 +279,6 @@ def check_attention_call(
             if call is not None:
                 _check_values(query, attn_mask, alibi_slopes, sinks)  # type: ignore[arg-type]
                 return call
-    call = _check_attention_call(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-        causal_alignment=causal_alignment, backend=backend, softcap=softcap, alibi_slopes=alibi_slopes, window=window,
-        return_stats=return_stats, sinks=sinks, values=values,
-    )  # fmt: skip
-    if signature is not None:
-        if len(_SIGNATURES) >= _SIGNATURES_MAX:
-            _SIGNATURES.clear()
-        _SIGNATURES[signature] = call
-    return call
-
-
-def _check_attention_call(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    attn_mask: object,
-    dropout_p: object,
-    is_causal: object,
-    scale: object,
-    enable_gqa: object,
-    causal_alignment: object,
-    backend: object,
-    softcap: object,
-    alibi_slopes: object,
-    window: object,
-    return_stats: object,
-    sinks: object = None,
-    values: bool = True,
-) -> AttentionCall:
     check_tensors(query, key, value)
     H, L, D = query.shape[-3:]
     Hkv, S, Dk = key.shape[-3:]
@@ -398,7 +367,7 @@ def _check_attention_call(
         window=window,
         q_offset=query_offset(L, S, alignment),
     )
-    return AttentionCall(
+    call = AttentionCall(
         batch=tuple(batch),
         H=H,
         Hkv=Hkv,
@@ -414,3 +383,8 @@ def _check_attention_call(
         sinks=sinks is not None,
         return_stats=return_stats,
     )
+    if signature is not None:
+        if len(_SIGNATURES) >= _SIGNATURES_MAX:
+            _SIGNATURES.clear()
+        _SIGNATURES[signature] = call
+    return call
