@@ -105,8 +105,13 @@ def test_replacing_torchs_function_never_recurses_and_is_undone():
     with attnscale.patch_torch() as patch:
         assert F.scaled_dot_product_attention is patched_sdpa and patch.active
         assert not torch.backends.mha.get_fastpath_enabled()
-        out = F.scaled_dot_product_attention(q, k, v, backend="torch")  # attnscale -> torch's kernel, once
+        out = F.scaled_dot_product_attention(q, k, v)
+        assert functional.last_backend() == "torch"  # attnscale -> torch's kernel, once
         torch.testing.assert_close(out, TORCH(q, k, v), rtol=0, atol=0)
+        out = attnscale.scaled_dot_product_attention(q, k, v, backend="torch")  # forced, while patched
+        torch.testing.assert_close(out, TORCH(q, k, v), rtol=0, atol=0)
+        with pytest.raises(TypeError, match="softcap"):  # torch's signature: attnscale's keywords go to attnscale's function
+            F.scaled_dot_product_attention(q, k, v, softcap=5.0)
         inner = attnscale.patch_torch()  # a second patch puts back what it found: attnscale's
         inner.undo()
         assert F.scaled_dot_product_attention is patched_sdpa
@@ -130,7 +135,7 @@ def test_nested_tensors_go_to_torchs_kernel_while_patched_and_are_refused_clearl
     with attnscale.patch_torch():
         got = F.scaled_dot_product_attention(q, q, q)
         with pytest.raises(TypeError, match="query: expected a dense \\(strided\\) tensor, got a nested tensor"):
-            F.scaled_dot_product_attention(q, q, q, softcap=5.0)  # attnscale's keywords: attnscale's answer
+            attnscale.scaled_dot_product_attention(q, q, q, softcap=5.0)  # attnscale's keywords: attnscale's answer
     for row, out in zip(rows, got.unbind()):
         row = row.transpose(0, 1)  # (heads, length, dim)
         torch.testing.assert_close(out, TORCH(row, row, row), rtol=0, atol=1e-6)
@@ -236,3 +241,29 @@ def test_a_causal_bias_compiles_to_one_graph():
     out.sum().backward()
     assert counter.frame_count == 1
     torch.testing.assert_close(out, TORCH(q, k, v, attn_mask=causal_lower_right(5, 7)._materialize()), rtol=0, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # deprecated, still used
+def test_torchscript_compiles_torchs_modules_while_patched_and_they_run_through_attnscale():
+    """torch.jit.script of nn.MultiheadAttention or a TransformerEncoder while patched failed
+    ("Compiled functions can't take variable number of arguments"): the patched function had
+    attnscale's keywords. It has torch's signature, and the scripted module calls attnscale."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 6, 16, generator=gen)
+    keep = torch.ones(6, 6, dtype=torch.bool).tril()
+    with attnscale.patch_torch():
+        torch.manual_seed(0)
+        encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True), 2).eval()
+        mha = torch.nn.MultiheadAttention(16, 4, kdim=8, vdim=8, batch_first=True).eval()
+        scripted, scripted_mha = torch.jit.script(encoder), torch.jit.script(mha)
+        kv = torch.randn(2, 5, 8, generator=gen)
+        for module, script, args, kwargs in (
+            (encoder, scripted, (x,), {"mask": ~keep}),
+            (mha, scripted_mha, (x, kv, kv), {"need_weights": False}),
+        ):
+            functional._state.backend = None
+            got = script(*args, **kwargs)
+            assert functional.last_backend() is not None  # the scripted module's attention ran through attnscale
+            want = module(*args, **kwargs)
+            got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same calls, eager and scripted

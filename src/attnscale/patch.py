@@ -10,13 +10,12 @@ backends). attnscale's own ``"torch"`` backend calls torch's kernel bound at imp
 PyTorch's modules have a fast path that never calls Python's SDPA (``nn.MultiheadAttention`` and
 ``nn.TransformerEncoderLayer`` in eval mode without gradients); while patched it is off
 (``torch.backends.mha.set_fastpath_enabled(False)``), so that they too run through attnscale.
-Nested tensors, a layout attnscale does not take, go to torch's kernel as they came (with none of
-attnscale's own keywords: given those, attnscale refuses them with the reason).
+Nested tensors, a layout attnscale does not take, go to torch's kernel as they came.
+
+(No ``from __future__ import annotations`` here: TorchScript reads :func:`patched_sdpa`'s
+annotations as types when it compiles a scripted module's call to torch's function.)
 """
 
-from __future__ import annotations
-
-import functools
 import threading
 from types import TracebackType
 
@@ -33,16 +32,29 @@ __all__ = ["TorchPatch", "patch_torch", "patched_sdpa"]
 _lock = threading.Lock()
 
 
-@functools.wraps(scaled_dot_product_attention)
+@torch.jit.ignore  # TorchScript calls back into Python here
+def _attnscale_sdpa(
+    query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool, scale: float | None,
+    enable_gqa: bool,
+) -> Tensor:
+    if query.is_nested:
+        return TORCH_SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)  # type: ignore[return-value]  # no return_stats: a tensor
+
+
 def patched_sdpa(
     query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-    scale: float | None = None, enable_gqa: bool = False, **options: object,
-) -> object:
-    """torch's function while patched: :func:`attnscale.scaled_dot_product_attention`, but for
-    nested tensors, which torch's own kernel computes."""
-    if not options and isinstance(query, Tensor) and query.is_nested:
-        return TORCH_SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-    return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **options)  # type: ignore[arg-type]
+    scale: float | None = None, enable_gqa: bool = False,
+) -> Tensor:
+    """torch's function while patched, with torch's signature: :func:`attnscale.scaled_dot_product_attention`,
+    but for nested tensors, which torch's own kernel computes (attnscale's own keywords, such as
+    ``softcap``, are passed to attnscale's function itself).
+
+    TorchScript compiles it where a scripted module calls torch's function (``torch.jit.script``
+    of ``nn.MultiheadAttention`` or ``nn.TransformerEncoder`` while patched): the scripted module
+    calls back into attnscale, so it computes what the eager one does, and, like any scripted code
+    that calls Python, cannot be saved with ``torch.jit.save`` (script it unpatched to save it)."""
+    return _attnscale_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 class TorchPatch:
@@ -67,14 +79,14 @@ class TorchPatch:
             torch.backends.mha.set_fastpath_enabled(self._fastpath)
             self.active = False
 
-    def __enter__(self) -> TorchPatch:
+    def __enter__(self) -> "TorchPatch":
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
         self.undo()
 
 
-def patch_torch() -> TorchPatch:
+def patch_torch() -> "TorchPatch":
     """Replace ``torch.nn.functional.scaled_dot_product_attention`` with
     :func:`attnscale.scaled_dot_product_attention` (:func:`patched_sdpa`) for the whole program,
     until undone::
