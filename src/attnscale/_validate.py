@@ -216,7 +216,8 @@ def check_tensors(query: object, key: object, value: object) -> None:
 def _check_values(query: Tensor, attn_mask: Tensor | None, alibi_slopes: Tensor | None, sinks: Tensor | None) -> None:
     """What a call's signature cannot prove: a float mask's entries finite or -inf, finite slopes
     and sinks (eager mode only: see :mod:`attnscale._tracing`)."""
-    if attn_mask is not None and attn_mask.dtype != torch.bool and (torch.isnan(attn_mask).any() or (attn_mask == float("inf")).any()):
+    # one reduction: the largest entry is NaN where one is (amax propagates NaN), +inf where one is
+    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.numel() and not float(attn_mask.detach().amax()) < math.inf:
         fail("attn_mask", "float values that are finite or -inf", "NaN or +inf entries", "use -inf (or a bool mask) for hidden keys")
     if alibi_slopes is not None:
         check_alibi_values(alibi_slopes, query.dtype)
@@ -271,13 +272,14 @@ def check_attention_call(
         tensors = (_meta(query), _meta(key), _meta(value), _meta(attn_mask), _meta(alibi_slopes), _meta(sinks))
         if not any(m is _UNCACHED for m in tensors):  # identity only: an odd option's == is never asked
             options = (dropout_p, is_causal, scale, enable_gqa, causal_alignment, backend, softcap, window, return_stats)
-            signature = (*tensors, *(type(o) for o in options), *options)
+            signature = (*tensors, *map(type, options), *options)
             try:
                 call = _SIGNATURES.get(signature)
             except TypeError:  # an option that cannot be a key (a list for window): checked every time
                 signature, call = None, None
             if call is not None:
-                _check_values(query, attn_mask, alibi_slopes, sinks)  # type: ignore[arg-type]
+                if attn_mask is not None or alibi_slopes is not None or sinks is not None:
+                    _check_values(query, attn_mask, alibi_slopes, sinks)  # type: ignore[arg-type]
                 return call
     check_tensors(query, key, value)
     H, L, D = query.shape[-3:]

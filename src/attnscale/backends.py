@@ -39,9 +39,8 @@ MATH_MAX_SCORES = 2**26
 it holds several (..., H, L, S) tensors (256 MiB each in float32 at this size)."""
 
 
-@dataclass(frozen=True)
-class Call:
-    """A validated call and its tensors: everything a backend reads."""
+class Call(NamedTuple):
+    """A validated call and its tensors: everything a backend reads (a tuple: made on every call)."""
 
     spec: AttentionCall
     query: Tensor
@@ -320,22 +319,44 @@ def torch_attention(
     head's sink: it joins every row's denominator and adds nothing to the output.
     """
     batch, H, L, S, path = call.batch, call.H, call.L, call.S, call.path
-    B = math.prod(batch)  # explicit, not -1: reshape cannot infer a dim of an empty tensor
     # (B, H, L, D) inputs of one batch, eager (int sizes: no guard on a symbolic one), are torch's
     # layout already: no views to make on the way in or out
-    as_given = query.ndim == 4 and all(type(n) is int and n == B for n in (query.shape[0], key.shape[0], value.shape[0]))
+    B = batch[0] if len(batch) == 1 else math.prod(batch)  # explicit, not -1: reshape cannot infer a dim of an empty tensor
+    n_q, n_k, n_v = query.shape[0], key.shape[0], value.shape[0]
+    as_given = query.ndim == 4 and type(n_q) is int and type(n_k) is int and type(n_v) is int and n_q == n_k == n_v == B
     if as_given:
         q, k, v = query, key, value
     else:
         q = query.expand(*batch, H, L, call.D).reshape(B, H, L, call.D)  # (B, H, L, D)
         k = key.expand(*batch, call.Hkv, S, call.D).reshape(B, call.Hkv, S, call.D)  # (B, Hkv, S, D)
         v = value.expand(*batch, call.Hkv, S, call.Dv).reshape(B, call.Hkv, S, call.Dv)  # (B, Hkv, S, Dv)
+    gqa = True if H != call.Hkv else False  # noqa: SIM210 - a branch, so that dynamic shapes guard on it: a SymBool is no bool to torch's SDPA
+    if attn_mask is None and alibi_slopes is None and sinks is None and path.window is None and (not path.causal or path.q_offset == 0):
+        # torch's own call, its causal flag included (the common case, with no mask to build)
+        out = TORCH_SDPA(q, k, v, None, call.dropout_p, path.causal, scale=path.scale, enable_gqa=gqa)
+        return out if as_given else out.reshape(*batch, H, L, call.Dv)
+    mask = _explicit_mask(query, call, attn_mask, alibi_slopes)
+    if sinks is not None:
+        mask = _with_sink_column(mask, sinks, (*batch, H, L, S), query.dtype)  # (..., H, L, S + 1)
+        k = torch.cat([k, k.new_zeros(B, call.Hkv, 1, call.D)], dim=-2)  # (B, Hkv, S + 1, D)
+        v = torch.cat([v, v.new_zeros(B, call.Hkv, 1, call.Dv)], dim=-2)  # (B, Hkv, S + 1, Dv)
+    if mask is not None and not as_given:  # (torch broadcasts a mask to its (B, H, L, S) itself)
+        mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + tuple(mask.shape))
+        mh, ml, ms = mask.shape[-3:]
+        if all(type(n) is int and n == 1 for n in mask.shape[:-3]):  # a symbolic size (tracing) takes the expand: no guard on it
+            mask = mask.reshape(1, mh, ml, ms)  # (1, H or 1, L or 1, S or 1)
+        else:
+            mask = mask.expand(*batch, mh, ml, ms).reshape(B, mh, ml, ms)  # (B, H or 1, L or 1, S or 1)
+    out = TORCH_SDPA(q, k, v, mask, call.dropout_p, False, scale=path.scale, enable_gqa=gqa)
+    return out if as_given else out.reshape(*batch, H, L, call.Dv)
 
-    native_causal = (
-        path.causal and path.q_offset == 0 and path.window is None and attn_mask is None and alibi_slopes is None and sinks is None
-    )
+
+def _explicit_mask(query: Tensor, call: AttentionCall, attn_mask: Tensor | None, alibi_slopes: Tensor | None) -> Tensor | None:
+    """The call's mask for torch's kernel: ``attn_mask`` with causal and window visibility and
+    the ALiBi bias folded in, in the query's dtype where it is a float mask (None: no mask)."""
+    path, L, S = call.path, call.L, call.S
     mask = attn_mask
-    if not native_causal and (path.causal or path.window is not None or alibi_slopes is not None):
+    if path.causal or path.window is not None or alibi_slopes is not None:
         q_pos, k_pos = path.positions(0, L, 0, S, query.device)
         keep = path.visibility(q_pos, k_pos)  # (L, S) or None
         if alibi_slopes is not None:
@@ -356,28 +377,7 @@ def torch_attention(
             if finfo.max < torch.finfo(mask.dtype).max:
                 mask = mask.clamp(finfo.min, finfo.max).masked_fill(mask == float("-inf"), float("-inf"))
             mask = mask.to(query.dtype)
-    if sinks is not None:
-        mask = _with_sink_column(mask, sinks, (*batch, H, L, S), query.dtype)  # (..., H, L, S + 1)
-        k = torch.cat([k, k.new_zeros(B, call.Hkv, 1, call.D)], dim=-2)  # (B, Hkv, S + 1, D)
-        v = torch.cat([v, v.new_zeros(B, call.Hkv, 1, call.Dv)], dim=-2)  # (B, Hkv, S + 1, Dv)
-    if mask is not None:
-        mask = mask.reshape((1,) * (len(batch) + 3 - mask.ndim) + tuple(mask.shape))
-        mh, ml, ms = mask.shape[-3:]
-        if all(type(n) is int and n == 1 for n in mask.shape[:-3]):  # a symbolic size (tracing) takes the expand: no guard on it
-            mask = mask.reshape(1, mh, ml, ms)  # (1, H or 1, L or 1, S or 1)
-        else:
-            mask = mask.expand(*batch, mh, ml, ms).reshape(B, mh, ml, ms)  # (B, H or 1, L or 1, S or 1)
-    out = TORCH_SDPA(
-        q,
-        k,
-        v,
-        attn_mask=mask,
-        dropout_p=call.dropout_p,
-        is_causal=native_causal,
-        scale=path.scale,
-        enable_gqa=True if call.H != call.Hkv else False,  # noqa: SIM210 - a branch, so that dynamic shapes guard on it: a SymBool is no bool to torch's SDPA
-    )
-    return out if as_given else out.reshape(*batch, H, L, call.Dv)
+    return mask
 
 
 def _with_sink_column(mask: Tensor | None, sinks: Tensor, target: tuple[int, ...], dtype: torch.dtype) -> Tensor:

@@ -279,9 +279,18 @@ bool all_finite_op(const torch::Tensor& x) {
     using Vec = Vectorized<scalar_t>;
     const scalar_t* p = dense.const_data_ptr<scalar_t>();
     const int64_t count = dense.numel();
-    Vec acc(scalar_t(0)), zero(scalar_t(0));
+    constexpr int64_t n = Vec::size();
+    // x * 0 is NaN for an inf or NaN; four sums, so that the adds do not wait on one another
+    Vec acc(scalar_t(0)), acc1(scalar_t(0)), acc2(scalar_t(0)), acc3(scalar_t(0)), zero(scalar_t(0));
     int64_t i = 0;
-    for (; i + Vec::size() <= count; i += Vec::size()) acc = acc + Vec::loadu(p + i) * zero;  // x * 0 is NaN for an inf or NaN
+    for (; i + 4 * n <= count; i += 4 * n) {
+      acc = acc + Vec::loadu(p + i) * zero;
+      acc1 = acc1 + Vec::loadu(p + i + n) * zero;
+      acc2 = acc2 + Vec::loadu(p + i + 2 * n) * zero;
+      acc3 = acc3 + Vec::loadu(p + i + 3 * n) * zero;
+    }
+    acc = (acc + acc1) + (acc2 + acc3);
+    for (; i + n <= count; i += n) acc = acc + Vec::loadu(p + i) * zero;
     scalar_t tail = scalar_t(0);
     for (; i < count; ++i) tail += p[i] * scalar_t(0);
     scalar_t lanes[Vec::size()];
