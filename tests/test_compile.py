@@ -655,3 +655,33 @@ def test_the_compiled_kernel_takes_the_options_records_fields_by_name_and_no_oth
         kernel.forward(q=q, k=q, v=q, alibi=None, mask=None, spans=None, **missing)
     with pytest.raises(RuntimeError, match="unknown options: softcapp"):
         kernel.forward(q=q, k=q, v=q, alibi=None, mask=None, spans=None, softcapp=1.0, **given)
+
+
+@needs_kernel
+def test_the_kernels_ordered_entry_takes_the_whole_record_in_its_order_and_checks_that_order_at_load(monkeypatch):
+    """forward_ordered (run_forward's entry: no keyword looked up per option) reads the record by
+    position: the same output as by keyword, a tuple of another length refused with both counts,
+    and a kernel whose options are in another order refused when it loads (attention then falls
+    back to the tiled kernel, saying why)."""
+    kernel = kernels.load()
+    q = torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(2))
+    given = ops.KernelOptions(scale=0.5, causal=True, q_offset=1, block_q=64, block_k=64)
+    by_name = kernel.forward(q=q, k=q, v=q, alibi=None, mask=None, spans=None, **given._asdict())
+    ordered = kernel.forward_ordered(q, q, q, None, None, None, given)
+    for a, b in zip(by_name, ordered):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="expected a tuple of 13 .* got 12"):
+        kernel.forward_ordered(q, q, q, None, None, None, tuple(given)[:-1])
+
+    class Reordered:
+        @staticmethod
+        def option_names():
+            names = list(ops.KernelOptions._fields)
+            names[0], names[1] = names[1], names[0]
+            return names
+
+    with pytest.raises(RuntimeError, match="are not KernelOptions'"):
+        kernels._check_option_order(Reordered)
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "build", lambda **_: Reordered)
+    assert kernels.load() is None and "are not KernelOptions'" in kernels.unavailable_reason()

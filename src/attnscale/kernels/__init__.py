@@ -204,12 +204,23 @@ def load() -> ModuleType | None:
             return _state["module"]  # type: ignore[return-value]
         try:
             module: ModuleType | None = build()
+            _check_option_order(module)
         except Exception as exc:  # a failed build must never break attention: fall back, say why once
             module = None
             _state["reason"] = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             print(f"attnscale: {_state['reason']}; using the eager tiled kernel", file=sys.stderr, flush=True)
         _state["module"] = module
         return module
+
+
+def _check_option_order(module: ModuleType | None) -> None:
+    """The kernel's options in :class:`~attnscale.kernels.ops.KernelOptions`' order: its
+    ``forward_ordered`` reads them by position."""
+    from .ops import KernelOptions
+
+    names = module.option_names() if module is not None else list(KernelOptions._fields)
+    if names != list(KernelOptions._fields):
+        raise RuntimeError(f"the compiled kernel's options {names} are not KernelOptions' {list(KernelOptions._fields)}: rebuild it")
 
 
 def available() -> bool:

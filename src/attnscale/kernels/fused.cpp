@@ -107,10 +107,9 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
 // without with_stats, rows_ok a 0-d bool tensor. All made here, so a decoding step's Python makes
 // no tensors of its own after the call (each torch op from Python then costs more than its share:
 // the kernel has just streamed k and v through the caches).
-std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                   const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
-                                   const c10::optional<torch::Tensor>& spans, const py::kwargs& options) {
-  const Options o = Options::from(options);
+std::vector<torch::Tensor> forward_with(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
+                                        const c10::optional<torch::Tensor>& spans, const Options& o) {
   check_call(q, k, v, alibi, mask, spans, o);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
   // Packed: rows of sequences without keys are not visited; they keep an empty row's values.
@@ -378,11 +377,25 @@ std::vector<torch::Tensor> tile_weights_op(const torch::Tensor& q, const torch::
   return {weights, m};
 }
 
+std::vector<torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
+                                   const c10::optional<torch::Tensor>& spans, const py::kwargs& options) {
+  return forward_with(q, k, v, alibi, mask, spans, Options::from(options));
+}
+
+std::vector<torch::Tensor> forward_ordered(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                           const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
+                                           const c10::optional<torch::Tensor>& spans, const py::tuple& options) {
+  return forward_with(q, k, v, alibi, mask, spans, Options::from(options));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // The options by keyword (Options::from): a call that names one wrongly, or leaves one out,
   // fails, where one that swapped two ints or bools by position was silent.
   module.def("forward", &forward, "attnscale fused attention forward: [out, lse, m, l, max_logit, max_prob, entropy, visible (empty without statistics), rows_ok (0-d bool)]; the options by keyword (Options)",
              py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alibi"), py::arg("mask"), py::arg("spans"));
+  module.def("forward_ordered", &forward_ordered, "forward with the options as one tuple in option_names' order (attnscale.kernels.ops.KernelOptions, whose order is checked at load)",
+             py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alibi"), py::arg("mask"), py::arg("spans"), py::arg("options"));
   module.def("option_names", &Options::names, "the options forward and backward take by keyword, in their order (Options)");
   module.def("brgemm_runs", &brgemm_runs, "whether bfloat16 products with an even head dim go through torch's brgemm (oneDNN) here, not oneMKL");
   module.def("half_gemm", &half_gemm, "whether 16-bit q, k, v of this format (1 bfloat16, 2 float16) can be passed as they are (oneMKL's products)");

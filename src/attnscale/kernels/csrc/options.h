@@ -65,6 +65,23 @@ struct Options {
     return o;
   }
 
+  // From one tuple in the fields' order: the binding's forward_ordered, for a caller that holds
+  // attnscale.kernels.ops.KernelOptions, whose order ops checks against names() once, at load (no
+  // keyword to look up per option on a decoding step's call).
+#define ATTNSCALE_COUNT(type, name) +1
+  static constexpr size_t count = 0 ATTNSCALE_KERNEL_OPTIONS(ATTNSCALE_COUNT);
+#undef ATTNSCALE_COUNT
+  static Options from(const py::tuple& given) {
+    TORCH_CHECK(given.size() == count, "attnscale fused kernel: options: expected a tuple of ", count,
+                " (the fields of attnscale.kernels.ops.KernelOptions, in order), got ", given.size());
+    Options o;
+    size_t at = 0;
+#define ATTNSCALE_READ_AT(type, name) o.name = given[at++].cast<type>();
+    ATTNSCALE_KERNEL_OPTIONS(ATTNSCALE_READ_AT)
+#undef ATTNSCALE_READ_AT
+    return o;
+  }
+
   static std::vector<std::string> names() {
     std::vector<std::string> all;
 #define ATTNSCALE_NAME(type, name) all.emplace_back(#name);
