@@ -29,7 +29,7 @@ from ..config import AttentionConfig, TemperatureOptions
 from ..modules import AttentionOutput, MultiHeadAttention
 from ..stats import AttentionStats
 from .base import Progress, no_progress
-from .shakespeare import Corpus, batch
+from .shakespeare import Corpus, batch, load
 
 ARMS = ("scaled", "unscaled", "qknorm", "mup")
 INITS = ("nanogpt", "torch")
@@ -252,3 +252,37 @@ def train_lm(config: GPTConfig, train: LMTrainConfig, corpus: Corpus, progress: 
                 break
         progress(step + 1, train.steps)
     return LMRun(steps, val_loss, max_logit, min_entropy, diverged_at, time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m attnscale.lab.gpt``: train one model on the plays and print its curve (nanoGPT's
+    CPU recipe by default: 4 layers, width 128, 4 heads, context 64, batch 12, 2,000 steps)."""
+    import argparse
+
+    from rich.progress import Progress as Bar
+
+    from .terminal import progress_columns
+
+    parser = argparse.ArgumentParser(prog="python -m attnscale.lab.gpt", description=main.__doc__.split("\n\n")[0])
+    parser.add_argument("--arm", choices=ARMS, default="scaled", help="what multiplies q.k (default: 1/sqrt(d_k))")
+    parser.add_argument("--init", choices=INITS, default="nanogpt", help="initialisation (default: nanoGPT's std 0.02)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3, nanoGPT's)")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--heads", type=int, default=4, help="heads at width 128: d_k = 128 / heads (default 4: d_k 32)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    corpus = load()
+    config = GPTConfig(vocab=len(corpus.vocab), heads=args.heads, arm=args.arm, init=args.init)
+    train = LMTrainConfig(steps=args.steps, lr=args.lr, seed=args.seed)
+    with Bar(*progress_columns()) as bar:
+        task = bar.add_task(f"{args.arm}, d_k {config.d_k}", total=train.steps)
+        run = train_lm(config, train, corpus, lambda done, total: bar.update(task, completed=done))
+    for step, loss in zip(run.steps, run.val_loss):
+        print(f"step {step:5d}  validation loss {loss:.4f} nats/char")
+    diverged = "no" if run.diverged_at is None else f"at step {run.diverged_at}"
+    print(f"largest attention logit {run.max_logit:.3g}, lowest attention entropy {run.min_entropy:.3g} nats, diverged: {diverged}, {run.seconds:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -33,6 +33,7 @@ CLAIMS: tuple[tuple[str, str], ...] = (
     ("softmax-peak-example", "softmax(0, 0, 11, 0) puts almost all of its mass on the 11"),
     ("jacobian-collapse", "at a peaked softmax the Jacobian diag(p) - p p^T is near zero off the peak"),
     ("training-stall", "without the scale, attention learns much more slowly or stalls at d_k = 64, 128"),
+    ("real-text-training", "without the scale, a GPT on real text stalls, trains worse, or at fewer learning rates"),
     ("fp16-secondary", "gradients through softmax vanish at logits far below fp16 overflow: the failure is gradient flow"),
     ("inference-removal", "removing or changing the scale at inference degrades a model trained with it"),
     ("qknorm-double-shrink", "1/sqrt(d_k) on top of QK normalisation shrinks scores into a near-uniform regime"),

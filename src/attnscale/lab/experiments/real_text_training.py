@@ -1,0 +1,277 @@
+"""real-text-training: trained on real text, does attention without the scale stall, train worse, or
+need a narrower range of learning rates?
+
+A nanoGPT-shaped character model (:mod:`attnscale.lab.gpt`: pre-LN, causal, GELU MLP, tied
+embeddings, attnscale's own MultiHeadAttention) learns Shakespeare's plays
+(:mod:`attnscale.lab.shakespeare`, every tenth play held out) with AdamW, warm-up and cosine
+decay, over a grid of learning rates in half-decade steps, several seeds per rate, once with the
+scale 1/sqrt(d_k) and once without it (q.k multiplied by 1), from each of two initialisations:
+nanoGPT's (normal, std 0.02: small logits at init) and PyTorch's own ``nn.Linear`` default (logits
+far larger from the start). A seed trains the same model init and the same batches in every arm.
+
+Each run's final validation loss (nats per character; a run that diverges counts at the loss at
+initialisation) makes one point of an arm's curve; the curve is summarised as Wortsman et al. 2023
+do (arXiv:2309.14322): its best loss and rate, its LR sensitivity (the mean over the grid of
+``min(loss, L0)`` less the best) and the decades of rates within 0.05 nats of the best
+(:mod:`attnscale.lab.lr_sweep`, which holds the rule). The largest attention logit and the lowest
+attention entropy each run reached are stated beside, not judged.
+
+``default`` trims the model to 2 layers of width 64 (2 heads of d_k 32), 250 steps at batch 8, 5
+rates from 3.2e-4 to 3.2e-2 and 3 seeds, so that its 60 runs fit the report's budget on two
+cores; ``full`` trains nanoGPT's model (4 layers of width 128) for 500 steps at batch 12, at d_k
+32, 64 and 128 (4, 2 and 1 heads), with QK-norm (LayerNorm of q and k, a learned temperature from
+1, no scale) and muP's 1/d_k beside at d_k 32. ``quick`` trains one initialisation for 150
+steps with 2 seeds, which cannot conclude (a smoke test of the pipeline,
+not a measurement). nanoGPT's own CPU recipe (4 layers, width 128, batch 12, 2,000 steps, the
+scale) is ``python -m attnscale.lab.gpt``: the anchor that shows the training itself is healthy.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from ..base import Arm, Claim, Headline, Judgement, Profile, Progress, RuleVersion, Verdict, no_progress, save_figure
+from ..gpt import GPTConfig, LMTrainConfig, train_lm
+from ..lr_sweep import COST_NATS, GRID, SENSITIVITY_NATS, STALL_NATS, WITHIN_BEST_NATS, Curve, Effect, compare, judge_effects, summarise
+from ..shakespeare import load
+
+CLAIM = Claim(
+    id="real-text-training",
+    statement=(
+        "Without the 1/sqrt(d_k) scale, a transformer trained on real text stalls or trains worse: its best loss over "
+        "learning rates is worse, or fewer learning rates train it well."
+    ),
+    sources=(
+        "Vaswani et al. 2017, sec. 3.2.1",
+        "Wortsman et al. 2023, Small-scale proxies for large-scale Transformer training instabilities (arXiv:2309.14322)",
+        "Dehghani et al. 2023, Scaling Vision Transformers to 22 Billion Parameters (arXiv:2302.05442)",
+    ),
+    method=(
+        "A nanoGPT-shaped character model (pre-LN, causal, GELU MLP, tied embeddings, attnscale.MultiHeadAttention) "
+        "trained on Shakespeare's plays (every tenth play held out) with AdamW (betas 0.9/0.99, weight decay 0.1, "
+        "gradients clipped to 1, warm-up then cosine decay to a tenth), with q.k multiplied by 1/sqrt(d_k) and by 1, "
+        "from nanoGPT's init (std 0.02) and from PyTorch's nn.Linear default, at learning rates in half-decade steps, "
+        "several seeds per rate (the same init and batches per seed in every arm). Per arm: the final validation loss "
+        "(nats per character; a diverged run counts at the loss at init) at each rate, its best and LR sensitivity "
+        "(Wortsman et al.), the largest attention logit and lowest attention entropy reached."
+    ),
+    rule=(
+        "Per condition (d_k and init), the arm without the scale against the arm with it: a curve's loss at a rate is "
+        "the median over seeds; its best is the lowest, with the standard error of the seeds' losses at that rate; its "
+        "LR sensitivity the mean over the grid of min(loss, loss at init) less the best, per seed, with its standard "
+        f"error; its width the decades of rates within {WITHIN_BEST_NATS} nats of the best. Inconclusive if an arm has "
+        "fewer than 2 seeds at a rate or its best rate is at an end of the grid. Stalls if best without - best with is "
+        f"clearly above {STALL_NATS} nats (its centre less Student's t 95% for the smaller seed count times its standard "
+        f"error); else costs if clearly above {COST_NATS}; else narrows if the sensitivity difference is clearly above "
+        f"{SENSITIVITY_NATS} nats or the width is at least half a decade narrower; else no effect if the loss difference "
+        f"is clearly below {COST_NATS} and the sensitivity difference clearly below {SENSITIVITY_NATS}; else "
+        "inconclusive. A stall supports holds, a cost or a narrower range holds-approximately, no effect "
+        "does-not-hold. The claim's verdict: inconclusive if every condition is; otherwise the least supportive "
+        "conclusive condition's, as the claim is stated for training in general."
+    ),
+    rule_history=(
+        RuleVersion(
+            1,
+            "2026-12-06",
+            "the first version, written and tested on synthetic curves before any sweep ran",
+            "8817dadd33f51d34",
+        ),
+    ),
+)
+
+HEADLINE = Headline(
+    "headline.centre",
+    "best validation loss without the scale less with it (d_k 32, nanoGPT's init)",
+    " nats",
+    spread="headline.spread",
+)
+JUDGED = ("scaled", "unscaled")
+ARM_NAMES = {"scaled": "1/sqrt(d_k)", "unscaled": "no scale", "qknorm": "QK-norm, no scale", "mup": "1/d_k (muP)"}
+INIT_NAMES = {"nanogpt": "nanoGPT's init (std 0.02)", "torch": "PyTorch's default init"}
+
+
+@dataclass(frozen=True)
+class Config:
+    layers: int = 2
+    width: int = 64
+    dks: tuple[int, ...] = (32,)
+    context: int = 64
+    batch: int = 8
+    steps: int = 250
+    warmup: int = 25
+    eval_every: int = 50
+    eval_batches: int = 8
+    rates: tuple[float, ...] = GRID[1:6]
+    arms: tuple[str, ...] = JUDGED
+    extra_arms: tuple[str, ...] = ()
+    """Arms run at the first d_k only (QK-norm, muP), reported beside the judged two."""
+    inits: tuple[str, ...] = ("nanogpt", "torch")
+    seeds: int = 3
+
+    @classmethod
+    def for_profile(cls, profile: Profile) -> Config:
+        if profile == "tiny":
+            return cls(layers=1, width=32, dks=(16,), context=16, batch=4, steps=12, warmup=2, eval_every=6, eval_batches=1,
+                       rates=GRID[2:5], inits=("nanogpt",), seeds=2)  # fmt: skip
+        if profile == "quick":
+            return cls(steps=150, warmup=15, rates=GRID[2:5], inits=("nanogpt",), seeds=2)
+        if profile == "default":
+            return cls()
+        if profile == "full":
+            return cls(layers=4, width=128, dks=(32, 64, 128), batch=12, steps=500, warmup=50, eval_every=100,
+                       eval_batches=20, extra_arms=("qknorm", "mup"))  # fmt: skip
+        raise ValueError(f"profile must be one of tiny, quick, default, full; got {profile!r}.")
+
+
+SEED_STRIDE = 1000
+
+
+def _points(config: Config) -> dict[str, tuple[str, int, str, float]]:
+    """Every point, "init d_k arm lr" -> (init, d_k, arm, lr)."""
+    return {
+        f"{init} {dk} {arm} {lr:g}": (init, dk, arm, lr)
+        for init in config.inits
+        for dk in config.dks
+        for arm in (*config.arms, *(config.extra_arms if dk == config.dks[0] else ()))
+        for lr in config.rates
+    }
+
+
+def parts(config: Config) -> list[str]:
+    """One part per point (an arm at a rate): its seeds' runs."""
+    return list(_points(config))
+
+
+def run_part(config: Config, seed: int, part: str, progress: Progress) -> dict:
+    """One point's runs, one per model seed (``SEED_STRIDE * seed + i``: reports at different seeds share no model)."""
+    init, dk, arm, lr = _points(config)[part]
+    corpus = load()
+    model = GPTConfig(vocab=len(corpus.vocab), layers=config.layers, width=config.width, heads=config.width // dk, context=config.context, arm=arm, init=init)
+    runs = []
+    for i in range(config.seeds):
+        train = LMTrainConfig(steps=config.steps, batch=config.batch, lr=lr, warmup=config.warmup, eval_every=config.eval_every,
+                              eval_batches=config.eval_batches, seed=SEED_STRIDE * seed + i)  # fmt: skip
+        run = train_lm(model, train, corpus)
+        runs.append({
+            "steps": run.steps, "val_loss": run.val_loss, "final": run.final_loss, "init": run.init_loss,
+            "max_logit": run.max_logit, "min_entropy": run.min_entropy, "diverged_at": run.diverged_at,
+        })  # fmt: skip
+        progress(i + 1, config.seeds)
+    return {"runs": runs}
+
+
+def run(config: Config, seed: int, progress: Progress) -> dict:
+    names = parts(config)
+    results = {}
+    for i, name in enumerate(names):
+        results[name] = run_part(config, seed, name, no_progress)
+        progress(i + 1, len(names))
+    return combine(config, seed, results)
+
+
+def _condition(init: str, dk: int) -> str:
+    return f"d_k {dk}, {INIT_NAMES[init]}"
+
+
+def _curve(arm: dict) -> Curve:
+    runs = arm["runs"]
+    init_loss = statistics.median(r["init"] for rate in runs.values() for r in rate)
+    return Curve({float(lr): [r["final"] for r in rate] for lr, rate in runs.items()}, init_loss)
+
+
+def combine(config: Config, seed: int, results: dict[str, dict]) -> dict:
+    """Per condition and arm, every rate's runs and the curve's summary; the headline is the first
+    condition's best loss without the scale less with it."""
+    conditions: dict[str, dict] = {}
+    for part, (init, dk, arm, lr) in _points(config).items():
+        arms = conditions.setdefault(_condition(init, dk), {"init": init, "dk": dk, "arms": {}})["arms"]
+        arms.setdefault(arm, {"runs": {}})["runs"][f"{lr:g}"] = results[part]["runs"]
+    headline = None
+    for condition in conditions.values():
+        for arm in condition["arms"].values():
+            s = summarise(_curve(arm))
+            arm["summary"] = {
+                "best": s.best.as_dict(), "best_lr": s.best_lr, "sensitivity": s.sensitivity.as_dict(), "width": s.width,
+                "bracketed": s.bracketed, "seeds": s.seeds, "loss": {f"{lr:g}": v for lr, v in s.loss.items()},
+                "max_logit": {lr: statistics.median(r["max_logit"] for r in rate) for lr, rate in arm["runs"].items()},
+            }  # fmt: skip
+        if headline is None and all(a in condition["arms"] for a in JUDGED):
+            with_, without = (condition["arms"][a]["summary"]["best"] for a in JUDGED)
+            headline = {"centre": without["centre"] - with_["centre"], "spread": math.hypot(without["spread"], with_["spread"])}
+    return {"config": asdict(config), "conditions": conditions, "headline": headline}
+
+
+_SUPPORT = {Effect.STALLS: Verdict.HOLDS, Effect.COSTS: Verdict.HOLDS_APPROXIMATELY, Effect.NARROWS: Verdict.HOLDS_APPROXIMATELY, Effect.NONE: Verdict.DOES_NOT_HOLD}
+
+
+def judge(measured: dict) -> Judgement:
+    arms, effects = [], {}
+    for name, condition in measured["conditions"].items():
+        scaled, unscaled = (summarise(_curve(condition["arms"][a])) for a in JUDGED)
+        effect, reason = compare(scaled, unscaled)
+        effects[name] = effect
+        arms.append(Arm(name, _SUPPORT.get(effect, Verdict.INCONCLUSIVE), f"{effect.value}: {reason}"))
+    verdict = judge_effects(effects)
+    each = "; ".join(f"{name}: {effect.value}" for name, effect in effects.items())
+    if verdict is Verdict.INCONCLUSIVE:
+        return Judgement(verdict, f"no condition is conclusive ({each})", tuple(arms))
+    return Judgement(verdict, f"the least supportive conclusive condition's verdict ({each})", tuple(arms))
+
+
+_ARM_STYLE = {"scaled": ("tab:blue", "o"), "unscaled": ("tab:red", "s"), "qknorm": ("tab:green", "^"), "mup": ("tab:purple", "D")}
+
+
+def _panels(measured: dict, key: str, ylabel: str, log_y: bool) -> Figure:
+    conditions = measured["conditions"]
+    fig = Figure(figsize=(4.6 * len(conditions), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(conditions), squeeze=False)[0]
+    for ax, (name, condition) in zip(axes, conditions.items(), strict=True):
+        for arm, data in condition["arms"].items():
+            colour, marker = _ARM_STYLE[arm]
+            rates = sorted(data["runs"], key=float)
+            if key == "loss":
+                ys = [data["summary"]["loss"][r] for r in rates]
+            else:
+                ys = [data["summary"]["max_logit"][r] for r in rates]
+            ax.plot([float(r) for r in rates], ys, color=colour, marker=marker, label=ARM_NAMES[arm])
+            if key == "loss":
+                best = data["summary"]["best"]
+                ax.errorbar(data["summary"]["best_lr"], best["centre"], yerr=best["spread"], color=colour, capsize=3, lw=1)
+        ax.set_xscale("log")
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("peak learning rate")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=9)
+    return fig
+
+
+def plot(measured: dict, outdir: Path) -> list[str]:
+    """Validation loss against learning rate, one curve per arm, one panel per condition
+    (Wortsman et al.'s Figure 1), and the largest attention logit against learning rate."""
+    return [
+        save_figure(_panels(measured, "loss", "final validation loss (nats/char)", False), outdir, "real_text_loss_vs_lr"),
+        save_figure(_panels(measured, "max_logit", "largest attention logit", True), outdir, "real_text_max_logit_vs_lr"),
+    ]
+
+
+def captions(measured: dict) -> dict[str, str]:
+    c = measured["config"]
+    model = f"{c['layers']} layers of width {c['width']}, {c['steps']} steps at batch {c['batch']}, {c['seeds']} seeds per rate"
+    return {
+        "real_text_loss_vs_lr": (
+            f"Final validation loss on held-out plays against the peak learning rate ({model}): the median over seeds at "
+            "each rate, the error bar the standard error at each arm's best rate; a diverged run counts at the loss at "
+            "initialisation. Compare the lowest points of the curves (the best loss) and how wide each valley is."
+        ),
+        "real_text_max_logit_vs_lr": (
+            "The largest attention logit any evaluation saw, median over seeds, against the peak learning rate (log scale): "
+            "without the scale the logits start and grow larger; Wortsman et al. saw runs diverge once it passed about 1e4."
+        ),
+    }
