@@ -14,7 +14,7 @@ of half-decade steps, over seeds. A run that diverged counts at the loss at init
 * ``width``: how many decades of the grid lie within 0.05 nats of ``best`` (half a decade a rate);
 * ``bracketed``: whether ``best_lr`` has a rate on both sides of it in the grid.
 
-The rule (version 1, written before any sweep ran), per condition (a d_k and an initialisation),
+The rule (version 1 written before any sweep ran; version 2 as below), per condition (a d_k and an initialisation),
 comparing the arm without the scale (``unscaled``) with the one with it (``scaled``), where a
 difference is "clearly above" a bound when its centre less Student's t (95%, the smaller seed
 count) times its standard error exceeds the bound (:func:`attnscale.lab.uncertainty.side`):
@@ -23,11 +23,14 @@ count) times its standard error exceeds the bound (:func:`attnscale.lab.uncertai
 * **stalls** if ``best_unscaled - best_scaled`` is clearly above 0.25 nats (the missing scale never
   comes within a quarter nat per character of the scaled model's best, at any learning rate);
 * else **costs** if that difference is clearly above 0.05 nats;
-* else **narrows** if ``sensitivity_unscaled - sensitivity_scaled`` is clearly above 0.1 nats,
-  or ``width`` is at least half a decade narrower without the scale;
+* else **narrows** if ``sensitivity_unscaled - sensitivity_scaled`` is clearly above 0.1 nats;
 * else **no effect** if the loss difference is clearly below 0.05 and the sensitivity difference
-  clearly below 0.1 nats (and the width not narrower);
+  clearly below 0.1 nats;
 * else inconclusive (within noise of a bound).
+
+``width`` is stated, not judged: a count of rates on one side of a line drawn through medians, it
+carries no uncertainty (version 1 judged it, and one rate's median 0.05 nats from another's decided
+a condition; version 2 leaves it to the sensitivity, which is measured per seed).
 
 A condition that stalls supports "holds", one that costs or narrows "holds-approximately", one of
 no effect "does-not-hold". The claim's verdict is inconclusive when every condition is, else the
@@ -147,7 +150,6 @@ def compare(scaled: Summary, unscaled: Summary) -> tuple[Effect, str]:
             return Effect.INCONCLUSIVE, f"the {name} arm's best rate {s.best_lr:g} is at the edge of the grid it ran (the optimum is not bracketed)"
     loss = difference(unscaled.best, scaled.best)
     sens = difference(unscaled.sensitivity, scaled.sensitivity)
-    narrower = unscaled.width <= scaled.width - 1 / RATES_PER_DECADE
     said = (
         f"best loss {unscaled.best.text()} without the scale (lr {unscaled.best_lr:g}) vs {scaled.best.text()} with it (lr {scaled.best_lr:g}): "
         f"{loss.text()} nats; LR sensitivity {sens.text()} nats apart; {unscaled.width:g} vs {scaled.width:g} decades within {WITHIN_BEST_NATS} nats of the best"
@@ -156,8 +158,8 @@ def compare(scaled: Summary, unscaled: Summary) -> tuple[Effect, str]:
         return Effect.STALLS, f"{said}: clearly more than {STALL_NATS} nats worse at every rate"
     if side(loss, COST_NATS) is Side.ABOVE:
         return Effect.COSTS, f"{said}: clearly more than {COST_NATS} nats worse at the best rate"
-    if side(sens, SENSITIVITY_NATS) is Side.ABOVE or narrower:
-        return Effect.NARROWS, f"{said}: the usable learning rates narrow"
+    if side(sens, SENSITIVITY_NATS) is Side.ABOVE:
+        return Effect.NARROWS, f"{said}: clearly more than {SENSITIVITY_NATS} nats more sensitive to the learning rate"
     if side(loss, COST_NATS) is Side.BELOW and side(sens, SENSITIVITY_NATS) is Side.BELOW:
         return Effect.NONE, f"{said}: clearly within {COST_NATS} nats at the best rate and {SENSITIVITY_NATS} in sensitivity"
     return Effect.INCONCLUSIVE, f"{said}: within noise of a bound"

@@ -39,8 +39,7 @@ and 2.26: a share of seeds stall, the rest learn at 1.2x to 3x) need 16 and 18 s
 both rungs need 9 seeds (s 0.96 and 1.05, both inflated by 3 of 15 scaled runs that missed 90% at
 the fastest-median rate, which the per-seed count above avoids): 8 seeds. SGD on pointer copy: the
 default init's rung sits near the bound (m 1.78, s 1.04: 135 seeds), expected inconclusive at
-any affordable count, and it was at v14's default report seeds 0, 1 and 2: ``default`` no longer
-trains it (``full`` does), which leaves the report's budget to the real-text claim. A report at seed ``s`` trains the model seeds ``1000 s + i``
+any affordable count. A report at seed ``s`` trains the model seeds ``1000 s + i``
 (:func:`model_seeds`): reports at seeds 0, 1 and 2 share no model.
 
 ``quick`` keeps MQAR at d_k 64, AdamW, the realistic rungs and 6 seeds (CI's size: with 4, the
@@ -201,14 +200,6 @@ CLAIM = Claim(
             "rung alone, which sorted above three rungs at 54 that learn. Verdicts and measurements are v13's",
             "129e739a464fb213",
         ),
-        RuleVersion(
-            15,
-            "2026-12-06",
-            "default no longer trains SGD on pointer copy (inconclusive at v14's default report seeds 0, 1 and 2, and "
-            "expected so at any affordable seed count; full still trains it), which leaves the report's budget to "
-            "real-text-training; the rule and every other arm are v14's",
-            "c879c61c3e17e14b",
-        ),
     ),
 )
 
@@ -258,7 +249,7 @@ class Config:
         if profile == "quick":
             return cls(tasks=("mqar",), dks=(64,), sigmas=(), seeds=6, steps=400, sgd_tasks=())
         if profile == "default":
-            return cls(sgd_tasks=("mqar",))
+            return cls()
         if profile == "full":
             return cls(
                 dks=(16, 64, 128, 256), sigmas=(1.0, 3.0, 9.0, 27.0, 54.0), seeds=8, steps=1500,
