@@ -101,7 +101,7 @@ def rule_history_lines(record: dict[str, Any]) -> list[str]:
 def headline_value(head: dict[str, Any]) -> str:
     """The key number to 3 significant digits with its unit, and its standard error over seeds
     where it has one: ``1.13x``, ``101 eps``, ``0.946``, ``88.6x +- 4.1``."""
-    value, unit = head["value"], head["unit"]
+    value, unit = head["value"], head["unit"].strip()
     text = format_value(value)
     if isinstance(value, float):
         digits = 3  # more where 3 would round to exactly 0 or +-1, which would hide the point

@@ -100,7 +100,7 @@ CLAIM = Claim(
 HEADLINE = Headline(
     "headline.centre",
     "best validation loss without the scale less with it (d_k 32, nanoGPT's init)",
-    " nats",
+    "nats",
     spread="headline.spread",
 )
 JUDGED = ("scaled", "unscaled")
