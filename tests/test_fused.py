@@ -1196,3 +1196,38 @@ def test_the_kernels_guard_checks_answer_as_the_guards_torch_ops(dtype):
         assert kernel.all_finite(x) == _finite_sum(x), x.shape
     with pytest.raises(ValueError, match="rows_ok takes float32 or float64"):
         kernel.rows_ok(base.half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_kernels_sink_scale_is_sink_scaled_in_one_pass(dtype):
+    """The kernel's in-place sink_scale (a decoding step's sinks, without four torch ops) against
+    attnscale.tiled.sink_scaled on the same rows: a row without keys (lse -inf) stays zeros, a
+    head without a sink (-inf) keeps its rows, a NaN lse gives a NaN row; to the dtype's rounding."""
+    from attnscale.tiled import sink_scaled
+
+    gen = torch.Generator().manual_seed(5)
+    out = torch.randn(2, 3, 4, 5, generator=gen, dtype=dtype)
+    lse = torch.randn(2, 3, 4, generator=gen, dtype=dtype)
+    out[0, 1, 2] = 0.0
+    lse[0, 1, 2] = -math.inf  # no visible key
+    lse[1, 0, 3] = math.nan
+    sinks = torch.tensor([0.5, -math.inf, 2.0])  # float32 sinks for either dtype, as a caller passes them
+    want = sink_scaled(out, lse, sinks)
+    got = out.clone()
+    kernels.load().sink_scale(got, lse, sinks)
+    torch.testing.assert_close(got, want, rtol=4 * torch.finfo(dtype).eps, atol=0, equal_nan=True)
+    assert bool(got[1, 0, 3].isnan().all()) and bool((got[0, 1, 2] == 0).all())
+    torch.testing.assert_close(got[:, 1], out[:, 1], rtol=0, atol=0)  # no sink: unchanged
+    with pytest.raises(ValueError, match="sink_scale takes contiguous out"):
+        kernels.load().sink_scale(got.transpose(-1, -2), lse, sinks)
+
+
+def test_sinks_with_gradients_still_take_the_differentiable_route():
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 3, 8, generator=gen) for _ in range(3))
+    sinks = torch.tensor([0.3, -1.0], requires_grad=True)
+    out = attnscale.scaled_dot_product_attention(q, k, v, sinks=sinks, backend="fused")
+    (grad,) = torch.autograd.grad(out.sum(), sinks)
+    ref = attnscale.scaled_dot_product_attention(q.double(), k.double(), v.double(), sinks=sinks, backend="math")
+    (want,) = torch.autograd.grad(ref.sum(), sinks)
+    torch.testing.assert_close(grad, want.float(), rtol=1e-5, atol=1e-6)

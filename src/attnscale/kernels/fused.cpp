@@ -300,6 +300,35 @@ bool all_finite_op(const torch::Tensor& x) {
   return ok;
 }
 
+// Attention sinks on the kernel's finished rows, in place (attnscale.tiled.sink_scaled's four ops
+// as one pass): each row of out (..., H, L, Dv) shrinks by its keys' share of the denominator once
+// its head's sink joins it, exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + exp(sink - lse)); a row
+// with no visible key (lse = -inf) stays as it is (zeros), a NaN lse makes its row NaN. Contiguous
+// float32 or float64 out and lse of one dtype, sinks (H,) of any float dtype; one thread (the
+// caller takes it for small outputs).
+void sink_scale_op(torch::Tensor& out, const torch::Tensor& lse, const torch::Tensor& sinks) {
+  TORCH_CHECK_VALUE((out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble) && lse.scalar_type() == out.scalar_type(),
+                    "attnscale fused kernel: sink_scale takes float32 or float64 out and lse of one dtype, got ", out.scalar_type(), " and ", lse.scalar_type());
+  TORCH_CHECK_VALUE(out.is_contiguous() && lse.is_contiguous() && out.dim() >= 3 && lse.dim() == out.dim() - 1 &&
+                        out.sizes().slice(0, out.dim() - 1) == lse.sizes() && sinks.dim() == 1 && sinks.size(0) == out.size(-3),
+                    "attnscale fused kernel: sink_scale takes contiguous out (..., H, L, Dv), lse (..., H, L) and sinks (H,), got ",
+                    out.sizes(), ", ", lse.sizes(), " and ", sinks.sizes());
+  const int64_t H = out.size(-3), L = out.size(-2), Dv = out.size(-1), rows = lse.numel();
+  const auto sink = sinks.to(at::kDouble).contiguous();
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "attnscale_sink_scale", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* m = lse.const_data_ptr<scalar_t>();
+    const double* s = sink.const_data_ptr<double>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t lse_r = m[r];
+      if (lse_r == -std::numeric_limits<scalar_t>::infinity()) continue;  // no visible key: zeros stay
+      const scalar_t gap = lse_r - static_cast<scalar_t>(s[(r / L) % H]);
+      const scalar_t share = scalar_t(1) / (scalar_t(1) + std::exp(-gap));  // sigmoid(lse - sink); NaN stays NaN
+      for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= share;
+    }
+  });
+}
+
 // The kernel's tanh elementwise on a contiguous tensor, on one thread, for its tests and benchmark.
 torch::Tensor tanh_op(const torch::Tensor& x) {
   TORCH_CHECK(x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
@@ -401,6 +430,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("half_gemm", &half_gemm, "whether 16-bit q, k, v of this format (1 bfloat16, 2 float16) can be passed as they are (oneMKL's products)");
   module.def("rows_ok", &rows_ok_op, "whether every row (last dim) of a float32 or float64 tensor is finite and not all zeros (the guard's check)");
   module.def("all_finite", &all_finite_op, "whether every entry of a float32 or float64 tensor is finite (the guard's check of k)");
+  module.def("sink_scale", &sink_scale_op, "attention sinks on the kernel's rows, in place: out (..., H, L, Dv) times sigmoid(lse - sink) per row, rows with lse = -inf left as they are");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");
   module.def("weights", &weights_op, "the softmax's exp of centred scores, and exp_u20 floored the same way (float32, 1-d, a multiple of 8 long)");
   module.def("tile_weights", &tile_weights_op, "one tile's softmax weights exp(s - m) and m as the forward makes them (tests; float32/float64, one block and tile)",

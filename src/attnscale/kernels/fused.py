@@ -197,6 +197,18 @@ def fused_attention(
     return out, stats
 
 
+def _sinks_applied(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """:func:`attnscale.tiled.sink_scaled` of the kernel's rows: in one pass of the kernel's
+    ``sink_scale`` where the rows are plain eager CPU tensors that no gradient flows through (a
+    decoding step's case), else by its torch ops (differentiable, traceable)."""
+    eager = type(out) is Tensor and not torch.compiler.is_compiling() and not _functorch_wrapped(out) and not _functorch_wrapped(sinks)
+    no_grad = not torch.is_grad_enabled() or not (out.requires_grad or lse.requires_grad or sinks.requires_grad)
+    if eager and no_grad and out.is_cpu and sinks.is_cpu and out.is_contiguous() and lse.is_contiguous() and out.dtype in (torch.float32, torch.float64):
+        load().sink_scale(out, lse, sinks)  # in place: the kernel's own fresh output
+        return out
+    return sink_scaled(out, lse, sinks)
+
+
 def fused_attention_checked(
     query: Tensor,
     key: Tensor,
@@ -247,7 +259,7 @@ def fused_attention_checked(
     # holds of the rounded output.
     rows_ok: Tensor | None = verdict if sinks is None else None
     if sinks is not None:
-        out = sink_scaled(out, lse, sinks)
+        out = _sinks_applied(out, lse, sinks)
     if out.dtype != query.dtype:
         out = out.to(query.dtype)
     if squeeze:
