@@ -93,3 +93,21 @@ def test_auto_logs_what_it_passed_over_and_why():
     assert passed[0] == "torch: softcap" and passed[1] == "flex: not a CUDA tensor"
     _, why = backends.choose(_call(q, q, q))
     assert str(why) == "auto"
+
+
+def test_auto_remembers_torchs_kernel_for_a_validated_call_and_for_nothing_else():
+    """A decoding loop asks auto's walk once per signature: the spec validation hands back for it
+    is remembered when auto gives it torch's kernel (that step reads the spec alone); a call with a
+    feature torch lacks, or a forced backend, is never answered from that memory."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 2, 5, 8, generator=gen), torch.randn(1, 2, 5, 8, generator=gen)
+    plain = _call(q, k, v)
+    assert _call(q, k, v).spec is plain.spec  # the signature's cached spec
+    first = backends.choose(plain)
+    assert first[0] is backends.TORCH and backends._TORCH_TAKES.get(id(plain.spec)) is plain.spec
+    again = backends.choose(plain)
+    assert again[0] is backends.TORCH and str(again[1]) == str(first[1]) == "auto"
+    for options in ({"softcap": 5.0}, {"backend": "math"}, {"is_causal": True, "causal_alignment": "bottom_right"}):
+        other = _call(q, k, v, **options)
+        assert backends.choose(other)[0] is not backends.TORCH
+        assert id(other.spec) not in backends._TORCH_TAKES

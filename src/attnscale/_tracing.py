@@ -40,8 +40,13 @@ def tracing(*tensors: object) -> bool:
     if torch.compiler.is_compiling():
         return True
     for t in tensors:
+        if t is None:
+            continue
         # is_meta, not device.type: every call asks, and making a torch.device costs several times more
-        if isinstance(t, Tensor) and (t.is_meta or isinstance(t, FakeTensor) or _functorch_wrapped(t)):
+        if type(t) is Tensor:  # the common case: a plain tensor is no FakeTensor
+            if t.is_meta or _functorch_wrapped(t):
+                return True
+        elif isinstance(t, Tensor) and (t.is_meta or isinstance(t, FakeTensor) or _functorch_wrapped(t)):
             return True
     return False
 

@@ -272,7 +272,8 @@ def check_attention_call(
     signature = None
     if values:
         tensors = (_meta(query), _meta(key), _meta(value), _meta(attn_mask), _meta(alibi_slopes), _meta(sinks))
-        if not any(m is _UNCACHED for m in tensors):  # identity only: an odd option's == is never asked
+        if _UNCACHED not in tensors:  # (a meta is None or a tuple: its == with the marker is identity)
+            # identity only: an odd option's == is never asked (its type is in the key)
             options = (dropout_p, is_causal, scale, enable_gqa, causal_alignment, backend, softcap, window, return_stats)
             signature = (*tensors, *map(type, options), *options)
             try:

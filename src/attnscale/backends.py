@@ -283,9 +283,19 @@ class Why:
 _REQUESTED = Why(None)
 
 
+_TORCH_TAKES: dict[int, AttentionCall] = {}
+"""Validated calls (by identity, held so that no other object takes their id) that ``auto`` gives
+torch's kernel: that step depends on the call's spec alone, and validation hands a signature's
+spec back unchanged, so a decoding loop asks the walk once."""
+_AUTO_FIRST = Why(())
+
+
 def choose(c: Call) -> tuple[Implementation, Why]:
     """The implementation that computes the call, and why: ``auto``'s walk over :data:`AUTO`, or
     the forced backend, refused with its reason where it cannot compute exactly this call."""
+    compiling = torch.compiler.is_compiling()  # (a traced call's spec is new each time: no memo)
+    if not compiling and _TORCH_TAKES.get(id(c.spec)) is c.spec:
+        return TORCH, _AUTO_FIRST
     if c.spec.backend is not Backend.AUTO:
         implementation = IMPLEMENTATIONS[c.spec.backend]
         refusal = implementation.cannot(c)
@@ -298,6 +308,10 @@ def choose(c: Call) -> tuple[Implementation, Why]:
         if reason is None:
             refusal = implementation.cannot(c)
             if refusal is None:
+                if implementation is TORCH and not compiling:  # (the first step: nothing passed over)
+                    if len(_TORCH_TAKES) >= 512:
+                        _TORCH_TAKES.clear()
+                    _TORCH_TAKES[id(c.spec)] = c.spec
                 return implementation, Why(tuple(passed))
             reason = refusal.reason
         passed.append((implementation.backend.value, reason))

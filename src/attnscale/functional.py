@@ -278,12 +278,13 @@ def scaled_dot_product_attention(
         refuse_jit_trace("scaled_dot_product_attention")
         if attn_mask is not None and _is_causal_bias(attn_mask):  # torch's causal bias objects: what they mean
             attn_mask, is_causal, causal_alignment = from_causal_bias(attn_mask, is_causal, causal_alignment, query, key)
-        out = _plain_softcapped(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, softcap, alibi_slopes, window, sinks,
-            return_stats, backend,
-        )  # fmt: skip
-        if out is not None:
-            return out
+        if softcap is not None:
+            out = _plain_softcapped(
+                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, softcap, alibi_slopes, window,
+                sinks, return_stats, backend,
+            )  # fmt: skip
+            if out is not None:
+                return out
         traced = tracing(query, key, value, attn_mask, alibi_slopes, sinks)  # a mask mapped by vmap alone counts
         call = check_attention_call(
             query,

@@ -224,9 +224,9 @@ def check(implementation: Implementation, c: Call, result: Result) -> Checked:
     if rows_ok is None and not implementation.floors_exp and c.spec.path.softcap is None:
         # The common case of a backend that reports nothing on its rows (torch's kernel, the math
         # backend) on small CPU tensors: the two questions below, as two compiled calls and nothing else.
-        key = c.key
+        key = c.key  # of the output's dtype and device (validated), so one look at the output says whether the kernel takes both
         kernel = _kernel_for(out)
-        if kernel is not None and _kernel_for(key) is not None and kernel.rows_ok(out) and kernel.all_finite(key):
+        if kernel is not None and key.dtype is out.dtype and key.numel() <= _KERNEL_CHECKS_MAX and kernel.rows_ok(out) and kernel.all_finite(key):
             return Checked(out, stats)
     on_host = rows_ok is not None or c.query.is_cpu
     read = _Read(out, rows_ok) if on_host else _OneRead(out, (c.query, c.key, c.alibi_slopes), c.attn_mask)
