@@ -36,13 +36,14 @@ def outcomes(test_file: Path, patched: bool, select: str | None) -> dict[str, st
     """{test id: "passed" | "failed" | "skipped"} of one pytest run of ``test_file``."""
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "report.xml"
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), f"--junitxml={report}",
-                   "-k", f"cpu and ({select})" if select else "cpu"]  # fmt: skip
         env = dict(os.environ)
+        plugin: list[str] = []
         if patched:
             (Path(scratch) / "attnscale_patch_plugin.py").write_text(PLUGIN)
-            command[3:3] = ["-p", "attnscale_patch_plugin"]
+            plugin = ["-p", "attnscale_patch_plugin"]
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [scratch, env.get("PYTHONPATH")]))
+        command = [sys.executable, "-m", "pytest", "-q", *plugin, "-p", "no:cacheprovider", str(test_file), f"--junitxml={report}",
+                   "-k", f"cpu and ({select})" if select else "cpu"]  # fmt: skip
         subprocess.run(command, cwd=test_file.parent, env=env, stdout=subprocess.DEVNULL, check=False)
         if not report.exists():
             raise SystemExit(f"pytest wrote no report for {test_file} (patched={patched}): run it by hand to see why")

@@ -1198,7 +1198,7 @@ def test_the_kernels_guard_checks_answer_as_the_guards_torch_ops(dtype):
         kernel.rows_ok(base.half())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 def test_the_kernels_sink_scale_is_sink_scaled_in_one_pass(dtype):
     """The kernel's in-place sink_scale (a decoding step's sinks, without four torch ops) against
     attnscale.tiled.sink_scaled on the same rows: a row without keys (lse -inf) stays zeros, a
@@ -1231,3 +1231,17 @@ def test_sinks_with_gradients_still_take_the_differentiable_route():
     ref = attnscale.scaled_dot_product_attention(q.double(), k.double(), v.double(), sinks=sinks, backend="math")
     (want,) = torch.autograd.grad(ref.sum(), sinks)
     torch.testing.assert_close(grad, want.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernels_sink_scale_splits_long_outputs_over_threads_to_the_same_rows():
+    """A prefill's rows (here 4 x 2048 x 64 entries per batch, past one thread's chunk) are scaled as
+    sink_scaled scales them, whichever thread takes a chunk."""
+    from attnscale.tiled import sink_scaled
+
+    gen = torch.Generator().manual_seed(7)
+    out = torch.randn(2, 4, 2048, 64, generator=gen)
+    lse = torch.randn(2, 4, 2048, generator=gen)
+    sinks = torch.tensor([0.0, 1.0, -2.0, 3.0])
+    got = out.clone()
+    kernels.load().sink_scale(got, lse, sinks)
+    torch.testing.assert_close(got, sink_scaled(out, lse, sinks), rtol=4 * torch.finfo(torch.float32).eps, atol=0)

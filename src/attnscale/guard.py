@@ -182,6 +182,13 @@ def _logit_bound(c: Call, q_max: float, k_max: float, read: _Read) -> float:
     return bound
 
 
+def _finite_rows_trusted(implementation: Implementation, c: Call) -> bool:
+    """Whether a finite row of this backend's output can only be wrong through a non-finite k:
+    neither the tiled kernel's exp floor nor a softcap (which caps an overflowed product to a
+    finite logit) can have made a wrong row finite."""
+    return not implementation.floors_exp and c.spec.path.softcap is None
+
+
 def _rows_may_hide_trouble(implementation: Implementation, c: Call, read: _Read) -> bool:
     """Whether finite, non-zero output rows may still be wrong, from a bound on the logits:
     O((L + S) * D), small next to the call's O(L * S * D).
@@ -200,7 +207,7 @@ def _rows_may_hide_trouble(implementation: Implementation, c: Call, read: _Read)
     query, key = c.query, c.key
     if implementation.checks_rows:
         return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad) and not read.finite(key)
-    if not implementation.floors_exp and c.spec.path.softcap is None:
+    if _finite_rows_trusted(implementation, c):
         return not read.finite(key)
     bound = _logit_bound(c, read(query), read(key), read)
     if not math.isfinite(bound):  # NaN: a NaN in q or k (inf: may_overflow says so too)
@@ -221,9 +228,10 @@ def check(implementation: Implementation, c: Call, result: Result) -> Checked:
     """The output of an eager call by the documented rules: ``result`` itself when its rows pass
     the check, else the result of :func:`_careful`."""
     out, stats, rows_ok = result
-    if rows_ok is None and not implementation.floors_exp and c.spec.path.softcap is None:
+    if rows_ok is None and _finite_rows_trusted(implementation, c):
         # The common case of a backend that reports nothing on its rows (torch's kernel, the math
-        # backend) on small CPU tensors: the two questions below, as two compiled calls and nothing else.
+        # backend) on small CPU tensors: the two questions below (rows_look_right, and
+        # _rows_may_hide_trouble's look at k), as two compiled calls and nothing else.
         key = c.key  # of the output's dtype and device (validated), so one look at the output says whether the kernel takes both
         kernel = _kernel_for(out)
         if kernel is not None and key.dtype is out.dtype and key.numel() <= _KERNEL_CHECKS_MAX and kernel.rows_ok(out) and kernel.all_finite(key):
@@ -293,7 +301,7 @@ def _careful(implementation: Implementation, c: Call, fast: tuple[Tensor, Attent
     bound = functools.cache(lambda: _logit_bound(c, q_max, k_max, read))  # only when needed, once
     # Finite rows are right unless the logits may overflow where that leaves them finite: the
     # tiled kernel's exp floor, and any softcap (it caps an overflowed product to a finite logit).
-    trust_finite = not implementation.floors_exp and c.spec.path.softcap is None
+    trust_finite = _finite_rows_trusted(implementation, c)
     recomputed_by = None
     if _misfit(peaks, nan_rows, lambda: may_overflow(bound(), acc), trust_finite):
         if acc == torch.float64:

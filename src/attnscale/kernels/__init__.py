@@ -203,8 +203,9 @@ def load() -> ModuleType | None:
         if "module" in _state:
             return _state["module"]  # type: ignore[return-value]
         try:
-            module: ModuleType | None = build()
-            _check_option_order(module)
+            built = build()
+            _check_option_order(built)
+            module: ModuleType | None = built
         except Exception as exc:  # a failed build must never break attention: fall back, say why once
             module = None
             _state["reason"] = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -213,12 +214,12 @@ def load() -> ModuleType | None:
         return module
 
 
-def _check_option_order(module: ModuleType | None) -> None:
+def _check_option_order(module: ModuleType) -> None:
     """The kernel's options in :class:`~attnscale.kernels.ops.KernelOptions`' order: its
     ``forward_ordered`` reads them by position."""
     from .ops import KernelOptions
 
-    names = module.option_names() if module is not None else list(KernelOptions._fields)
+    names = module.option_names()
     if names != list(KernelOptions._fields):
         raise RuntimeError(f"the compiled kernel's options {names} are not KernelOptions' {list(KernelOptions._fields)}: rebuild it")
 

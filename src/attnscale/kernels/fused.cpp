@@ -304,8 +304,8 @@ bool all_finite_op(const torch::Tensor& x) {
 // as one pass): each row of out (..., H, L, Dv) shrinks by its keys' share of the denominator once
 // its head's sink joins it, exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + exp(sink - lse)); a row
 // with no visible key (lse = -inf) stays as it is (zeros), a NaN lse makes its row NaN. Contiguous
-// float32 or float64 out and lse of one dtype, sinks (H,) of any float dtype; one thread (the
-// caller takes it for small outputs).
+// float32 or float64 out and lse of one dtype, sinks (H,) of any float dtype; rows split over the
+// threads in chunks of about 64K entries (a decoding step's few rows stay on the calling thread).
 void sink_scale_op(torch::Tensor& out, const torch::Tensor& lse, const torch::Tensor& sinks) {
   TORCH_CHECK_VALUE((out.scalar_type() == at::kFloat || out.scalar_type() == at::kDouble) && lse.scalar_type() == out.scalar_type(),
                     "attnscale fused kernel: sink_scale takes float32 or float64 out and lse of one dtype, got ", out.scalar_type(), " and ", lse.scalar_type());
@@ -319,13 +319,16 @@ void sink_scale_op(torch::Tensor& out, const torch::Tensor& lse, const torch::Te
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* m = lse.const_data_ptr<scalar_t>();
     const double* s = sink.const_data_ptr<double>();
-    for (int64_t r = 0; r < rows; ++r) {
-      const scalar_t lse_r = m[r];
-      if (lse_r == -std::numeric_limits<scalar_t>::infinity()) continue;  // no visible key: zeros stay
-      const scalar_t gap = lse_r - static_cast<scalar_t>(s[(r / L) % H]);
-      const scalar_t share = scalar_t(1) / (scalar_t(1) + std::exp(-gap));  // sigmoid(lse - sink); NaN stays NaN
-      for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= share;
-    }
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(Dv, 1));
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t lse_r = m[r];
+        if (lse_r == -std::numeric_limits<scalar_t>::infinity()) continue;  // no visible key: zeros stay
+        const scalar_t gap = lse_r - static_cast<scalar_t>(s[(r / L) % H]);
+        const scalar_t share = scalar_t(1) / (scalar_t(1) + std::exp(-gap));  // sigmoid(lse - sink); NaN stays NaN
+        for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= share;
+      }
+    });
   });
 }
 
