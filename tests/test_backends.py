@@ -95,19 +95,29 @@ def test_auto_logs_what_it_passed_over_and_why():
     assert str(why) == "auto"
 
 
-def test_auto_remembers_torchs_kernel_for_a_validated_call_and_for_nothing_else():
+def test_auto_remembers_its_kernel_for_a_validated_call_and_asks_again_where_grad_may_change_it():
     """A decoding loop asks auto's walk once per signature: the spec validation hands back for it
-    is remembered when auto gives it torch's kernel (that step reads the spec alone); a call with a
-    feature torch lacks, or a forced backend, is never answered from that memory."""
+    is remembered when auto gives it torch's kernel or the compiled one (those steps read the spec,
+    what its signature fixes, and whether a mask or slopes require grad); a forced backend, another
+    backend, or a call whose slopes require grad is never answered from that memory."""
     gen = torch.Generator().manual_seed(8)
     q, k, v = torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 2, 5, 8, generator=gen), torch.randn(1, 2, 5, 8, generator=gen)
     plain = _call(q, k, v)
     assert _call(q, k, v).spec is plain.spec  # the signature's cached spec
     first = backends.choose(plain)
-    assert first[0] is backends.TORCH and backends._TORCH_TAKES.get(id(plain.spec)) is plain.spec
+    assert first[0] is backends.TORCH and backends._CHOSEN[id(plain.spec)][0] is plain.spec
     again = backends.choose(plain)
     assert again[0] is backends.TORCH and str(again[1]) == str(first[1]) == "auto"
-    for options in ({"softcap": 5.0}, {"backend": "math"}, {"is_causal": True, "causal_alignment": "bottom_right"}):
+    for options in ({"backend": "math"}, {"backend": "math", "softcap": 5.0}):
         other = _call(q, k, v, **options)
         assert backends.choose(other)[0] is not backends.TORCH
-        assert id(other.spec) not in backends._TORCH_TAKES
+        assert id(other.spec) not in backends._CHOSEN
+    capped = _call(q, k, v, softcap=5.0)
+    kernel = backends.FUSED if attnscale.kernels.available() else backends.TILED
+    assert backends.choose(capped)[0] is kernel
+    assert (id(capped.spec) in backends._CHOSEN) == (kernel is backends.FUSED)
+    learned = attnscale.alibi_slopes(2).requires_grad_()
+    with_slopes = _call(q, k, v, alibi_slopes=learned.detach())
+    assert backends.choose(with_slopes)[0] is kernel
+    same_signature = with_slopes._replace(alibi_slopes=learned)  # the signature does not say requires_grad
+    assert same_signature.spec is with_slopes.spec and backends.choose(same_signature)[0] is backends.MATH

@@ -6,6 +6,7 @@ L query length, S key length, D query/key head dim, Dv value head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -814,28 +815,32 @@ def test_return_stats_shapes_and_meaning():
     torch.testing.assert_close(out, sdpa(q, k, v, enable_gqa=True, is_causal=True))
 
 
-# The short route of plain softcapped calls (functional._plain_softcapped): its output, backend and
-# log line are the full path's, and any departure from a plain call takes the full path.
-def _short_route_probe(monkeypatch):
-    """A list that records each call of check_attention_call (the full path's first step)."""
-    from attnscale import functional
+# The compiled kernel's planned route (backends._PLANS, kernels.fused.run_planned): a validated
+# call's second and later calls go straight to the kernel with the options planned on the first;
+# their output, backend and log line are the general route's, and tensors that are not the
+# kernel's plain layout take the general route.
+def _planned_probe(monkeypatch):
+    """A list that records each call of the planned route."""
+    from attnscale.kernels import fused
 
     calls = []
-    real = functional.check_attention_call
+    real = fused.run_planned
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(functional, "check_attention_call", spy)
+    monkeypatch.setattr(fused, "run_planned", spy)
     return calls
 
 
-def _full_path(monkeypatch, fn):
-    from attnscale import functional
+def _general_route(monkeypatch, fn):
+    """``fn()`` with no plan remembered or made: every call takes fused_attention_checked."""
+    from attnscale import backends
 
     with monkeypatch.context() as m:
-        m.setattr(functional, "_plain_softcapped", lambda *args, **kwargs: None)
+        m.setattr(backends, "_PLANS", {})
+        m.setattr(backends.fused_kernel, "plan", lambda *args, **kwargs: None)
         return fn()
 
 
@@ -849,6 +854,11 @@ PLAIN = {  # name -> (dtype, B, H, L, S, D, Dv, options, layout)
     "float16, heads-second": (torch.float16, 2, 4, 3, 40, 16, 16, dict(softcap=20.0), "transposed"),
     "GQA decoding step": (torch.float32, 1, 8, 1, 600, 64, 64, dict(softcap=30.0, enable_gqa=True), "contiguous"),
     "bfloat16 GQA, odd D": (torch.bfloat16, 2, 6, 2, 33, 15, 15, dict(softcap=30.0, enable_gqa=True), "contiguous"),
+    "causal window, statistics": (torch.float32, 1, 4, 6, 40, 16, 16, dict(is_causal=True, window=(8, 0), return_stats=True), "contiguous"),
+    "ALiBi and sinks": (torch.float32, 2, 4, 3, 40, 16, 16, dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.1, 0.05]), sinks=torch.tensor([0.0, 1.0, -1.0, 2.0])), "contiguous"),
+    "bfloat16 bottom-right, sinks, statistics": (
+        torch.bfloat16, 1, 4, 3, 40, 16, 16, dict(is_causal=True, causal_alignment="bottom_right", sinks=torch.zeros(4), return_stats=True), "transposed"
+    ),
 }
 KV_HEADS = {"GQA decoding step": 2, "bfloat16 GQA, odd D": 3}  # the others: one key head per query head
 
@@ -861,91 +871,85 @@ def _plain_inputs(dtype, B, H, L, S, D, Dv, layout, Hkv=None):
     return tuple(randn(B, h, n, d, gen=gen, dtype=dtype, std=3.0) for h, n, d in shapes)
 
 
+def _equal(a, b):
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, tuple):
+        return all(_equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)
+    if dataclasses.is_dataclass(a):
+        return all(_equal(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    return torch.equal(a, b) and a.dtype == b.dtype
+
+
+@pytest.mark.skipif(not KERNEL, reason="the planned route is the compiled kernel's")
 @pytest.mark.parametrize("name", list(PLAIN))
-def test_plain_softcapped_calls_take_the_short_route_to_the_full_paths_bits(monkeypatch, caplog, name):
+def test_a_signatures_later_calls_take_the_planned_route_to_the_general_routes_bits(monkeypatch, caplog, name):
     dtype, B, H, L, S, D, Dv, options, layout = PLAIN[name]
     q, k, v = _plain_inputs(dtype, B, H, L, S, D, Dv, layout, KV_HEADS.get(name))
-    calls = _short_route_probe(monkeypatch)
+    calls = _planned_probe(monkeypatch)
     with caplog.at_level(logging.DEBUG, logger="attnscale"):
-        out = sdpa(q, k, v, **options)
-        short = [r.getMessage() for r in caplog.records]
+        sdpa(q, k, v, **options)
+        assert calls == []  # the first call of a signature plans
         caplog.clear()
-        want = _full_path(monkeypatch, lambda: sdpa(q, k, v, **options))
-        full = [r.getMessage() for r in caplog.records]
-    from attnscale.kernels import available
+        out = sdpa(q, k, v, **options)
+        planned = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        want = _general_route(monkeypatch, lambda: sdpa(q, k, v, **options))
+        general = [r.getMessage() for r in caplog.records]
+    assert calls == [1] and _equal(out, want)
+    assert attnscale.last_backend() == "fused" and planned == general
 
-    assert len(calls) == (1 if available() else 2)  # without the kernel the short route declines
-    assert torch.equal(out, want) and out.dtype == dtype
-    assert attnscale.last_backend() == ("fused" if available() else "tiled") and short == full
 
-
-DEPARTURES = {  # each one departure from a plain call: the full path runs, to the same result
+DEPARTURES = {  # tensors the plan cannot take as they are: the general route, to the same result
     "a mask": dict(attn_mask=torch.ones(3, 7, dtype=torch.bool)),
-    "causal": dict(is_causal=True),
-    "an int softcap": dict(softcap=5),
-    "an int scale": dict(scale=1),
-    "an int dropout_p": dict(dropout_p=0),
-    "the fused backend named": dict(backend="fused"),
-    "bottom-right alignment named": dict(causal_alignment="bottom_right"),
-    "statistics": dict(return_stats=True),
-    "a window": dict(window=(2, 0)),
-    "ALiBi": dict(alibi_slopes=torch.tensor([0.5, 0.25])),
-    "sinks": dict(sinks=torch.tensor([0.0, 1.0])),
-    "a softcap beyond float32": dict(softcap=1e39),
+    "q requires grad": dict(),
+    "3-d": dict(),
+    "overlapping key rows": dict(),
+    "broadcast batch": dict(),
+    "float64 after a float32 plan": dict(),
 }
 
 
+@pytest.mark.skipif(not KERNEL, reason="the planned route is the compiled kernel's")
 @pytest.mark.parametrize("name", list(DEPARTURES))
-def test_calls_that_are_not_plain_take_the_full_path(monkeypatch, name):
-    if name == "the fused backend named" and not KERNEL:
-        pytest.skip(f"backend 'fused' needs the compiled kernel, which cannot be had here: {kernels.build_precondition()}")
+def test_tensors_that_are_not_the_kernels_plain_layout_take_the_general_route(monkeypatch, name):
     gen = torch.Generator().manual_seed(3)
-    q, k, v = randn(2, 2, 3, 4, gen=gen, dtype=torch.float32), randn(2, 2, 7, 4, gen=gen, dtype=torch.float32), randn(2, 2, 7, 4, gen=gen, dtype=torch.float32)
+    q, k, v = (randn(2, 2, n, 4, gen=gen, dtype=torch.float32) for n in (3, 7, 7))
     options = {"softcap": 5.0, **DEPARTURES[name]}
-    calls = _short_route_probe(monkeypatch)
-    if name == "a softcap beyond float32":  # the full path refuses it, with its reason
-        with pytest.raises(ValueError, match="softcap"):
-            sdpa(q, k, v, **options)
-        assert calls == [1]
-        return
-    out = sdpa(q, k, v, **options)
-    assert calls == [1]
-    want = _full_path(monkeypatch, lambda: sdpa(q, k, v, **options))
-    got, want = (x[0] if isinstance(x, tuple) else x for x in (out, want))
-    assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize(
-    "name", ["mixed dtypes", "requires grad", "one key head", "3-d", "overlapping key rows", "a NaN query row", "meta tensors"]
-)
-def test_tensors_that_are_not_plain_take_the_full_path(monkeypatch, name):
-    gen = torch.Generator().manual_seed(5)
-    q, k, v = randn(1, 2, 3, 4, gen=gen, dtype=torch.float32), randn(1, 2, 6, 4, gen=gen, dtype=torch.float32), randn(1, 2, 6, 4, gen=gen, dtype=torch.float32)
-    if name == "mixed dtypes":  # the full path refuses them, with its reason
-        calls = _short_route_probe(monkeypatch)
-        with pytest.raises(TypeError, match=r"^key: expected the query's dtype"):
-            sdpa(q, k.bfloat16(), v, softcap=5.0)
-        assert calls == [1]
-        return
-    elif name == "requires grad":
+    if name == "q requires grad":
         q = q.requires_grad_()
-    elif name == "one key head":
-        k, v = k[:, :1], v[:, :1]
     elif name == "3-d":
         q, k, v = q[0], k[0], v[0]
     elif name == "overlapping key rows":
-        k = k[:, :, :1].expand(1, 2, 6, 4)
-    elif name == "a NaN query row":  # the kernel runs, does not vouch for the row: the full path diagnoses it
-        q = q.clone()
-        q[0, 1, 2, 0] = float("nan")
-    elif name == "meta tensors":
-        q, k, v = q.to("meta"), k.to("meta"), v.to("meta")
-    calls = _short_route_probe(monkeypatch)
-    out = sdpa(q, k, v, softcap=5.0)
-    assert calls == [1]
-    if name != "meta tensors":
-        want = _full_path(monkeypatch, lambda: sdpa(q, k, v, softcap=5.0))
-        assert torch.equal(out.detach(), want.detach()) or torch.allclose(out.detach(), want.detach(), rtol=0, atol=0, equal_nan=True)
+        k = k[:, :, :1].expand(2, 2, 7, 4)
+    elif name == "broadcast batch":
+        k, v = k[:1], v[:1]
+    calls = _planned_probe(monkeypatch)
+    for _ in range(2):
+        out = sdpa(q, k, v, **options)
+    if name == "float64 after a float32 plan":  # the guard's float64 recompute runs the same call's kernel on wider tensors
+        from attnscale import backends
+
+        c = backends.Call(check_attention_call_for(q, k, v, options), q, k, v, None, None, None)
+        backends.FUSED.run(c, q, k, v)  # plans c's signature (if no call before did)
+        planned = len(calls)
+        assert backends.FUSED.run(c, q, k, v).out.dtype == torch.float32 and len(calls) == planned + 1
+        wide = backends.FUSED.run(c, q.double(), k.double(), v.double()).out
+        torch.testing.assert_close(wide.float(), out, rtol=0, atol=1e-6)
+        assert wide.dtype == torch.float64 and len(calls) == planned + 1
+        return
+    assert calls == []
+    want = _general_route(monkeypatch, lambda: sdpa(q, k, v, **options))
+    assert torch.equal(out.detach(), want.detach())
+
+
+def check_attention_call_for(q, k, v, options):
+    from attnscale._validate import check_attention_call
+
+    return check_attention_call(
+        q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, causal_alignment="top_left",
+        backend="auto", softcap=options["softcap"], alibi_slopes=None, window=None, return_stats=False, sinks=None,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("poison", ["none", "nan_q", "inf_k", "big_k", "zero_out_row", "inf_out_row", "nan_out_row"])

@@ -20,9 +20,10 @@ from . import flex
 from ._tracing import under_vmap
 from ._validate import AttentionCall, Backend, fail
 from .dense import accumulation_dtype, dense_attention
+from .kernels import fused as fused_kernel
 from .kernels.fused import fused_attention_checked
 from .kernels.fused import supports as fused_supports
-from .masks import add_bias, alibi_bias
+from .masks import add_bias, alibi_bias, slopes_learned
 from .stats import AttentionStats
 from .tiled import tiled_attention
 
@@ -52,8 +53,7 @@ class Call(NamedTuple):
 
     @property
     def slopes_need_grad(self) -> bool:
-        slopes = self.alibi_slopes
-        return slopes is not None and slopes.requires_grad and torch.is_grad_enabled()
+        return slopes_learned(self.alibi_slopes)
 
 
 class Result(NamedTuple):
@@ -120,8 +120,22 @@ def _torch_cannot(c: Call) -> Refusal | None:
     return Refusal(reason, "backend", f"a backend that implements {reason}", "'torch'", "use backend='auto' or backend='math'; torch's SDPA has no such option")
 
 
+def _learned_slopes_refusal(c: Call, backend: Backend) -> Refusal | None:
+    """The kernels' refusal of ALiBi slopes that require grad (they take slopes as constants)."""
+    if not c.slopes_need_grad:
+        return None
+    name = backend.value
+    return Refusal(
+        f"alibi_slopes that require grad (the {name} kernel takes them as constants)",
+        "alibi_slopes",
+        f"constant slopes on the {name} backend",
+        "a tensor that requires grad",
+        "pass alibi_slopes.detach(), or backend='math' to learn the slopes",
+    )
+
+
 def _fused_cannot(c: Call) -> Refusal | None:
-    refusal = _dropout_refusal(c, Backend.FUSED)
+    refusal = _dropout_refusal(c, Backend.FUSED) or _learned_slopes_refusal(c, Backend.FUSED)
     if refusal is not None:
         return refusal
     reason = fused_supports(c.query, c.attn_mask)
@@ -131,7 +145,7 @@ def _fused_cannot(c: Call) -> Refusal | None:
 
 
 def _tiled_cannot(c: Call) -> Refusal | None:
-    refusal = _dropout_refusal(c, Backend.TILED)
+    refusal = _dropout_refusal(c, Backend.TILED) or _learned_slopes_refusal(c, Backend.TILED)
     if refusal is None and under_vmap():
         return Refusal(
             "under vmap, where the tiled kernel has no batching rule",
@@ -165,12 +179,31 @@ def _streamed(kernel: Callable[..., tuple[Tensor, AttentionStats | None]]) -> _R
     return run
 
 
+_PLANS: dict[int, tuple[AttentionCall, fused_kernel.Plan | None]] = {}
+"""The compiled kernel's plan per validated call (by identity, the spec held, as in
+:data:`_CHOSEN`): what its signature fixes of the kernel call, derived once (None: the call has a
+mask, or its tensors are not the kernel's layout, so it takes the general route every time)."""
+
+
 def _run_fused(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
-    return Result(
-        *fused_attention_checked(
-            query, key, value, path=c.spec.path, attn_mask=c.attn_mask, alibi_slopes=c.alibi_slopes, sinks=c.sinks, return_stats=c.spec.return_stats
-        )
+    spec = c.spec
+    memo = _PLANS.get(id(spec))
+    if memo is not None and memo[0] is spec and memo[1] is not None and fused_kernel.direct(query, key, value, memo[1].dtype):
+        return Result(*fused_kernel.run_planned(memo[1], query, key, value, c.alibi_slopes, c.sinks))
+    result = Result(
+        *fused_attention_checked(query, key, value, path=spec.path, attn_mask=c.attn_mask, alibi_slopes=c.alibi_slopes, sinks=c.sinks, return_stats=spec.return_stats)
     )
+    if memo is None and not torch.compiler.is_compiling():
+        plan = None if c.attn_mask is not None else fused_kernel.plan(query, key, value, path=spec.path, sinks=c.sinks is not None, return_stats=spec.return_stats)
+        _remember(_PLANS, spec, plan)
+    return result
+
+
+def _remember(memo: dict, spec: AttentionCall, value: object) -> None:
+    """Keep ``value`` for the validated call ``spec`` (a bounded memo: cleared when full)."""
+    if len(memo) >= 512:
+        memo.clear()
+    memo[id(spec)] = (spec, value)
 
 
 def _run_math(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
@@ -283,19 +316,20 @@ class Why:
 _REQUESTED = Why(None)
 
 
-_TORCH_TAKES: dict[int, AttentionCall] = {}
-"""Validated calls (by identity, held so that no other object takes their id) that ``auto`` gives
-torch's kernel: that step depends on the call's spec alone, and validation hands a signature's
-spec back unchanged, so a decoding loop asks the walk once."""
-_AUTO_FIRST = Why(())
+_CHOSEN: dict[int, tuple[AttentionCall, tuple[Implementation, Why]]] = {}
+"""``auto``'s answer per validated call (by identity, the spec held so that no other object takes
+its id), where it gave torch's kernel or the compiled one: those steps read the spec, what its
+signature fixes (device, dtype) and whether a mask or slopes require grad, so a call whose mask
+and slopes do not asks the walk once per signature (validation hands a signature's spec back
+unchanged). Not while compiling: a traced call's spec is new each time."""
 
 
 def choose(c: Call) -> tuple[Implementation, Why]:
     """The implementation that computes the call, and why: ``auto``'s walk over :data:`AUTO`, or
     the forced backend, refused with its reason where it cannot compute exactly this call."""
-    compiling = torch.compiler.is_compiling()  # (a traced call's spec is new each time: no memo)
-    if not compiling and _TORCH_TAKES.get(id(c.spec)) is c.spec:
-        return TORCH, _AUTO_FIRST
+    memo = _CHOSEN.get(id(c.spec))
+    if memo is not None and memo[0] is c.spec and _constant_inputs(c) and not torch.compiler.is_compiling():
+        return memo[1]
     if c.spec.backend is not Backend.AUTO:
         implementation = IMPLEMENTATIONS[c.spec.backend]
         refusal = implementation.cannot(c)
@@ -308,14 +342,20 @@ def choose(c: Call) -> tuple[Implementation, Why]:
         if reason is None:
             refusal = implementation.cannot(c)
             if refusal is None:
-                if implementation is TORCH and not compiling:  # (the first step: nothing passed over)
-                    if len(_TORCH_TAKES) >= 512:
-                        _TORCH_TAKES.clear()
-                    _TORCH_TAKES[id(c.spec)] = c.spec
-                return implementation, Why(tuple(passed))
+                chosen = implementation, Why(tuple(passed))
+                if (implementation is TORCH or implementation is FUSED) and _constant_inputs(c) and not torch.compiler.is_compiling():
+                    _remember(_CHOSEN, c.spec, chosen)
+                return chosen
             reason = refusal.reason
         passed.append((implementation.backend.value, reason))
     raise AssertionError("the math backend computes every call")  # pragma: no cover
+
+
+def _constant_inputs(c: Call) -> bool:
+    """Whether neither the mask nor the slopes require grad (what auto's answer may turn on besides
+    the signature)."""
+    mask, slopes = c.attn_mask, c.alibi_slopes
+    return (mask is None or not mask.requires_grad) and (slopes is None or not slopes.requires_grad)
 
 
 def torch_attention(

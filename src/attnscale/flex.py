@@ -48,6 +48,7 @@ from torch import Tensor
 from ._tracing import tracing
 from ._validate import fail
 from .dense import accumulation_dtype, dense_attention, dense_weights
+from .masks import slopes_learned
 from .score import ScorePath
 from .stats import AttentionStats
 
@@ -89,7 +90,7 @@ def cannot(
     if dropout_p > 0.0:
         return "dropout (FlexAttention has none)"
     grad = torch.is_grad_enabled()
-    if alibi_slopes is not None and alibi_slopes.requires_grad and grad:
+    if slopes_learned(alibi_slopes):
         return "alibi_slopes that require grad (the flex backend treats them as constants)"
     if attn_mask is not None and attn_mask.requires_grad and grad:
         return "a float attn_mask that requires grad (the flex backend treats it as a constant)"

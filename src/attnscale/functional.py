@@ -6,7 +6,6 @@ it -> check its output (:mod:`attnscale.guard`, eager calls only)."""
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import threading
 from typing import NamedTuple
@@ -14,14 +13,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import _validate, backends, guard
-from ._tracing import _functorch_wrapped, refuse_jit_trace, tracing
-from ._validate import _SCORE_MAX, Backend, as_input_error, check_attention_call
+from . import backends, guard
+from ._tracing import refuse_jit_trace, tracing
+from ._validate import Backend, as_input_error, check_attention_call
 from .backends import MATH_MAX_SCORES
 from .guard import abs_max, may_overflow
-from .kernels import ops as kernel_ops
-from .kernels.fused import _blas_rows
-from .kernels.fused import supports as fused_supports
 from .masks import CausalAlignment, from_causal_bias
 from .stats import AttentionStats
 
@@ -65,86 +61,6 @@ class _Recomputed(NamedTuple):
 
     def __str__(self) -> str:
         return f"float64 recompute: {self.chosen.value} ({self.why}) gave {self.dtype} rows that overflowed or may have"
-
-
-def _plain_softcapped(
-    query: object, key: object, value: object, attn_mask: object, dropout_p: object, is_causal: object, scale: object,
-    enable_gqa: object, causal_alignment: object, softcap: object, alibi_slopes: object, window: object, sinks: object,
-    return_stats: object, backend: object,
-) -> Tensor | None:
-    """The output of a plain softcapped call, the common decoding step of softcapped models, by the
-    shortest route; None for any other call, which then takes the full path.
-
-    Plain: CPU tensors of one dtype the compiled kernel takes (float32, float64, bfloat16,
-    float16; of type Tensor, none traced, wrapped or requiring a gradient) of shapes (B, H, L, D),
-    (B, Hkv, S, D), (B, Hkv, S, Dv) with every size >= 1, Hkv = H (or, with ``enable_gqa=True``, a
-    divisor of H) and rows BLAS reads as they lie; a float softcap and scale (or None) within the
-    scores' range; every other option at its default and ``backend`` "auto". There the full path
-    validates the same things, chooses the compiled kernel and calls it with the same arguments,
-    so this is its output, bit for bit, and its log line (``tests/test_functional.py``); it skips
-    the Python that costs most right after the kernel has streamed k and v through the caches
-    (docs/performance.md measures what it saves a decoding step). A row the kernel does
-    not vouch for (NaN, inf or zero) sends the call down the full path, which diagnoses it."""
-    if torch.compiler.is_compiling():
-        return None
-    if (type(softcap) is not float or attn_mask is not None or alibi_slopes is not None or window is not None or sinks is not None
-            or return_stats is not False or is_causal is not False or type(enable_gqa) is not bool or type(dropout_p) is not float
-            or dropout_p != 0.0 or not (scale is None or type(scale) is float)
-            or not (backend is Backend.AUTO or (type(backend) is str and backend == "auto"))
-            or not (causal_alignment is CausalAlignment.TOP_LEFT or (type(causal_alignment) is str and causal_alignment == "top_left"))):
-        return None
-    if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
-        return None
-    dtype = query.dtype
-    if dtype not in _SCORE_MAX or key.dtype is not dtype or value.dtype is not dtype:
-        return None
-    top = _SCORE_MAX[dtype]
-    if not 0.0 < softcap <= top or not (scale is None or 0.0 < scale <= top):  # NaN fails both
-        return None
-    if not (query.is_cpu and key.is_cpu and value.is_cpu) or query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-        return None
-    B, H, L, D = query.shape
-    Bk, Hk, S, Dk = key.shape
-    Bv, Hv, Sv, Dv = value.shape
-    if not (B == Bk == Bv and Hk == Hv and D == Dk and S == Sv and min(B, H, L, D, S, Dv) > 0):
-        return None
-    if Hk != H and not (enable_gqa and H % Hk == 0):  # (one key head without enable_gqa broadcasts: the full path)
-        return None
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return None
-    if _functorch_wrapped(query) or _functorch_wrapped(key) or _functorch_wrapped(value):
-        return None
-    if not (_blas_rows(query) and _blas_rows(key) and _blas_rows(value)) or fused_supports(query, None) is not None:
-        return None
-    path_scale = scale if scale is not None else 1.0 / math.sqrt(D)  # as check_attention_call makes it
-    # The arguments fused_attention_checked passes for this call: no stats, the kernel's own blocks.
-    half = kernel_ops.half_products(dtype, L, H // Hk)
-    # No gradient and no sinks here: a 16-bit output comes rounded from the kernel (round_out).
-    result = kernel_ops.run_forward(query, key, value, None, None, None, kernel_ops.KernelOptions(scale=path_scale, softcap=softcap, half_products=half, round_out=True))
-    if not bool(result.rows_ok):  # for 16-bit inputs, of the output rounded to their format
-        return None
-    record_backend(Backend.FUSED, _FullPathWhy(query, key, value, softcap, scale, enable_gqa))
-    out = result.out
-    return out if out.dtype is dtype else out.to(dtype)
-
-
-class _FullPathWhy:
-    """The full path's reason for a call the short route ran (:func:`backends.choose` on it, the one
-    rule), worked out only when the line is logged."""
-
-    __slots__ = ("_args",)
-
-    def __init__(self, query: Tensor, key: Tensor, value: Tensor, softcap: float, scale: float | None, enable_gqa: bool) -> None:
-        self._args = (query, key, value, softcap, scale, enable_gqa)
-
-    def __str__(self) -> str:
-        query, key, value, softcap, scale, enable_gqa = self._args
-        call = _validate.check_attention_call(  # through the module: it is no call of the full path
-            query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=scale, enable_gqa=enable_gqa,
-            causal_alignment=CausalAlignment.TOP_LEFT, backend=Backend.AUTO, softcap=softcap, alibi_slopes=None, window=None,
-            return_stats=False, values=False,
-        )  # fmt: skip
-        return str(backends.choose(backends.Call(call, query, key, value, None, None, None))[1])
 
 
 def scaled_dot_product_attention(
@@ -278,13 +194,6 @@ def scaled_dot_product_attention(
         refuse_jit_trace("scaled_dot_product_attention")
         if attn_mask is not None and _is_causal_bias(attn_mask):  # torch's causal bias objects: what they mean
             attn_mask, is_causal, causal_alignment = from_causal_bias(attn_mask, is_causal, causal_alignment, query, key)
-        if softcap is not None:
-            out = _plain_softcapped(
-                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment, softcap, alibi_slopes, window,
-                sinks, return_stats, backend,
-            )  # fmt: skip
-            if out is not None:
-                return out
         traced = tracing(query, key, value, attn_mask, alibi_slopes, sinks)  # a mask mapped by vmap alone counts
         call = check_attention_call(
             query,

@@ -189,6 +189,13 @@ def alibi_slopes(num_heads: int) -> Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
+def slopes_learned(slopes: Tensor | None) -> bool:
+    """Whether ALiBi ``slopes`` are learned in this call: they require grad and grad mode is on.
+    Only the math backend differentiates them; the kernels take slopes as constants (the one rule
+    every backend asks)."""
+    return slopes is not None and slopes.requires_grad and torch.is_grad_enabled()
+
+
 def alibi_bias(
     slopes: Tensor,
     L: int,

@@ -71,6 +71,7 @@ from torch import Tensor
 from ._autograd import first_order
 from ._tracing import tracing
 from .dense import accumulation_dtype, head_groups
+from .masks import slopes_learned
 from .constants import EXP_FLOOR, OFFSET_LIMIT
 from .score import ScorePath
 from .stats import AttentionStats, with_sinks
@@ -154,7 +155,7 @@ def _constant_slopes(alibi_slopes: Tensor | None, dtype: torch.dtype) -> Tensor 
     that require grad are refused, since no gradient flows to them."""
     if alibi_slopes is None:
         return None
-    if alibi_slopes.requires_grad and torch.is_grad_enabled():
+    if slopes_learned(alibi_slopes):  # (the pipeline refuses them first: backends' Refusal)
         raise ValueError(
             "alibi_slopes: expected constant slopes on the tiled backend, got a tensor that requires grad. "
             "Fix: pass alibi_slopes.detach(), or backend='math' to learn the slopes"

@@ -23,12 +23,13 @@ from torch import Tensor
 
 from .._tracing import _functorch_wrapped, constant_result
 from ..dense import accumulation_dtype, head_groups
+from ..masks import slopes_learned
 from ..score import ScorePath
 from ..stats import AttentionStats, with_sinks
 from ..tiled import sink_scaled, tiled_attention
 from . import load, ops
 
-__all__ = ["fused_attention", "fused_attention_checked", "fused_varlen_attention", "supports"]
+__all__ = ["Plan", "direct", "fused_attention", "fused_attention_checked", "fused_varlen_attention", "plan", "run_planned", "supports"]
 # The default tiles and the rule that picks them live in ``ops`` (BLOCK_Q, BLOCK_K, default_blocks),
 # read inside the op at call time.
 
@@ -90,7 +91,7 @@ def _check_runnable(query: Tensor, attn_mask: Tensor | None, alibi_slopes: Tenso
     reason = supports(query, attn_mask)
     if reason is not None:
         raise RuntimeError(f"backend='fused' cannot run this call: {reason}")
-    if alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled():
+    if slopes_learned(alibi_slopes):  # (the pipeline refuses them first: backends' Refusal)
         raise ValueError(
             "alibi_slopes: expected constant slopes on the fused backend, got a tensor that requires grad. "
             "Fix: pass alibi_slopes.detach(), or backend='math' to learn the slopes"
@@ -255,20 +256,85 @@ def fused_attention_checked(
     if squeeze:  # no batch dims: the kernel's batch of one
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     (out, lse, *rest), verdict = _forward(query, key, value, attn_mask, alibi_slopes, spec, _round_out(query, key, value, sinks))
+    if squeeze:
+        out, lse, rest = out.squeeze(0), lse.squeeze(0), [t.squeeze(0) for t in rest]
+    return _finished(query.dtype, out, lse, rest, verdict, sinks, return_stats)
+
+
+def _finished(
+    dtype: torch.dtype, out: Tensor, lse: Tensor, rest: list[Tensor], verdict: Tensor, sinks: Tensor | None, return_stats: bool
+) -> tuple[Tensor, AttentionStats | None, Tensor | None]:
+    """The kernel's rows as the caller gets them: the sinks merged, in the inputs' ``dtype``, the
+    statistics named, and the rows' verdict where it holds of the returned rows."""
     # For 16-bit inputs the kernel checks each row against the format's range too, so its verdict
-    # holds of the rounded output.
+    # holds of the rounded output; the sinks merge rescales the rows after it.
     rows_ok: Tensor | None = verdict if sinks is None else None
     if sinks is not None:
         out = _sinks_applied(out, lse, sinks)
-    if out.dtype != query.dtype:
-        out = out.to(query.dtype)
-    if squeeze:
-        out, lse, rest = out.squeeze(0), lse.squeeze(0), [t.squeeze(0) for t in rest]
+    if out.dtype != dtype:
+        out = out.to(dtype)
     if not return_stats:
         return out, None, rows_ok
     max_logit, max_prob, entropy, visible_keys = rest
     stats = AttentionStats(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
     return out, stats if sinks is None else with_sinks(stats, sinks), rows_ok
+
+
+class Plan(NamedTuple):
+    """What a call's signature fixes of its kernel call (:func:`plan`): the options with the tiles
+    and the product path resolved, and the sizes the slopes are laid out to."""
+
+    options: ops.KernelOptions
+    dtype: torch.dtype
+    B: int
+    H: int
+    L: int
+    group: int
+
+
+def plan(query: Tensor, key: Tensor, value: Tensor, *, path: ScorePath, sinks: bool, return_stats: bool) -> Plan | None:
+    """The plan of a call without a mask whose q, k and v have the kernel's shapes ((B, H, L, D),
+    (B, Hkv, S, D), (B, Hkv, S, Dv), every size >= 1), for :func:`run_planned` on its signature's
+    (shapes, dtype, device, options) calls whose tensors are :func:`direct`; None for any other."""
+    if not (query.ndim == 4 and key.ndim == 4 and value.ndim == 4 and query.shape[0] == key.shape[0] == value.shape[0]):
+        return None
+    if min(*query.shape, *key.shape, value.shape[-1]) == 0:
+        return None
+    B, H, L = query.shape[:3]
+    spec = _Spec(path=path, batch=(B,), H=H, Hkv=key.shape[1], q_start=0, k_start=0, with_stats=return_stats, block_q=0, block_k=0)
+    round_out = query.dtype in ops.HALF and not sinks  # as _round_out gives it where no gradient is asked (direct)
+    options = spec.options(ops.half_products(query.dtype, L, head_groups(H, spec.Hkv)), round_out)
+    block_q, block_k = ops.default_blocks(options.causal, options.left >= 0 or options.right >= 0, L, None)
+    return Plan(options._replace(block_q=block_q, block_k=block_k), query.dtype, B, H, L, head_groups(H, spec.Hkv))
+
+
+def direct(query: Tensor, key: Tensor, value: Tensor, dtype: torch.dtype) -> bool:
+    """Whether a planned call may go straight to the kernel: plain eager CPU tensors of ``dtype``
+    (of type Tensor, not traced or wrapped by torch.func) that no gradient is asked of, whose rows
+    BLAS reads as they lie."""
+    if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor or query.dtype is not dtype:
+        return False
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return False
+    if torch.compiler.is_compiling() or _functorch_wrapped(query) or _functorch_wrapped(key) or _functorch_wrapped(value):
+        return False
+    return _blas_rows(query) and _blas_rows(key) and _blas_rows(value)
+
+
+def run_planned(
+    plan: Plan, query: Tensor, key: Tensor, value: Tensor, alibi_slopes: Tensor | None, sinks: Tensor | None
+) -> tuple[Tensor, AttentionStats | None, Tensor | None]:
+    """:func:`fused_attention_checked` of a call whose :func:`plan` is ``plan``, with ``direct``
+    inputs: the kernel itself, called with the planned options (no layout to make, no option but
+    the 16-bit product path to derive again)."""
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.detach().to(accumulation_dtype(plan.dtype)).expand(plan.B, plan.H)
+    options = plan.options
+    if plan.dtype in ops.HALF:  # the product path is asked each call (ATTNSCALE_HALF_PRODUCTS may change it)
+        options = options._replace(half_products=ops.half_products(plan.dtype, plan.L, plan.group))
+    out, lse, _, _, *rest, verdict = ops.run_forward(query, key, value, slopes, None, None, options)
+    return _finished(plan.dtype, out, lse, rest, verdict, sinks, options.with_stats)
 
 
 def _packed(x: Tensor, dtype: torch.dtype) -> Tensor:

@@ -222,11 +222,11 @@ def run_forward(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Ten
     """What ``fused_forward`` computes, on real CPU tensors: the kernel's forward itself. The kernel
     checks its arguments (csrc/checks.h, one place for the ops and the binding): an inconsistent
     call raises a ValueError that names the argument before anything is read."""
-    block_q, block_k = _blocks(options.block_q, options.block_k, options.causal, options.left, options.right, q.shape[2], spans)
+    if not (options.block_q and options.block_k):  # (a planned call's are resolved already)
+        block_q, block_k = _blocks(options.block_q, options.block_k, options.causal, options.left, options.right, q.shape[2], spans)
+        options = options._replace(block_q=block_q, block_k=block_k)
     # The kernel makes every output, the empty statistics and the verdict too (see fused.cpp); it
     # reads the options by position, in KernelOptions' order (checked when it loads).
-    if block_q != options.block_q or block_k != options.block_k:
-        options = options._replace(block_q=block_q, block_k=block_k)
     return KernelOutputs(*_kernel().forward_ordered(q, k, v, alibi, mask, spans, options))
 
 
