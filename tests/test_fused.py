@@ -256,7 +256,7 @@ def test_decoding_without_grouped_heads_takes_float32_tiles(monkeypatch, dtype):
     want = sdpa(q, k, v, softcap=30.0, backend="fused")
     monkeypatch.delenv("ATTNSCALE_HALF_PRODUCTS")
     assert torch.equal(sdpa(q, k, v, softcap=30.0, backend="fused"), want)
-    assert torch.equal(sdpa(q, k, v, softcap=30.0), want)  # the short route decides alike
+    assert torch.equal(sdpa(q, k, v, softcap=30.0), want) and torch.equal(sdpa(q, k, v, softcap=30.0), want)  # auto decides alike, planned or not
     if kernels.load().half_gemm(1):
         monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "1")
         assert ops.half_products(dtype, 1, 1) is True
@@ -1162,13 +1162,14 @@ def test_a_tiny_softcap_still_caps(dtype, softcap, backend):
 
 @pytest.mark.parametrize("backend", ["auto", "fused"])
 def test_a_softcapped_call_with_dv_unlike_d_takes_the_default_scale_from_d(backend):
-    """The short route of plain softcapped calls: the default scale is 1/sqrt(D) of q and k, never
+    """A softcapped call, general and planned: the default scale is 1/sqrt(D) of q and k, never
     of v's head dim (the one Dv != D test passed a scale; the other had S = 1)."""
     q, k, v = make_inputs(B=2, H=4, Hkv=4, L=6, S=9, D=16, Dv=4, dtype=torch.float32, seed=8)
-    out = sdpa(q, k, v, backend=backend, softcap=5.0)
-    assert attnscale.last_backend() == "fused"
     want = torch.from_numpy(run_reference(q, k, v, None, softcap=5.0))
-    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-6)
+    for _ in range(2):  # the signature's first call plans, the second takes the plan
+        out = sdpa(q, k, v, backend=backend, softcap=5.0)
+        assert attnscale.last_backend() == "fused"
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)

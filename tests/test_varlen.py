@@ -401,7 +401,10 @@ def test_auto_learns_alibi_slopes_through_the_per_sequence_path():
 @pytest.mark.skipif(NO_KERNEL is not None, reason=f"the compiled kernel cannot be had here: {NO_KERNEL}")
 def test_auto_runs_every_finite_sequence_in_one_kernel_call(monkeypatch):
     """On CPU, auto hands all sequences to the compiled kernel at once; a sequence with a NaN
-    takes the per-sequence path (its NaN rule), the others stay in the one kernel call."""
+    takes the per-sequence path (its NaN rule), the others stay in the one kernel call. Where
+    gradients are wanted the guard finds it before the kernel runs (its rows must not reach the
+    kernel's backward); without, the kernel's own verdict on its rows finds it after (no pass over
+    the inputs), and only that sequence runs again."""
     (q, k, v, cu_q, cu_k), _ = packed_case("gqa-dv-differs", "causal-window")
     calls, per_sequence = [], []
     real_kernel, real_sdpa = attnscale.varlen.fused_varlen_attention, attnscale.varlen.scaled_dot_product_attention
@@ -412,10 +415,13 @@ def test_auto_runs_every_finite_sequence_in_one_kernel_call(monkeypatch):
     assert calls == [spans] and per_sequence == []
     bad = k.clone()
     bad[int(cu_k[1])] = math.nan  # a key row of sequence 1
-    calls.clear()
-    out = attnscale.varlen_attention(q, bad, v, cu_q, cu_k, is_causal=True)
-    assert calls == [spans[:1] + spans[2:]] and per_sequence == [1]
-    assert torch.isnan(out[int(cu_q[1]) : int(cu_q[2])]).any()
+    rows = slice(int(cu_q[1]), int(cu_q[2]))
+    for wants_grad, table in ((True, spans[:1] + spans[2:]), (False, spans)):
+        calls.clear(), per_sequence.clear()
+        out = attnscale.varlen_attention(q.clone().requires_grad_(wants_grad), bad, v, cu_q, cu_k, is_causal=True)
+        assert calls == [table] and per_sequence == [1]
+        assert torch.isnan(out[rows]).any()
+        assert torch.equal(out.detach()[:rows.start], attnscale.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True)[:rows.start])
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import StrEnum
-from numbers import Real
+from numbers import Integral, Real
 from typing import NoReturn
 
 import torch
@@ -188,29 +188,35 @@ class AttentionCall:
     return_stats: bool
 
 
+def _check_float_tensor(name: str, t: object) -> None:
+    """``t`` a dense torch.Tensor of a floating dtype attention takes."""
+    if not isinstance(t, Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__, f"convert with torch.as_tensor({name})", exc=TypeError)
+    if t.is_nested or t.layout is not torch.strided:  # a nested or sparse tensor has no sizes to read
+        got = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        fail(name, "a dense (strided) tensor", got, "pad it (torch.nested.to_padded_tensor), or use torch's SDPA for it", exc=TypeError)
+    if t.dtype not in FLOAT_DTYPES:
+        fail(name, "a floating dtype (float16, bfloat16, float32 or float64)", f"dtype {t.dtype}", f"cast it, e.g. {name}.float()", exc=TypeError)
+
+
+def _check_like(name: str, t: Tensor, query: Tensor, owner: str) -> None:
+    """``t`` of the query's dtype and device (``owner``: how messages name the query's, e.g. "q's")."""
+    who = owner.removeprefix("the ").removesuffix("'s")
+    if t.dtype != query.dtype:
+        fail(name, f"{owner} dtype {query.dtype}", f"dtype {t.dtype}", f"cast it: {name}.to({who}.dtype)", exc=TypeError)
+    if not (t.is_cpu and query.is_cpu) and t.device != query.device:  # two CPU tensors: no torch.device made
+        fail(name, f"{owner} device {query.device}", f"device {t.device}", f"move it: {name}.to({who}.device)")
+
+
 def check_tensors(query: object, key: object, value: object) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor):
-            fail(name, "a torch.Tensor", type(t).__name__, f"convert with torch.as_tensor({name})", exc=TypeError)
-        if t.is_nested or t.layout is not torch.strided:  # a nested or sparse tensor has no sizes to read
-            got = "a nested tensor" if t.is_nested else f"layout {t.layout}"
-            fail(name, "a dense (strided) tensor", got, "pad it (torch.nested.to_padded_tensor), or use torch's SDPA for it", exc=TypeError)
-        if t.dtype not in FLOAT_DTYPES:
-            fail(
-                name,
-                "a floating dtype (float16, bfloat16, float32 or float64)",
-                f"dtype {t.dtype}",
-                f"cast it, e.g. {name}.float()",
-                exc=TypeError,
-            )
+        _check_float_tensor(name, t)
+        assert isinstance(t, Tensor)
         if t.ndim < 3:
             fail(name, "at least 3 dims (..., heads, length, head_dim)", _shape(t), f"add a heads dim: {name}.unsqueeze(-3)")
     assert isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor)
     for name, t in (("key", key), ("value", value)):
-        if t.dtype != query.dtype:
-            fail(name, f"the query's dtype {query.dtype}", f"dtype {t.dtype}", f"cast it: {name}.to(query.dtype)", exc=TypeError)
-        if not (t.is_cpu and query.is_cpu) and t.device != query.device:  # two CPU tensors: no torch.device made
-            fail(name, f"the query's device {query.device}", f"device {t.device}", f"move it: {name}.to(query.device)")
+        _check_like(name, t, query, "the query's")
         if t.ndim != query.ndim:
             fail(name, f"{query.ndim} dims like the query", _shape(t), "give query, key and value the same number of dims (use unsqueeze for broadcast batch dims)")
 
@@ -393,3 +399,129 @@ def check_attention_call(
             _SIGNATURES.clear()
         _SIGNATURES[signature] = call
     return call
+
+
+# --- packed sequences (attnscale.varlen_attention) ----------------------------------------------
+
+_PACKED_LEGEND = {"q": "(total_q, H, D)", "k": "(total_k, Hkv, D)", "v": "(total_k, Hkv, Dv)"}
+_CU_FIX = "build it as torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32) from the per-sequence lengths"
+
+
+def check_packed_call(
+    q: object, k: object, v: object, cu_q: object, cu_k: object, max_q: object, max_k: object, *, traced: bool, scale: object, is_causal: object,
+    softcap: object, alibi_slopes: object, window: object, sinks: object, return_stats: object, backend: object,
+) -> tuple[AttentionCall, list[tuple[int, int, int, int]] | None, Tensor]:
+    """Validate a packed call (:func:`attnscale.varlen_attention`) before any compute, reading no
+    tensor value while ``traced``. Returns its spec (batch (), L and S the longest query and key
+    lengths; while tracing, the totals), its sequences' rows ``(q0, q1, k0, k1)`` (None while
+    tracing) and the same as a (B, 4) int64 table."""
+    H, Hkv, D, Dv = check_packed_tensors(q, k, v)
+    assert isinstance(q, Tensor) and isinstance(k, Tensor)
+    cu_q_t, cu_k_t = check_cu_seqlens(cu_q, cu_k, q.device)
+    rows, L, S = None, q.shape[0], k.shape[0]
+    if traced:
+        check_sequence_count(cu_q_t, cu_k_t)
+    else:  # each one's values first, then their count
+        starts_q, starts_k = cu_seqlens_values("cu_seqlens_q", cu_q_t, "q", q.shape[0]), cu_seqlens_values("cu_seqlens_k", cu_k_t, "k", k.shape[0])
+        check_sequence_count(cu_q_t, cu_k_t)
+        rows = [(starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]) for b in range(len(starts_q) - 1)]
+        L, S = max((q1 - q0 for q0, q1, _, _ in rows), default=0), max((k1 - k0 for _, _, k0, k1 in rows), default=0)
+    check_max_seqlen("max_seqlen_q", max_q, None if traced else L, "cu_seqlens_q")
+    check_max_seqlen("max_seqlen_k", max_k, None if traced else S, "cu_seqlens_k")
+    scale = check_finite("scale", scale)
+    path = ScorePath(scale=D**-0.5 if scale is None else scale, softcap=check_positive_finite("softcap", softcap), causal=check_bool("is_causal", is_causal), window=check_window(window))
+    return_stats, backend = check_bool("return_stats", return_stats), check_choice("backend", backend, Backend)
+    if alibi_slopes is not None:
+        check_packed_slopes(alibi_slopes, H, cu_q_t.shape[0] - 1, q.device)
+        if not traced:
+            check_alibi_values(alibi_slopes, q.dtype)  # type: ignore[arg-type]  # the same rule as scaled_dot_product_attention's
+    check_sinks(sinks, H, q.device, values=not traced, dtype=q.dtype)
+    spec = AttentionCall(
+        batch=(), H=H, Hkv=Hkv, L=L, S=S, D=D, Dv=Dv, path=path, alignment=CausalAlignment.BOTTOM_RIGHT, backend=backend,  # type: ignore[arg-type]
+        dropout_p=0.0, alibi=alibi_slopes is not None, sinks=sinks is not None, return_stats=return_stats,
+    )  # fmt: skip
+    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4) if rows is not None else torch.stack([cu_q_t[:-1], cu_q_t[1:], cu_k_t[:-1], cu_k_t[1:]], dim=1).to(torch.int64)
+    return spec, rows, table
+
+
+def check_packed_tensors(q: object, k: object, v: object) -> tuple[int, int, int, int]:
+    """q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), H a multiple of Hkv: returns H, Hkv, D, Dv."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_float_tensor(name, t)
+        assert isinstance(t, Tensor)
+        if t.ndim != 3:
+            fail(name, f"3 dims {_PACKED_LEGEND[name]}, sequences packed along dim 0", _shape(t), f"pack (B, L, heads, dim) as {name}.flatten(0, 1) and drop the padding rows")
+    assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+    for name, t in (("k", k), ("v", v)):
+        _check_like(name, t, q, "q's")
+    _, H, D = q.shape
+    total_k, Hkv, Dk = k.shape
+    if D == 0:
+        fail("q", "head_dim D >= 1 (dim 2)", _shape(q), "D = 0 has no dot product; check the head split")
+    if Dk != D:
+        fail("k", f"head dim D = {D} (dim 2) like q's", _shape(k), "q and k must share the head dim D")
+    if Hkv == 0:
+        fail("k", "at least one head (dim 1)", _shape(k), "give k and v Hkv >= 1 heads; check the head split")
+    if v.shape[0] != total_k:
+        fail("v", f"total_k = {total_k} rows (dim 0) like k's", _shape(v), "k and v must hold the same packed key positions")
+    if v.shape[1] != Hkv:
+        fail("v", f"{Hkv} heads (dim 1) like k's", _shape(v), "k and v must have the same number of heads")
+    if H % Hkv != 0:
+        fail("k", f"a number of heads (dim 1) that divides q's H = {H}", f"{Hkv} heads", "use Hkv in the divisors of H (Hkv = H for multi-head, 1 for multi-query)")
+    return H, Hkv, D, v.shape[2]
+
+
+def check_cu_seqlens(cu_q: object, cu_k: object, device: torch.device) -> tuple[Tensor, Tensor]:
+    """What can be checked of both cumulative lengths without their values: type, dtype, shape, device."""
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(cu, Tensor):
+            fail(name, "a 1-d int32 or int64 torch.Tensor", type(cu).__name__, _CU_FIX, exc=TypeError)
+        if cu.dtype not in (torch.int32, torch.int64):
+            fail(name, "dtype int32 or int64", f"dtype {cu.dtype}", f"cast it: {name}.to(torch.int32)", exc=TypeError)
+        if cu.ndim != 1 or cu.numel() == 0:
+            fail(name, "a 1-d tensor of B + 1 cumulative lengths", _shape(cu), _CU_FIX)
+        if cu.device != device:
+            fail(name, f"q's device {device}", f"device {cu.device}", f"move it: {name}.to(q.device)")
+    assert isinstance(cu_q, Tensor) and isinstance(cu_k, Tensor)
+    return cu_q, cu_k
+
+
+def check_sequence_count(cu_q: Tensor, cu_k: Tensor) -> None:
+    if cu_q.shape[0] != cu_k.shape[0]:
+        entries = cu_q.shape[0]
+        fail("cu_seqlens_k", f"B + 1 = {entries} entries like cu_seqlens_q (one per sequence, plus the 0)", f"{cu_k.shape[0]} entries", "give every sequence a query and a key length (0 is allowed)")
+
+
+def cu_seqlens_values(name: str, cu: Tensor, packed: str, total: int) -> list[int]:
+    """Cumulative lengths ``[0, ..., total]`` of the rows of ``packed``, read from the tensor (eager only)."""
+    values = cu.tolist()
+    if values[0] != 0:
+        fail(name, "a first entry of 0", f"{values[0]} (in {values})", _CU_FIX)
+    for b in range(len(values) - 1):
+        if values[b + 1] < values[b]:
+            fail(name, "non-decreasing entries (sequence lengths >= 0)", f"{values[b]} then {values[b + 1]} at index {b}", _CU_FIX)
+    if values[-1] != total:
+        fail(name, f"a last entry equal to total_{packed} = {packed}.shape[0] = {total}", f"{values[-1]}", f"give lengths that sum to {packed}'s {total} packed rows")
+    return values
+
+
+def check_max_seqlen(name: str, hint: object, longest: int | None, cu_name: str) -> None:
+    """An optional hint of the longest length: None or an int, at least ``longest`` (None: unknown, while tracing)."""
+    if hint is None:
+        return
+    if isinstance(hint, bool) or not isinstance(hint, Integral):
+        fail(name, "None or an int", repr(hint), "pass the longest length as an int, or None to leave it out", exc=TypeError)
+    if longest is not None and hint < longest:
+        fail(name, f"at least the longest sequence in {cu_name}, {longest}", repr(int(hint)), f"pass {name}={longest} or None")
+
+
+def check_packed_slopes(slopes: object, H: int, B: int, device: torch.device) -> None:
+    """ALiBi slopes of a packed call: (H,), or (B, H) one row per sequence (shapes, dtype, device)."""
+    shapes = f"(H,) = ({H},) or (B, H) = ({B}, {H})"
+    if not isinstance(slopes, Tensor) or slopes.dtype not in FLOAT_DTYPES:
+        fail("alibi_slopes", f"a float tensor of shape {shapes}", repr(slopes)[:60], "use attnscale.alibi_slopes(H)", exc=TypeError)
+    # size by size, not tuple against tuple: under dynamic shapes the sizes are symbolic
+    if not ((slopes.ndim == 1 and slopes.shape[0] == H) or (slopes.ndim == 2 and slopes.shape[0] == B and slopes.shape[1] == H)):
+        fail("alibi_slopes", f"shape {shapes}", _shape(slopes), "use attnscale.alibi_slopes(H), or stack one row per sequence")
+    if slopes.device != device:
+        fail("alibi_slopes", f"q's device {device}", f"device {slopes.device}", "move it: alibi_slopes.to(q.device)")

@@ -9,7 +9,7 @@ trust of its output (:mod:`attnscale.guard`). ``backend="auto"`` is the ordered 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, NoReturn
 
@@ -27,7 +27,7 @@ from .masks import add_bias, alibi_bias, slopes_learned
 from .stats import AttentionStats
 from .tiled import tiled_attention
 
-__all__ = ["AUTO", "IMPLEMENTATIONS", "MATH_MAX_SCORES", "Call", "Implementation", "Refusal", "Result", "Why", "choose"]
+__all__ = ["AUTO", "IMPLEMENTATIONS", "MATH_MAX_SCORES", "SDPA", "Call", "Implementation", "Refusal", "Result", "Spans", "Walk", "Why", "choose"]
 
 TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
 """torch's own SDPA, bound once at import (``torch.nn.functional.scaled_dot_product_attention``
@@ -40,8 +40,18 @@ MATH_MAX_SCORES = 2**26
 it holds several (..., H, L, S) tensors (256 MiB each in float32 at this size)."""
 
 
+class Spans(NamedTuple):
+    """A packed call's sequences (:func:`attnscale.varlen_attention`): ``table`` (B, 4) int64, one
+    row ``(q0, q1, k0, k1)`` per sequence, its query rows [q0, q1) and key rows [k0, k1); ``rows``,
+    the same on the host (None while tracing, when no tensor value is read)."""
+
+    table: Tensor
+    rows: list[tuple[int, int, int, int]] | None
+
+
 class Call(NamedTuple):
-    """A validated call and its tensors: everything a backend reads (a tuple: made on every call)."""
+    """A validated call and its tensors: everything a backend reads (a tuple: made on every call).
+    A packed call's q, k, v are (total, heads, d), its sequences in ``spans``."""
 
     spec: AttentionCall
     query: Tensor
@@ -50,6 +60,7 @@ class Call(NamedTuple):
     attn_mask: Tensor | None
     alibi_slopes: Tensor | None
     sinks: Tensor | None
+    spans: Spans | None = None
 
     @property
     def slopes_need_grad(self) -> bool:
@@ -120,7 +131,7 @@ def _torch_cannot(c: Call) -> Refusal | None:
     return Refusal(reason, "backend", f"a backend that implements {reason}", "'torch'", "use backend='auto' or backend='math'; torch's SDPA has no such option")
 
 
-def _learned_slopes_refusal(c: Call, backend: Backend) -> Refusal | None:
+def learned_slopes_refusal(c: Call, backend: Backend) -> Refusal | None:
     """The kernels' refusal of ALiBi slopes that require grad (they take slopes as constants)."""
     if not c.slopes_need_grad:
         return None
@@ -135,7 +146,7 @@ def _learned_slopes_refusal(c: Call, backend: Backend) -> Refusal | None:
 
 
 def _fused_cannot(c: Call) -> Refusal | None:
-    refusal = _dropout_refusal(c, Backend.FUSED) or _learned_slopes_refusal(c, Backend.FUSED)
+    refusal = _dropout_refusal(c, Backend.FUSED) or learned_slopes_refusal(c, Backend.FUSED)
     if refusal is not None:
         return refusal
     reason = fused_supports(c.query, c.attn_mask)
@@ -145,7 +156,7 @@ def _fused_cannot(c: Call) -> Refusal | None:
 
 
 def _tiled_cannot(c: Call) -> Refusal | None:
-    refusal = _dropout_refusal(c, Backend.TILED) or _learned_slopes_refusal(c, Backend.TILED)
+    refusal = _dropout_refusal(c, Backend.TILED) or learned_slopes_refusal(c, Backend.TILED)
     if refusal is None and under_vmap():
         return Refusal(
             "under vmap, where the tiled kernel has no batching rule",
@@ -298,6 +309,18 @@ AUTO = (
 """``backend="auto"``: the first step that takes the call computes it."""
 
 
+class Walk(NamedTuple):
+    """What :func:`choose` asks for one kind of call: ``auto``'s steps, and the implementation
+    each forced backend names."""
+
+    auto: tuple[Step, ...]
+    forced: Mapping[Backend, Implementation]
+
+
+SDPA = Walk(AUTO, IMPLEMENTATIONS)
+"""The walk of :func:`attnscale.scaled_dot_product_attention`'s calls."""
+
+
 class Why:
     """Why :func:`choose` took its implementation, formatted only when read (a call's log line
     at DEBUG level): "requested", "auto", or "auto, passed over NAME: REASON; ..."."""
@@ -324,20 +347,22 @@ and slopes do not asks the walk once per signature (validation hands a signature
 unchanged). Not while compiling: a traced call's spec is new each time."""
 
 
-def choose(c: Call) -> tuple[Implementation, Why]:
-    """The implementation that computes the call, and why: ``auto``'s walk over :data:`AUTO`, or
-    the forced backend, refused with its reason where it cannot compute exactly this call."""
+def choose(c: Call, walk: Walk = SDPA) -> tuple[Implementation, Why]:
+    """The implementation that computes the call, and why: ``auto``'s walk over ``walk.auto``, or
+    the forced backend, refused with its reason where it cannot compute exactly this call (also
+    where no step of auto's walk can: the last step's refusal)."""
     memo = _CHOSEN.get(id(c.spec))
     if memo is not None and memo[0] is c.spec and _constant_inputs(c) and not torch.compiler.is_compiling():
         return memo[1]
     if c.spec.backend is not Backend.AUTO:
-        implementation = IMPLEMENTATIONS[c.spec.backend]
+        implementation = walk.forced[c.spec.backend]
         refusal = implementation.cannot(c)
         if refusal is not None:
             refusal.raise_()
         return implementation, _REQUESTED
     passed: list[tuple[str, str]] = []
-    for implementation, passes in AUTO:
+    refusal = None
+    for implementation, passes in walk.auto:
         reason = passes(c)
         if reason is None:
             refusal = implementation.cannot(c)
@@ -348,7 +373,8 @@ def choose(c: Call) -> tuple[Implementation, Why]:
                 return chosen
             reason = refusal.reason
         passed.append((implementation.backend.value, reason))
-    raise AssertionError("the math backend computes every call")  # pragma: no cover
+    assert refusal is not None, "the last step of a walk takes every call it does not refuse"
+    refusal.raise_()
 
 
 def _constant_inputs(c: Call) -> bool:

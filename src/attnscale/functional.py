@@ -196,23 +196,10 @@ def scaled_dot_product_attention(
             attn_mask, is_causal, causal_alignment = from_causal_bias(attn_mask, is_causal, causal_alignment, query, key)
         traced = tracing(query, key, value, attn_mask, alibi_slopes, sinks)  # a mask mapped by vmap alone counts
         call = check_attention_call(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=enable_gqa,
-            causal_alignment=causal_alignment,
-            backend=backend,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            window=window,
-            return_stats=return_stats,
-            sinks=sinks,
-            values=not traced,
-        )
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+            causal_alignment=causal_alignment, backend=backend, softcap=softcap, alibi_slopes=alibi_slopes, window=window,
+            return_stats=return_stats, sinks=sinks, values=not traced,
+        )  # fmt: skip
         if attn_mask is not None and attn_mask.ndim < 2:
             attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.ndim) + tuple(attn_mask.shape))  # (S,) -> (1, S), as torch broadcasts
         c = backends.Call(call, query, key, value, attn_mask, alibi_slopes, sinks)
@@ -226,9 +213,6 @@ def scaled_dot_product_attention(
                 record_backend(implementation.backend, why)
             else:  # what computed the returned output, and why
                 record_backend(recomputed_by, _Recomputed(implementation.backend, why, query.dtype))
-        if call.return_stats:
-            assert stats is not None
-            return out, stats
-        return out
+        return (out, stats) if call.return_stats else out
     except (ValueError, TypeError) as exc:  # also RuntimeError, as torch raises for these (InputError)
         raise as_input_error(exc) from None

@@ -24,7 +24,7 @@ from .dense import accumulation_dtype
 from .kernels import load as load_kernel
 from .stats import AttentionStats, with_nan_rows
 
-__all__ = ["abs_max", "check", "may_overflow"]
+__all__ = ["abs_max", "check", "may_overflow", "trusted_spans", "wrong_spans"]
 
 
 def abs_max(x: Tensor) -> float:
@@ -362,3 +362,60 @@ def _refuse_overflow(c: Call, query: Tensor, key: Tensor, value: Tensor, acc: to
         f"{query.dtype} inputs with entries up to |q| = {abs_max(query):.3g}, |k| = {abs_max(key):.3g}, scale = {c.spec.path.scale:.3g}",
         "rescale query or key (e.g. normalise them, as QK-norm does) or pass a smaller scale",
     )
+
+
+# --- packed calls (attnscale.varlen_attention) ---------------------------------------------------
+
+
+def trusted_spans(c: Call, *, bound: bool) -> list[int]:
+    """The sequences of a packed call (``c.spans``) that one call of a packed backend may run, the
+    others each taking :func:`attnscale.scaled_dot_product_attention` and its guard: those whose
+    q, k and v rows are all finite (a NaN or inf reaches no other sequence, in the output or the
+    gradients); with ``bound``, for a backend that does not check its rows (FlexAttention), none
+    when the logits may overflow the accumulation dtype (:func:`_logit_bound`, also on the raw
+    products). One pass over q, k and v; per-row counts only where one is not finite."""
+    assert c.spans is not None and c.spans.rows is not None
+    rows = c.spans.rows
+    read = _Read(c.query, None)
+    finite = read.finite(c.query) and read.finite(c.key) and read.finite(c.value)
+    if bound:
+        q_max, k_max = (read(t) if finite else _finite_abs_max(t) for t in (c.query, c.key))
+        products = c.spec.D * q_max * k_max  # |q.k| before the scale, as the products accumulate it
+        if may_overflow(max(products, _logit_bound(c, q_max, k_max, read)), accumulation_dtype(c.query.dtype)):
+            return []
+    if finite:
+        return list(range(len(rows)))
+    bad_q, bad_k, bad_v = (_bad_row_counts(t) for t in (c.query, c.key, c.value))
+    return [b for b, (q0, q1, k0, k1) in enumerate(rows) if bad_q[q1] == bad_q[q0] and bad_k[k1] == bad_k[k0] and bad_v[k1] == bad_v[k0]]
+
+
+def _finite_abs_max(x: Tensor) -> float:
+    """max |x| over x's finite entries (0 if none)."""
+    x = x.detach()
+    return abs_max(torch.where(torch.isfinite(x), x, 0.0))
+
+
+def _bad_row_counts(x: Tensor) -> list[int]:
+    """Running count of the rows (dim 0) holding a non-finite entry: entry t counts rows < t."""
+    bad = ~torch.isfinite(x.detach()).flatten(1).all(1) if x.numel() else torch.zeros(x.shape[0], dtype=torch.bool)
+    return [0, *torch.cumsum(bad.to(torch.int64), 0).tolist()]
+
+
+def wrong_spans(c: Call, out: Tensor, rows_ok: Tensor | None, ran: list[int]) -> list[int]:
+    """Of the sequences ``ran`` by one call of the compiled kernel (``out`` (total_q, H, Dv), its
+    verdict ``rows_ok``), those whose rows it does not vouch for, as :func:`check` decides for
+    one call: a NaN or inf row (the kernel makes a logit from an infinite product NaN), or a zero
+    row where the logits may overflow (all of a row's logits at -inf look like a row with no
+    visible key, which is zeros by right). Nothing is read when the kernel vouches for every row."""
+    if rows_ok is not None and bool(rows_ok):
+        return []
+    assert c.spans is not None and c.spans.rows is not None
+    peaks = _row_peaks(out).amax(dim=-1) if out.shape[1] else out.new_ones(out.shape[0])  # (total_q,): NaN where a head's row is
+    bad = ~torch.isfinite(peaks)
+    if bool((peaks == 0).any()):
+        read = _Read(out, None)
+        q_max, k_max = (_finite_abs_max(t) for t in (c.query, c.key))
+        if may_overflow(_logit_bound(c, q_max, k_max, read), accumulation_dtype(c.query.dtype)):
+            bad |= peaks == 0
+    counts = [0, *torch.cumsum(bad.to(torch.int64), 0).tolist()]
+    return [b for b in ran if counts[c.spans.rows[b][1]] != counts[c.spans.rows[b][0]]]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionStats", "HeadSummary", "normalized_entropy", "share_above", "summarize", "with_nan_rows", "with_sinks"]
+__all__ = ["AttentionStats", "HeadSummary", "join_rows", "normalized_entropy", "rows_of", "share_above", "summarize", "with_nan_rows", "with_sinks"]
 
 
 @dataclass(frozen=True)
@@ -224,3 +224,17 @@ def share_above(stats: AttentionStats, threshold: float, statistic: str = "max_p
         count = int(r.sum())
         out.append(None if count == 0 else int((r & (v > threshold)).sum()) / count)
     return tuple(out)
+
+
+def rows_of(stats: AttentionStats, q0: int, q1: int) -> AttentionStats:
+    """Rows q0:q1 of packed (H, total_q) statistics, in the per-sequence (1, H, L_b) layout."""
+    return AttentionStats(**{f.name: None if getattr(stats, f.name) is None else getattr(stats, f.name)[None, :, q0:q1] for f in fields(AttentionStats)})
+
+
+def join_rows(parts: list[AttentionStats]) -> AttentionStats:
+    """Per-sequence statistics (1, H, L_b) joined along the rows: (H, total_q)."""
+    joined = {}
+    for f in fields(AttentionStats):
+        tensors = [getattr(s, f.name) for s in parts]
+        joined[f.name] = None if tensors[0] is None else torch.cat([t[0] for t in tensors], dim=-1)
+    return AttentionStats(**joined)

@@ -68,10 +68,14 @@ def test_positions_are_judged_before_layers():
 
 
 def test_mobilebert_fits_under_r2_0_99_and_is_not_measurable():
-    """MobileBERT built small fits one multiplier only to R^2 0.97-0.98 (its bottleneck's norm-free
-    attention over small widths; measured on AMD and Intel CPUs): under the rule's 0.99 that is not
-    one multiplier times q.k, never read as 1/sqrt(head_dim)."""
-    row = census.probe_type("mobilebert")
+    """MobileBERT built small fits one multiplier only to R^2 0.96-0.98 (its bottleneck's norm-free
+    attention over small widths; weights drawn at torch seeds 0-5 on an Intel Xeon, and alike on
+    AMD): under the rule's 0.99 that is not one multiplier times q.k, never read as
+    1/sqrt(head_dim). The weights come from torch's global generator: seeded here, so that the
+    tests run before this one do not decide them (one order gave 0.94)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        row = census.probe_type("mobilebert")
     assert 0.95 < min(lay.r2 for lay in row.layers) < 0.99
     assert row.cls == census.NOT_MEASURABLE
 

@@ -368,14 +368,15 @@ def fused_varlen_attention(
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
     return_stats: bool = False,
-) -> tuple[Tensor, AttentionStats | None]:
+) -> tuple[Tensor, AttentionStats | None, Tensor | None]:
     """:func:`attnscale.varlen_attention` on validated CPU inputs in one kernel call, parallel over
     heads and every sequence's query blocks: query (total_q, H, D), key (total_k, Hkv, D), value
     (total_k, Hkv, Dv); ``spans`` (nseq, 4) int64, the sequences, ``(q0, q1, k0, k1)`` each, their
     query rows [q0, q1) and key rows [k0, k1) (disjoint; rows that no span names come back as rows
     without keys: zeros, ``lse = -inf``); ``alibi_slopes`` (H,), or (nseq, H) one row per span. Returns (out (total_q, H, Dv), stats
-    with (H, total_q) tensors, or None). ``path.q_offset`` is ignored: each sequence is aligned
-    bottom-right. Raises RuntimeError when the compiled kernel is unavailable (see :func:`supports`)."""
+    with (H, total_q) tensors, or None, and the rows' verdict as :func:`fused_attention_checked`
+    gives it). ``path.q_offset`` is ignored: each sequence is aligned bottom-right. Raises
+    RuntimeError when the compiled kernel is unavailable (see :func:`supports`)."""
     _check_runnable(query, None, alibi_slopes)
     B, H = spans.shape[0], query.shape[1]
     table = spans.contiguous()
@@ -385,14 +386,15 @@ def fused_varlen_attention(
     q, k, v = (_packed(t, query.dtype) for t in (query, key, value))  # (1, heads, total, d) views
     round_out = _round_out(query, key, value, sinks)
     options = _packed_options(path, with_stats=return_stats, half_products=ops.half_products(query.dtype), round_out=round_out)
-    out, lse, _, _, *rest, _ = ops.forward(q, k, v, slopes, None, table, options)
+    out, lse, _, _, *rest, verdict = ops.forward(q, k, v, slopes, None, table, options)
     out, lse = out[0].transpose(0, 1), lse[0]  # (total_q, H, Dv), (H, total_q)
     if sinks is not None:
         # sink_scaled takes (..., H, L, Dv) and (..., H, L): the packed rows as L.
         out = sink_scaled(out.transpose(0, 1), lse, sinks).transpose(0, 1)
     out = out.to(query.dtype)
+    rows_ok = verdict if sinks is None else None
     if not return_stats:
-        return out, None
+        return out, None, rows_ok
     max_logit, max_prob, entropy, visible_keys = (t[0] for t in rest)
     stats = AttentionStats(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
-    return out, stats if sinks is None else with_sinks(stats, sinks)
+    return out, stats if sinks is None else with_sinks(stats, sinks), rows_ok
