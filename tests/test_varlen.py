@@ -505,3 +505,23 @@ def test_a_negative_or_zero_scale_is_computed_as_scaled_dot_product_attention_co
                 q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1), scale=scale, is_causal=True, causal_alignment="bottom_right"
             ).transpose(0, 1)
             torch.testing.assert_close(out[a:b], want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("options", [dict(is_causal=True), dict(softcap=20.0), dict(alibi_slopes=torch.tensor([1e37, 1e37, 0.5, 0.5]))], ids=["causal", "softcap", "huge-alibi"])
+def test_a_sequence_whose_logits_overflow_float32_gets_the_per_sequence_answer(options, grad):
+    """Products of one sequence overflow float32 (|q|, |k| ~ 1e19) and, with huge slopes, the
+    ALiBi biases too: the packed call's answer is the per-sequence one (its float64 recompute),
+    whether the guard finds them before the kernel runs (gradients) or from its rows after."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(9, 4, 8, generator=gen), torch.randn(11, 2, 8, generator=gen), torch.randn(11, 2, 3, generator=gen)
+    cu_q, cu_k = torch.tensor([0, 2, 2, 9]), torch.tensor([0, 5, 6, 11])
+    q[2:9] *= 1e19
+    k[6:11] *= 1e19
+    out = attnscale.varlen_attention(q.clone().requires_grad_(grad), k, v, cu_q, cu_k, **options)
+    want = []
+    for b in range(3):
+        qb, kb, vb = (t[int(cu[b]) : int(cu[b + 1])].transpose(0, 1)[None] for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        want.append(attnscale.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True, causal_alignment="bottom_right", **options)[0].transpose(0, 1))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.detach(), torch.cat(want), rtol=0, atol=1e-6)
