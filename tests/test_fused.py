@@ -785,8 +785,17 @@ def test_the_kernels_row_verdict_is_the_output_check_it_replaces():
             assert rows_ok == _rows_look_right(_row_peaks(out)), (name, grad)
         verdicts[name] = rows_ok
     assert verdicts == {"fine": True, "no visible key": False, "NaN query row": False, "inf value": False, "zero values": False, "width 0": True}
-    # Where the kernel's rows are not the returned ones, the caller is told to check itself.
-    assert fused.fused_attention_checked(q, k, v, path=path, sinks=torch.zeros(4))[2] is None
+    # With sinks the verdict is of the rows before each row's share scales them: the same for
+    # shares in (0, 1]; a sink that takes a row's whole mass leaves zeros, which are right (the
+    # math backend's rows too), and the verdict stays that of the finite rows.
+    for name in ("fine", "NaN query row", "inf value"):
+        qq, kk, vv, _ = cases[name]
+        out, _, rows_ok = fused.fused_attention_checked(qq, kk, vv, path=path, sinks=torch.tensor([0.0, -1.0, 2.0, -math.inf]))
+        assert rows_ok == _rows_look_right(_row_peaks(out)) == verdicts[name], name
+    whole = torch.tensor([1e30, 0.0, 0.0, 0.0])  # head 0's sink holds all of its rows' mass
+    out, _, rows_ok = fused.fused_attention_checked(q, k, v, path=path, sinks=whole)
+    assert bool(rows_ok) and torch.equal(out[:, 0], torch.zeros_like(out[:, 0]))
+    torch.testing.assert_close(sdpa(q, k, v, scale=0.5, sinks=whole, backend="auto"), sdpa(q, k, v, scale=0.5, sinks=whole, backend="math"))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .dense import accumulation_dtype
+from .kernels import checks as kernel_checks
 from .masks import CausalAlignment, query_offset
 from .score import ScorePath
 
@@ -133,10 +134,19 @@ def check_window(window: object) -> tuple[int | None, int | None] | None:
 def check_alibi_values(slopes: Tensor, dtype: torch.dtype) -> None:
     """Finite ALiBi slopes, as they are used: in the accumulation dtype of ``dtype`` inputs (a
     float64 slope of 1e300 is inf in float32)."""
-    if not bool(torch.isfinite(slopes.detach().to(accumulation_dtype(dtype))).all()):
-        acc = accumulation_dtype(dtype)
+    acc = accumulation_dtype(dtype)
+    if _finite_as(slopes, acc):
+        return
+    if not bool(torch.isfinite(slopes.detach().to(acc)).all()):
         fail("alibi_slopes", f"finite slopes in {acc}, where {dtype} inputs are scored", "NaN or inf entries (or ones that overflow it)",
              "use attnscale.alibi_slopes(H), or check how the slopes were computed")  # fmt: skip
+
+
+def _finite_as(t: Tensor, acc: torch.dtype) -> bool:
+    """True where ``t`` is known finite in ``acc`` by one call of the compiled kernel (a small CPU
+    tensor no wider than ``acc``: widening keeps a finite value finite); False means "not shown"."""
+    kernel = kernel_checks(t)
+    return kernel is not None and (t.dtype is acc or acc is torch.float64) and kernel.all_finite(t.detach())
 
 
 def check_sinks(sinks: object, H: int, device: torch.device, *, values: bool = True, dtype: torch.dtype = torch.float64) -> None:
@@ -159,6 +169,8 @@ def check_sinks(sinks: object, H: int, device: torch.device, *, values: bool = T
 
 def check_sink_values(sinks: Tensor, dtype: torch.dtype) -> None:
     """Sinks (checked as :func:`check_sinks` checks them) finite or -inf in the accumulation dtype of ``dtype`` inputs."""
+    if _finite_as(sinks, accumulation_dtype(dtype)):
+        return
     used = sinks.detach().to(accumulation_dtype(dtype))
     if used.numel() and float(used.amax()) < math.inf:  # one reduction: amax is NaN where one is, +inf where one is
         return

@@ -34,15 +34,16 @@ def last_backend() -> str | None:
     Also logged at DEBUG level on the ``attnscale`` logger for every call. Calls traced by
     torch.compile or torch.export neither set it nor log.
     """
-    return getattr(_state, "backend", None)
+    backend = getattr(_state, "backend", None)
+    return None if backend is None else backend.value
 
 
 def record_backend(backend: Backend, why: object) -> None:
     """Make ``backend`` this thread's :func:`last_backend` and log why it ran (``why`` is formatted
     with str() only when the line is logged); for entry points that run a backend themselves
     (:func:`attnscale.varlen_attention`'s one kernel call)."""
-    _state.backend = backend.value
-    log.debug("attnscale attention ran backend=%s (%s)", backend.value, why)
+    _state.backend = backend  # (a str: Backend is a StrEnum; its .value is read only when asked)
+    log.debug("attnscale attention ran backend=%s (%s)", backend, why)
 
 
 def _is_causal_bias(mask: object) -> bool:

@@ -21,7 +21,8 @@ from torch import Tensor
 from ._validate import Backend, fail
 from .backends import FUSED, MATH, TILED, Call, Implementation, Result
 from .dense import accumulation_dtype
-from .kernels import load as load_kernel
+from .kernels import CHECKS_MAX
+from .kernels import checks as kernel_checks
 from .stats import AttentionStats, with_nan_rows
 
 __all__ = ["abs_max", "check", "may_overflow", "trusted_spans", "wrong_spans"]
@@ -95,28 +96,15 @@ class _Read:
     def rows_look_right(self) -> bool:
         if self._rows_ok is not None:
             return bool(self._rows_ok)
-        kernel = _kernel_for(self._out)
+        kernel = kernel_checks(self._out)
         return kernel.rows_ok(self._out.detach()) if kernel is not None else _rows_look_right(self.peaks)
 
     def __call__(self, t: Tensor, *, finite_part: bool = False) -> float:
         return abs_max(t.detach().nan_to_num(neginf=0.0) if finite_part else t)
 
     def finite(self, t: Tensor) -> bool:
-        kernel = _kernel_for(t)
+        kernel = kernel_checks(t)
         return kernel.all_finite(t.detach()) if kernel is not None else _finite_sum(t)
-
-
-_KERNEL_CHECKS_MAX = 1 << 16
-"""CPU tensors of float32 or float64 up to this many entries are checked by the compiled kernel's
-``rows_ok`` and ``all_finite``, one call each (a decoding step's guard in a few microseconds
-instead of several torch ops); larger ones by torch's reductions, which use every thread."""
-
-
-def _kernel_for(t: Tensor) -> object | None:
-    """The compiled kernel where it checks ``t`` (see :data:`_KERNEL_CHECKS_MAX`), else None."""
-    if t.is_cpu and (t.dtype is torch.float32 or t.dtype is torch.float64) and t.numel() <= _KERNEL_CHECKS_MAX:
-        return load_kernel()
-    return None
 
 
 class _OneRead(_Read):
@@ -228,13 +216,19 @@ def check(implementation: Implementation, c: Call, result: Result) -> Checked:
     """The output of an eager call by the documented rules: ``result`` itself when its rows pass
     the check, else the result of :func:`_careful`."""
     out, stats, rows_ok = result
-    if rows_ok is None and _finite_rows_trusted(implementation, c):
+    if rows_ok is not None and implementation.checks_rows:
+        # The compiled kernel's own verdict: what _rows_may_hide_trouble adds for it (a gradient
+        # through a non-finite k) is asked only where a gradient may be.
+        query, key = c.query, c.key
+        if bool(rows_ok) and not ((query.requires_grad or key.requires_grad) and torch.is_grad_enabled() and not _Read(out, rows_ok).finite(key)):
+            return Checked(out, stats)
+    elif rows_ok is None and _finite_rows_trusted(implementation, c):
         # The common case of a backend that reports nothing on its rows (torch's kernel, the math
         # backend) on small CPU tensors: the two questions below (rows_look_right, and
         # _rows_may_hide_trouble's look at k), as two compiled calls and nothing else.
         key = c.key  # of the output's dtype and device (validated), so one look at the output says whether the kernel takes both
-        kernel = _kernel_for(out)
-        if kernel is not None and key.dtype is out.dtype and key.numel() <= _KERNEL_CHECKS_MAX and kernel.rows_ok(out) and kernel.all_finite(key):
+        kernel = kernel_checks(out)
+        if kernel is not None and key.dtype is out.dtype and key.numel() <= CHECKS_MAX and kernel.rows_ok(out) and kernel.all_finite(key):
             return Checked(out, stats)
     on_host = rows_ok is not None or c.query.is_cpu
     read = _Read(out, rows_ok) if on_host else _OneRead(out, (c.query, c.key, c.alibi_slopes), c.attn_mask)

@@ -35,7 +35,7 @@ import torch
 
 from .. import constants
 
-__all__ = ["available", "build", "build_precondition", "isa", "kernel_dir", "library_path", "load", "unavailable_reason"]
+__all__ = ["CHECKS_MAX", "available", "build", "build_precondition", "checks", "isa", "kernel_dir", "library_path", "load", "unavailable_reason"]
 
 _SOURCE = Path(__file__).with_name("fused.cpp")  # the binding; it includes csrc/*.h, one file per concern
 _HEADERS = Path(__file__).with_name("csrc")
@@ -232,3 +232,17 @@ def available() -> bool:
 def unavailable_reason() -> str | None:
     """Why :func:`load` gave None, or None if the kernel loaded (or was not tried yet)."""
     return _state.get("reason")  # type: ignore[return-value]
+
+
+CHECKS_MAX = 1 << 16
+"""CPU tensors of float32 or float64 up to this many entries are checked by the compiled kernel's
+``rows_ok`` and ``all_finite``, one call each (a decoding step's guard in a few microseconds
+instead of several torch ops); larger ones by torch's reductions, which use every thread."""
+
+
+def checks(t: torch.Tensor) -> ModuleType | None:
+    """The compiled kernel where its ``rows_ok`` and ``all_finite`` check ``t`` (a plain CPU
+    tensor or parameter of float32 or float64 with at most :data:`CHECKS_MAX` entries), else None."""
+    if (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.is_cpu and (t.dtype is torch.float32 or t.dtype is torch.float64) and t.numel() <= CHECKS_MAX:
+        return load()
+    return None

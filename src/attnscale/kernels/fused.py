@@ -103,7 +103,8 @@ def _blas_rows(x: Tensor) -> bool:
     do not overlap (row stride >= d). Rows expanded along n (stride 0) or cut by ``unfold``
     overlap; BLAS refuses such a leading dimension and leaves its product unwritten, and with
     d = 1 a stride-0 view would be read past its storage."""
-    return x.stride(-1) == 1 and x.stride(-2) >= max(1, x.shape[-1])
+    strides = x.stride()  # (one call for both: this runs on every planned call)
+    return strides[-1] == 1 and strides[-2] >= (x.shape[-1] or 1)
 
 
 def _flat(x: Tensor, spec: _Spec, dtype: torch.dtype) -> Tensor:
@@ -228,9 +229,9 @@ def fused_attention_checked(
     """:func:`fused_attention`, and whether every row of the returned output is finite and not all
     zeros, as the kernel saw while writing it (Dv = 0: True), as a 0-d bool tensor: the check
     :func:`attnscale.scaled_dot_product_attention` makes of every output, without passes of its
-    own (for 16-bit inputs, of the output rounded to their format). None where the kernel's rows
-    are not the returned ones (sinks rescale them) or no kernel ran: the caller checks the output
-    itself."""
+    own (for 16-bit inputs, of the output rounded to their format; with sinks, of the rows before
+    their share scales them, see :func:`_finished`). None where no kernel ran: the caller checks
+    the output itself."""
     _check_runnable(query, attn_mask, alibi_slopes)
     if query.shape[-2] == 0 or key.shape[-2] == 0:  # nothing to tile: the eager kernel's empty results
         out, stats = tiled_attention(
@@ -267,8 +268,11 @@ def _finished(
     """The kernel's rows as the caller gets them: the sinks merged, in the inputs' ``dtype``, the
     statistics named, and the rows' verdict where it holds of the returned rows."""
     # For 16-bit inputs the kernel checks each row against the format's range too, so its verdict
-    # holds of the rounded output; the sinks merge rescales the rows after it.
-    rows_ok: Tensor | None = verdict if sinks is None else None
+    # holds of the rounded output. The sinks merge scales each row by its share, in [0, 1]: a
+    # finite row stays finite (and within the values' range, so within their format), and a row
+    # it takes to zero is right (the sink holds all of the mass), so the verdict still says what
+    # the guard asks of the rows.
+    rows_ok = verdict
     if sinks is not None:
         out = _sinks_applied(out, lse, sinks)
     if out.dtype != dtype:
@@ -314,9 +318,9 @@ def direct(query: Tensor, key: Tensor, value: Tensor, dtype: torch.dtype) -> boo
     BLAS reads as they lie."""
     if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor or query.dtype is not dtype:
         return False
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+    if (query.requires_grad or key.requires_grad or value.requires_grad) and torch.is_grad_enabled():
         return False
-    if torch.compiler.is_compiling() or _functorch_wrapped(query) or _functorch_wrapped(key) or _functorch_wrapped(value):
+    if _functorch_wrapped(query) or _functorch_wrapped(key) or _functorch_wrapped(value) or torch.compiler.is_compiling():
         return False
     return _blas_rows(query) and _blas_rows(key) and _blas_rows(value)
 
@@ -392,7 +396,7 @@ def fused_varlen_attention(
         # sink_scaled takes (..., H, L, Dv) and (..., H, L): the packed rows as L.
         out = sink_scaled(out.transpose(0, 1), lse, sinks).transpose(0, 1)
     out = out.to(query.dtype)
-    rows_ok = verdict if sinks is None else None
+    rows_ok = verdict  # (with sinks too: see _finished)
     if not return_stats:
         return out, None, rows_ok
     max_logit, max_prob, entropy, visible_keys = (t[0] for t in rest)
