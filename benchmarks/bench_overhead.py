@@ -3,7 +3,8 @@ S 64, D 64, float32), where the kernel's own work is a few microseconds, for eve
 attnscale against torch's SDPA in the same process.
 
 Each round times every case's attnscale call and its torch baseline back to back (``--calls`` calls
-each), rounds interleaved; a case's figure is the median over rounds of the time per call, at
+each, after a twentieth as many untimed ones, so that neither side is timed on the caches the
+previous case left; each side first in every other round), rounds interleaved; a case's figure is the median over rounds of the time per call, at
 torch's default thread count and at one thread. Targets: a call torch's SDPA computes (plain,
 causal, masks, GQA, torch's own module) at most torch's time + 10 us; a feature torch lacks at most
 2x torch's plain call; HuggingFace ``generate`` on a tiny Llama with ``attn_implementation=
@@ -149,6 +150,8 @@ def _hf_layer_case() -> Case:
 
 
 def _per_call_us(fn: Callable[[], object], calls: int) -> float:
+    for _ in range(max(1, calls // 20)):  # untimed: the caches as the call itself leaves them, not as the previous case did
+        fn()
     start = time.perf_counter_ns()
     for _ in range(calls):
         fn()
@@ -165,11 +168,15 @@ def time_cases(found: Sequence[Case], threads: int, rounds: int, calls: int) -> 
             got = case.ours()
             torch.testing.assert_close(_first(got), case.want(), rtol=0, atol=case.atol, msg=case.name)
             (case.theirs or plain)()
-        for _ in range(rounds):
+        for round_ in range(rounds):
             for case in found:
                 ours, theirs = samples[case.name]
-                ours.append(_per_call_us(case.ours, calls))
-                theirs.append(_per_call_us(case.theirs or plain, calls))
+                if round_ % 2:  # each side first in every other round
+                    theirs.append(_per_call_us(case.theirs or plain, calls))
+                    ours.append(_per_call_us(case.ours, calls))
+                else:
+                    ours.append(_per_call_us(case.ours, calls))
+                    theirs.append(_per_call_us(case.theirs or plain, calls))
     rows = []
     for case in found:
         ours, theirs = (statistics.median(s) for s in samples[case.name])

@@ -1183,9 +1183,10 @@ def test_a_softcapped_call_with_dv_unlike_d_takes_the_default_scale_from_d(backe
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_the_kernels_guard_checks_answer_as_the_guards_torch_ops(dtype):
-    """rows_ok and all_finite (one C++ call each, for the guard of small eager calls) against the
-    guard's torch-op definitions: every row finite and not all zeros; every entry finite. Each
-    poison in each position of a vector and its tail, strided inputs, empty ones."""
+    """rows_ok, all_finite and below_inf (one C++ call each, for the guard and the value checks of
+    small eager calls) against the torch-op definitions: every row finite and not all zeros; every
+    entry finite; no entry NaN or +inf (a float mask's). Each poison in each position of a vector
+    and its tail, strided inputs, empty ones."""
     from attnscale.guard import _finite_sum, _row_peaks, _rows_look_right
 
     kernel = kernels.load()
@@ -1204,6 +1205,9 @@ def test_the_kernels_guard_checks_answer_as_the_guards_torch_ops(dtype):
     for x in cases:
         assert kernel.rows_ok(x) == _rows_look_right(_row_peaks(x)), x.shape
         assert kernel.all_finite(x) == _finite_sum(x), x.shape
+        assert kernel.below_inf(x) == (not bool((torch.isnan(x) | (x == math.inf)).any())), x.shape
+    hidden = base.masked_fill(base < 0, -math.inf)  # a float mask: -inf hides a key
+    assert kernel.below_inf(hidden) and not kernel.below_inf(hidden.masked_fill(base > 2, math.nan))
     with pytest.raises(ValueError, match="rows_ok takes float32 or float64"):
         kernel.rows_ok(base.half())
 

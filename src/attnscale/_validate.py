@@ -142,6 +142,12 @@ def check_alibi_values(slopes: Tensor, dtype: torch.dtype) -> None:
              "use attnscale.alibi_slopes(H), or check how the slopes were computed")  # fmt: skip
 
 
+def _below_inf(t: Tensor) -> bool:
+    """Whether no entry of ``t`` is NaN or +inf."""
+    kernel = kernel_checks(t)
+    return kernel.below_inf(t.detach()) if kernel is not None else float(t.detach().amax()) < math.inf
+
+
 def _finite_as(t: Tensor, acc: torch.dtype) -> bool:
     """True where ``t`` is known finite in ``acc`` by one call of the compiled kernel (a small CPU
     tensor no wider than ``acc``: widening keeps a finite value finite); False means "not shown"."""
@@ -237,7 +243,8 @@ def _check_values(query: Tensor, attn_mask: Tensor | None, alibi_slopes: Tensor 
     """What a call's signature cannot prove: a float mask's entries finite or -inf, finite slopes
     and sinks (eager mode only: see :mod:`attnscale._tracing`)."""
     # one reduction: the largest entry is NaN where one is (amax propagates NaN), +inf where one is
-    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.numel() and not float(attn_mask.detach().amax()) < math.inf:
+    # (for a small float32 or float64 mask, one kernel call)
+    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.numel() and not _below_inf(attn_mask):
         fail("attn_mask", "float values that are finite or -inf", "NaN or +inf entries", "use -inf (or a bool mask) for hidden keys")
     if alibi_slopes is not None:
         check_alibi_values(alibi_slopes, query.dtype)

@@ -232,24 +232,27 @@ def _run_math(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
     return Result(out, stats, None)
 
 
-_TORCH_CALLS: dict[int, tuple[AttentionCall, tuple[float, bool, float, bool] | None]] = {}
-"""torch's own arguments per validated call (by identity, as :data:`_CHOSEN`): (dropout_p,
-is_causal, scale, enable_gqa) for a call torch's kernel takes as it is (4-d tensors of one batch,
-no mask, ALiBi, sinks or window; causal top-left), else None."""
+_TORCH_CALLS: dict[int, tuple[AttentionCall, tuple[bool, float, bool, float, bool] | None]] = {}
+"""torch's own arguments per validated call (by identity, as :data:`_CHOSEN`): (with a mask,
+dropout_p, is_causal, scale, enable_gqa) for a call torch's kernel takes as it is (4-d tensors of
+one batch; no ALiBi, sinks or window; causal top-left and no mask, or a bool mask or one of the
+query's dtype and no causal), else None."""
 
 
 def _run_torch(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
-    spec = c.spec
+    spec, mask = c.spec, c.attn_mask
     memo = _TORCH_CALLS.get(id(spec))
-    if memo is not None and memo[0] is spec and memo[1] is not None and c.attn_mask is None:
-        dropout_p, causal, scale, gqa = memo[1]
-        return Result(TORCH_SDPA(query, key, value, None, dropout_p, causal, scale=scale, enable_gqa=gqa), None, None)
-    out = torch_attention(query, key, value, spec, c.attn_mask, c.alibi_slopes, c.sinks)
+    if memo is not None and memo[0] is spec and memo[1] is not None and memo[1][0] is (mask is not None):
+        _, dropout_p, causal, scale, gqa = memo[1]
+        return Result(TORCH_SDPA(query, key, value, mask, dropout_p, causal, scale=scale, enable_gqa=gqa), None, None)
+    out = torch_attention(query, key, value, spec, mask, c.alibi_slopes, c.sinks)
     if memo is None and not torch.compiler.is_compiling():
         path = spec.path
-        plain = c.attn_mask is None and not spec.alibi and not spec.sinks and path.window is None and (not path.causal or path.q_offset == 0)
+        as_is = mask is None or (not path.causal and (mask.dtype is torch.bool or mask.dtype is query.dtype))
+        plain = as_is and not spec.alibi and not spec.sinks and path.window is None and (not path.causal or path.q_offset == 0)
         as_given = query.ndim == 4 and query.shape[0] == key.shape[0] == value.shape[0]
-        _remember(_TORCH_CALLS, spec, (spec.dropout_p, path.causal, path.scale, spec.H != spec.Hkv) if plain and as_given else None)
+        args = (mask is not None, spec.dropout_p, path.causal, path.scale, spec.H != spec.Hkv)
+        _remember(_TORCH_CALLS, spec, args if plain and as_given else None)
     return Result(out, None, None)
 
 

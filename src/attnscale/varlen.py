@@ -239,7 +239,10 @@ def _per_sequence(c: Call, ran: list[int], packed: Result | None = None) -> tupl
 def _run_kernel(c: Call, q: Tensor, k: Tensor, v: Tensor) -> Result:
     assert c.spans is not None
     spec = c.spec
-    out, stats, rows_ok = fused_varlen_attention(q, k, v, c.spans.table, path=spec.path, alibi_slopes=c.alibi_slopes, sinks=c.sinks, return_stats=spec.return_stats)
+    longest = None if c.spans.rows is None else max((q1 - q0 for q0, q1, _, _ in c.spans.rows), default=0)  # (while tracing, the op's)
+    out, stats, rows_ok = fused_varlen_attention(
+        q, k, v, c.spans.table, path=spec.path, alibi_slopes=c.alibi_slopes, sinks=c.sinks, return_stats=spec.return_stats, longest=longest
+    )
     return Result(out, stats, rows_ok)
 
 

@@ -300,6 +300,37 @@ bool all_finite_op(const torch::Tensor& x) {
   return ok;
 }
 
+// Whether no entry is NaN or +inf (-inf allowed: a float mask's hidden key), by one pass: the
+// running maximum, which NaN propagates to, below +inf.
+bool below_inf_op(const torch::Tensor& x) {
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "attnscale fused kernel: below_inf takes float32 or float64, got ", x.scalar_type());
+  if (x.numel() == 0) return true;
+  const auto dense = x.contiguous();
+  bool ok = true;
+  AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "attnscale_below_inf", [&] {
+    using Vec = Vectorized<scalar_t>;
+    const scalar_t* p = dense.const_data_ptr<scalar_t>();
+    const int64_t count = dense.numel();
+    constexpr int64_t n = Vec::size();
+    const scalar_t lowest = -std::numeric_limits<scalar_t>::infinity();
+    Vec acc(lowest), acc1(lowest);
+    int64_t i = 0;
+    for (; i + 2 * n <= count; i += 2 * n) {
+      acc = at::vec::maximum(acc, Vec::loadu(p + i));
+      acc1 = at::vec::maximum(acc1, Vec::loadu(p + i + n));
+    }
+    acc = at::vec::maximum(acc, acc1);
+    for (; i + n <= count; i += n) acc = at::vec::maximum(acc, Vec::loadu(p + i));
+    scalar_t lanes[Vec::size()];
+    acc.store(lanes);
+    bool below = true;
+    for (int64_t j = 0; j < Vec::size(); ++j) below = below && lanes[j] < std::numeric_limits<scalar_t>::infinity();
+    for (; i < count; ++i) below = below && p[i] < std::numeric_limits<scalar_t>::infinity();  // NaN fails <
+    ok = below;
+  });
+  return ok;
+}
+
 // Attention sinks on the kernel's finished rows, in place (attnscale.tiled.sink_scaled's four ops
 // as one pass): each row of out (..., H, L, Dv) shrinks by its keys' share of the denominator once
 // its head's sink joins it, exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + exp(sink - lse)); a row
@@ -433,6 +464,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("half_gemm", &half_gemm, "whether 16-bit q, k, v of this format (1 bfloat16, 2 float16) can be passed as they are (oneMKL's products)");
   module.def("rows_ok", &rows_ok_op, "whether every row (last dim) of a float32 or float64 tensor is finite and not all zeros (the guard's check)");
   module.def("all_finite", &all_finite_op, "whether every entry of a float32 or float64 tensor is finite (the guard's check of k)");
+  module.def("below_inf", &below_inf_op, "whether no entry of a float32 or float64 tensor is NaN or +inf (a float mask's values)");
   module.def("sink_scale", &sink_scale_op, "attention sinks on the kernel's rows, in place: out (..., H, L, Dv) times sigmoid(lse - sink) per row, rows with lse = -inf left as they are");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");
   module.def("weights", &weights_op, "the softmax's exp of centred scores, and exp_u20 floored the same way (float32, 1-d, a multiple of 8 long)");

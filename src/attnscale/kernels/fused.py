@@ -343,7 +343,7 @@ def run_planned(
 
 def _packed(x: Tensor, dtype: torch.dtype) -> Tensor:
     """(total, heads, d) in ``dtype`` as the kernel's (1, heads, total, d) view, rows BLAS can read."""
-    x = x.to(dtype).transpose(0, 1).unsqueeze(0)
+    x = (x if x.dtype is dtype else x.to(dtype)).transpose(0, 1).unsqueeze(0)
     return x if _blas_rows(x) else x.contiguous()
 
 
@@ -372,6 +372,7 @@ def fused_varlen_attention(
     alibi_slopes: Tensor | None = None,
     sinks: Tensor | None = None,
     return_stats: bool = False,
+    longest: int | None = None,
 ) -> tuple[Tensor, AttentionStats | None, Tensor | None]:
     """:func:`attnscale.varlen_attention` on validated CPU inputs in one kernel call, parallel over
     heads and every sequence's query blocks: query (total_q, H, D), key (total_k, Hkv, D), value
@@ -379,8 +380,10 @@ def fused_varlen_attention(
     query rows [q0, q1) and key rows [k0, k1) (disjoint; rows that no span names come back as rows
     without keys: zeros, ``lse = -inf``); ``alibi_slopes`` (H,), or (nseq, H) one row per span. Returns (out (total_q, H, Dv), stats
     with (H, total_q) tensors, or None, and the rows' verdict as :func:`fused_attention_checked`
-    gives it). ``path.q_offset`` is ignored: each sequence is aligned bottom-right. Raises
-    RuntimeError when the compiled kernel is unavailable (see :func:`supports`)."""
+    gives it). ``path.q_offset`` is ignored: each sequence is aligned bottom-right. ``longest``:
+    the most query rows of a span where the caller knows it (the tiles are chosen from it here,
+    not from the table inside the op). Raises RuntimeError when the compiled kernel is unavailable
+    (see :func:`supports`)."""
     _check_runnable(query, None, alibi_slopes)
     B, H = spans.shape[0], query.shape[1]
     table = spans.contiguous()
@@ -390,6 +393,9 @@ def fused_varlen_attention(
     q, k, v = (_packed(t, query.dtype) for t in (query, key, value))  # (1, heads, total, d) views
     round_out = _round_out(query, key, value, sinks)
     options = _packed_options(path, with_stats=return_stats, half_products=ops.half_products(query.dtype), round_out=round_out)
+    if longest is not None:
+        block_q, block_k = ops.default_blocks(options.causal, options.left >= 0 or options.right >= 0, longest, None, packed=True)
+        options = options._replace(block_q=block_q, block_k=block_k)
     out, lse, _, _, *rest, verdict = ops.forward(q, k, v, slopes, None, table, options)
     out, lse = out[0].transpose(0, 1), lse[0]  # (total_q, H, Dv), (H, total_q)
     if sinks is not None:

@@ -170,14 +170,15 @@ def _half_products(dtype: torch.dtype, few_rows: bool) -> bool:  # dtype in HALF
     return not few_rows and _half_hardware(dtype)
 
 
-def default_blocks(causal: bool, windowed: bool, L: int, spans: Tensor | None) -> tuple[int, int]:
-    """(block_q, block_k) for a call with L query rows (packed: its longest sequence's; a table
-    that is not (nseq, 4) is left for the kernel to refuse)."""
+def default_blocks(causal: bool, windowed: bool, L: int, spans: Tensor | None, *, packed: bool = False) -> tuple[int, int]:
+    """(block_q, block_k) for a call with L query rows (packed: its longest sequence's, read from
+    ``spans``, or given as L with ``packed``; a table that is not (nseq, 4) is left for the kernel
+    to refuse)."""
     rows = L
     if spans is not None and spans.ndim == 2 and spans.shape[1] == 4:
         rows = int((spans[:, 1] - spans[:, 0]).max()) if spans.numel() else 0
     block_q = BLOCK_Q // 2 if (causal or windowed) and rows < SHORT else BLOCK_Q
-    block_k = BLOCK_K_FEW_ROWS if spans is None and L <= FEW_ROWS else BLOCK_K
+    block_k = BLOCK_K_FEW_ROWS if spans is None and not packed and L <= FEW_ROWS else BLOCK_K
     return block_q, block_k
 
 
