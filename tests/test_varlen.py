@@ -525,3 +525,23 @@ def test_a_sequence_whose_logits_overflow_float32_gets_the_per_sequence_answer(o
         want.append(attnscale.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True, causal_alignment="bottom_right", **options)[0].transpose(0, 1))
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.detach(), torch.cat(want), rtol=0, atol=1e-6)
+
+
+def test_a_head_whose_alibi_biases_all_overflow_to_minus_inf_is_recomputed_not_zeroed():
+    """Sequence 1 has 9 queries and 3 keys: its first rows sit 4 or more positions before every
+    key, and head 0's slope 1e38 takes all their biases to -inf in float32 (a row of zeros, as if
+    it saw no key), while the other heads' rows are fine. That head's row must not be trusted as
+    zeros: the answer is the per-sequence one (whose guard recomputes it in float64: weight on the
+    nearest key)."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(11, 4, 8, generator=gen), torch.randn(8, 2, 8, generator=gen), torch.randn(8, 2, 3, generator=gen)
+    cu_q, cu_k = torch.tensor([0, 2, 11]), torch.tensor([0, 5, 8])
+    slopes = torch.tensor([1e38, 0.5, 0.25, 0.125])
+    out = attnscale.varlen_attention(q, k, v, cu_q, cu_k, alibi_slopes=slopes)
+    want = []
+    for b in range(2):
+        qb, kb, vb = (t[int(cu[b]) : int(cu[b + 1])].transpose(0, 1)[None] for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        want.append(attnscale.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True, causal_alignment="bottom_right", alibi_slopes=slopes)[0].transpose(0, 1))
+    want = torch.cat(want)
+    assert (want[2:8, 0].abs().amax(-1) > 0).all()  # the nearest key's value, not zeros
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)

@@ -404,12 +404,13 @@ def wrong_spans(c: Call, out: Tensor, rows_ok: Tensor | None, ran: list[int]) ->
     if rows_ok is not None and bool(rows_ok):
         return []
     assert c.spans is not None and c.spans.rows is not None
-    peaks = _row_peaks(out).amax(dim=-1) if out.shape[1] else out.new_ones(out.shape[0])  # (total_q,): NaN where a head's row is
-    bad = ~torch.isfinite(peaks)
-    if bool((peaks == 0).any()):
+    peaks = _row_peaks(out)  # (total_q, H)
+    bad = ~torch.isfinite(peaks).all(dim=-1)
+    zero = (peaks == 0).any(dim=-1)  # a head's row of zeros
+    if bool(zero.any()):
         read = _Read(out, None)
         q_max, k_max = (_finite_abs_max(t) for t in (c.query, c.key))
         if may_overflow(_logit_bound(c, q_max, k_max, read), accumulation_dtype(c.query.dtype)):
-            bad |= peaks == 0
+            bad |= zero
     counts = [0, *torch.cumsum(bad.to(torch.int64), 0).tolist()]
     return [b for b in ran if counts[c.spans.rows[b][1]] != counts[c.spans.rows[b][0]]]

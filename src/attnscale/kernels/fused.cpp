@@ -236,24 +236,42 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
 // float64, any strides (a copy where not contiguous); one thread, as the guard runs on small
 // outputs (its caller says which).
 template <typename T>
-bool rows_ok_impl(const T* x, int64_t rows, int64_t width) {
+bool finite_impl(const T* p, int64_t count) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
+  // x * 0 is NaN for an inf or NaN; four sums, so that the adds do not wait on one another
+  Vec acc(T(0)), acc1(T(0)), acc2(T(0)), acc3(T(0)), zero(T(0));
+  int64_t i = 0;
+  for (; i + 4 * n <= count; i += 4 * n) {
+    acc = acc + Vec::loadu(p + i) * zero;
+    acc1 = acc1 + Vec::loadu(p + i + n) * zero;
+    acc2 = acc2 + Vec::loadu(p + i + 2 * n) * zero;
+    acc3 = acc3 + Vec::loadu(p + i + 3 * n) * zero;
+  }
+  acc = (acc + acc1) + (acc2 + acc3);
+  for (; i + n <= count; i += n) acc = acc + Vec::loadu(p + i) * zero;
+  T tail = T(0);
+  for (; i < count; ++i) tail += p[i] * T(0);
+  T lanes[Vec::size()];
+  acc.store(lanes);
+  for (int64_t j = 0; j < Vec::size(); ++j) tail += lanes[j];
+  return tail == T(0);
+}
+
+// Every entry finite (finite_impl's one pass), then no row all zeros: per row, whether a vector
+// of it has a lane that is not zero, from the vector's zero mask (no work per lane).
+template <typename T>
+bool rows_ok_impl(const T* x, int64_t rows, int64_t width) {
+  if (!finite_impl(x, rows * width)) return false;
+  using Vec = Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  const int all_zero = static_cast<int>((int64_t(1) << n) - 1);
   for (int64_t r = 0; r < rows; ++r, x += width) {
-    Vec peak(T(0));
+    bool nonzero = false;
     int64_t c = 0;
-    for (; c + n <= width; c += n) peak = at::vec::maximum(peak, Vec::loadu(x + c).abs());  // NaN stays
-    T lanes[n], top = T(0);
-    peak.store(lanes);
-    for (int64_t i = 0; i < n; ++i) {
-      if (std::isnan(lanes[i])) return false;
-      top = std::max(top, lanes[i]);
-    }
-    for (; c < width; ++c) {
-      if (std::isnan(x[c])) return false;
-      top = std::max(top, std::abs(x[c]));
-    }
-    if (!(top > T(0) && top <= std::numeric_limits<T>::max())) return false;  // inf, or a zero row
+    for (; c + n <= width && !nonzero; c += n) nonzero = Vec::loadu(x + c).zero_mask() != all_zero;
+    for (; c < width && !nonzero; ++c) nonzero = x[c] != T(0);
+    if (!nonzero) return false;
   }
   return true;
 }
@@ -275,27 +293,7 @@ bool all_finite_op(const torch::Tensor& x) {
   const auto dense = x.contiguous();
   bool ok = true;
   AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "attnscale_all_finite", [&] {
-    using Vec = Vectorized<scalar_t>;
-    const scalar_t* p = dense.const_data_ptr<scalar_t>();
-    const int64_t count = dense.numel();
-    constexpr int64_t n = Vec::size();
-    // x * 0 is NaN for an inf or NaN; four sums, so that the adds do not wait on one another
-    Vec acc(scalar_t(0)), acc1(scalar_t(0)), acc2(scalar_t(0)), acc3(scalar_t(0)), zero(scalar_t(0));
-    int64_t i = 0;
-    for (; i + 4 * n <= count; i += 4 * n) {
-      acc = acc + Vec::loadu(p + i) * zero;
-      acc1 = acc1 + Vec::loadu(p + i + n) * zero;
-      acc2 = acc2 + Vec::loadu(p + i + 2 * n) * zero;
-      acc3 = acc3 + Vec::loadu(p + i + 3 * n) * zero;
-    }
-    acc = (acc + acc1) + (acc2 + acc3);
-    for (; i + n <= count; i += n) acc = acc + Vec::loadu(p + i) * zero;
-    scalar_t tail = scalar_t(0);
-    for (; i < count; ++i) tail += p[i] * scalar_t(0);
-    scalar_t lanes[Vec::size()];
-    acc.store(lanes);
-    for (int64_t j = 0; j < Vec::size(); ++j) tail += lanes[j];
-    ok = tail == scalar_t(0);
+    ok = finite_impl<scalar_t>(dense.const_data_ptr<scalar_t>(), dense.numel());
   });
   return ok;
 }
