@@ -17,6 +17,7 @@ from .score import ScorePath
 from .stats import AttentionStats, HeadSummary, normalized_entropy, share_above, summarize
 from .tiled import attention_partial, merge_partials
 from .varlen import varlen_attention
+from .quantized import QuantizedKV, quantize_kv, quantized_attention
 from .patch import TorchPatch, patch_torch
 from ._validate import InputError, InputTypeError
 from . import kernels, variants
@@ -49,6 +50,7 @@ __all__ = [
     "InputTypeError",
     "KVCache",
     "MultiHeadAttention",
+    "QuantizedKV",
     "ScorePath",
     "TorchPatch",
     "__version__",
@@ -63,6 +65,8 @@ __all__ = [
     "normalized_entropy",
     "padding_mask",
     "patch_torch",
+    "quantize_kv",
+    "quantized_attention",
     "scaled_dot_product_attention",
     "share_above",
     "sliding_window_mask",
