@@ -193,13 +193,14 @@ def _streamed(kernel: Callable[..., tuple[Tensor, AttentionStats | None]]) -> _R
 _PLANS: dict[int, tuple[AttentionCall, fused_kernel.Plan | None]] = {}
 """The compiled kernel's plan per validated call (by identity, the spec held, as in
 :data:`_CHOSEN`): what its signature fixes of the kernel call, derived once (None: the call has a
-mask, or its tensors are not the kernel's layout, so it takes the general route every time)."""
+mask, or its tensors have not the kernel's shapes, so it takes the general route every time; a
+call whose tensors are not :func:`~attnscale.kernels.fused.direct` takes it that time)."""
 
 
 def _run_fused(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
     spec = c.spec
     memo = _PLANS.get(id(spec))
-    if memo is not None and memo[0] is spec and memo[1] is not None and fused_kernel.direct(query, key, value, memo[1].dtype):
+    if memo is not None and memo[0] is spec and memo[1] is not None and c.attn_mask is None and fused_kernel.direct(query, key, value, memo[1].dtype):
         return Result(*fused_kernel.run_planned(memo[1], query, key, value, c.alibi_slopes, c.sinks))
     result = Result(
         *fused_attention_checked(query, key, value, path=spec.path, attn_mask=c.attn_mask, alibi_slopes=c.alibi_slopes, sinks=c.sinks, return_stats=spec.return_stats)
