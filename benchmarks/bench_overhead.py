@@ -1,6 +1,7 @@
 """What one attention call costs beyond its kernel: tiny CPU calls (a decoding step: B 1, H 8, L 1,
-S 64, D 64, float32), where the kernel's own work is a few microseconds, for every feature,
-attnscale against torch's SDPA in the same process.
+S 64, D 64, float32), where the kernel's own work is a few microseconds, for every feature, and
+a step over a growing cache (every call a new signature), attnscale against torch's SDPA in the
+same process.
 
 Each round times every case's attnscale call and its torch baseline back to back (``--calls`` calls
 each, after a twentieth as many untimed ones, so that neither side is timed on the caches the
@@ -95,6 +96,21 @@ def cases() -> list[Case]:
         Case("sinks", lambda: sdpa(q, k, v, sinks=sinks), None, lambda: _fp64(q, k, v, sinks=sinks)),
         Case("return_stats", lambda: _first(sdpa(q, k, v, return_stats=True)), None, lambda: TORCH_SDPA(q, k, v)),
     ]
+    # a decoding step over a growing cache: every call a new key length, so a new signature (what
+    # HuggingFace generate makes), GQA as in Llama; 256 lengths in turn, each side the same
+    grown = [(draw(B, HKV, n, D), draw(B, HKV, n, D)) for n in range(S, S + 256)]
+    turn = {"ours": 0, "theirs": 0}
+
+    def growing(side: str, call: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def step() -> torch.Tensor:
+            kk, vv = grown[turn[side] % len(grown)]
+            turn[side] += 1
+            return call(q, kk, vv, enable_gqa=True)
+
+        return step
+
+    found.append(Case("GQA, a new key length each call (a growing cache)", growing("ours", sdpa), growing("theirs", TORCH_SDPA),
+                      lambda: TORCH_SDPA(q, *grown[0], enable_gqa=True)))  # fmt: skip
     # varlen: 4 sequences, one query each (a batch of decoding steps of different lengths)
     lengths = [16, 24, 8, 16]
     cu_k = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)

@@ -10,10 +10,9 @@ same calls, so that code written against torch (``except RuntimeError``) catches
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from enum import StrEnum
 from numbers import Integral, Real
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import torch
 from torch import Tensor
@@ -186,9 +185,9 @@ def check_sink_values(sinks: Tensor, dtype: torch.dtype) -> None:
         fail("sinks", f"finite logits in {acc} (or -inf for a head without a sink)", f"NaN or +inf at heads {bad.nonzero().flatten().tolist()}", "check how the sinks were computed")
 
 
-@dataclass(frozen=True)
-class AttentionCall:
-    """A validated call: shapes, the score path and the options that choose a backend."""
+class AttentionCall(NamedTuple):
+    """A validated call: shapes, the score path and the options that choose a backend (a tuple:
+    an uncached call makes one, and a frozen dataclass of these fields costs several times as much)."""
 
     batch: tuple[int, ...]
     H: int
@@ -219,10 +218,11 @@ def _check_float_tensor(name: str, t: object) -> None:
 
 def _check_like(name: str, t: Tensor, query: Tensor, owner: str) -> None:
     """``t`` of the query's dtype and device (``owner``: how messages name the query's, e.g. "q's")."""
-    who = owner.removeprefix("the ").removesuffix("'s")
     if t.dtype != query.dtype:
+        who = owner.removeprefix("the ").removesuffix("'s")
         fail(name, f"{owner} dtype {query.dtype}", f"dtype {t.dtype}", f"cast it: {name}.to({who}.dtype)", exc=TypeError)
     if not (t.is_cpu and query.is_cpu) and t.device != query.device:  # two CPU tensors: no torch.device made
+        who = owner.removeprefix("the ").removesuffix("'s")
         fail(name, f"{owner} device {query.device}", f"device {t.device}", f"move it: {name}.to({who}.device)")
 
 

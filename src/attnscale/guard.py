@@ -253,7 +253,7 @@ def _nan_rows(implementation: Implementation, c: Call, bad_q: Tensor, bad_kv: Te
     k = torch.zeros(*bad_kv.shape, 2, device=bad_kv.device)  # (..., Hkv, S, 2)
     v = torch.stack([bad_kv.float(), torch.ones_like(bad_kv, dtype=torch.float32)], dim=-1)  # (..., Hkv, S, 2)
     path = dataclasses.replace(c.spec.path, scale=1.0, softcap=None)
-    plain = dataclasses.replace(c.spec, D=2, Dv=2, path=path, dropout_p=0.0, alibi=False, sinks=False, return_stats=False)
+    plain = c.spec._replace(D=2, Dv=2, path=path, dropout_p=0.0, alibi=False, sinks=False, return_stats=False)
     # FlexAttention shares the tiled kernel's visibility; the indicators' D = 2 is below what its GPU kernels take.
     runs = TILED if implementation.backend is Backend.FLEX else implementation
     seen = runs.run(Call(plain, q, k, v, keep, None, None), q, k, v).out  # (..., H, L, 2)
