@@ -110,7 +110,7 @@ def cases() -> list[Case]:
         return step
 
     found.append(Case("GQA, a new key length each call (a growing cache)", growing("ours", sdpa), growing("theirs", TORCH_SDPA),
-                      lambda: TORCH_SDPA(q, *grown[0], enable_gqa=True)))  # fmt: skip
+                      lambda: TORCH_SDPA(q, *grown[(turn["ours"] - 1) % len(grown)], enable_gqa=True)))  # fmt: skip (the step ours just took)
     # varlen: 4 sequences, one query each (a batch of decoding steps of different lengths)
     lengths = [16, 24, 8, 16]
     cu_k = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
