@@ -304,3 +304,41 @@ def test_a_signature_that_passed_is_not_checked_again_but_values_are(monkeypatch
     refused(ValueError, "window", qs, ks, vs, **{**call, "window": [2, "0"]})  # unhashable: checked every time
     attnscale.scaled_dot_product_attention(qs, ks, vs, **{**call, "window": [2, 0]})
     assert len(full) == 9
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_keys_grown_along_s_reuse_the_validated_call_with_their_length(monkeypatch, alignment):
+    """A decoding step over a growing cache is a new signature every call; nothing validation
+    checks turns on the key length S but that k and v share it, so a call whose keys and values
+    differ from a validated one only in S takes its spec with S (and, bottom-right, the query
+    offset S - L) set, and nothing else is checked again but the values. The spec is the one the
+    full checks make; k and v of different lengths are still refused by them; a mask (whose shape
+    may hold S) is never taken this way."""
+    from attnscale import _validate
+
+    full = []
+    original = _validate.check_tensors
+    monkeypatch.setattr(_validate, "check_tensors", lambda *a, **kw: full.append(1) or original(*a, **kw))
+    monkeypatch.setattr(_validate, "_SIGNATURES", {})  # no call of another test validated before
+    monkeypatch.setattr(_validate, "_FAMILIES", {})
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 4, 3, 8, generator=gen)
+    options = dict(is_causal=True, causal_alignment=alignment, enable_gqa=True, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+    for S in (5, 9, 2, 17):
+        k, v = torch.randn(1, 2, S, 8, generator=gen), torch.randn(1, 2, S, 6, generator=gen)
+        out = attnscale.scaled_dot_product_attention(q, k, v, **options)
+        grown = _validate.check_attention_call(q, k, v, attn_mask=None, dropout_p=0.0, scale=None, backend="auto", softcap=None, window=None,
+                                               return_stats=False, sinks=None, **options)  # fmt: skip
+        fresh = _validate.check_attention_call(q, k, v, attn_mask=None, dropout_p=0.0, scale=None, backend="auto", softcap=None, window=None,
+                                               return_stats=False, sinks=None, values=False, **options)  # fmt: skip  (values=False: no memo)
+        assert grown == fresh and grown.S == S
+        torch.testing.assert_close(out, attnscale.scaled_dot_product_attention(q, k, v, backend="math", **options), rtol=0, atol=1e-6)
+    assert len(full) == 1 + 1 + 4 + 1  # the first call; grown's first (backend as a str: another signature); each fresh spec; the math backend's first call
+    refused(ValueError, "value", q, torch.randn(1, 2, 7, 8), torch.randn(1, 2, 6, 6), **options)
+    options["alibi_slopes"][1] = math.inf
+    refused(ValueError, "alibi_slopes", q, torch.randn(1, 2, 11, 8), torch.randn(1, 2, 11, 6), **options)
+    full.clear()
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    attnscale.scaled_dot_product_attention(q, torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 6), attn_mask=mask, enable_gqa=True)
+    attnscale.scaled_dot_product_attention(q, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 6), attn_mask=torch.ones(3, 5, dtype=torch.bool), enable_gqa=True)
+    assert len(full) == 2

@@ -9,6 +9,7 @@ same calls, so that code written against torch (``except RuntimeError``) catches
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from enum import StrEnum
 from numbers import Integral, Real
@@ -309,6 +310,14 @@ def check_attention_call(
                 if attn_mask is not None or alibi_slopes is not None or sinks is not None:
                     _check_values(query, attn_mask, alibi_slopes, sinks)  # type: ignore[arg-type]
                 return call
+            family = _family(signature, key, value) if signature is not None and attn_mask is None else None
+            template = _FAMILIES.get(family) if family is not None else None
+            if template is not None and key.shape[-2] == value.shape[-2]:  # (else the full path says why)
+                call = _grown(template, key.shape[-2])
+                if alibi_slopes is not None or sinks is not None:
+                    _check_values(query, None, alibi_slopes, sinks)  # type: ignore[arg-type]
+                _remember(_SIGNATURES, signature, call)
+                return call
     check_tensors(query, key, value)
     H, L, D = query.shape[-3:]
     Hkv, S, Dk = key.shape[-3:]
@@ -414,10 +423,42 @@ def check_attention_call(
         return_stats=return_stats,
     )
     if signature is not None:
-        if len(_SIGNATURES) >= _SIGNATURES_MAX:
-            _SIGNATURES.clear()
-        _SIGNATURES[signature] = call
+        _remember(_SIGNATURES, signature, call)
+        family = _family(signature, key, value) if attn_mask is None else None
+        if family is not None:
+            _remember(_FAMILIES, family, call)
     return call
+
+
+_FAMILIES: dict[tuple, AttentionCall] = {}
+"""Validated calls without a mask by their signature less the key length S (the same keys and
+values, grown or shrunk along S, as a decoding step over a growing cache makes them): nothing
+validation checks turns on S but that k and v share it, and the spec takes it (and, aligned
+bottom-right, the query offset S - L)."""
+
+
+def _family(signature: tuple, key: Tensor, value: Tensor) -> tuple | None:
+    """``signature`` with the key's and value's S left out (their metas are its entries 1 and 2;
+    None where either has fewer than 2 dims)."""
+    k_meta, v_meta = signature[1], signature[2]
+    if not (isinstance(k_meta, tuple) and isinstance(v_meta, tuple) and len(k_meta[0]) >= 2 and len(v_meta[0]) >= 2):
+        return None
+    return (signature[0], (k_meta[0][:-2], k_meta[0][-1], *k_meta[1:]), (v_meta[0][:-2], v_meta[0][-1], *v_meta[1:]), *signature[3:])
+
+
+def _grown(template: AttentionCall, S: int) -> AttentionCall:
+    """The validated call of ``template``'s family whose keys and values hold S positions."""
+    path = template.path
+    offset = query_offset(template.L, S, template.alignment)
+    if offset != path.q_offset:
+        path = dataclasses.replace(path, q_offset=offset)
+    return template._replace(S=S, path=path)
+
+
+def _remember(memo: dict, key: tuple, call: AttentionCall) -> None:
+    if len(memo) >= _SIGNATURES_MAX:
+        memo.clear()
+    memo[key] = call
 
 
 # --- packed sequences (attnscale.varlen_attention) ----------------------------------------------

@@ -234,10 +234,11 @@ def unavailable_reason() -> str | None:
     return _state.get("reason")  # type: ignore[return-value]
 
 
-CHECKS_MAX = 1 << 16
+CHECKS_MAX = 1 << 18
 """CPU tensors of float32 or float64 up to this many entries are checked by the compiled kernel's
 ``rows_ok`` and ``all_finite``, one call each (a decoding step's guard in a few microseconds
-instead of several torch ops); larger ones by torch's reductions, which use every thread."""
+instead of several torch ops); larger ones, which no longer fit one core's caches, by torch's
+reductions, which use every thread."""
 
 
 def checks(t: torch.Tensor) -> ModuleType | None:
