@@ -97,8 +97,9 @@ def cases() -> list[Case]:
         Case("return_stats", lambda: _first(sdpa(q, k, v, return_stats=True)), None, lambda: TORCH_SDPA(q, k, v)),
     ]
     # a decoding step over a growing cache: every call a new key length, so a new signature (what
-    # HuggingFace generate makes), GQA as in Llama; 256 lengths in turn, each side the same
-    grown = [(draw(B, HKV, n, D), draw(B, HKV, n, D)) for n in range(S, S + 256)]
+    # HuggingFace generate makes), GQA as in Llama; 600 lengths in turn, each side the same (more
+    # than the 512 signatures attnscale remembers: no length is met again as a remembered one)
+    grown = [(draw(B, HKV, n, D), draw(B, HKV, n, D)) for n in range(S, S + 600)]
     turn = {"ours": 0, "theirs": 0}
 
     def growing(side: str, call: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
