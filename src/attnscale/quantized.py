@@ -175,6 +175,7 @@ def _check_record(kv: QuantizedKV) -> None:
 def quantized_attention(
     query: Tensor,
     kv: QuantizedKV,
+    attn_mask: Tensor | None = None,
     *,
     scale: float | None = None,
     is_causal: bool = False,
@@ -188,7 +189,7 @@ def quantized_attention(
 ) -> Tensor | tuple[Tensor, AttentionStats]:
     """Attention of ``query`` (B, H, L, D) over the int8 keys and values of ``kv``: what
     :func:`attnscale.scaled_dot_product_attention` computes over ``kv.dequantize()``, every option
-    meaning what it means there (``scale=None`` is ``1/sqrt(D)``), in float32 (the output is
+    (``attn_mask`` among them: bool, True = attend, or float, added) meaning what it means there (``scale=None`` is ``1/sqrt(D)``), in float32 (the output is
     float32 (float64 for float64 queries); its error against float attention is the
     quantization's, see tests/test_quantized.py).
 
@@ -210,6 +211,6 @@ def quantized_attention(
     if query.dtype == torch.float64:
         k, v = k.double(), v.double()
     return scaled_dot_product_attention(
-        query if query.dtype == torch.float64 else query.float(), k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, causal_alignment=causal_alignment, softcap=softcap,
+        query if query.dtype == torch.float64 else query.float(), k, v, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, causal_alignment=causal_alignment, softcap=softcap,
         alibi_slopes=alibi_slopes, window=window, sinks=sinks, return_stats=return_stats,
     )  # fmt: skip
