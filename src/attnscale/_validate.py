@@ -489,7 +489,7 @@ def check_packed_call(
     check_max_seqlen("max_seqlen_q", max_q, None if traced else L, "cu_seqlens_q")
     check_max_seqlen("max_seqlen_k", max_k, None if traced else S, "cu_seqlens_k")
     scale = check_finite("scale", scale)
-    path = ScorePath(scale=D**-0.5 if scale is None else scale, softcap=check_positive_finite("softcap", softcap), causal=check_bool("is_causal", is_causal), window=check_window(window))
+    path = ScorePath(scale=1.0 / math.sqrt(D) if scale is None else scale, softcap=check_positive_finite("softcap", softcap), causal=check_bool("is_causal", is_causal), window=check_window(window))
     return_stats, backend = check_bool("return_stats", return_stats), check_choice("backend", backend, Backend)
     if alibi_slopes is not None:
         check_packed_slopes(alibi_slopes, H, cu_q_t.shape[0] - 1, q.device)
