@@ -121,3 +121,30 @@ def test_auto_remembers_its_kernel_for_a_validated_call_and_asks_again_where_gra
     assert backends.choose(with_slopes)[0] is kernel
     same_signature = with_slopes._replace(alibi_slopes=learned)  # the signature does not say requires_grad
     assert same_signature.spec is with_slopes.spec and backends.choose(same_signature)[0] is backends.MATH
+
+
+def test_a_call_grown_along_s_takes_its_familys_torch_kernel_only_where_the_offset_cannot_matter(monkeypatch):
+    """Keys grown along S (a decoding step over a growing cache) take the choice of torch's kernel,
+    and torch's arguments, remembered for the call they were grown from, where that choice cannot
+    turn on S: no causal mask, or top-left alignment. Bottom-right causal at S = L is torch's
+    (offset 0) but at S = 5 > L it is not, and is not taken so."""
+    from attnscale import _validate
+
+    monkeypatch.setattr(_validate, "_SIGNATURES", {})
+    monkeypatch.setattr(_validate, "_FAMILIES", {})
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 2, 3, 8, generator=gen)
+    walked = []
+    real = backends.torch_lacks
+    monkeypatch.setattr(backends, "torch_lacks", lambda spec: walked.append(spec.S) or real(spec))
+    for options in ({"is_causal": True}, {}, {"is_causal": True, "causal_alignment": "bottom_right"}):
+        walked.clear()
+        for S in (3, 5, 7):
+            k, v = torch.randn(1, 2, S, 8, generator=gen), torch.randn(1, 2, S, 8, generator=gen)
+            out = sdpa(q, k, v, **options)
+            ran = attnscale.last_backend()
+            torch.testing.assert_close(out, sdpa(q, k, v, backend="math", **options), rtol=0, atol=1e-6)
+            bottom_right_grown = options.get("causal_alignment") == "bottom_right" and S != 3
+            assert ran == ("torch" if not bottom_right_grown else ("fused" if attnscale.kernels.available() else "tiled"))
+        grown_asked = [S for S in walked if S != 3]
+        assert grown_asked == ([] if "causal_alignment" not in options else [5, 7])  # the walk asked again only where it must

@@ -204,6 +204,18 @@ class AttentionCall(NamedTuple):
     alibi: bool
     sinks: bool
     return_stats: bool
+    family: AttentionCall | None = None
+    """The validated call this one was grown from along S (keys and values of another length, all
+    else alike; see :data:`_FAMILIES`), None for one the full checks made."""
+
+    def same_along_s(self) -> AttentionCall | None:
+        """The call of this one's family whose choice of torch's kernel, and torch's arguments,
+        hold for this one too: where S > 0 and the query offset cannot matter (no causal mask, or
+        top-left alignment, whose offset is 0 at every S); else None."""
+        family = self.family
+        if family is None or self.S == 0 or (self.path.causal and self.alignment is not CausalAlignment.TOP_LEFT):
+            return None
+        return family
 
 
 def _check_float_tensor(name: str, t: object) -> None:
@@ -452,7 +464,7 @@ def _grown(template: AttentionCall, S: int) -> AttentionCall:
     offset = query_offset(template.L, S, template.alignment)
     if offset != path.q_offset:
         path = dataclasses.replace(path, q_offset=offset)
-    return template._replace(S=S, path=path)
+    return template._replace(S=S, path=path, family=template)
 
 
 def _remember(memo: dict, key: tuple, call: AttentionCall) -> None:

@@ -242,8 +242,12 @@ query's dtype and no causal), else None."""
 
 def _run_torch(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
     spec, mask = c.spec, c.attn_mask
-    memo = _TORCH_CALLS.get(id(spec))
-    if memo is not None and memo[0] is spec and memo[1] is not None and memo[1][0] is (mask is not None):
+    memo, owner = _TORCH_CALLS.get(id(spec)), spec
+    if memo is None:
+        family = spec.same_along_s()  # a step over a growing cache: torch's arguments do not turn on S
+        if family is not None:
+            memo, owner = _TORCH_CALLS.get(id(family)), family
+    if memo is not None and memo[0] is owner and memo[1] is not None and memo[1][0] is (mask is not None):
         _, dropout_p, causal, scale, gqa = memo[1]
         return Result(TORCH_SDPA(query, key, value, mask, dropout_p, causal, scale=scale, enable_gqa=gqa), None, None)
     out = torch_attention(query, key, value, spec, mask, c.alibi_slopes, c.sinks)
@@ -374,6 +378,10 @@ def choose(c: Call, walk: Walk = SDPA) -> tuple[Implementation, Why]:
     where no step of auto's walk can: the last step's refusal)."""
     memo = _CHOSEN.get(id(c.spec))
     if memo is not None and memo[0] is c.spec and _constant_inputs(c) and not torch.compiler.is_compiling():
+        return memo[1]
+    family = c.spec.same_along_s()  # a step over a growing cache: its family's choice of torch's kernel holds
+    memo = _CHOSEN.get(id(family)) if family is not None else None
+    if memo is not None and memo[0] is family and memo[1][0] is TORCH and _constant_inputs(c) and not torch.compiler.is_compiling():
         return memo[1]
     if c.spec.backend is not Backend.AUTO:
         implementation = walk.forced[c.spec.backend]
