@@ -1202,6 +1202,13 @@ def test_the_kernels_guard_checks_answer_as_the_guards_torch_ops(dtype):
         x[2, 4] = 0.0  # a zero row
         x[0, 1, column] = 1e-300 if dtype == torch.float64 else 1e-40  # a row whose only peak is tiny
         cases.append(x)
+        for poison in (math.nan, math.inf, 0.0):  # rows of a strided view, read where they lie (no copy)
+            x = base.clone().transpose(0, 1)  # (5, 3, 37), a contiguous last dim
+            if poison == 0.0:
+                x[3, 1] = 0.0
+            else:
+                x[3, 1, column] = poison
+            cases.append(x)
     for x in cases:
         assert kernel.rows_ok(x) == _rows_look_right(_row_peaks(x)), x.shape
         assert kernel.all_finite(x) == _finite_sum(x), x.shape

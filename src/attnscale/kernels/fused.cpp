@@ -276,13 +276,41 @@ bool rows_ok_impl(const T* x, int64_t rows, int64_t width) {
   return true;
 }
 
+// Calls f(row, width) for every row (last dim) of x, which has a contiguous last dim and any other
+// strides (the views projections make: (B, L, H, D) storage seen as (B, H, L, D)), so that no copy
+// is made of it; stops at the first row f says false of.
+template <typename T, typename F>
+bool every_row(const torch::Tensor& x, F&& f) {
+  const int64_t outer = x.dim() - 1, width = x.size(-1), rows = x.numel() / width;
+  const auto sizes = x.sizes(), strides = x.strides();
+  std::vector<int64_t> index(static_cast<size_t>(std::max<int64_t>(outer, 0)), 0);
+  const T* base = x.const_data_ptr<T>();
+  int64_t offset = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!f(base + offset, width)) return false;
+    for (int64_t d = outer - 1; d >= 0; --d) {  // the next row's index, odometer-wise
+      offset += strides[d];
+      if (++index[d] < sizes[d]) break;
+      offset -= index[d] * strides[d];
+      index[d] = 0;
+    }
+  }
+  return true;
+}
+
 bool rows_ok_op(const torch::Tensor& x) {
   TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "attnscale fused kernel: rows_ok takes float32 or float64, got ", x.scalar_type());
   if (x.dim() == 0 || x.numel() == 0 || x.size(-1) == 0) return true;
-  const auto dense = x.contiguous();
   bool ok = true;
-  AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "attnscale_rows_ok", [&] {
-    ok = rows_ok_impl<scalar_t>(dense.const_data_ptr<scalar_t>(), dense.numel() / dense.size(-1), dense.size(-1));
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "attnscale_rows_ok", [&] {
+    if (x.is_contiguous()) {
+      ok = rows_ok_impl<scalar_t>(x.const_data_ptr<scalar_t>(), x.numel() / x.size(-1), x.size(-1));
+    } else if (x.stride(-1) == 1) {
+      ok = every_row<scalar_t>(x, [](const scalar_t* row, int64_t width) { return rows_ok_impl<scalar_t>(row, 1, width); });
+    } else {
+      const auto dense = x.contiguous();
+      ok = rows_ok_impl<scalar_t>(dense.const_data_ptr<scalar_t>(), dense.numel() / dense.size(-1), dense.size(-1));
+    }
   });
   return ok;
 }
@@ -290,10 +318,16 @@ bool rows_ok_op(const torch::Tensor& x) {
 bool all_finite_op(const torch::Tensor& x) {
   TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "attnscale fused kernel: all_finite takes float32 or float64, got ", x.scalar_type());
   if (x.numel() == 0) return true;
-  const auto dense = x.contiguous();
   bool ok = true;
-  AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "attnscale_all_finite", [&] {
-    ok = finite_impl<scalar_t>(dense.const_data_ptr<scalar_t>(), dense.numel());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "attnscale_all_finite", [&] {
+    if (x.is_contiguous()) {
+      ok = finite_impl<scalar_t>(x.const_data_ptr<scalar_t>(), x.numel());
+    } else if (x.dim() > 0 && x.stride(-1) == 1) {
+      ok = every_row<scalar_t>(x, [](const scalar_t* row, int64_t width) { return finite_impl<scalar_t>(row, width); });
+    } else {
+      const auto dense = x.contiguous();
+      ok = finite_impl<scalar_t>(dense.const_data_ptr<scalar_t>(), dense.numel());
+    }
   });
   return ok;
 }
