@@ -105,7 +105,7 @@ def test_a_record_holds_at_most_0_53_of_bfloat16s_bytes_at_head_dim_128():
     k, v = _kv(B=1, Hkv=8, S=4096, D=128, Dv=128)
     kv = attnscale.quantize_kv(k, v)
     ratio = kv.nbytes / (k.numel() * 2 + v.numel() * 2)
-    assert 0.5 < ratio <= 0.53, ratio
+    assert 0.523 < ratio < 0.524, ratio  # (136 + 132 bytes a key and head against 512, the means beside)
 
 
 def test_an_all_zero_group_keeps_scale_one_and_codes_zero():

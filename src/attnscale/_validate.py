@@ -328,7 +328,7 @@ def check_attention_call(
                 call = _grown(template, key.shape[-2])
                 if alibi_slopes is not None or sinks is not None:
                     _check_values(query, None, alibi_slopes, sinks)  # type: ignore[arg-type]
-                _remember(_SIGNATURES, signature, call)
+                remember(_SIGNATURES, signature, call)
                 return call
     check_tensors(query, key, value)
     H, L, D = query.shape[-3:]
@@ -435,10 +435,10 @@ def check_attention_call(
         return_stats=return_stats,
     )
     if signature is not None:
-        _remember(_SIGNATURES, signature, call)
+        remember(_SIGNATURES, signature, call)
         family = _family(signature, key, value) if attn_mask is None else None
         if family is not None:
-            _remember(_FAMILIES, family, call)
+            remember(_FAMILIES, family, call)
     return call
 
 
@@ -467,10 +467,12 @@ def _grown(template: AttentionCall, S: int) -> AttentionCall:
     return template._replace(S=S, path=path, family=template)
 
 
-def _remember(memo: dict, key: tuple, call: AttentionCall) -> None:
+def remember(memo: dict, key: object, value: object) -> None:
+    """``memo[key] = value`` in a memo bounded at :data:`_SIGNATURES_MAX` entries (cleared when
+    full): the validated calls here, and what backends remember per validated call."""
     if len(memo) >= _SIGNATURES_MAX:
         memo.clear()
-    memo[key] = call
+    memo[key] = value
 
 
 # --- packed sequences (attnscale.varlen_attention) ----------------------------------------------

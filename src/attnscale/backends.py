@@ -18,7 +18,7 @@ from torch import Tensor
 
 from . import flex
 from ._tracing import under_vmap
-from ._validate import AttentionCall, Backend, fail
+from ._validate import AttentionCall, Backend, fail, remember
 from .dense import accumulation_dtype, dense_attention
 from .kernels import fused as fused_kernel
 from .kernels.fused import fused_attention_checked
@@ -212,10 +212,9 @@ def _run_fused(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
 
 
 def _remember(memo: dict, spec: AttentionCall, value: object) -> None:
-    """Keep ``value`` for the validated call ``spec`` (a bounded memo: cleared when full)."""
-    if len(memo) >= 512:
-        memo.clear()
-    memo[id(spec)] = (spec, value)
+    """Keep ``value`` for the validated call ``spec``, by identity, the spec held so that no other
+    object takes its id (:func:`attnscale._validate.remember`'s bounded memo)."""
+    remember(memo, id(spec), (spec, value))
 
 
 def _run_math(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
@@ -233,11 +232,20 @@ def _run_math(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
     return Result(out, stats, None)
 
 
-_TORCH_CALLS: dict[int, tuple[AttentionCall, tuple[bool, float, bool, float, bool] | None]] = {}
-"""torch's own arguments per validated call (by identity, as :data:`_CHOSEN`): (with a mask,
-dropout_p, is_causal, scale, enable_gqa) for a call torch's kernel takes as it is (4-d tensors of
-one batch; no ALiBi, sinks or window; causal top-left and no mask, or a bool mask or one of the
-query's dtype and no causal), else None."""
+class _TorchArgs(NamedTuple):
+    """torch's own arguments for a call its kernel takes as it is (the mask passed as given)."""
+
+    masked: bool
+    dropout_p: float
+    is_causal: bool
+    scale: float
+    enable_gqa: bool
+
+
+_TORCH_CALLS: dict[int, tuple[AttentionCall, _TorchArgs | None]] = {}
+"""torch's own arguments per validated call (by identity, as :data:`_CHOSEN`), for a call torch's
+kernel takes as it is (4-d tensors of one batch; no ALiBi, sinks or window; causal top-left and
+no mask, or a bool mask or one of the query's dtype and no causal), else None."""
 
 
 def _run_torch(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
@@ -247,16 +255,16 @@ def _run_torch(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
         family = spec.same_along_s()  # a step over a growing cache: torch's arguments do not turn on S
         if family is not None:
             memo, owner = _TORCH_CALLS.get(id(family)), family
-    if memo is not None and memo[0] is owner and memo[1] is not None and memo[1][0] is (mask is not None):
-        _, dropout_p, causal, scale, gqa = memo[1]
-        return Result(TORCH_SDPA(query, key, value, mask, dropout_p, causal, scale=scale, enable_gqa=gqa), None, None)
+    if memo is not None and memo[0] is owner and memo[1] is not None and memo[1].masked is (mask is not None):
+        args = memo[1]
+        return Result(TORCH_SDPA(query, key, value, mask, args.dropout_p, args.is_causal, scale=args.scale, enable_gqa=args.enable_gqa), None, None)
     out = torch_attention(query, key, value, spec, mask, c.alibi_slopes, c.sinks)
     if memo is None and not torch.compiler.is_compiling():
         path = spec.path
         as_is = mask is None or (not path.causal and (mask.dtype is torch.bool or mask.dtype is query.dtype))
         plain = as_is and not spec.alibi and not spec.sinks and path.window is None and (not path.causal or path.q_offset == 0)
         as_given = query.ndim == 4 and query.shape[0] == key.shape[0] == value.shape[0]
-        args = (mask is not None, spec.dropout_p, path.causal, path.scale, spec.H != spec.Hkv)
+        args = _TorchArgs(mask is not None, spec.dropout_p, path.causal, path.scale, spec.H != spec.Hkv)
         _remember(_TORCH_CALLS, spec, args if plain and as_given else None)
     return Result(out, None, None)
 

@@ -322,8 +322,7 @@ def _float64(implementation: Implementation, c: Call) -> Implementation:
     nor FlexAttention, whose compiled kernels take no float64 on CPU."""
     if implementation.float64:
         return implementation
-    learned = c.alibi_slopes is not None and c.alibi_slopes.requires_grad
-    if c.spec.dropout_p > 0.0 or learned:
+    if c.spec.dropout_p > 0.0 or c.slopes_need_grad:  # (masks.slopes_learned: the one rule)
         return MATH
     return FUSED if FUSED.cannot(c) is None else TILED
 

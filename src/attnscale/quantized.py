@@ -41,7 +41,7 @@ QMAX = 127
 """Symmetric int8: codes in [-127, 127] (-128 unused, so that negation stays in range)."""
 GROUP = 64
 """Default channels per scale of K: one float32 scale per 64 int8 codes, 1/16 of a byte per
-channel; K and V together at 0.52x of bfloat16's bytes for D = Dv = 128 (tests/test_quantized.py)."""
+channel; K and V together at 0.523x of bfloat16's bytes for D = Dv = 128 (tests/test_quantized.py)."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,8 @@ def quantized_attention(
 ) -> Tensor | tuple[Tensor, AttentionStats]:
     """Attention of ``query`` (B, H, L, D) over the int8 keys and values of ``kv``: what
     :func:`attnscale.scaled_dot_product_attention` computes over ``kv.dequantize()``, every option
-    (``attn_mask`` among them: bool, True = attend, or float, added) meaning what it means there (``scale=None`` is ``1/sqrt(D)``), in float32 (the output is
+    (``attn_mask`` among them: bool, True = attend, or float, added) meaning what it means there
+    (``scale=None`` is ``1/sqrt(D)``), in float32 (the output is
     float32 (float64 for float64 queries); its error against float attention is the
     quantization's, see tests/test_quantized.py).
 

@@ -33,7 +33,6 @@ from .functional import record_backend, scaled_dot_product_attention
 from .kernels.fused import fused_varlen_attention
 from .kernels.fused import supports as fused_supports
 from .masks import CausalAlignment
-from .score import ScorePath
 from .stats import AttentionStats, join_rows, rows_of
 
 __all__ = ["varlen_attention"]
