@@ -131,7 +131,7 @@ def test_the_avx2_kernel_passes_the_kernel_tests_on_an_avx512_cpu():
                            capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert which.stdout.split() == ["avx2", "True"], which.stderr[-2000:]
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_fused.py", "tests/test_hostile.py"],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_fused.py", "tests/test_hostile.py", "tests/test_quantized_kernel.py"],
         capture_output=True, text=True, env=env, cwd=root, timeout=900,
     )
     assert done.returncode == 0, done.stdout[-3000:]

@@ -16,10 +16,16 @@ not on the offset. Subtracting one vector from every key changes each row's logi
 dequantizes, so every score-path feature (softcap, statistics) means what it means in
 :func:`attnscale.scaled_dot_product_attention`. Appended keys are smoothed by the same mean.
 
-:func:`quantized_attention` computes attention over the record's dequantized keys and values
-through :func:`attnscale.scaled_dot_product_attention` (its checks, backends and guard): the
-executable specification of int8 attention, exact up to float32 rounding against attention over
-the dequantized K and V. It holds the dequantized K and V in float32 while it runs.
+:func:`quantized_attention` means attention over the record's dequantized keys and values, as
+:func:`attnscale.scaled_dot_product_attention` computes it (its checks, options and guard). The
+compiled kernel computes it over the codes themselves (``kernels/csrc/quantized.h``): each key
+tile is dequantized as it is reached, to the floats :meth:`QuantizedKV.dequantize` gives, and the
+query heads that share a key head take it together; for the few query rows of a decoding step the
+codes are multiplied in registers, never written out as floats. Where the kernel cannot take a
+call (float64 queries, a gradient asked of the query, a trace, no compiler) or flags a row
+(non-finite, or all zeros), the specification computes it: the dequantized K and V in float32
+through :func:`attnscale.scaled_dot_product_attention`. Both agree with the float64 reference over
+the dequantized K and V up to float32 rounding (tests/test_quantized_kernel.py).
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._validate import FLOAT_DTYPES, fail
-from .functional import scaled_dot_product_attention
-from .masks import CausalAlignment
+from ._validate import FLOAT_DTYPES, Backend, check_attention_call, fail
+from .functional import record_backend, scaled_dot_product_attention
+from .kernels import fused
+from .masks import CausalAlignment, slopes_learned
 from .stats import AttentionStats
 
 __all__ = ["QuantizedKV", "quantize_kv", "quantized_attention"]
@@ -208,10 +215,47 @@ def quantized_attention(
         fail("query", "a float tensor (B, H, L, D)", type(query).__name__ if not isinstance(query, Tensor) else f"dtype {query.dtype}", "pass the projected queries", exc=TypeError)
     if query.device != kv.k.device:
         fail("query", f"the record's device {kv.k.device}", f"device {query.device}", f"move it: query.to({kv.k.device})")
+    options = dict(is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, causal_alignment=causal_alignment, softcap=softcap,
+                   alibi_slopes=alibi_slopes, window=window, sinks=sinks, return_stats=return_stats)  # fmt: skip
+    if _kernel_takes(query, kv, attn_mask, alibi_slopes):
+        done = _in_kernel(query, kv, attn_mask, **options)
+        if done is not None:
+            return done
     k, v = kv.dequantize()
     if query.dtype == torch.float64:
         k, v = k.double(), v.double()
-    return scaled_dot_product_attention(
-        query if query.dtype == torch.float64 else query.float(), k, v, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, causal_alignment=causal_alignment, softcap=softcap,
-        alibi_slopes=alibi_slopes, window=window, sinks=sinks, return_stats=return_stats,
+    return scaled_dot_product_attention(query if query.dtype == torch.float64 else query.float(), k, v, attn_mask, **options)
+
+
+def _kernel_takes(query: Tensor, kv: QuantizedKV, attn_mask: Tensor | None, alibi_slopes: Tensor | None) -> bool:
+    """Whether the compiled kernel may compute the call: an eager (B, H, L, D) query of the record's
+    batch in float32 or a 16-bit format whose gradient is not asked for, constant slopes, every
+    size at least 1. Elsewhere the specification computes it (float64 queries, gradients, traces)."""
+    if query.ndim != 4 or query.dtype not in (torch.float32, torch.bfloat16, torch.float16) or query.shape[0] != kv.k.shape[0]:
+        return False
+    if torch.is_grad_enabled() and query.requires_grad or slopes_learned(alibi_slopes) or torch.compiler.is_compiling():
+        return False
+    if min(query.shape) == 0 or kv.length == 0 or kv.v.shape[-1] == 0:
+        return False
+    return fused.supports(query, attn_mask) is None
+
+
+def _in_kernel(query: Tensor, kv: QuantizedKV, attn_mask: Tensor | None, **options: object) -> Tensor | tuple[Tensor, AttentionStats] | None:
+    """The call validated as :func:`attnscale.scaled_dot_product_attention` validates it (the
+    record's shapes standing in for its keys and values), then computed by the compiled kernel over
+    the int8 codes. None where some output row is non-finite or all zeros: the caller then computes
+    the call through the specification, whose guard decides each row."""
+    B, Hkv, S, D = kv.k.shape
+    q = query if query.dtype == torch.float32 else query.float()
+    stand_in = kv.k_mean.new_empty(())  # shapes only: validation reads no key or value
+    call = check_attention_call(
+        q, stand_in.expand(B, Hkv, S, D), stand_in.expand(B, Hkv, S, kv.v.shape[-1]), attn_mask=attn_mask, dropout_p=0.0, backend="auto", **options
     )  # fmt: skip
+    out, stats, rows_ok = fused.int8_attention(
+        q, (kv.k, kv.k_scale, kv.k_mean, kv.v, kv.v_scale), path=call.path, attn_mask=attn_mask, alibi_slopes=options["alibi_slopes"],
+        sinks=options["sinks"], return_stats=call.return_stats,
+    )  # fmt: skip
+    if not bool(rows_ok):
+        return None
+    record_backend(Backend.FUSED, "int8 keys and values")
+    return (out, stats) if call.return_stats else out

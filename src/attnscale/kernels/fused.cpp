@@ -30,7 +30,8 @@
 // Files, one concern each (csrc/): options.h (the options by name), products.h (BLAS and 16-bit
 // loads), vector_math.h (exp floor, tanh, exp), problem.h (a call's shapes, visible keys, tiles,
 // scratch and parallel loop), rows.h (a row's score path, weights and statistics), bounds.h (the
-// logits' bound behind static offsets), packing.h (brgemm's operands), forward.h, backward.h;
+// logits' bound behind static offsets), packing.h (brgemm's operands), quantized.h (int8 keys and
+// values: their tiles dequantized, or decoding's products from the codes), forward.h, backward.h;
 // this file makes a call's problem and outputs and binds the kernel to Python.
 
 #include "csrc/backward.h"
@@ -107,6 +108,37 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
 // without with_stats, rows_ok a 0-d bool tensor. All made here, so a decoding step's Python makes
 // no tensors of its own after the call (each torch op from Python then costs more than its share:
 // the kernel has just streamed k and v through the caches).
+// The statistics' outputs (B, H, L) after [out, lse, m, l]: made by make(shape, fill, dtype) with
+// with_stats, else empty (0 long).
+template <typename Make>
+void add_statistics(std::vector<torch::Tensor>& result, Make& make, const at::TensorOptions& like, int64_t B, int64_t H, int64_t L,
+                    at::ScalarType dt, bool with_stats) {
+  const double inf = std::numeric_limits<double>::infinity();
+  if (with_stats) {
+    result.push_back(make({B, H, L}, -inf, dt));  // max_logit
+    result.push_back(make({B, H, L}, 0.0, dt));   // max_prob
+    result.push_back(make({B, H, L}, 0.0, dt));   // entropy
+    result.push_back(make({B, H, L}, 0.0, torch::kInt64));  // visible
+  } else {
+    for (int i = 0; i < 3; ++i) result.push_back(torch::empty({0}, like.dtype(dt)));
+    result.push_back(torch::empty({0}, like.dtype(torch::kInt64)));
+  }
+}
+
+// The outputs' pointers for the kernel (statistics where asked for).
+template <typename T>
+ForwardOut<T> forward_out(const std::vector<torch::Tensor>& result, bool with_stats, std::atomic<bool>* suspect) {
+  ForwardOut<T> O{result[0].scalar_type() == c10::CppTypeToScalarType<T>::value ? result[0].data_ptr<T>() : nullptr, nullptr, kNoHalf, result[1].data_ptr<T>(), result[2].data_ptr<T>(), result[3].data_ptr<T>(),
+                  nullptr, nullptr, nullptr, nullptr, suspect};
+  if (with_stats) {
+    O.max_logit = result[4].data_ptr<T>();
+    O.max_prob = result[5].data_ptr<T>();
+    O.entropy = result[6].data_ptr<T>();
+    O.visible = result[7].data_ptr<int64_t>();
+  }
+  return O;
+}
+
 std::vector<torch::Tensor> forward_with(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                         const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
                                         const c10::optional<torch::Tensor>& spans, const Options& o) {
@@ -126,15 +158,7 @@ std::vector<torch::Tensor> forward_with(const torch::Tensor& q, const torch::Ten
   auto out = make({B, H, L, Dv}, 0.0, out16 ? q.scalar_type() : dt);
   auto lse = make({B, H, L}, -inf, dt), m = make({B, H, L}, 0.0, dt), l = make({B, H, L}, 1.0, dt);
   std::vector<torch::Tensor> result{out, lse, m, l};
-  if (o.with_stats) {
-    result.push_back(make({B, H, L}, -inf, dt));  // max_logit
-    result.push_back(make({B, H, L}, 0.0, dt));   // max_prob
-    result.push_back(make({B, H, L}, 0.0, dt));   // entropy
-    result.push_back(make({B, H, L}, 0.0, torch::kInt64));  // visible
-  } else {
-    for (int i = 0; i < 3; ++i) result.push_back(torch::empty({0}, q.options().dtype(dt)));
-    result.push_back(torch::empty({0}, q.options().dtype(torch::kInt64)));
-  }
+  add_statistics(result, make, q.options(), B, H, L, dt, o.with_stats);
   if (H == 0) {  // no query heads: the empty outputs, and no head is read
     result.push_back(torch::scalar_tensor(true, q.options().dtype(torch::kBool)));
     return result;
@@ -161,21 +185,60 @@ std::vector<torch::Tensor> forward_with(const torch::Tensor& q, const torch::Ten
       packed = pack_problem(P, false, seqs, static_offsets ? kmax.data() : nullptr);
     }
     if (static_offsets && !P.spans) P.kmax = kmax.data();  // packed: each sequence's, from seqs
-    ForwardOut<scalar_t> O{out16 ? nullptr : out.data_ptr<scalar_t>(), nullptr, kNoHalf, lse.data_ptr<scalar_t>(),
-                           m.data_ptr<scalar_t>(), l.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr, &suspect};
-    if (out16) O.out16 = static_cast<uint16_t*>(out.data_ptr()), O.out16_kind = half_kind(q);
+    ForwardOut<scalar_t> O = forward_out<scalar_t>(result, o.with_stats, &suspect);
+    if (out16) O.out = nullptr, O.out16 = static_cast<uint16_t*>(out.data_ptr()), O.out16_kind = half_kind(q);
     if (P.half == kBF16)
       O.template set_rounded_range<at::BFloat16>();
     else if (P.half == kF16)
       O.template set_rounded_range<at::Half>();
-    if (o.with_stats) {
-      O.max_logit = result[4].data_ptr<scalar_t>();
-      O.max_prob = result[5].data_ptr<scalar_t>();
-      O.entropy = result[6].data_ptr<scalar_t>();
-      O.visible = result[7].data_ptr<int64_t>();
-    }
     forward_kernel(P, O);
   });
+  result.push_back(torch::scalar_tensor(!suspect.load(), q.options().dtype(torch::kBool)));
+  return result;
+}
+
+// Attention of float32 q (B, H, L, D) over int8 keys and values (Problem::int8; check_int8_call
+// gives the layout): the forward's outputs as forward_with returns them for float32 inputs. The
+// query heads of each key head are folded into its rows (Problem::fold), so a tile is dequantized
+// once for all of them; rows take no static offset (no bound on the int8 keys' norms is made).
+std::vector<torch::Tensor> forward_int8(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& k_scale,
+                                        const torch::Tensor& k_mean, const torch::Tensor& v, const torch::Tensor& v_scale,
+                                        const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
+                                        const py::kwargs& options) {
+  const Options o = Options::from(options);
+  check_int8_call(q, k, k_scale, k_mean, v, v_scale, alibi, mask, o);
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
+  auto make = [&](at::IntArrayRef shape, double, at::ScalarType dtype) { return torch::empty(shape, q.options().dtype(dtype)); };
+  std::vector<torch::Tensor> result{make({B, H, L, Dv}, 0.0, at::kFloat), make({B, H, L}, 0.0, at::kFloat), make({B, H, L}, 0.0, at::kFloat),
+                                    make({B, H, L}, 0.0, at::kFloat)};
+  add_statistics(result, make, q.options(), B, H, L, at::kFloat, o.with_stats);
+  std::atomic<bool> suspect{false};
+  if (H > 0 && L > 0) {
+    const Int8KV codes{k.const_data_ptr<int8_t>(), v.const_data_ptr<int8_t>(), k_scale.const_data_ptr<float>(),
+                       k_mean.const_data_ptr<float>(), v_scale.const_data_ptr<float>(), D / k_scale.size(3)};
+    Problem<float> P{};
+    const int64_t G = H / Hkv;
+    P.q = q.const_data_ptr<float>(), P.q_sb = H * L * D, P.q_sh = G * L * D, P.q_sl = D;
+    P.B = B, P.H = Hkv, P.Hkv = Hkv, P.L = G * L, P.S = S, P.D = D, P.Dv = Dv;
+    P.int8 = &codes, P.fold = G, P.fold_rows = L;
+    P.scale = static_cast<float>(o.scale);
+    P.softcap = o.softcap > 0 ? std::max(static_cast<float>(o.softcap), std::numeric_limits<float>::epsilon() / 8) : 0.0f;  // as make_problem
+    P.causal = o.causal, P.q_offset = o.q_offset, P.left = o.left, P.right = o.right;
+    P.q_start = o.q_start, P.k_start = o.k_start;
+    P.block_q = o.block_q, P.block_k = o.block_k;
+    P.o_rows = P.L, P.o_start = 0, P.k_rows = S, P.k_out_start = 0;
+    const int64_t lanes = kInt8Lanes;
+    P.int8_direct = kInt8Direct && P.tile_rows() <= kInt8DirectRows && D % lanes == 0 && codes.group % lanes == 0 && Dv % lanes == 0;
+    if (alibi.has_value()) P.alibi = alibi->data_ptr<float>(), P.al_sb = alibi->stride(0), P.al_sh = alibi->stride(1);
+    if (mask.has_value()) {
+      if (mask->scalar_type() == torch::kBool)
+        P.bmask = mask->data_ptr<bool>();
+      else
+        P.fmask = mask->data_ptr<float>();
+      P.m_sb = mask->stride(0), P.m_sh = mask->stride(1), P.m_sl = mask->stride(2), P.m_ss = mask->stride(3);
+    }
+    forward_kernel(P, forward_out<float>(result, o.with_stats, &suspect));
+  }
   result.push_back(torch::scalar_tensor(!suspect.load(), q.options().dtype(torch::kBool)));
   return result;
 }
@@ -491,6 +554,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alibi"), py::arg("mask"), py::arg("spans"));
   module.def("forward_ordered", &forward_ordered, "forward with the options as one tuple in option_names' order (attnscale.kernels.ops.KernelOptions, whose order is checked at load)",
              py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alibi"), py::arg("mask"), py::arg("spans"), py::arg("options"));
+  module.def("forward_int8", &forward_int8, "attention of float32 q over int8 keys and values (attnscale.QuantizedKV's layout): forward's outputs; the options by keyword (Options)",
+             py::arg("q"), py::arg("k"), py::arg("k_scale"), py::arg("k_mean"), py::arg("v"), py::arg("v_scale"), py::arg("alibi"), py::arg("mask"));
   module.def("option_names", &Options::names, "the options forward and backward take by keyword, in their order (Options)");
   module.def("brgemm_runs", &brgemm_runs, "whether bfloat16 products with an even head dim go through torch's brgemm (oneDNN) here, not oneMKL");
   module.def("half_gemm", &half_gemm, "whether 16-bit q, k, v of this format (1 bfloat16, 2 float16) can be passed as they are (oneMKL's products)");

@@ -29,7 +29,7 @@ from ..stats import AttentionStats, with_sinks
 from ..tiled import sink_scaled, tiled_attention
 from . import load, ops
 
-__all__ = ["Plan", "direct", "fused_attention", "fused_attention_checked", "fused_varlen_attention", "plan", "run_planned", "supports"]
+__all__ = ["Plan", "direct", "fused_attention", "fused_attention_checked", "fused_varlen_attention", "int8_attention", "plan", "run_planned", "supports"]
 # The default tiles and the rule that picks them live in ``ops`` (BLOCK_Q, BLOCK_K, default_blocks),
 # read inside the op at call time.
 
@@ -408,3 +408,41 @@ def fused_varlen_attention(
     max_logit, max_prob, entropy, visible_keys = (t[0] for t in rest)
     stats = AttentionStats(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
     return out, stats if sinks is None else with_sinks(stats, sinks), rows_ok
+
+
+INT8_BLOCK_K = 256
+"""Keys a tile of :func:`int8_attention` at most: the few rows of a decoding step multiply the codes
+straight from memory, and 256 keys' codes (64 KiB at D = Dv = 128) stay in the core's caches
+between the two products (2048, the float kernel's tile for few rows, is four times that)."""
+
+
+def int8_attention(
+    query: Tensor,
+    codes: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
+    *,
+    path: ScorePath,
+    attn_mask: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    return_stats: bool = False,
+) -> tuple[Tensor, AttentionStats | None, Tensor]:
+    """Attention of a validated query (B, H, L, D) over int8 keys and values in one kernel call:
+    ``codes`` = (k, k_scale, k_mean, v, v_scale) of an :class:`attnscale.QuantizedKV`, each tile
+    dequantized in the kernel's scratch as it is reached (csrc/quantized.h), then the float32
+    kernel's products and rows, the query heads of a key head taking each tile together. Returns
+    (out (B, H, L, Dv) float32, stats or None, rows_ok as :func:`fused_attention_checked` gives
+    it). Every size >= 1; no gradient flows (the caller sends those calls elsewhere)."""
+    _check_runnable(query, attn_mask, alibi_slopes)
+    k, k_scale, k_mean, v, v_scale = (t.contiguous() for t in codes)
+    B, H, L = query.shape[:3]
+    G = H // k.shape[1]
+    spec = _Spec(path=path, batch=(B,), H=H, Hkv=k.shape[1], q_start=0, k_start=0, with_stats=return_stats, block_q=0, block_k=0)
+    options = spec.options(False, False)
+    # The kernel's rows are a key head's query heads one after another (G L of them): tiles for those;
+    # a key tile of few rows stays at INT8_BLOCK_K keys, whose codes stay in the core's caches.
+    block_q, block_k = ops.default_blocks(options.causal, options.left >= 0 or options.right >= 0, G * L, None)
+    options = options._replace(block_q=block_q, block_k=min(block_k, INT8_BLOCK_K))
+    q = query.to(torch.float32).contiguous()
+    mask, slopes = _flat_mask(attn_mask, spec, L, k.shape[2], torch.float32), _flat_slopes(alibi_slopes, spec, torch.float32)
+    out, lse, _, _, *rest, verdict = load().forward_int8(q, k, k_scale, k_mean, v, v_scale, slopes, mask, **options._asdict())
+    return _finished(torch.float32, out, lse, rest, verdict, sinks, return_stats)

@@ -56,6 +56,21 @@ inline void check_options(const Options& o) {
                    "positive block sizes (the ops resolve 0 to their defaults)", std::to_string(o.block_q) + ", " + std::to_string(o.block_k));
 }
 
+// ALiBi slopes (units, H) and a mask (B, H, L, S) of the compute dtype acc (a mask also bool).
+inline void check_biases(const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
+                         const c10::optional<torch::Tensor>& spans, int64_t B, int64_t H, int64_t L, int64_t S, at::ScalarType acc) {
+  const int64_t units = spans.has_value() && spans->dim() == 2 ? spans->size(0) : B;
+  if (alibi.has_value())
+    ATTNSCALE_REFUSE(alibi->dim() == 2 && alibi->size(0) == units && alibi->size(1) == H && alibi->scalar_type() == acc && alibi->device().is_cpu(),
+                     "alibi", c10::str("a ", acc, " CPU tensor (", spans.has_value() ? "nseq" : "B", ", H) = (", units, ", ", H, ")"),
+                     c10::str(alibi->scalar_type(), " ", alibi->sizes(), " on ", alibi->device()));
+  if (mask.has_value())
+    ATTNSCALE_REFUSE(mask->dim() == 4 && mask->size(0) == B && mask->size(1) == H && mask->size(2) == L && mask->size(3) == S &&
+                         (mask->scalar_type() == at::kBool || mask->scalar_type() == acc) && mask->device().is_cpu(),
+                     "mask", c10::str("a bool or ", acc, " CPU tensor (B, H, L, S) = (", B, ", ", H, ", ", L, ", ", S, ")"),
+                     c10::str(mask->scalar_type(), " ", mask->sizes(), " on ", mask->device()));
+}
+
 inline void check_call(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
                        const c10::optional<torch::Tensor>& spans, const Options& o) {
@@ -84,16 +99,7 @@ inline void check_call(const torch::Tensor& q, const torch::Tensor& k, const tor
   const double top = acc == at::kDouble ? std::numeric_limits<double>::max() : std::numeric_limits<float>::max();
   ATTNSCALE_REFUSE(std::abs(o.scale) <= top && o.softcap <= top, "scale, softcap", c10::str("values that fit ", acc, ", where the scores are computed"),
                    c10::str(o.scale, ", ", o.softcap));
-  const int64_t units = spans.has_value() && spans->dim() == 2 ? spans->size(0) : B;
-  if (alibi.has_value())
-    ATTNSCALE_REFUSE(alibi->dim() == 2 && alibi->size(0) == units && alibi->size(1) == H && alibi->scalar_type() == acc && alibi->device().is_cpu(),
-                     "alibi", c10::str("a ", acc, " CPU tensor (", spans.has_value() ? "nseq" : "B", ", H) = (", units, ", ", H, ")"),
-                     c10::str(alibi->scalar_type(), " ", alibi->sizes(), " on ", alibi->device()));
-  if (mask.has_value())
-    ATTNSCALE_REFUSE(mask->dim() == 4 && mask->size(0) == B && mask->size(1) == H && mask->size(2) == L && mask->size(3) == S &&
-                         (mask->scalar_type() == at::kBool || mask->scalar_type() == acc) && mask->device().is_cpu(),
-                     "mask", c10::str("a bool or ", acc, " CPU tensor (B, H, L, S) = (", B, ", ", H, ", ", L, ", ", S, ")"),
-                     c10::str(mask->scalar_type(), " ", mask->sizes(), " on ", mask->device()));
+  check_biases(alibi, mask, spans, B, H, L, S, acc);
   if (spans.has_value()) {
     ATTNSCALE_REFUSE(spans->dim() == 2 && spans->size(0) >= 1 && spans->size(1) == 4 && spans->scalar_type() == at::kLong &&
                          spans->is_contiguous() && spans->device().is_cpu() && B == 1 && !mask.has_value(),
@@ -105,6 +111,39 @@ inline void check_call(const torch::Tensor& q, const torch::Tensor& k, const tor
                        c10::str("rows 0 <= q0 <= q1 <= L = ", L, " and 0 <= k0 <= k1 <= S = ", S),
                        c10::str("(", span[0], ", ", span[1], ", ", span[2], ", ", span[3], ")"));
   }
+}
+
+// An int8 call (Problem::int8): q float32 (B, H, L, D) contiguous; codes k (B, Hkv, S, D) and v
+// (B, Hkv, S, Dv) int8, scales k_scale (B, Hkv, S, D / group), v_scale (B, Hkv, S, 1) and k_mean
+// (B, Hkv, 1, D) float32, all contiguous CPU tensors; D, Dv >= 1; no 16-bit options.
+inline void check_int8_call(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& k_scale, const torch::Tensor& k_mean,
+                            const torch::Tensor& v, const torch::Tensor& v_scale, const c10::optional<torch::Tensor>& alibi,
+                            const c10::optional<torch::Tensor>& mask, const Options& o) {
+  ATTNSCALE_REFUSE(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu() && q.size(3) >= 1, "q",
+                   "a contiguous float32 CPU tensor (B, H, L, D), D >= 1", c10::str(q.scalar_type(), " ", q.sizes(), " on ", q.device()));
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  ATTNSCALE_REFUSE(k.dim() == 4 && v.dim() == 4 && k.size(0) == B && v.sizes().slice(0, 3) == k.sizes().slice(0, 3) && k.size(3) == D &&
+                       v.size(3) >= 1 && k.size(1) >= 1 && H % k.size(1) == 0,
+                   "k, v", c10::str("codes (B, Hkv, S, D) and (B, Hkv, S, Dv) with B = ", B, ", D = ", D, ", Dv >= 1 and Hkv dividing H = ", H),
+                   "k " + shape_of(k) + ", v " + shape_of(v));
+  const int64_t Hkv = k.size(1), S = k.size(2), groups = k_scale.dim() == 4 ? k_scale.size(3) : 0;
+  ATTNSCALE_REFUSE(groups >= 1 && D % groups == 0 && k_scale.sizes().slice(0, 3) == k.sizes().slice(0, 3), "k_scale",
+                   c10::str("(B, Hkv, S, D / group) = (", B, ", ", Hkv, ", ", S, ", D / group)"), "shape " + shape_of(k_scale));
+  ATTNSCALE_REFUSE(k_mean.dim() == 4 && k_mean.size(0) == B && k_mean.size(1) == Hkv && k_mean.size(2) == 1 && k_mean.size(3) == D, "k_mean",
+                   c10::str("(B, Hkv, 1, D) = (", B, ", ", Hkv, ", 1, ", D, ")"), "shape " + shape_of(k_mean));
+  ATTNSCALE_REFUSE(v_scale.dim() == 4 && v_scale.sizes().slice(0, 3) == k.sizes().slice(0, 3) && v_scale.size(3) == 1, "v_scale",
+                   c10::str("(B, Hkv, S, 1) = (", B, ", ", Hkv, ", ", S, ", 1)"), "shape " + shape_of(v_scale));
+  for (const auto& [name, x, dtype] : {std::tuple<const char*, const torch::Tensor&, at::ScalarType>{"k", k, at::kChar}, {"v", v, at::kChar},
+                                       {"k_scale", k_scale, at::kFloat}, {"k_mean", k_mean, at::kFloat}, {"v_scale", v_scale, at::kFloat}})
+    ATTNSCALE_REFUSE(x.scalar_type() == dtype && x.is_contiguous() && x.device().is_cpu(), name, c10::str("a contiguous ", dtype, " CPU tensor"),
+                     c10::str(x.scalar_type(), (x.is_contiguous() ? "" : " strided"), " on ", x.device()));
+  check_options(o);
+  ATTNSCALE_REFUSE(!o.half_products && !o.round_out, "half_products, round_out", "False (int8 keys and values compute in float32)",
+                   c10::str(o.half_products, ", ", o.round_out));
+  const double top = std::numeric_limits<float>::max();
+  ATTNSCALE_REFUSE(std::abs(o.scale) <= top && o.softcap <= top, "scale, softcap", "values that fit float32, where the scores are computed",
+                   c10::str(o.scale, ", ", o.softcap));
+  check_biases(alibi, mask, c10::nullopt, B, H, L, S, at::kFloat);
 }
 
 // The backward's own tensors against the forward's (checked by check_call).

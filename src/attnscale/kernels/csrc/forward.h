@@ -3,6 +3,7 @@
 #pragma once
 
 #include "packing.h"
+#include "quantized.h"
 #include "rows.h"
 
 namespace {
@@ -46,14 +47,14 @@ template <typename T>
 struct ForwardScratch {
   Scratch<T> sbuf, acc, m, l, w, bound, top;  // top: the largest logit so far (statistics)
   Scratch<uint16_t> pbuf;  // 16-bit products: the tile's weights, rounded for the second product
-  Scratch<T> wq, wk, wv;   // Problem::widen: the block's q and the tile's k, v in float32
+  Scratch<T> wq, wk, wv;   // Problem::widen: the block's q and the tile's k, v in float32 (int8: k, v)
   std::vector<int64_t> seen;
   std::vector<char> is_static;
   explicit ForwardScratch(const Problem<T>& P)
       : sbuf(P.tile_rows() * P.tile_width()), acc(P.tile_rows() * P.Dv), m(P.tile_rows()), l(P.tile_rows()),
         w(P.tile_rows()), bound(P.tile_rows()), top(P.tile_rows()), pbuf(P.half && !P.widen ? P.tile_rows() * (P.tile_width() + 1) : 0),
-        wq(P.widen ? P.tile_rows() * P.D : 0), wk(P.widen ? P.tile_width() * P.D : 0),
-        wv(P.widen ? P.tile_width() * P.Dv : 0), seen(P.tile_rows()), is_static(P.tile_rows()), brgemm(P.brgemm()) {}
+        wq(P.widen ? P.tile_rows() * P.D : 0), wk(P.widen || (P.int8 && !P.int8_direct) ? P.tile_width() * P.D : 0),
+        wv(P.widen || (P.int8 && !P.int8_direct) ? P.tile_width() * P.Dv : 0), seen(P.tile_rows()), is_static(P.tile_rows()), brgemm(P.brgemm()) {}
   // The thread's AMX tile state, set up by brgemm's first call, released with the scratch.
   bool brgemm;
   ~ForwardScratch() {
@@ -80,7 +81,8 @@ Block<T> block_at(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64_
   B.b = b, B.h = h, B.hk = h / P.G();
   B.i0 = qb * P.block_q, B.rows = std::min(B.i0 + P.block_q, P.L) - B.i0;
   const int64_t q_at = b * P.q_sb + h * P.q_sh + B.i0 * P.q_sl, k_at = b * P.k_sb + B.hk * P.k_sh, v_at = b * P.v_sb + B.hk * P.v_sh;
-  B.q = P.half ? nullptr : P.q + q_at, B.k = P.half ? nullptr : P.k + k_at, B.v = P.half ? nullptr : P.v + v_at;
+  B.q = P.half ? nullptr : P.q + q_at;
+  B.k = P.half || P.int8 ? nullptr : P.k + k_at, B.v = P.half || P.int8 ? nullptr : P.v + v_at;
   B.qh = P.half ? P.qh + q_at : nullptr, B.kh = P.half ? P.kh + k_at : nullptr, B.vh = P.half ? P.vh + v_at : nullptr;
   B.q_ld = P.q_sl;
   if (P.widen) {  // the block's q rows in float32, once
@@ -168,6 +170,15 @@ Tile<T> tile_at(const Problem<T>& P, const Block<T>& B, ForwardScratch<T>& W, in
     widen_rows(P.half, B.vh + j0 * P.v_sl, P.v_sl, t.width, P.Dv, W.wv.data());
     t.k = W.wk.data(), t.v = W.wv.data(), t.k_ld = P.D, t.v_ld = P.Dv;
   }
+  if constexpr (std::is_same_v<T, float>) {
+    if (P.int8 && !P.int8_direct) {  // the tile's codes as float32 rows (P.H = P.Hkv: the block's head is its key head)
+      const Int8KV& Q = *P.int8;
+      const int64_t head = B.b * P.Hkv + B.hk, groups = P.D / Q.group;
+      dequantize_rows(Q.k + (head * P.S + j0) * P.D, Q.k_scale + (head * P.S + j0) * groups, Q.k_mean + head * P.D, t.width, P.D, Q.group, W.wk.data());
+      dequantize_rows(Q.v + (head * P.S + j0) * P.Dv, Q.v_scale + head * P.S + j0, nullptr, t.width, P.Dv, P.Dv, W.wv.data());
+      t.k = W.wk.data(), t.v = W.wv.data(), t.k_ld = P.D, t.v_ld = P.Dv;
+    }
+  }
   if (P.kpack) t.pstride = (t.width + 1) & ~int64_t(1);
   return t;
 }
@@ -203,6 +214,9 @@ T exp_weights_to(T* x, int64_t width, T centre, T* weighted, Weight* out) {
 template <typename T, typename Weight>
 void tile_scores(const Problem<T>& P, const Block<T>& B, const Tile<T>& t, T* x) {
   if constexpr (std::is_same_v<Weight, T>) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (P.int8_direct) return int8_scores(*P.int8, B.b * P.Hkv + B.hk, P.S, P.D, B.q, B.q_ld, B.rows, t.j0, t.width, B.alpha, x);
+    }
     gemm('T', 'N', t.width, B.rows, P.D, B.alpha, t.k, t.k_ld, B.q, B.q_ld, T(0), x, t.width);
   } else if (P.kpack) {
     at::native::cpublas::brgemm(B.rows, t.width, P.D, P.q_sl, P.s_pad, t.width, false, bf16(B.qh),
@@ -216,6 +230,9 @@ void tile_scores(const Problem<T>& P, const Block<T>& B, const Tile<T>& t, T* x)
 template <typename T, typename Weight>
 void tile_values(const Problem<T>& P, const Block<T>& B, const Tile<T>& t, ForwardScratch<T>& W) {
   if constexpr (std::is_same_v<Weight, T>) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (P.int8_direct) return int8_values(*P.int8, B.b * P.Hkv + B.hk, P.S, P.Dv, W.sbuf.data(), B.rows, t.j0, t.width, W.acc.data());
+    }
     gemm('N', 'N', P.Dv, B.rows, t.width, T(1), t.v, t.v_ld, W.sbuf.data(), t.width, T(1), W.acc.data(), P.Dv);
   } else if (P.kpack) {  // the packed v's keys j0..
     uint16_t* pb = W.pbuf.data();

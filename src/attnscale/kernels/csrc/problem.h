@@ -15,6 +15,18 @@ struct SequencePacks {
   std::vector<const float*> kmax;  // each sequence's key norms, (Hkv,), where its rows may take a static offset
 };
 
+// Int8 keys and values (attnscale/quantized.py's layout, forward only): codes k (B, Hkv, S, D) and
+// v (B, Hkv, S, Dv), contiguous; float32 scales k_scale (B, Hkv, S, D / group), one per key and
+// group of channels, and v_scale (B, Hkv, S, 1), one per value vector; k_mean (B, Hkv, 1, D), the
+// mean the keys were smoothed by. A tile's keys and values are dequantized into the thread's
+// float32 scratch as it is reached (tile_at), code * scale (+ mean), each rounded once as
+// QuantizedKV.dequantize rounds them.
+struct Int8KV {
+  const int8_t *k, *v;
+  const float *k_scale, *k_mean, *v_scale;
+  int64_t group;
+};
+
 template <typename T>
 struct Problem {
   const T* q;
@@ -70,6 +82,21 @@ struct Problem {
   // key (sequence(s) takes its operands from here); the packed problem's own pointers stay null.
   const SequencePacks* seq_packs = nullptr;
   bool brgemm() const { return kpack != nullptr || seq_packs != nullptr; }
+  // Int8 keys and values (T = float, null otherwise), with the query heads folded into their key
+  // head's rows: the problem's heads are the key heads (H = Hkv) and head hk's rows are the
+  // caller's (head hk * fold + g, row i) at g * fold_rows + i (L = fold * fold_rows), so that
+  // each key tile is dequantized once for every query head that reads it. That is also where
+  // (B, H, L) outputs keep those rows. unfold gives a row's own head and row.
+  const Int8KV* int8 = nullptr;
+  int64_t fold = 1, fold_rows = 1;
+  // Int8 products from the codes in registers (int8_scores, int8_values) instead of float32 tiles
+  // in scratch and BLAS: blocks of few rows (decoding), where writing the tiles costs the most.
+  bool int8_direct = false;
+  void unfold(int64_t* h, int64_t* i) const {
+    if (fold == 1) return;
+    *h = *h * fold + *i / fold_rows;
+    *i %= fold_rows;
+  }
 
   int64_t G() const { return H / Hkv; }
   // The largest tile this problem has: scratch is sized by it, not by the block sizes (one query
@@ -123,8 +150,15 @@ struct Problem {
   // row of the block can see (the same list in the forward and the backward pass).
   std::vector<std::pair<int64_t, int64_t>> key_tiles(int64_t i0, int64_t i1) const {
     int64_t lo0, hi0, lo1, hi1;
-    row_span(i0, &lo0, &hi0);
-    row_span(i1 - 1, &lo1, &hi1);
+    // Folded heads: a block's rows may wrap from one query head's last row to the next head's
+    // first, and then see every row's keys; otherwise rows i0..i1 of one head.
+    int64_t first = i0, last = i1 - 1;
+    if (fold > 1) {
+      const bool wraps = i0 / fold_rows != (i1 - 1) / fold_rows;
+      first = wraps ? 0 : i0 % fold_rows, last = wraps ? fold_rows - 1 : (i1 - 1) % fold_rows;
+    }
+    row_span(first, &lo0, &hi0);
+    row_span(last, &lo1, &hi1);
     int64_t lo = std::min(lo0, lo1);
     const int64_t hi = std::max(hi0, hi1);  // spans move right with i
     // Packed values pair keys (2j, 2j + 1): tiles start on an even key; the key before lo that this

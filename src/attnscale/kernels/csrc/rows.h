@@ -166,6 +166,7 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
             int64_t* visible = nullptr, bool want_max = true, T pre = T(1)) {
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const T cap = P.softcap;
+  P.unfold(&h, &i);  // int8 problems: the row's own query head and row
   int64_t lo, hi;
   P.row_span(i, &lo, &hi);
   lo = std::clamp<int64_t>(lo - j0, 0, width);

@@ -1,0 +1,223 @@
+// Int8 codes to float32 rows (Problem::int8): a key tile's keys and values as the forward's float
+// products take them.
+#pragma once
+
+#include "problem.h"
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// n rows of d int8 codes (row stride d) as float32 rows of out (row stride d): code * scale (+
+// mean[c]), scale the row's own for its group of `group` channels (d / group scales a row, rows
+// of stride d / group); mean null: none. Each product and sum rounded once, in this order, as
+// attnscale.QuantizedKV.dequantize computes them (the build keeps FMAs out: -ffp-contract=off),
+// so every vector width gives the same floats. Whole groups of a vector's lanes in vectors, the
+// rest lane by lane.
+inline void dequantize_rows(const int8_t* codes, const float* scales, const float* mean, int64_t n, int64_t d, int64_t group,
+                            float* out) {
+  const int64_t groups = d / group;
+  for (int64_t j = 0; j < n; ++j) {
+    const int8_t* cr = codes + j * d;
+    const float* sr = scales + j * groups;
+    float* o = out + j * d;
+    int64_t c = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    if (group % 16 == 0) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m512 s = _mm512_set1_ps(sr[g]);
+        for (const int64_t end = c + group; c < end; c += 16) {
+          const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cr + c))));
+          _mm512_storeu_ps(o + c, mean ? _mm512_add_ps(_mm512_mul_ps(x, s), _mm512_loadu_ps(mean + c)) : _mm512_mul_ps(x, s));
+        }
+      }
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    if (group % 8 == 0) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const __m256 s = _mm256_set1_ps(sr[g]);
+        for (const int64_t end = c + group; c < end; c += 8) {
+          const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cr + c))));
+          _mm256_storeu_ps(o + c, mean ? _mm256_add_ps(_mm256_mul_ps(x, s), _mm256_loadu_ps(mean + c)) : _mm256_mul_ps(x, s));
+        }
+      }
+    }
+#endif
+    for (; c < d; ++c) {
+      const float scaled = static_cast<float>(cr[c]) * sr[c / group];
+      o[c] = mean ? scaled + mean[c] : scaled;
+    }
+  }
+}
+
+// Decoding's products straight from the codes (Problem::int8_direct: a block of at most
+// kDirectRows rows, D, Dv and the group whole vectors): each key's codes are dequantized in
+// registers, to the floats dequantize_rows gives, and multiplied there, so a tile's keys and
+// values never pass through scratch (at a few query rows a key, writing and reading back the
+// float32 tile cost more than the products). Rows four at a time, each key's codes read once per
+// four rows; keys kKeys at a time (q's vectors loaded once for them).
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+namespace int8v {
+#if defined(CPU_CAPABILITY_AVX512)
+using F = __m512;
+constexpr int64_t kLanes = 16, kKeys = 4, kChunks = 4;  // 16 accumulators of 32 registers
+inline F codes_at(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+inline F load(const float* p) { return _mm512_loadu_ps(p); }
+inline F splat(float x) { return _mm512_set1_ps(x); }
+inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+inline F zero() { return _mm512_setzero_ps(); }
+inline void store(float* p, F a) { _mm512_storeu_ps(p, a); }
+inline float sum(F a) { return _mm512_reduce_add_ps(a); }
+// The sums of 16 vectors at once, v[i]'s in lane i: pairs of lanes added in a tree of shuffles,
+// 45 instructions where 16 reductions of one vector take 128.
+inline F sums16(const F* v) {
+  F a[8], b[4];
+  for (int i = 0; i < 8; ++i) a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: its share of v[4i .. 4i + 3]'s sums
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const F d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+  const F d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+#else
+using F = __m256;
+constexpr int64_t kLanes = 8, kKeys = 2, kChunks = 2;  // 8 accumulators of 16 registers
+inline F codes_at(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+inline F load(const float* p) { return _mm256_loadu_ps(p); }
+inline F splat(float x) { return _mm256_set1_ps(x); }
+inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+inline F zero() { return _mm256_setzero_ps(); }
+inline void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+inline float sum(F a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// x[r][j] = alpha q_r . k_j for NR rows of q (row stride q_ld) and NK keys from key j.
+template <int NR, int NK>
+inline void scores_at(const float* q, int64_t q_ld, const int8_t* codes, const float* scales, const float* mean, int64_t j, int64_t D,
+                      int64_t group, float alpha, float* x, int64_t x_ld) {
+  const int64_t groups = D / group;
+  F acc[NK][NR];
+  for (int k = 0; k < NK; ++k)
+    for (int r = 0; r < NR; ++r) acc[k][r] = zero();
+  for (int64_t g = 0, c = 0; g < groups; ++g) {
+    F s[NK];
+    for (int k = 0; k < NK; ++k) s[k] = splat(scales[(j + k) * groups + g]);
+    for (const int64_t end = c + group; c < end; c += kLanes) {
+      const F m = load(mean + c);
+      F qv[NR];
+      for (int r = 0; r < NR; ++r) qv[r] = load(q + r * q_ld + c);
+      for (int k = 0; k < NK; ++k) {
+        const F key = add(mul(codes_at(codes + (j + k) * D + c), s[k]), m);  // as dequantize_rows
+        for (int r = 0; r < NR; ++r) acc[k][r] = fmadd(key, qv[r], acc[k][r]);
+      }
+    }
+  }
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (NK == 4 && NR == 4) {
+    float s16[16];
+    _mm512_storeu_ps(s16, sums16(&acc[0][0]));  // lane 4k + r: key k, row r
+    for (int k = 0; k < NK; ++k)
+      for (int r = 0; r < NR; ++r) x[r * x_ld + j + k] = alpha * s16[4 * k + r];
+    return;
+  }
+#endif
+  for (int k = 0; k < NK; ++k)
+    for (int r = 0; r < NR; ++r) x[r * x_ld + j + k] = alpha * sum(acc[k][r]);
+}
+
+template <int NR>
+inline void scores_rows(const float* q, int64_t q_ld, const Int8KV& Q, const int8_t* codes, const float* scales, const float* mean,
+                        int64_t width, int64_t D, float alpha, float* x) {
+  int64_t j = 0;
+  for (; j + kKeys <= width; j += kKeys) scores_at<NR, kKeys>(q, q_ld, codes, scales, mean, j, D, Q.group, alpha, x, width);
+  for (; j < width; ++j) scores_at<NR, 1>(q, q_ld, codes, scales, mean, j, D, Q.group, alpha, x, width);
+}
+
+// acc[r][c0 + .] += sum_j p[r][j] v_j[c0 + .] over NC vectors of columns from c0, NR rows.
+template <int NR, int NC>
+inline void values_at(const float* p, int64_t p_ld, const int8_t* codes, const float* scales, int64_t width, int64_t Dv, int64_t c0,
+                      float* acc, int64_t acc_ld) {
+  F a[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) a[r][c] = load(acc + r * acc_ld + c0 + c * kLanes);
+  for (int64_t j = 0; j < width; ++j) {
+    const F s = splat(scales[j]);
+    F v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = mul(codes_at(codes + j * Dv + c0 + c * kLanes), s);  // as dequantize_rows
+    for (int r = 0; r < NR; ++r) {
+      const F w = splat(p[r * p_ld + j]);
+      for (int c = 0; c < NC; ++c) a[r][c] = fmadd(w, v[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) store(acc + r * acc_ld + c0 + c * kLanes, a[r][c]);
+}
+
+template <int NR>
+inline void values_rows(const float* p, int64_t p_ld, const int8_t* codes, const float* scales, int64_t width, int64_t Dv, float* acc,
+                        int64_t acc_ld) {
+  int64_t c0 = 0;
+  for (; c0 + kChunks * kLanes <= Dv; c0 += kChunks * kLanes) values_at<NR, kChunks>(p, p_ld, codes, scales, width, Dv, c0, acc, acc_ld);
+  for (; c0 < Dv; c0 += kLanes) values_at<NR, 1>(p, p_ld, codes, scales, width, Dv, c0, acc, acc_ld);
+}
+
+// Calls f.template operator()<NR>(r0) for row groups of four (the last NR = rows - r0 < 4).
+template <typename F4>
+inline void by_four_rows(int64_t rows, F4&& f) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= rows; r0 += 4) f(std::integral_constant<int, 4>{}, r0);
+  switch (rows - r0) {
+    case 3: f(std::integral_constant<int, 3>{}, r0); break;
+    case 2: f(std::integral_constant<int, 2>{}, r0); break;
+    case 1: f(std::integral_constant<int, 1>{}, r0); break;
+    default: break;
+  }
+}
+}  // namespace int8v
+
+constexpr bool kInt8Direct = true;
+constexpr int64_t kInt8DirectRows = 16;  // a block's rows up to which the codes are multiplied in registers
+constexpr int64_t kInt8Lanes = int8v::kLanes;
+
+// x (rows, width) = alpha q k^T over key tile [j0, j0 + width) of key head `head`.
+inline void int8_scores(const Int8KV& Q, int64_t head, int64_t S, int64_t D, const float* q, int64_t q_ld, int64_t rows, int64_t j0,
+                        int64_t width, float alpha, float* x) {
+  const int64_t groups = D / Q.group;
+  const int8_t* codes = Q.k + (head * S + j0) * D;
+  const float* scales = Q.k_scale + (head * S + j0) * groups;
+  const float* mean = Q.k_mean + head * D;
+  int8v::by_four_rows(rows, [&](auto nr, int64_t r0) {
+    int8v::scores_rows<decltype(nr)::value>(q + r0 * q_ld, q_ld, Q, codes, scales, mean, width, D, alpha, x + r0 * width);
+  });
+}
+
+// acc (rows, Dv) += p (rows, width) v over the same tile.
+inline void int8_values(const Int8KV& Q, int64_t head, int64_t S, int64_t Dv, const float* p, int64_t rows, int64_t j0, int64_t width,
+                        float* acc) {
+  const int8_t* codes = Q.v + (head * S + j0) * Dv;
+  const float* scales = Q.v_scale + head * S + j0;
+  int8v::by_four_rows(rows, [&](auto nr, int64_t r0) {
+    int8v::values_rows<decltype(nr)::value>(p + r0 * width, width, codes, scales, width, Dv, acc + r0 * Dv, Dv);
+  });
+}
+#else
+constexpr bool kInt8Direct = false;
+constexpr int64_t kInt8DirectRows = 0;
+constexpr int64_t kInt8Lanes = 1;
+inline void int8_scores(const Int8KV&, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, float, float*) {}
+inline void int8_values(const Int8KV&, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*) {}
+#endif
+
+}  // namespace

@@ -1,0 +1,117 @@
+"""The compiled kernel's attention over int8 keys and values (kernels/csrc/quantized.h): every
+option against the float64 reference over the record's dequantized K and V, on both of its paths
+(decoding's products from the codes in registers, a few query rows a key head; float32 tiles and
+BLAS for more), at group sizes its vectors take whole and ones they do not; the calls it leaves to
+the specification; its own refusals. tests/test_kernels_build.py runs this file on the AVX2 build
+too."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import attnscale
+from attnscale import kernels, reference
+from attnscale.functional import last_backend
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the compiled kernel is unavailable here (its fallback, the specification, is tested in test_quantized.py)")
+
+H, HKV = 4, 2
+OPTIONS = {
+    "plain": {},
+    "causal top-left": dict(is_causal=True),
+    "causal bottom-right": dict(is_causal=True, causal_alignment="bottom_right"),
+    "window": dict(is_causal=True, causal_alignment="bottom_right", window=(9, 2)),
+    "softcap": dict(softcap=3.0),
+    "alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625])),
+    "sinks": dict(sinks=torch.tensor([0.0, 1.0, -1.0, -math.inf])),
+    "scale": dict(scale=0.3),
+    "bool mask": dict(attn_mask="bool"),
+    "float mask": dict(attn_mask="float"),
+}
+# (L, S, group): L = 1 and 3 put 4 and 12 query rows on a key head (codes multiplied in
+# registers), L = 9 puts 36 (float32 tiles, BLAS); S = 600 spans three key tiles.
+SHAPES = {"decode": (1, 600, 64), "few rows, group 16": (3, 41, 16), "tiles": (9, 600, 64), "group 8": (1, 300, 8), "group 1": (9, 41, 1)}
+# The largest |difference| from the reference these cases measured: 2.8e-6 in the outputs (of order
+# 1; float32 products over up to 600 keys), 3.7e-6 in lse and entropy; the bounds are under twice those.
+ATOL = 5e-6
+ATOL_STATS = 7e-6
+
+
+def _call(L, S, group, name, seed=0, Dv=32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, H, L, 64, generator=gen)
+    k = torch.randn(2, HKV, S, 64, generator=gen) + 2.0 * torch.randn(1, 1, 1, 64, generator=gen)  # channels offset: smoothing matters
+    v = torch.randn(2, HKV, S, Dv, generator=gen)
+    options = dict(OPTIONS[name])
+    if options.get("attn_mask") == "bool":
+        options["attn_mask"] = torch.rand(2, H, L, S, generator=gen) > 0.3
+        options["attn_mask"][..., -1] = True  # no row without a key
+    elif options.get("attn_mask") == "float":
+        options["attn_mask"] = torch.randn(2, 1, L, S, generator=gen)
+    return q, attnscale.quantize_kv(k, v, group=group), options
+
+
+def _reference(q, kv, options):
+    k_back, v_back = (t.double().numpy() for t in kv.dequantize())
+    np_options = {key: (val.numpy() if val.dtype == torch.bool else val.double().numpy()) if isinstance(val, torch.Tensor) else val for key, val in options.items()}
+    out, stats = reference.attention(q.double().numpy(), k_back, v_back, return_stats=True, **np_options)
+    return out, stats
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_the_kernel_is_the_oracle_over_the_dequantized_keys_and_values(shape, name):
+    q, kv, options = _call(*SHAPES[shape], name)
+    out, stats = attnscale.quantized_attention(q, kv, enable_gqa=True, return_stats=True, **options)
+    assert last_backend() == "fused" and out.dtype == torch.float32
+    want, want_stats = _reference(q, kv, options)
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=ATOL)
+    np.testing.assert_allclose(stats.lse.numpy(), want_stats["lse"], rtol=0, atol=ATOL_STATS)
+    np.testing.assert_allclose(stats.entropy.numpy(), want_stats["entropy"], rtol=0, atol=ATOL_STATS)
+    np.testing.assert_array_equal(stats.visible_keys.numpy(), want_stats["visible_keys"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_sixteen_bit_queries_are_widened_and_the_output_stays_float32(dtype):
+    q, kv, options = _call(1, 300, 64, "causal bottom-right")
+    q16 = q.to(dtype)
+    out = attnscale.quantized_attention(q16, kv, enable_gqa=True, **options)
+    assert last_backend() == "fused" and out.dtype == torch.float32
+    want, _ = _reference(q16.float(), kv, options)
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=ATOL)
+
+
+def test_calls_the_kernel_does_not_take_go_to_the_specification():
+    """float64 queries, a query whose gradient is asked for (it reaches q), and rows the kernel
+    flags (a row whose every key is masked: zeros, by the specification's guard)."""
+    q, kv, _ = _call(2, 50, 64, "plain")
+    out64 = attnscale.quantized_attention(q.double(), kv, enable_gqa=True)
+    assert out64.dtype == torch.float64 and last_backend() != "fused"
+    qg = q.clone().requires_grad_()
+    attnscale.quantized_attention(qg, kv, enable_gqa=True).sum().backward()
+    assert qg.grad is not None and bool(qg.grad.abs().sum() > 0)
+    mask = torch.ones(2, H, 2, 50, dtype=torch.bool)
+    mask[0, 1, 0] = False  # one row sees no key
+    out = attnscale.quantized_attention(q, kv, mask, enable_gqa=True)
+    assert bool((out[0, 1, 0] == 0).all())
+    want, _ = _reference(q, kv, {"attn_mask": mask})
+    np.testing.assert_allclose(out.numpy(), np.nan_to_num(want), rtol=0, atol=ATOL)
+
+
+def test_the_binding_refuses_a_layout_it_does_not_take_by_name():
+    q, kv, _ = _call(1, 20, 64, "plain")
+    options = dict(scale=0.125, softcap=0.0, causal=False, q_offset=0, left=-1, right=-1, q_start=0, k_start=0, with_stats=False,
+                   block_q=256, block_k=256, half_products=False, round_out=False)  # fmt: skip
+    run = kernels.load().forward_int8
+    with pytest.raises(ValueError, match="k_scale"):
+        run(q, kv.k, kv.k_scale[..., :1, :], kv.k_mean, kv.v, kv.v_scale, None, None, **options)
+    with pytest.raises(ValueError, match="v_scale"):
+        run(q, kv.k, kv.k_scale, kv.k_mean, kv.v, kv.v_scale.transpose(-1, -2), None, None, **options)
+    with pytest.raises(ValueError, match="k, v"):
+        run(q, kv.k, kv.k_scale, kv.k_mean, kv.v[:, :1], kv.v_scale, None, None, **options)
+    with pytest.raises(ValueError, match="q"):
+        run(q.double(), kv.k, kv.k_scale, kv.k_mean, kv.v, kv.v_scale, None, None, **options)
+    with pytest.raises(ValueError, match="half_products"):
+        run(q, kv.k, kv.k_scale, kv.k_mean, kv.v, kv.v_scale, None, None, **{**options, "half_products": True})
