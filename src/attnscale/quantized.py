@@ -197,9 +197,9 @@ def quantized_attention(
     """Attention of ``query`` (B, H, L, D) over the int8 keys and values of ``kv``: what
     :func:`attnscale.scaled_dot_product_attention` computes over ``kv.dequantize()``, every option
     (``attn_mask`` among them: bool, True = attend, or float, added) meaning what it means there
-    (``scale=None`` is ``1/sqrt(D)``), in float32 (the output is
-    float32 (float64 for float64 queries); its error against float attention is the
-    quantization's, see tests/test_quantized.py).
+    (``scale=None`` is ``1/sqrt(D)``), accumulated in float32 (float64 for float64 queries), the
+    output in the query's dtype as torch's SDPA gives it; its error against float attention is the
+    quantization's (tests/test_quantized.py).
 
     >>> import torch, attnscale
     >>> q, k, v = torch.randn(1, 4, 3, 64), torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
@@ -224,7 +224,10 @@ def quantized_attention(
     k, v = kv.dequantize()
     if query.dtype == torch.float64:
         k, v = k.double(), v.double()
-    return scaled_dot_product_attention(query if query.dtype == torch.float64 else query.float(), k, v, attn_mask, **options)
+    out = scaled_dot_product_attention(query if query.dtype == torch.float64 else query.float(), k, v, attn_mask, **options)
+    if query.dtype in (torch.float64, torch.float32):
+        return out
+    return (out[0].to(query.dtype), out[1]) if isinstance(out, tuple) else out.to(query.dtype)
 
 
 def _kernel_takes(query: Tensor, kv: QuantizedKV, attn_mask: Tensor | None, alibi_slopes: Tensor | None) -> bool:
@@ -246,13 +249,12 @@ def _in_kernel(query: Tensor, kv: QuantizedKV, attn_mask: Tensor | None, **optio
     the int8 codes. None where some output row is non-finite or all zeros: the caller then computes
     the call through the specification, whose guard decides each row."""
     B, Hkv, S, D = kv.k.shape
-    q = query if query.dtype == torch.float32 else query.float()
-    stand_in = kv.k_mean.new_empty(())  # shapes only: validation reads no key or value
+    stand_in = kv.k_mean.new_empty((), dtype=query.dtype)  # shapes only: validation reads no key or value
     call = check_attention_call(
-        q, stand_in.expand(B, Hkv, S, D), stand_in.expand(B, Hkv, S, kv.v.shape[-1]), attn_mask=attn_mask, dropout_p=0.0, backend="auto", **options
+        query, stand_in.expand(B, Hkv, S, D), stand_in.expand(B, Hkv, S, kv.v.shape[-1]), attn_mask=attn_mask, dropout_p=0.0, backend="auto", **options
     )  # fmt: skip
     out, stats, rows_ok = fused.int8_attention(
-        q, (kv.k, kv.k_scale, kv.k_mean, kv.v, kv.v_scale), path=call.path, attn_mask=attn_mask, alibi_slopes=options["alibi_slopes"],
+        query, (kv.k, kv.k_scale, kv.k_mean, kv.v, kv.v_scale), path=call.path, attn_mask=attn_mask, alibi_slopes=options["alibi_slopes"],
         sinks=options["sinks"], return_stats=call.return_stats,
     )  # fmt: skip
     if not bool(rows_ok):

@@ -197,10 +197,13 @@ std::vector<torch::Tensor> forward_with(const torch::Tensor& q, const torch::Ten
   return result;
 }
 
-// Attention of float32 q (B, H, L, D) over int8 keys and values (Problem::int8; check_int8_call
-// gives the layout): the forward's outputs as forward_with returns them for float32 inputs. The
-// query heads of each key head are folded into its rows (Problem::fold), so a tile is dequantized
-// once for all of them; rows take no static offset (no bound on the int8 keys' norms is made).
+// Attention of q (B, H, L, D) over int8 keys and values (Problem::int8; check_int8_call gives the
+// layout): the forward's outputs as forward_with returns them for float32 inputs, rows taking no
+// static offset (no bound on the int8 keys' norms is made). float32 q: the query heads of each key
+// head are folded into its rows (Problem::fold), so a tile is dequantized once for all of them
+// (decoding: its products taken from the codes, Problem::int8_direct). bfloat16 q (prefill, where
+// brgemm runs and D is even): the codes dequantized into brgemm's bfloat16 packs (pack_int8) and
+// the bfloat16 kernel run on them.
 std::vector<torch::Tensor> forward_int8(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& k_scale,
                                         const torch::Tensor& k_mean, const torch::Tensor& v, const torch::Tensor& v_scale,
                                         const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
@@ -208,27 +211,30 @@ std::vector<torch::Tensor> forward_int8(const torch::Tensor& q, const torch::Ten
   const Options o = Options::from(options);
   check_int8_call(q, k, k_scale, k_mean, v, v_scale, alibi, mask, o);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
+  const bool packs = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE(!packs || (D % 2 == 0 && S > 0 && brgemm_runs()),
+                    "torch.ops.attnscale: q: expected float32 where brgemm does not run here, D is odd or there are no keys, got bfloat16 with D = ", D,
+                    ", S = ", S, ". Fix: pass q.float()");
   auto make = [&](at::IntArrayRef shape, double, at::ScalarType dtype) { return torch::empty(shape, q.options().dtype(dtype)); };
-  std::vector<torch::Tensor> result{make({B, H, L, Dv}, 0.0, at::kFloat), make({B, H, L}, 0.0, at::kFloat), make({B, H, L}, 0.0, at::kFloat),
-                                    make({B, H, L}, 0.0, at::kFloat)};
+  // round_out (bfloat16 q): the rows rounded to bfloat16 as they are written, as forward_with's.
+  std::vector<torch::Tensor> result{make({B, H, L, Dv}, 0.0, o.round_out ? at::kBFloat16 : at::kFloat), make({B, H, L}, 0.0, at::kFloat),
+                                    make({B, H, L}, 0.0, at::kFloat), make({B, H, L}, 0.0, at::kFloat)};
   add_statistics(result, make, q.options(), B, H, L, at::kFloat, o.with_stats);
   std::atomic<bool> suspect{false};
   if (H > 0 && L > 0) {
     const Int8KV codes{k.const_data_ptr<int8_t>(), v.const_data_ptr<int8_t>(), k_scale.const_data_ptr<float>(),
                        k_mean.const_data_ptr<float>(), v_scale.const_data_ptr<float>(), D / k_scale.size(3)};
     Problem<float> P{};
-    const int64_t G = H / Hkv;
-    P.q = q.const_data_ptr<float>(), P.q_sb = H * L * D, P.q_sh = G * L * D, P.q_sl = D;
-    P.B = B, P.H = Hkv, P.Hkv = Hkv, P.L = G * L, P.S = S, P.D = D, P.Dv = Dv;
-    P.int8 = &codes, P.fold = G, P.fold_rows = L;
+    const int64_t G = packs ? 1 : H / Hkv;  // query heads folded into a key head's rows
+    P.q_sb = H * L * D, P.q_sh = G * L * D, P.q_sl = D;
+    P.B = B, P.H = H / G, P.Hkv = Hkv, P.L = G * L, P.S = S, P.D = D, P.Dv = Dv;
+    P.fold = G, P.fold_rows = L;
     P.scale = static_cast<float>(o.scale);
     P.softcap = o.softcap > 0 ? std::max(static_cast<float>(o.softcap), std::numeric_limits<float>::epsilon() / 8) : 0.0f;  // as make_problem
     P.causal = o.causal, P.q_offset = o.q_offset, P.left = o.left, P.right = o.right;
     P.q_start = o.q_start, P.k_start = o.k_start;
     P.block_q = o.block_q, P.block_k = o.block_k;
     P.o_rows = P.L, P.o_start = 0, P.k_rows = S, P.k_out_start = 0;
-    const int64_t lanes = kInt8Lanes;
-    P.int8_direct = kInt8Direct && P.tile_rows() <= kInt8DirectRows && D % lanes == 0 && codes.group % lanes == 0 && Dv % lanes == 0;
     if (alibi.has_value()) P.alibi = alibi->data_ptr<float>(), P.al_sb = alibi->stride(0), P.al_sh = alibi->stride(1);
     if (mask.has_value()) {
       if (mask->scalar_type() == torch::kBool)
@@ -237,7 +243,24 @@ std::vector<torch::Tensor> forward_int8(const torch::Tensor& q, const torch::Ten
         P.fmask = mask->data_ptr<float>();
       P.m_sb = mask->stride(0), P.m_sh = mask->stride(1), P.m_sl = mask->stride(2), P.m_ss = mask->stride(3);
     }
-    forward_kernel(P, forward_out<float>(result, o.with_stats, &suspect));
+    PackPtr packed;
+    std::vector<float> kmax;  // bfloat16 packs: rows may take static offsets where every logit is bounded, as in forward_with
+    if (packs) {
+      P.half = kBF16, P.qh = static_cast<const uint16_t*>(q.const_data_ptr());
+      if (P.alibi == nullptr && P.fmask == nullptr) kmax.resize(B * Hkv);
+      packed = pack_int8(P, codes, kmax.empty() ? nullptr : kmax.data());
+      if (!kmax.empty()) P.kmax = kmax.data();
+    } else {
+      const int64_t lanes = kInt8Lanes;
+      P.q = q.const_data_ptr<float>(), P.int8 = &codes;
+      P.int8_direct = kInt8Direct && P.tile_rows() <= kInt8DirectRows && D % lanes == 0 && codes.group % lanes == 0 && Dv % lanes == 0;
+    }
+    ForwardOut<float> O = forward_out<float>(result, o.with_stats, &suspect);
+    if (o.round_out) {
+      O.out16 = static_cast<uint16_t*>(result[0].data_ptr()), O.out16_kind = kBF16;
+      O.template set_rounded_range<at::BFloat16>();
+    }
+    forward_kernel(P, O);
   }
   result.push_back(torch::scalar_tensor(!suspect.load(), q.options().dtype(torch::kBool)));
   return result;
@@ -554,7 +577,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alibi"), py::arg("mask"), py::arg("spans"));
   module.def("forward_ordered", &forward_ordered, "forward with the options as one tuple in option_names' order (attnscale.kernels.ops.KernelOptions, whose order is checked at load)",
              py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alibi"), py::arg("mask"), py::arg("spans"), py::arg("options"));
-  module.def("forward_int8", &forward_int8, "attention of float32 q over int8 keys and values (attnscale.QuantizedKV's layout): forward's outputs; the options by keyword (Options)",
+  module.def("forward_int8", &forward_int8, "attention of float32 or bfloat16 q over int8 keys and values (attnscale.QuantizedKV's layout): forward's outputs; the options by keyword (Options)",
              py::arg("q"), py::arg("k"), py::arg("k_scale"), py::arg("k_mean"), py::arg("v"), py::arg("v_scale"), py::arg("alibi"), py::arg("mask"));
   module.def("option_names", &Options::names, "the options forward and backward take by keyword, in their order (Options)");
   module.def("brgemm_runs", &brgemm_runs, "whether bfloat16 products with an even head dim go through torch's brgemm (oneDNN) here, not oneMKL");

@@ -410,6 +410,9 @@ def fused_varlen_attention(
     return out, stats if sinks is None else with_sinks(stats, sinks), rows_ok
 
 
+INT8_PACK_ROWS = 64
+"""Query rows a key head at most (query heads times L) whose bfloat16 queries still take the codes
+in float32 (:func:`int8_attention`); more take them dequantized into bfloat16 packs."""
 INT8_BLOCK_K = 256
 """Keys a tile of :func:`int8_attention` at most: the few rows of a decoding step multiply the codes
 straight from memory, and 256 keys' codes (64 KiB at D = Dv = 128) stay in the core's caches
@@ -427,22 +430,35 @@ def int8_attention(
     return_stats: bool = False,
 ) -> tuple[Tensor, AttentionStats | None, Tensor]:
     """Attention of a validated query (B, H, L, D) over int8 keys and values in one kernel call:
-    ``codes`` = (k, k_scale, k_mean, v, v_scale) of an :class:`attnscale.QuantizedKV`, each tile
-    dequantized in the kernel's scratch as it is reached (csrc/quantized.h), then the float32
-    kernel's products and rows, the query heads of a key head taking each tile together. Returns
-    (out (B, H, L, Dv) float32, stats or None, rows_ok as :func:`fused_attention_checked` gives
-    it). Every size >= 1; no gradient flows (the caller sends those calls elsewhere)."""
+    ``codes`` = (k, k_scale, k_mean, v, v_scale) of an :class:`attnscale.QuantizedKV`. The query in
+    float32, the query heads of a key head taking each of its tiles together: the codes multiplied
+    in registers for a decoding step's few rows, else each tile dequantized into float32 scratch
+    (csrc/quantized.h). A bfloat16 query with more than INT8_PACK_ROWS rows a key head, where
+    brgemm runs: the codes dequantized into bfloat16 packs and the bfloat16 kernel's products
+    (what torch's bfloat16 attention computes over the dequantized K and V rounded to bfloat16).
+    Returns (out (B, H, L, Dv) in the query's dtype, stats or None, rows_ok as
+    :func:`fused_attention_checked` gives it). Every size >= 1; no gradient flows (the caller sends
+    those calls elsewhere)."""
     _check_runnable(query, attn_mask, alibi_slopes)
     k, k_scale, k_mean, v, v_scale = (t.contiguous() for t in codes)
     B, H, L = query.shape[:3]
     G = H // k.shape[1]
     spec = _Spec(path=path, batch=(B,), H=H, Hkv=k.shape[1], q_start=0, k_start=0, with_stats=return_stats, block_q=0, block_k=0)
     options = spec.options(False, False)
-    # The kernel's rows are a key head's query heads one after another (G L of them): tiles for those;
-    # a key tile of few rows stays at INT8_BLOCK_K keys, whose codes stay in the core's caches.
-    block_q, block_k = ops.default_blocks(options.causal, options.left >= 0 or options.right >= 0, G * L, None)
-    options = options._replace(block_q=block_q, block_k=min(block_k, INT8_BLOCK_K))
-    q = query.to(torch.float32).contiguous()
+    windowed = options.left >= 0 or options.right >= 0
+    if query.dtype is torch.bfloat16 and G * L > INT8_PACK_ROWS and query.shape[-1] % 2 == 0 and load().brgemm_runs():
+        # Prefill in bfloat16: the codes dequantized into brgemm's bfloat16 packs, the bfloat16
+        # kernel's tiles, the rows rounded to bfloat16 as they are written (unless sinks rescale them).
+        q = query.contiguous()
+        block_q, block_k = ops.default_blocks(options.causal, windowed, L, None)
+        options = options._replace(round_out=sinks is None)
+    else:
+        # The kernel's rows are a key head's query heads one after another (G L of them): tiles for
+        # those; a key tile of few rows stays at INT8_BLOCK_K keys, whose codes stay in the core's caches.
+        q = query.to(torch.float32).contiguous()
+        block_q, block_k = ops.default_blocks(options.causal, windowed, G * L, None)
+        block_k = min(block_k, INT8_BLOCK_K)
+    options = options._replace(block_q=block_q, block_k=block_k)
     mask, slopes = _flat_mask(attn_mask, spec, L, k.shape[2], torch.float32), _flat_slopes(alibi_slopes, spec, torch.float32)
     out, lse, _, _, *rest, verdict = load().forward_int8(q, k, k_scale, k_mean, v, v_scale, slopes, mask, **options._asdict())
-    return _finished(torch.float32, out, lse, rest, verdict, sinks, return_stats)
+    return _finished(query.dtype, out, lse, rest, verdict, sinks, return_stats)

@@ -113,14 +113,15 @@ inline void check_call(const torch::Tensor& q, const torch::Tensor& k, const tor
   }
 }
 
-// An int8 call (Problem::int8): q float32 (B, H, L, D) contiguous; codes k (B, Hkv, S, D) and v
+// An int8 call (Problem::int8): q float32 or bfloat16 (B, H, L, D) contiguous; codes k (B, Hkv, S, D) and v
 // (B, Hkv, S, Dv) int8, scales k_scale (B, Hkv, S, D / group), v_scale (B, Hkv, S, 1) and k_mean
 // (B, Hkv, 1, D) float32, all contiguous CPU tensors; D, Dv >= 1; no 16-bit options.
 inline void check_int8_call(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& k_scale, const torch::Tensor& k_mean,
                             const torch::Tensor& v, const torch::Tensor& v_scale, const c10::optional<torch::Tensor>& alibi,
                             const c10::optional<torch::Tensor>& mask, const Options& o) {
-  ATTNSCALE_REFUSE(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu() && q.size(3) >= 1, "q",
-                   "a contiguous float32 CPU tensor (B, H, L, D), D >= 1", c10::str(q.scalar_type(), " ", q.sizes(), " on ", q.device()));
+  ATTNSCALE_REFUSE(q.dim() == 4 && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.is_contiguous() &&
+                       q.device().is_cpu() && q.size(3) >= 1,
+                   "q", "a contiguous float32 or bfloat16 CPU tensor (B, H, L, D), D >= 1", c10::str(q.scalar_type(), " ", q.sizes(), " on ", q.device()));
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
   ATTNSCALE_REFUSE(k.dim() == 4 && v.dim() == 4 && k.size(0) == B && v.sizes().slice(0, 3) == k.sizes().slice(0, 3) && k.size(3) == D &&
                        v.size(3) >= 1 && k.size(1) >= 1 && H % k.size(1) == 0,
@@ -138,8 +139,8 @@ inline void check_int8_call(const torch::Tensor& q, const torch::Tensor& k, cons
     ATTNSCALE_REFUSE(x.scalar_type() == dtype && x.is_contiguous() && x.device().is_cpu(), name, c10::str("a contiguous ", dtype, " CPU tensor"),
                      c10::str(x.scalar_type(), (x.is_contiguous() ? "" : " strided"), " on ", x.device()));
   check_options(o);
-  ATTNSCALE_REFUSE(!o.half_products && !o.round_out, "half_products, round_out", "False (int8 keys and values compute in float32)",
-                   c10::str(o.half_products, ", ", o.round_out));
+  ATTNSCALE_REFUSE(!o.half_products && (!o.round_out || q.scalar_type() == at::kBFloat16), "half_products, round_out",
+                   "False (int8 keys and values take no 16-bit product option; round_out only with bfloat16 q)", c10::str(o.half_products, ", ", o.round_out));
   const double top = std::numeric_limits<float>::max();
   ATTNSCALE_REFUSE(std::abs(o.scale) <= top && o.softcap <= top, "scale, softcap", "values that fit float32, where the scores are computed",
                    c10::str(o.scale, ", ", o.softcap));

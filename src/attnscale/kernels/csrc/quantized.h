@@ -2,7 +2,7 @@
 // products take them.
 #pragma once
 
-#include "problem.h"
+#include "packing.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -219,5 +219,50 @@ constexpr int64_t kInt8Lanes = 1;
 inline void int8_scores(const Int8KV&, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, float, float*) {}
 inline void int8_values(const Int8KV&, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*) {}
 #endif
+
+
+// Prefill with bfloat16 queries where brgemm runs: brgemm's packs of the keys and values
+// (Problem::kpack, vpack, packing.h's layouts) made from the codes, each key head's rows
+// dequantized (dequantize_rows' floats) and rounded to bfloat16 (to nearest even), then packed as
+// pack_problem packs bfloat16 inputs; the bfloat16 kernel then runs on them, its products those of
+// bfloat16 inputs. kmax (or null): each key head's key_norm from the packs, as pack_problem makes
+// it (B, Hkv), where rows may take a static offset. Returns the call's own memory (null where the
+// thread's serves).
+inline PackPtr pack_int8(Problem<float>& P, const Int8KV& Q, float* kmax) {
+  const int64_t D = P.D, Dv = P.Dv, S = P.S, s_pad = (S + 1) & ~int64_t(1), heads = P.B * P.Hkv, groups = D / Q.group;
+  PackPtr own;
+  uint16_t* const memory = pack_memory(heads * s_pad * (D + Dv), own);
+  uint16_t* const kpack = memory;
+  uint16_t* const vpack = memory + heads * D * s_pad;
+  at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+    constexpr int64_t rows = 64;  // keys dequantized and rounded at a time
+    std::vector<float> wide(rows * std::max(D, Dv));
+    std::vector<uint16_t> narrow(S * std::max(D, Dv));
+    for (int64_t head = begin; head < end; ++head) {
+      for (const bool keys : {true, false}) {
+        const int64_t d = keys ? D : Dv;
+        for (int64_t j0 = 0; j0 < S; j0 += rows) {
+          const int64_t n = std::min(rows, S - j0);
+          if (keys)
+            dequantize_rows(Q.k + (head * S + j0) * D, Q.k_scale + (head * S + j0) * groups, Q.k_mean + head * D, n, D, Q.group, wide.data());
+          else
+            dequantize_rows(Q.v + (head * S + j0) * Dv, Q.v_scale + head * S + j0, nullptr, n, Dv, Dv, wide.data());
+          round_row(wide.data(), n * d, reinterpret_cast<at::BFloat16*>(narrow.data() + j0 * d));
+        }
+        if (keys) {
+          pack_transposed(narrow.data(), D, S, D, s_pad, kpack + head * D * s_pad);
+        } else if (kmax) {  // the values' peak from the packing's reads, the keys' norms from the packed k^T
+          const uint16_t peak = pack_paired<true>(narrow.data(), Dv, S, Dv, s_pad, vpack + head * s_pad * Dv);
+          const float vmax = peak > 0x7f80 ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(c10::BFloat16(peak, c10::BFloat16::from_bits()));
+          kmax[head] = offset_norm(P, packed_key_norm2(kpack + head * D * s_pad, S, D, s_pad), vmax);
+        } else {
+          pack_paired(narrow.data(), Dv, S, Dv, s_pad, vpack + head * s_pad * Dv);
+        }
+      }
+    }
+  });
+  P.kpack = kpack, P.vpack = vpack, P.s_pad = s_pad;
+  return own;
+}
 
 }  // namespace
