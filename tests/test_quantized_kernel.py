@@ -170,3 +170,16 @@ def test_the_kernels_error_against_torchs_bfloat16_attention(L):
         peaks.append(float(ours.max() / theirs.max()))
     mean_bound, peak_bound = ERROR_RATIO[L]
     assert max(means) <= mean_bound and max(peaks) <= peak_bound, (means, peaks)
+
+
+@pytest.mark.parametrize("L", [1, 9, 40], ids=["decoding", "tiles", "bfloat16 packs"])
+def test_a_record_of_views_into_longer_buffers_is_read_where_it_lies(L):
+    """The first S keys of a longer cache (views whose heads lie apart, as attnscale.Int8Cache
+    publishes them) give the bits of the same record copied out contiguous."""
+    q, long, _ = _call(L, 120, 64, "plain", Dv=64)
+    S = 77
+    views = attnscale.QuantizedKV(long.k[:, :, :S], long.k_scale[:, :, :S], long.k_mean, long.v[:, :, :S], long.v_scale[:, :, :S], long.group)
+    assert not views.k.is_contiguous()
+    copies = attnscale.QuantizedKV(*(t.contiguous() for t in (views.k, views.k_scale, views.k_mean, views.v, views.v_scale)), views.group)
+    q = q.bfloat16() if L == 40 else q
+    assert torch.equal(attnscale.quantized_attention(q, views, enable_gqa=True), attnscale.quantized_attention(q, copies, enable_gqa=True))

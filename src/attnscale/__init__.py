@@ -37,6 +37,10 @@ def __getattr__(name: str) -> object:
         from .diagnostics.monitor import monitor
 
         return monitor
+    if name == "Int8Cache":  # imports transformers
+        from .integrations.hf_cache import Int8Cache
+
+        return Int8Cache
     raise AttributeError(f"module 'attnscale' has no attribute {name!r}")
 
 __all__ = [
@@ -48,6 +52,7 @@ __all__ = [
     "HeadSummary",
     "InputError",
     "InputTypeError",
+    "Int8Cache",
     "KVCache",
     "MultiHeadAttention",
     "QuantizedKV",

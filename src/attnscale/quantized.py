@@ -42,7 +42,7 @@ from .kernels import fused
 from .masks import CausalAlignment, slopes_learned
 from .stats import AttentionStats
 
-__all__ = ["QuantizedKV", "quantize_kv", "quantized_attention"]
+__all__ = ["QuantizedKV", "quantize_codes", "quantize_kv", "quantized_attention"]
 
 QMAX = 127
 """Symmetric int8: codes in [-127, 127] (-128 unused, so that negation stays in range)."""
@@ -65,6 +65,16 @@ class QuantizedKV:
 
     def __post_init__(self) -> None:
         _check_record(self)
+
+    @classmethod
+    def trusted(cls, k: Tensor, k_scale: Tensor, k_mean: Tensor, v: Tensor, v_scale: Tensor, group: int) -> QuantizedKV:
+        """A record of tensors this module made (:func:`quantize_codes`' output, or views of a cache
+        filled with it), without the record's checks (a pass over every scale): for caches that
+        publish a record of their first S keys at every decoding step."""
+        record = object.__new__(cls)
+        for name, value in zip(("k", "k_scale", "k_mean", "v", "v_scale", "group"), (k, k_scale, k_mean, v, v_scale, group), strict=True):
+            object.__setattr__(record, name, value)
+        return record
 
     @property
     def length(self) -> int:
@@ -112,17 +122,29 @@ def quantize_kv(k: Tensor, v: Tensor, *, group: int = GROUP, smooth: bool = True
     True
     """
     _check_kv(k, v)
+    wide = k.float()
+    mean = wide.mean(dim=-2, keepdim=True) if smooth and k.shape[-2] else torch.zeros_like(wide[..., :1, :])
+    k_codes, k_scale, v_codes, v_scale = quantize_codes(k, v, group=group, mean=mean)
+    return QuantizedKV(k_codes, k_scale, mean, v_codes, v_scale, k.shape[-1] // k_scale.shape[-1])
+
+
+def quantize_codes(k: Tensor, v: Tensor, *, group: int, mean: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The int8 codes and scales of :func:`quantize_kv`'s layout for k (B, Hkv, S, D) smoothed by
+    ``mean`` (B, Hkv, 1, D) and v (B, Hkv, S, Dv): (k codes, k_scale, v codes, v_scale), ``group``
+    channels of K a scale (all D where D < ``group``). For caches that append keys with a mean of
+    their own (:class:`attnscale.Int8Cache`)."""
+    _check_kv(k, v)
     D = k.shape[-1]
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         fail("group", "a positive int (channels of K per scale)", repr(group), f"pass e.g. group={GROUP}")
     group = min(group, D)
     if D % group:
         fail("group", f"a divisor of the key dim D = {D}", repr(group), f"pass group={math.gcd(D, group)} or {D}")
-    wide = k.float()
-    mean = wide.mean(dim=-2, keepdim=True) if smooth and k.shape[-2] else torch.zeros_like(wide[..., :1, :])
-    k_codes, k_scale = _quantize(wide - mean, group)
+    if not isinstance(mean, Tensor) or mean.dtype != torch.float32 or tuple(mean.shape) != (*k.shape[:-2], 1, D) or mean.device != k.device:
+        fail("mean", f"float32 (B, Hkv, 1, D) = {(*k.shape[:-2], 1, D)} on {k.device}", f"{getattr(mean, 'dtype', type(mean).__name__)} {tuple(getattr(mean, 'shape', ()))}", "pass the mean the cache's keys were smoothed by")
+    k_codes, k_scale = _quantize(k.float() - mean, group)
     v_codes, v_scale = _quantize(v.float(), v.shape[-1])
-    return QuantizedKV(k_codes, k_scale, mean, v_codes, v_scale, group)
+    return k_codes, k_scale, v_codes, v_scale
 
 
 def _quantize(x: Tensor, group: int) -> tuple[Tensor, Tensor]:

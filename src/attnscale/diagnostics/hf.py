@@ -181,7 +181,8 @@ def attnscale_attention_forward(
     L, S = query.shape[-2], key.shape[-2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and L > 1 and attention_mask is None
-    if causal and S > L:
+    record = _int8_record(key)
+    if causal and S > L and record is None:
         # Prefill into a larger static cache: as in transformers' SDPA path, the trailing keys are empty slots.
         key, value = key[..., :L, :], value[..., :L, :]
         position_bias = position_bias[..., :L] if position_bias is not None else None
@@ -211,11 +212,37 @@ def attnscale_attention_forward(
     )
     monitor = active_monitor()
     layer = monitor.name_of(module) if monitor is not None else None
-    if monitor is not None and layer is not None:
+    if record is not None:
+        out = _int8_attention(query, record, options, monitored=layer is not None)
+    elif monitor is not None and layer is not None:
         out, _ = monitor.attend(layer, ROUTE_HF, query, key, value, **options)
     else:
         out = scaled_dot_product_attention(query, key, value, **options)
     return out.transpose(1, 2).contiguous(), None  # (B, L, H, Dv)
+
+
+def _int8_record(key: Tensor) -> Any:
+    """The :class:`attnscale.QuantizedKV` behind int8 key codes an :class:`attnscale.Int8Cache`
+    layer returned (None for float keys); int8 keys of any other origin are refused."""
+    if key.dtype is not torch.int8:
+        return None
+    from ..integrations.hf_cache import record_of
+
+    record = record_of(key)
+    if record is None:
+        fail("key", "float keys, or the int8 codes an attnscale.Int8Cache layer returned", "an int8 tensor of another origin", "pass past_key_values=attnscale.Int8Cache()")
+    return record
+
+
+def _int8_attention(query: Tensor, record: Any, options: dict[str, Any], *, monitored: bool) -> Tensor:
+    """Attention over an Int8Cache layer's record (:func:`attnscale.quantized_attention`)."""
+    from ..quantized import quantized_attention
+
+    if options.pop("dropout_p"):
+        fail("dropout", "0 with an Int8Cache (int8 attention has no dropout)", "a positive dropout", "call model.eval(), or use a float cache to train")
+    if monitored:
+        fail("past_key_values", "a float cache while attnscale.monitor records the model", "an attnscale.Int8Cache", "monitor with a float cache (the monitor reads float keys)")
+    return quantized_attention(query, record, options.pop("attn_mask"), **options)  # type: ignore[return-value]
 
 
 def register(name: str = NAME) -> str:

@@ -222,8 +222,9 @@ std::vector<torch::Tensor> forward_int8(const torch::Tensor& q, const torch::Ten
   add_statistics(result, make, q.options(), B, H, L, at::kFloat, o.with_stats);
   std::atomic<bool> suspect{false};
   if (H > 0 && L > 0) {
-    const Int8KV codes{k.const_data_ptr<int8_t>(), v.const_data_ptr<int8_t>(), k_scale.const_data_ptr<float>(),
-                       k_mean.const_data_ptr<float>(), v_scale.const_data_ptr<float>(), D / k_scale.size(3)};
+    const Int8KV codes{k.const_data_ptr<int8_t>(), v.const_data_ptr<int8_t>(), k_scale.const_data_ptr<float>(), k_mean.const_data_ptr<float>(),
+                       v_scale.const_data_ptr<float>(), D / k_scale.size(3), Hkv, D, Dv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                       k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1), k_mean.stride(0), k_mean.stride(1)};
     Problem<float> P{};
     const int64_t G = packs ? 1 : H / Hkv;  // query heads folded into a key head's rows
     P.q_sb = H * L * D, P.q_sh = G * L * D, P.q_sl = D;

@@ -410,6 +410,14 @@ def fused_varlen_attention(
     return out, stats if sinks is None else with_sinks(stats, sinks), rows_ok
 
 
+def _head_rows(x: Tensor) -> bool:
+    """Whether x (B, heads, n, d) lies as the int8 kernel reads it: each head's rows one after
+    another (views of a longer cache's first n rows among them)."""
+    B, heads, n, d = x.shape
+    strides = x.stride()
+    return (strides[3] == 1 or d <= 1) and (strides[2] == d or n <= 1) and min(strides) >= 0
+
+
 INT8_PACK_ROWS = 64
 """Query rows a key head at most (query heads times L) whose bfloat16 queries still take the codes
 in float32 (:func:`int8_attention`); more take them dequantized into bfloat16 packs."""
@@ -440,7 +448,7 @@ def int8_attention(
     :func:`fused_attention_checked` gives it). Every size >= 1; no gradient flows (the caller sends
     those calls elsewhere)."""
     _check_runnable(query, attn_mask, alibi_slopes)
-    k, k_scale, k_mean, v, v_scale = (t.contiguous() for t in codes)
+    k, k_scale, k_mean, v, v_scale = (t if _head_rows(t) else t.contiguous() for t in codes)
     B, H, L = query.shape[:3]
     G = H // k.shape[1]
     spec = _Spec(path=path, batch=(B,), H=H, Hkv=k.shape[1], q_start=0, k_start=0, with_stats=return_stats, block_q=0, block_k=0)

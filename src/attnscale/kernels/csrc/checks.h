@@ -115,7 +115,7 @@ inline void check_call(const torch::Tensor& q, const torch::Tensor& k, const tor
 
 // An int8 call (Problem::int8): q float32 or bfloat16 (B, H, L, D) contiguous; codes k (B, Hkv, S, D) and v
 // (B, Hkv, S, Dv) int8, scales k_scale (B, Hkv, S, D / group), v_scale (B, Hkv, S, 1) and k_mean
-// (B, Hkv, 1, D) float32, all contiguous CPU tensors; D, Dv >= 1; no 16-bit options.
+// (B, Hkv, 1, D) float32, CPU tensors laid out as Int8KV reads them; D, Dv >= 1.
 inline void check_int8_call(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& k_scale, const torch::Tensor& k_mean,
                             const torch::Tensor& v, const torch::Tensor& v_scale, const c10::optional<torch::Tensor>& alibi,
                             const c10::optional<torch::Tensor>& mask, const Options& o) {
@@ -134,10 +134,14 @@ inline void check_int8_call(const torch::Tensor& q, const torch::Tensor& k, cons
                    c10::str("(B, Hkv, 1, D) = (", B, ", ", Hkv, ", 1, ", D, ")"), "shape " + shape_of(k_mean));
   ATTNSCALE_REFUSE(v_scale.dim() == 4 && v_scale.sizes().slice(0, 3) == k.sizes().slice(0, 3) && v_scale.size(3) == 1, "v_scale",
                    c10::str("(B, Hkv, S, 1) = (", B, ", ", Hkv, ", ", S, ", 1)"), "shape " + shape_of(v_scale));
+  // Each head's rows one after another (the kernel walks them by the row's width); batches and
+  // heads at any non-negative strides (views of a longer cache's first S keys).
   for (const auto& [name, x, dtype] : {std::tuple<const char*, const torch::Tensor&, at::ScalarType>{"k", k, at::kChar}, {"v", v, at::kChar},
                                        {"k_scale", k_scale, at::kFloat}, {"k_mean", k_mean, at::kFloat}, {"v_scale", v_scale, at::kFloat}})
-    ATTNSCALE_REFUSE(x.scalar_type() == dtype && x.is_contiguous() && x.device().is_cpu(), name, c10::str("a contiguous ", dtype, " CPU tensor"),
-                     c10::str(x.scalar_type(), (x.is_contiguous() ? "" : " strided"), " on ", x.device()));
+    ATTNSCALE_REFUSE(x.scalar_type() == dtype && x.device().is_cpu() && (x.stride(3) == 1 || x.size(3) <= 1) &&
+                         (x.stride(2) == x.size(3) || x.size(2) <= 1) && x.stride(0) >= 0 && x.stride(1) >= 0,
+                     name, c10::str("a ", dtype, " CPU tensor whose rows of each head lie one after another"),
+                     c10::str(x.scalar_type(), " with strides ", x.strides(), " on ", x.device()));
   check_options(o);
   ATTNSCALE_REFUSE(!o.half_products && (!o.round_out || q.scalar_type() == at::kBFloat16), "half_products, round_out",
                    "False (int8 keys and values take no 16-bit product option; round_out only with bfloat16 q)", c10::str(o.half_products, ", ", o.round_out));

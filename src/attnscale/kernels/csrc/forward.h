@@ -173,9 +173,9 @@ Tile<T> tile_at(const Problem<T>& P, const Block<T>& B, ForwardScratch<T>& W, in
   if constexpr (std::is_same_v<T, float>) {
     if (P.int8 && !P.int8_direct) {  // the tile's codes as float32 rows (P.H = P.Hkv: the block's head is its key head)
       const Int8KV& Q = *P.int8;
-      const int64_t head = B.b * P.Hkv + B.hk, groups = P.D / Q.group;
-      dequantize_rows(Q.k + (head * P.S + j0) * P.D, Q.k_scale + (head * P.S + j0) * groups, Q.k_mean + head * P.D, t.width, P.D, Q.group, W.wk.data());
-      dequantize_rows(Q.v + (head * P.S + j0) * P.Dv, Q.v_scale + head * P.S + j0, nullptr, t.width, P.Dv, P.Dv, W.wv.data());
+      const int64_t head = B.b * P.Hkv + B.hk;
+      dequantize_rows(Q.keys(head, j0), Q.key_scales(head, j0), Q.mean(head), t.width, P.D, Q.group, W.wk.data());
+      dequantize_rows(Q.values(head, j0), Q.value_scales(head, j0), nullptr, t.width, P.Dv, P.Dv, W.wv.data());
       t.k = W.wk.data(), t.v = W.wv.data(), t.k_ld = P.D, t.v_ld = P.Dv;
     }
   }
@@ -215,7 +215,7 @@ template <typename T, typename Weight>
 void tile_scores(const Problem<T>& P, const Block<T>& B, const Tile<T>& t, T* x) {
   if constexpr (std::is_same_v<Weight, T>) {
     if constexpr (std::is_same_v<T, float>) {
-      if (P.int8_direct) return int8_scores(*P.int8, B.b * P.Hkv + B.hk, P.S, P.D, B.q, B.q_ld, B.rows, t.j0, t.width, B.alpha, x);
+      if (P.int8_direct) return int8_scores(*P.int8, B.b * P.Hkv + B.hk, B.q, B.q_ld, B.rows, t.j0, t.width, B.alpha, x);
     }
     gemm('T', 'N', t.width, B.rows, P.D, B.alpha, t.k, t.k_ld, B.q, B.q_ld, T(0), x, t.width);
   } else if (P.kpack) {
@@ -231,7 +231,7 @@ template <typename T, typename Weight>
 void tile_values(const Problem<T>& P, const Block<T>& B, const Tile<T>& t, ForwardScratch<T>& W) {
   if constexpr (std::is_same_v<Weight, T>) {
     if constexpr (std::is_same_v<T, float>) {
-      if (P.int8_direct) return int8_values(*P.int8, B.b * P.Hkv + B.hk, P.S, P.Dv, W.sbuf.data(), B.rows, t.j0, t.width, W.acc.data());
+      if (P.int8_direct) return int8_values(*P.int8, B.b * P.Hkv + B.hk, W.sbuf.data(), B.rows, t.j0, t.width, W.acc.data());
     }
     gemm('N', 'N', P.Dv, B.rows, t.width, T(1), t.v, t.v_ld, W.sbuf.data(), t.width, T(1), W.acc.data(), P.Dv);
   } else if (P.kpack) {  // the packed v's keys j0..

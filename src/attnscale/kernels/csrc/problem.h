@@ -16,15 +16,24 @@ struct SequencePacks {
 };
 
 // Int8 keys and values (attnscale/quantized.py's layout, forward only): codes k (B, Hkv, S, D) and
-// v (B, Hkv, S, Dv), contiguous; float32 scales k_scale (B, Hkv, S, D / group), one per key and
-// group of channels, and v_scale (B, Hkv, S, 1), one per value vector; k_mean (B, Hkv, 1, D), the
-// mean the keys were smoothed by. A tile's keys and values are dequantized into the thread's
-// float32 scratch as it is reached (tile_at), code * scale (+ mean), each rounded once as
-// QuantizedKV.dequantize rounds them.
+// v (B, Hkv, S, Dv); float32 scales k_scale (B, Hkv, S, D / group), one per key and group of
+// channels, and v_scale (B, Hkv, S, 1), one per value vector; k_mean (B, Hkv, 1, D), the mean the
+// keys were smoothed by. Each key head's rows lie one after another (a head's S rows contiguous,
+// as in views of the first S keys of a longer cache); heads and batches at any strides (*_sb,
+// *_sh, in entries). A tile's keys and values are dequantized as it is reached, code * scale (+
+// mean), each rounded once as QuantizedKV.dequantize rounds them.
 struct Int8KV {
   const int8_t *k, *v;
   const float *k_scale, *k_mean, *v_scale;
-  int64_t group;
+  int64_t group, Hkv, D, Dv;
+  int64_t k_sb, k_sh, v_sb, v_sh, ks_sb, ks_sh, vs_sb, vs_sh, km_sb, km_sh;
+  // Head `head` (b * Hkv + hk) from key j on: its codes, scales, and mean.
+  int64_t at(int64_t head, int64_t sb, int64_t sh) const { return (head / Hkv) * sb + (head % Hkv) * sh; }
+  const int8_t* keys(int64_t head, int64_t j) const { return k + at(head, k_sb, k_sh) + j * D; }
+  const float* key_scales(int64_t head, int64_t j) const { return k_scale + at(head, ks_sb, ks_sh) + j * (D / group); }
+  const float* mean(int64_t head) const { return k_mean + at(head, km_sb, km_sh); }
+  const int8_t* values(int64_t head, int64_t j) const { return v + at(head, v_sb, v_sh) + j * Dv; }
+  const float* value_scales(int64_t head, int64_t j) const { return v_scale + at(head, vs_sb, vs_sh) + j; }
 };
 
 template <typename T>

@@ -192,22 +192,22 @@ constexpr int64_t kInt8DirectRows = 16;  // a block's rows up to which the codes
 constexpr int64_t kInt8Lanes = int8v::kLanes;
 
 // x (rows, width) = alpha q k^T over key tile [j0, j0 + width) of key head `head`.
-inline void int8_scores(const Int8KV& Q, int64_t head, int64_t S, int64_t D, const float* q, int64_t q_ld, int64_t rows, int64_t j0,
-                        int64_t width, float alpha, float* x) {
-  const int64_t groups = D / Q.group;
-  const int8_t* codes = Q.k + (head * S + j0) * D;
-  const float* scales = Q.k_scale + (head * S + j0) * groups;
-  const float* mean = Q.k_mean + head * D;
+inline void int8_scores(const Int8KV& Q, int64_t head, const float* q, int64_t q_ld, int64_t rows, int64_t j0, int64_t width, float alpha,
+                        float* x) {
+  const int64_t D = Q.D;
+  const int8_t* codes = Q.keys(head, j0);
+  const float* scales = Q.key_scales(head, j0);
+  const float* mean = Q.mean(head);
   int8v::by_four_rows(rows, [&](auto nr, int64_t r0) {
     int8v::scores_rows<decltype(nr)::value>(q + r0 * q_ld, q_ld, Q, codes, scales, mean, width, D, alpha, x + r0 * width);
   });
 }
 
 // acc (rows, Dv) += p (rows, width) v over the same tile.
-inline void int8_values(const Int8KV& Q, int64_t head, int64_t S, int64_t Dv, const float* p, int64_t rows, int64_t j0, int64_t width,
-                        float* acc) {
-  const int8_t* codes = Q.v + (head * S + j0) * Dv;
-  const float* scales = Q.v_scale + head * S + j0;
+inline void int8_values(const Int8KV& Q, int64_t head, const float* p, int64_t rows, int64_t j0, int64_t width, float* acc) {
+  const int64_t Dv = Q.Dv;
+  const int8_t* codes = Q.values(head, j0);
+  const float* scales = Q.value_scales(head, j0);
   int8v::by_four_rows(rows, [&](auto nr, int64_t r0) {
     int8v::values_rows<decltype(nr)::value>(p + r0 * width, width, codes, scales, width, Dv, acc + r0 * Dv, Dv);
   });
@@ -216,8 +216,8 @@ inline void int8_values(const Int8KV& Q, int64_t head, int64_t S, int64_t Dv, co
 constexpr bool kInt8Direct = false;
 constexpr int64_t kInt8DirectRows = 0;
 constexpr int64_t kInt8Lanes = 1;
-inline void int8_scores(const Int8KV&, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, float, float*) {}
-inline void int8_values(const Int8KV&, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*) {}
+inline void int8_scores(const Int8KV&, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, float, float*) {}
+inline void int8_values(const Int8KV&, int64_t, const float*, int64_t, int64_t, int64_t, float*) {}
 #endif
 
 
@@ -229,7 +229,7 @@ inline void int8_values(const Int8KV&, int64_t, int64_t, int64_t, const float*, 
 // it (B, Hkv), where rows may take a static offset. Returns the call's own memory (null where the
 // thread's serves).
 inline PackPtr pack_int8(Problem<float>& P, const Int8KV& Q, float* kmax) {
-  const int64_t D = P.D, Dv = P.Dv, S = P.S, s_pad = (S + 1) & ~int64_t(1), heads = P.B * P.Hkv, groups = D / Q.group;
+  const int64_t D = P.D, Dv = P.Dv, S = P.S, s_pad = (S + 1) & ~int64_t(1), heads = P.B * P.Hkv;
   PackPtr own;
   uint16_t* const memory = pack_memory(heads * s_pad * (D + Dv), own);
   uint16_t* const kpack = memory;
@@ -244,9 +244,9 @@ inline PackPtr pack_int8(Problem<float>& P, const Int8KV& Q, float* kmax) {
         for (int64_t j0 = 0; j0 < S; j0 += rows) {
           const int64_t n = std::min(rows, S - j0);
           if (keys)
-            dequantize_rows(Q.k + (head * S + j0) * D, Q.k_scale + (head * S + j0) * groups, Q.k_mean + head * D, n, D, Q.group, wide.data());
+            dequantize_rows(Q.keys(head, j0), Q.key_scales(head, j0), Q.mean(head), n, D, Q.group, wide.data());
           else
-            dequantize_rows(Q.v + (head * S + j0) * Dv, Q.v_scale + head * S + j0, nullptr, n, Dv, Dv, wide.data());
+            dequantize_rows(Q.values(head, j0), Q.value_scales(head, j0), nullptr, n, Dv, Dv, wide.data());
           round_row(wide.data(), n * d, reinterpret_cast<at::BFloat16*>(narrow.data() + j0 * d));
         }
         if (keys) {
