@@ -78,3 +78,16 @@ def test_quant_folding_verdicts(quant_measured):
     for row in m["folding"].values():
         row["mean_abs_error_folded"] = 1e-7
     assert quant_folding.judge(m).verdict is Verdict.INCONCLUSIVE
+
+
+def test_quant_folding_is_judged_through_attnscales_int8_attention_too(quant_measured):
+    """Rule v3: smoothing that does not reduce quantized_attention's error at the largest offset
+    fails the claim; folding that moves its error by 25% or more makes it holds-approximately."""
+    assert quant_measured["kernel_smoothing_error_ratio_at_largest_offset"] < 0.5
+    assert quant_measured["smoothing"]["10"]["kernel_backend"] in ("fused", "torch", "math", "tiled")
+    m = copy.deepcopy(quant_measured)
+    m["kernel_smoothing_error_ratio_at_largest_offset"] = 1.05
+    assert quant_folding.judge(m).verdict is Verdict.DOES_NOT_HOLD
+    m = copy.deepcopy(quant_measured)
+    m["kernel_folding_relative_change"] = 0.3
+    assert quant_folding.judge(m).verdict is Verdict.HOLDS_APPROXIMATELY
