@@ -1,6 +1,7 @@
-"""The real-text rule (attnscale.lab.lr_sweep, version 1) on synthetic curves, both ways: a clear
+"""The real-text rule (attnscale.lab.lr_sweep, version 3) on synthetic curves, both ways: a clear
 stall, a clear cost, a narrower range of usable rates, no effect, and results within noise, with
-too few seeds or with an optimum at the edge of the grid, which it must not judge."""
+too few seeds, unpaired seeds or with an optimum at the edge of the grid, which it must not judge;
+and the arms compared seed by seed."""
 
 from __future__ import annotations
 
@@ -65,3 +66,24 @@ def test_the_claims_verdict_is_the_least_supportive_conclusive_condition():
     assert judge_effects({"a": Effect.COSTS, "b": Effect.NONE}) is Verdict.DOES_NOT_HOLD
     assert judge_effects({"a": Effect.INCONCLUSIVE, "b": Effect.STALLS}) is Verdict.HOLDS
     assert judge_effects({"a": Effect.INCONCLUSIVE}) is Verdict.INCONCLUSIVE
+
+
+def _shifted(curve: Curve, by: list[float]) -> Curve:
+    """``curve`` with seed i's loss at every rate moved by ``by[i]`` (what seed i's init and batches do to both arms)."""
+    return Curve({lr: [x + d for x, d in zip(v, by, strict=True)] for lr, v in curve.losses.items()}, curve.init_loss)
+
+
+def test_the_arms_are_compared_seed_by_seed():
+    """Seeds that move both arms alike (the same init and batches) do not hide a cost every seed
+    shows: 0.1 nats worse at each of 5 seeds whose losses lie 0.3 nats apart is a clear cost, where
+    the arms' own spreads, added as independent, would put it within noise."""
+    seeds = [0.0, 0.3, -0.3, 0.15, -0.15]
+    scaled, unscaled = (summarise(_shifted(_curve(best, noise=0.0), seeds)) for best in (1.50, 1.60))
+    assert compare(scaled, unscaled)[0] is Effect.COSTS
+    scattered = summarise(_shifted(_curve(1.60, noise=0.0), [0.3, -0.3, 0.0, -0.15, 0.15]))  # the seeds' shifts shuffled: no pairs agree
+    assert compare(scaled, scattered)[0] is Effect.INCONCLUSIVE
+
+
+def test_arms_of_different_seed_counts_are_not_compared():
+    got, why = compare(summarise(_curve(1.50, seeds=5)), summarise(_curve(1.90, seeds=4)))
+    assert got is Effect.INCONCLUSIVE and "pairs" in why

@@ -14,12 +14,16 @@ of half-decade steps, over seeds. A run that diverged counts at the loss at init
 * ``width``: how many decades of the grid lie within 0.05 nats of ``best`` (half a decade a rate);
 * ``bracketed``: whether ``best_lr`` has a rate on both sides of it in the grid.
 
-The rule (version 1 written before any sweep ran; version 2 as below), per condition (a d_k and an initialisation),
-comparing the arm without the scale (``unscaled``) with the one with it (``scaled``), where a
-difference is "clearly above" a bound when its centre less Student's t (95%, the smaller seed
-count) times its standard error exceeds the bound (:func:`attnscale.lab.uncertainty.side`):
+The rule (version 1 written before any sweep ran; version 3 as below), per condition (a d_k and an initialisation),
+comparing the arm without the scale (``unscaled``) with the one with it (``scaled``). Both arms
+train seed i from the same initial weights on the same batches, so they are compared seed by
+seed: a difference is the estimate over seeds of seed i's value without the scale less seed i's
+with it (the loss at each arm's own best rate; the LR sensitivity), and it is "clearly above" a
+bound when its centre less Student's t (95%, the seed count) times its standard error exceeds
+the bound (:func:`attnscale.lab.uncertainty.side`):
 
-* inconclusive if either arm has fewer than 2 seeds at a rate, or its ``best_lr`` is not bracketed;
+* inconclusive if either arm has fewer than 2 seeds at a rate, the arms have different seed
+  counts (no pairs), or either arm's ``best_lr`` is not bracketed;
 * **stalls** if ``best_unscaled - best_scaled`` is clearly above 0.25 nats (the missing scale never
   comes within a quarter nat per character of the scaled model's best, at any learning rate);
 * else **costs** if that difference is clearly above 0.05 nats;
@@ -30,7 +34,9 @@ count) times its standard error exceeds the bound (:func:`attnscale.lab.uncertai
 
 ``width`` is stated, not judged: a count of rates on one side of a line drawn through medians, it
 carries no uncertainty (version 1 judged it, and one rate's median 0.05 nats from another's decided
-a condition; version 2 leaves it to the sensitivity, which is measured per seed).
+a condition; version 2 leaves it to the sensitivity, which is measured per seed). Versions 1 and 2
+compared the arms as independent samples (their standard errors added in quadrature), which
+counts twice the variation the seeds share (which init, which batches); version 3 pairs them.
 
 A condition that stalls supports "holds", one that costs or narrows "holds-approximately", one of
 no effect "does-not-hold". The claim's verdict is inconclusive when every condition is, else the
@@ -46,7 +52,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from .base import Verdict
-from .uncertainty import Estimate, Side, difference, estimate, side
+from .uncertainty import Estimate, Side, estimate, side
 
 __all__ = ["GRID", "Curve", "Effect", "Summary", "compare", "grid", "judge_effects", "summarise"]
 
@@ -92,6 +98,10 @@ class Summary:
     seeds: int
     loss: dict[float, float]
     """The median loss at each rate."""
+    best_losses: tuple[float, ...] = ()
+    """Each seed's loss at ``best_lr`` (capped at the loss at init), in seed order."""
+    sensitivities: tuple[float, ...] = ()
+    """Each seed's LR sensitivity, in seed order."""
 
 
 def summarise(curve: Curve) -> Summary:
@@ -109,7 +119,8 @@ def summarise(curve: Curve) -> Summary:
     best = loss[best_lr]
     seeds = min(len(v) for v in capped.values())
     per_seed = [[capped[lr][i] for lr in rates] for i in range(seeds)]
-    sensitivity = estimate([sum(row) / len(row) - min(row) for row in per_seed]) if seeds else Estimate(math.nan, math.inf, 0)
+    sensitivities = tuple(sum(row) / len(row) - min(row) for row in per_seed)
+    sensitivity = estimate(sensitivities) if seeds else Estimate(math.nan, math.inf, 0)
     width = sum(1 for lr in rates if loss[lr] <= best + WITHIN_BEST_NATS) / RATES_PER_DECADE
     return Summary(
         best=estimate(capped[best_lr]),
@@ -119,6 +130,8 @@ def summarise(curve: Curve) -> Summary:
         bracketed=0 < rates.index(best_lr) < len(rates) - 1,
         seeds=seeds,
         loss=loss,
+        best_losses=tuple(capped[best_lr][:seeds]),
+        sensitivities=sensitivities,
     )
 
 
@@ -148,11 +161,13 @@ def compare(scaled: Summary, unscaled: Summary) -> tuple[Effect, str]:
             return Effect.INCONCLUSIVE, f"the {name} arm has {s.seeds} seed(s) at a rate (at least 2 needed)"
         if not s.bracketed:
             return Effect.INCONCLUSIVE, f"the {name} arm's best rate {s.best_lr:g} is at the edge of the grid it ran (the optimum is not bracketed)"
-    loss = difference(unscaled.best, scaled.best)
-    sens = difference(unscaled.sensitivity, scaled.sensitivity)
+    if unscaled.seeds != scaled.seeds:
+        return Effect.INCONCLUSIVE, f"the arms ran {unscaled.seeds} and {scaled.seeds} seeds: no pairs to compare"
+    loss = estimate([u - w for u, w in zip(unscaled.best_losses, scaled.best_losses, strict=True)])
+    sens = estimate([u - w for u, w in zip(unscaled.sensitivities, scaled.sensitivities, strict=True)])
     said = (
         f"best loss {unscaled.best.text()} without the scale (lr {unscaled.best_lr:g}) vs {scaled.best.text()} with it (lr {scaled.best_lr:g}): "
-        f"{loss.text()} nats; LR sensitivity {sens.text()} nats apart; {unscaled.width:g} vs {scaled.width:g} decades within {WITHIN_BEST_NATS} nats of the best"
+        f"{loss.text()} nats apart seed by seed; LR sensitivity {sens.text()} nats apart; {unscaled.width:g} vs {scaled.width:g} decades within {WITHIN_BEST_NATS} nats of the best"
     )
     if side(loss, STALL_NATS) is Side.ABOVE:
         return Effect.STALLS, f"{said}: clearly more than {STALL_NATS} nats worse at every rate"

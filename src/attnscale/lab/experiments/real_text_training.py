@@ -61,12 +61,14 @@ CLAIM = Claim(
         "(Wortsman et al.), the largest attention logit and lowest attention entropy reached."
     ),
     rule=(
-        "Per condition (d_k and init), the arm without the scale against the arm with it: a curve's loss at a rate is "
-        "the median over seeds; its best is the lowest, with the standard error of the seeds' losses at that rate; its "
-        "LR sensitivity the mean over the grid of min(loss, loss at init) less the best, per seed, with its standard "
-        f"error; its width (the decades of rates within {WITHIN_BEST_NATS} nats of the best) is stated, not judged. Inconclusive if an arm has "
-        "fewer than 2 seeds at a rate or its best rate is at an end of the grid. Stalls if best without - best with is "
-        f"clearly above {STALL_NATS} nats (its centre less Student's t 95% for the smaller seed count times its standard "
+        "Per condition (d_k and init), the arm without the scale against the arm with it, seed by seed (seed i trains "
+        "both from the same init on the same batches): a curve's loss at a rate is the median over seeds, its best the "
+        "lowest; its LR sensitivity the mean over the grid of min(loss, loss at init) less the best, per seed; its width "
+        f"(the decades of rates within {WITHIN_BEST_NATS} nats of the best) is stated, not judged. The loss difference is "
+        "the estimate over seeds of seed i's loss without the scale (at that arm's best rate) less seed i's with it (at "
+        "its own), the sensitivity difference likewise. Inconclusive if an arm has fewer than 2 seeds at a rate, the "
+        "arms' seed counts differ, or a best rate is at an end of the grid. Stalls if the loss difference is "
+        f"clearly above {STALL_NATS} nats (its centre less Student's t 95% for the seed count times its standard "
         f"error); else costs if clearly above {COST_NATS}; else narrows if the sensitivity difference is clearly above "
         f"{SENSITIVITY_NATS} nats; else no effect if the loss difference "
         f"is clearly below {COST_NATS} and the sensitivity difference clearly below {SENSITIVITY_NATS}; else "
@@ -93,6 +95,17 @@ CLAIM = Claim(
             "nats: the scaled arm's seeds far apart at its best rate). v1's verdict there: holds-approximately. v2 was "
             "fixed before any of its runs",
             "104f7b3dcf6290ab",
+        ),
+        RuleVersion(
+            3,
+            "2026-12-06",
+            "v1 and v2 compared the arms as independent samples, their standard errors added in quadrature, though seed i "
+            "trains both arms from the same init on the same batches: that counts the variation the seeds share twice. v3 "
+            "compares them seed by seed (the estimate of the per-seed differences), bounds unchanged. Written after v2's "
+            "default runs (4fabe8f, seeds 0-2, Intel Xeon: inconclusive at each seed, loss differences 0.0117 to 0.0611 "
+            "nats with unpaired errors 0.012 to 0.063) and before the numbers of its full run (launched at 92475e2 under v2, "
+            "its measurement code unchanged since)",
+            "f2bd672e88ab0df1",
         ),
     ),
 )
