@@ -424,7 +424,7 @@ in float32 (:func:`int8_attention`); more take them dequantized into bfloat16 pa
 INT8_BLOCK_K = 256
 """Keys a tile of :func:`int8_attention` at most: the few rows of a decoding step multiply the codes
 straight from memory, and 256 keys' codes (64 KiB at D = Dv = 128) stay in the core's caches
-between the two products (2048, the float kernel's tile for few rows, is four times that)."""
+between the two products (2048, the float kernel's tile for few rows, is eight times that)."""
 
 
 def int8_attention(
