@@ -40,7 +40,9 @@ def record_of(key: Tensor) -> QuantizedKV | None:
 
 
 class Int8Layer(CacheLayerMixin):
-    """One layer's int8 keys and values (see :mod:`attnscale.integrations.hf_cache`)."""
+    """One layer's int8 keys and values (see :mod:`attnscale.integrations.hf_cache`). Its ``keys``
+    and ``values`` are int8 codes; ``record`` holds them with their scales and mean
+    (``record.dequantize()`` gives them as floats)."""
 
     is_sliding = False
     is_croppable = True
