@@ -39,9 +39,10 @@ H, HKV, D = 32, 8, 128
 DECODE_KEYS = (4096, 16384, 32768)
 PREFILL_ROWS = 4096
 # Output checks (largest |difference| from the float64 reference, less RTOL |reference|): attnscale's
-# rows are exact up to float32 rounding over the dequantized K and V (bfloat16 products in prefill),
-# then rounded to the query's bfloat16 (half a unit in the last place, 2^-9 relative); torch's
-# carry bfloat16's rounding throughout.
+# decoding rows are exact up to float32 rounding over the dequantized K and V, then rounded to the
+# query's bfloat16 (half a unit in the last place, 2^-9 relative); its prefill takes bfloat16
+# products (the dequantized K and V, and the weights, rounded to bfloat16), as torch's does
+# throughout: both are held to ATOL_TORCH there.
 ATOL_OURS, ATOL_TORCH, RTOL = 1e-4, 3e-2, 2.0**-8
 
 
@@ -76,7 +77,7 @@ def time_case(name: str, L: int, S: int, causal: bool, threads: int, rounds: int
     ours = lambda: attnscale.quantized_attention(q, kv, is_causal=causal, enable_gqa=True)  # noqa: E731
     theirs = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)  # noqa: E731
     k_back, v_back = kv.dequantize()
-    _check(f"{name}, attnscale", ours(), _fp64(q, k_back, v_back, causal), ATOL_OURS)
+    _check(f"{name}, attnscale", ours(), _fp64(q, k_back, v_back, causal), ATOL_OURS if L == 1 else ATOL_TORCH)
     backend = attnscale.last_backend()
     _check(f"{name}, torch", theirs(), _fp64(q, k, v, causal), ATOL_TORCH)
     del k_back, v_back
