@@ -255,8 +255,12 @@ _ARM_STYLE = {"scaled": ("tab:blue", "o"), "unscaled": ("tab:red", "s"), "qknorm
 
 def _panels(measured: dict, key: str, ylabel: str, log_y: bool) -> Figure:
     conditions = measured["conditions"]
-    fig = Figure(figsize=(4.6 * len(conditions), 3.6), layout="constrained")
-    axes = fig.subplots(1, len(conditions), squeeze=False)[0]
+    # One row a initialisation, one column a d_k (a single row where there are at most two panels).
+    inits = list(dict.fromkeys(c["init"] for c in conditions.values()))
+    rows = len(inits) if len(conditions) > 2 else 1
+    cols = len(conditions) // rows
+    fig = Figure(figsize=(4.6 * cols, 3.6 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax, (name, condition) in zip(axes, conditions.items(), strict=True):
         for arm, data in condition["arms"].items():
             colour, marker = _ARM_STYLE[arm]
