@@ -125,6 +125,21 @@ def test_the_full_training_stall_run_reached_the_published_verdict():
     assert [n for n in cited if n not in json.dumps(full)] == [f"{full['seconds'] / 60:.1f}"]  # every number but the wall time is the run's
 
 
+def test_the_full_real_text_run_is_judged_by_the_published_rule_and_the_lab_report_cites_it():
+    """docs/lab-report.md cites real-text-training's full profile: results/full_real_text_training.json
+    is judged by the rule that judged the published run, and every decimal of its paragraph is
+    that run's (the wall time and the commits aside)."""
+    full = json.loads((ROOT / "results" / "full_real_text_training.json").read_text(encoding="utf-8"))
+    assert (full["profile"], full["seed"]) == ("full", 0) and re.fullmatch(r"[0-9a-f]{40}", full["commit"])
+    (claim,) = full["claims"]
+    (now,) = [c for c in PUBLISHED["claims"] if c["id"] == "real-text-training"]
+    assert (claim["id"], claim["rule_version"], claim["rule_fingerprint"]) == (now["id"], now["rule_version"], now["rule_fingerprint"])
+    assert f"recorded at {full['commit'][:7]}" in LAB_REPORT and f"`results/full_real_text_training.json`, {full['seconds'] / 60:.1f} min" in LAB_REPORT
+    paragraph = _readme_paragraph(f"real-text-training's v{claim['rule_version']} at `full`", "docs/lab-report.md")
+    cited = re.findall(r"\d+\.\d+", paragraph)
+    assert cited and [n for n in cited if n not in json.dumps(full)] == [f"{full['seconds'] / 60:.1f}"]
+
+
 def test_the_full_census_reached_the_published_rule_and_the_lab_report_cites_it():
     """docs/lab-report.md cites scale-in-the-wild's full profile (every model type): the summary in
     results/full_scale_in_the_wild.json is judged by the current rule, and every number the section
@@ -222,9 +237,12 @@ def _readme_paragraph(starts: str, page: str = "README.md") -> str:
 
 def test_the_readmes_lab_text_cites_only_numbers_of_the_published_run():
     """The lab's opening paragraph quotes the published run: each decimal and each ratio in it is in
-    results/published.json (reasons, arms, key numbers), and the wall times are its `seconds`."""
+    results/published.json (reasons, arms, key numbers) or, for real-text-training's full profile,
+    which it names, results/full_real_text_training.json; the wall times are the run's `seconds`."""
     text = _readme_paragraph("`d_k` is the **per-head** key dimension")
-    published_text = json.dumps(PUBLISHED)
+    full = json.loads((ROOT / "results" / "full_real_text_training.json").read_text(encoding="utf-8"))
+    assert "`--profile full`" in text
+    published_text = json.dumps([PUBLISHED, full])
     cited = re.findall(r"\d+\.\d+|\d+(?=x)", text)
     assert cited, "the README's lab paragraph cites no number of the run"
     assert [n for n in cited if n not in published_text] == [], "README's lab paragraph cites numbers not in results/published.json"
