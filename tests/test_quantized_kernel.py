@@ -85,7 +85,7 @@ def test_a_decoding_step_of_sixteen_bit_queries_is_widened_and_its_output_rounde
 
 
 def _bf16_kernel_takes_packs() -> bool:
-    return kernels.load().brgemm_runs()
+    return kernels.available() and kernels.load().brgemm_runs()
 
 
 @pytest.mark.skipif(not _bf16_kernel_takes_packs(), reason="brgemm does not run here (no AVX-512 with oneDNN): bfloat16 prefill takes the float32 path, tested above")
