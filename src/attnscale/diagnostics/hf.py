@@ -230,7 +230,7 @@ def _int8_record(key: Tensor) -> Any:
 
     record = record_of(key)
     if record is None:
-        fail("key", "float keys, or the int8 codes an attnscale.Int8Cache layer returned", "an int8 tensor of another origin", "pass past_key_values=attnscale.Int8Cache()")
+        fail("key", "float keys, or the int8 codes an attnscale.Int8Cache layer returned", "an int8 tensor of another origin", "pass cache=attnscale.Int8Cache() to generate")
     return record
 
 
