@@ -127,7 +127,7 @@ def quantize_kv(k: Tensor, v: Tensor, *, group: int = GROUP, smooth: bool = True
     _check_kv(k, v)
     wide = k.float()
     mean = wide.mean(dim=-2, keepdim=True) if smooth and k.shape[-2] else torch.zeros_like(wide[..., :1, :])
-    k_codes, k_scale, v_codes, v_scale = quantize_codes(k, v, group=group, mean=mean)
+    k_codes, k_scale, v_codes, v_scale = _codes(k, v, group, mean)
     return QuantizedKV(k_codes, k_scale, mean, v_codes, v_scale, k.shape[-1] // k_scale.shape[-1])
 
 
@@ -137,6 +137,12 @@ def quantize_codes(k: Tensor, v: Tensor, *, group: int, mean: Tensor) -> tuple[T
     channels of K a scale (all D where D < ``group``). For caches that append keys with a mean of
     their own (:class:`attnscale.Int8Cache`)."""
     _check_kv(k, v)
+    return _codes(k, v, group, mean)
+
+
+def _codes(k: Tensor, v: Tensor, group: object, mean: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`quantize_codes` of k and v already checked (:func:`_check_kv`): the group and the mean
+    checked here."""
     D = k.shape[-1]
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         fail("group", "a positive int (channels of K per scale)", repr(group), f"pass e.g. group={GROUP}")

@@ -49,6 +49,33 @@ inline int half_kind(const torch::Tensor& x) {
   return x.scalar_type() == at::kBFloat16 ? kBF16 : x.scalar_type() == at::kHalf ? kF16 : kNoHalf;
 }
 
+// A problem's options, tiles, output rows (L and S set: a plain call's) and its ALiBi slopes and
+// mask, for make_problem and forward_int8.
+template <typename T>
+void set_options(Problem<T>& P, const Options& o, const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask) {
+  P.scale = static_cast<T>(o.scale);
+  // A cap too small for T (1e-300 rounds to 0 in float32, and 0 means none) is computed as eps / 8:
+  // every capped logit lies within it of 0, as with the cap given, so the weights agree to T's
+  // rounding (tests/test_fused.py: test_a_tiny_softcap_still_caps).
+  P.softcap = o.softcap > 0 ? std::max(static_cast<T>(o.softcap), std::numeric_limits<T>::epsilon() / 8) : T(0);
+  P.causal = o.causal, P.q_offset = o.q_offset, P.left = o.left, P.right = o.right;
+  P.q_start = o.q_start, P.k_start = o.k_start;
+  P.block_q = o.block_q, P.block_k = o.block_k;
+  P.o_rows = P.L, P.o_start = 0, P.k_rows = P.S, P.k_out_start = 0;
+  if (alibi.has_value()) {
+    P.alibi = alibi->data_ptr<T>();
+    P.al_sb = alibi->stride(0), P.al_sh = alibi->stride(1);
+  }
+  if (mask.has_value()) {
+    if (mask->scalar_type() == torch::kBool) {
+      P.bmask = mask->data_ptr<bool>();
+    } else {
+      P.fmask = mask->data_ptr<T>();
+    }
+    P.m_sb = mask->stride(0), P.m_sh = mask->stride(1), P.m_sl = mask->stride(2), P.m_ss = mask->stride(3);
+  }
+}
+
 template <typename T>
 Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
@@ -73,27 +100,7 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
   P.v_sb = v.stride(0), P.v_sh = v.stride(1), P.v_sl = v.stride(2);
   P.B = q.size(0), P.H = q.size(1), P.L = q.size(2), P.D = q.size(3);
   P.Hkv = k.size(1), P.S = k.size(2), P.Dv = v.size(3);
-  P.scale = static_cast<T>(o.scale);
-  // A cap too small for T (1e-300 rounds to 0 in float32, and 0 means none) is computed as eps / 8:
-  // every capped logit lies within it of 0, as with the cap given, so the weights agree to T's
-  // rounding (tests/test_fused.py: test_a_tiny_softcap_still_caps).
-  P.softcap = o.softcap > 0 ? std::max(static_cast<T>(o.softcap), std::numeric_limits<T>::epsilon() / 8) : T(0);
-  P.causal = o.causal, P.q_offset = o.q_offset, P.left = o.left, P.right = o.right;
-  P.q_start = o.q_start, P.k_start = o.k_start;
-  P.block_q = o.block_q, P.block_k = o.block_k;
-  P.o_rows = P.L, P.o_start = 0, P.k_rows = P.S, P.k_out_start = 0;
-  if (alibi.has_value()) {
-    P.alibi = alibi->data_ptr<T>();
-    P.al_sb = alibi->stride(0), P.al_sh = alibi->stride(1);
-  }
-  if (mask.has_value()) {
-    if (mask->scalar_type() == torch::kBool) {
-      P.bmask = mask->data_ptr<bool>();
-    } else {
-      P.fmask = mask->data_ptr<T>();
-    }
-    P.m_sb = mask->stride(0), P.m_sh = mask->stride(1), P.m_sl = mask->stride(2), P.m_ss = mask->stride(3);
-  }
+  set_options(P, o, alibi, mask);
   if (spans.has_value()) P.spans = spans->data_ptr<int64_t>(), P.nseq = spans->size(0);
   return P;
 }
@@ -222,28 +229,19 @@ std::vector<torch::Tensor> forward_int8(const torch::Tensor& q, const torch::Ten
   add_statistics(result, make, q.options(), B, H, L, at::kFloat, o.with_stats);
   std::atomic<bool> suspect{false};
   if (H > 0 && L > 0) {
-    const Int8KV codes{k.const_data_ptr<int8_t>(), v.const_data_ptr<int8_t>(), k_scale.const_data_ptr<float>(), k_mean.const_data_ptr<float>(),
-                       v_scale.const_data_ptr<float>(), D / k_scale.size(3), Hkv, D, Dv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                       k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1), k_mean.stride(0), k_mean.stride(1)};
+    Int8KV codes{};
+    codes.k = k.const_data_ptr<int8_t>(), codes.k_sb = k.stride(0), codes.k_sh = k.stride(1);
+    codes.v = v.const_data_ptr<int8_t>(), codes.v_sb = v.stride(0), codes.v_sh = v.stride(1);
+    codes.k_scale = k_scale.const_data_ptr<float>(), codes.ks_sb = k_scale.stride(0), codes.ks_sh = k_scale.stride(1);
+    codes.v_scale = v_scale.const_data_ptr<float>(), codes.vs_sb = v_scale.stride(0), codes.vs_sh = v_scale.stride(1);
+    codes.k_mean = k_mean.const_data_ptr<float>(), codes.km_sb = k_mean.stride(0), codes.km_sh = k_mean.stride(1);
+    codes.group = D / k_scale.size(3), codes.Hkv = Hkv, codes.D = D, codes.Dv = Dv;
     Problem<float> P{};
     const int64_t G = packs ? 1 : H / Hkv;  // query heads folded into a key head's rows
     P.q_sb = H * L * D, P.q_sh = G * L * D, P.q_sl = D;
     P.B = B, P.H = H / G, P.Hkv = Hkv, P.L = G * L, P.S = S, P.D = D, P.Dv = Dv;
     P.fold = G, P.fold_rows = L;
-    P.scale = static_cast<float>(o.scale);
-    P.softcap = o.softcap > 0 ? std::max(static_cast<float>(o.softcap), std::numeric_limits<float>::epsilon() / 8) : 0.0f;  // as make_problem
-    P.causal = o.causal, P.q_offset = o.q_offset, P.left = o.left, P.right = o.right;
-    P.q_start = o.q_start, P.k_start = o.k_start;
-    P.block_q = o.block_q, P.block_k = o.block_k;
-    P.o_rows = P.L, P.o_start = 0, P.k_rows = S, P.k_out_start = 0;
-    if (alibi.has_value()) P.alibi = alibi->data_ptr<float>(), P.al_sb = alibi->stride(0), P.al_sh = alibi->stride(1);
-    if (mask.has_value()) {
-      if (mask->scalar_type() == torch::kBool)
-        P.bmask = mask->data_ptr<bool>();
-      else
-        P.fmask = mask->data_ptr<float>();
-      P.m_sb = mask->stride(0), P.m_sh = mask->stride(1), P.m_sl = mask->stride(2), P.m_ss = mask->stride(3);
-    }
+    set_options(P, o, alibi, mask);
     PackPtr packed;
     std::vector<float> kmax;  // bfloat16 packs: rows may take static offsets where every logit is bounded, as in forward_with
     if (packs) {

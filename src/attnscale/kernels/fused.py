@@ -413,7 +413,7 @@ def fused_varlen_attention(
 def _head_rows(x: Tensor) -> bool:
     """Whether x (B, heads, n, d) lies as the int8 kernel reads it: each head's rows one after
     another (views of a longer cache's first n rows among them)."""
-    B, heads, n, d = x.shape
+    n, d = x.shape[2:]
     strides = x.stride()
     return (strides[3] == 1 or d <= 1) and (strides[2] == d or n <= 1) and min(strides) >= 0
 
@@ -468,5 +468,6 @@ def int8_attention(
         block_k = min(block_k, INT8_BLOCK_K)
     options = options._replace(block_q=block_q, block_k=block_k)
     mask, slopes = _flat_mask(attn_mask, spec, L, k.shape[2], torch.float32), _flat_slopes(alibi_slopes, spec, torch.float32)
-    out, lse, _, _, *rest, verdict = load().forward_int8(q, k, k_scale, k_mean, v, v_scale, slopes, mask, **options._asdict())
-    return _finished(query.dtype, out, lse, rest, verdict, sinks, return_stats)
+    got = ops.KernelOutputs(*load().forward_int8(q, k, k_scale, k_mean, v, v_scale, slopes, mask, **options._asdict()))
+    stats = [got.max_logit, got.max_prob, got.entropy, got.visible_keys]
+    return _finished(query.dtype, got.out, got.lse, stats, got.rows_ok, sinks, return_stats)
