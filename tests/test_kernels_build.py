@@ -182,6 +182,49 @@ def test_the_cpus_bfloat16_conversion_gives_atens_bits(tmp_path):
     assert [i for i, (a, b) in enumerate(zip(wide[1:], plain[1:])) if not torch.equal(a, b)] == []
 
 
+_INT8_OUTPUTS = """
+import sys, torch, attnscale
+from attnscale import kernels
+assert kernels.available(), kernels.unavailable_reason()
+gen = torch.Generator().manual_seed(0)
+out = [kernels.isa()]
+run = kernels.load().forward_int8
+base = dict(scale=0.08, softcap=0.0, causal=False, q_offset=0, left=-1, right=-1, q_start=0, k_start=0, with_stats=False,
+            block_q=256, block_k=256, half_products=False, round_out=False)
+# (L, S, D, group, options): decoding steps of 8 query heads over 2 key heads, a bfloat16 query's values in float32,
+# q.k in integers (q_int16); several key tiles, a tail of keys, groups of 32 and 64, statistics, softcap, a window.
+for L, S, D, group, extra in [(1, 700, 128, 64, {}), (1, 300, 64, 32, dict(softcap=5.0, with_stats=True)),
+                              (3, 513, 64, 64, dict(causal=True, q_offset=510, left=40, right=0)), (2, 33, 96, 32, dict(with_stats=True))]:
+    q = torch.randn(2, 8, L, D, generator=gen).bfloat16().float()
+    k = torch.randn(2, 2, S, D, generator=gen) + 2.0 * torch.randn(1, 1, 1, D, generator=gen)
+    kv = attnscale.quantize_kv(k, torch.randn(2, 2, S, 48, generator=gen), group=group)
+    got = run(q, kv.k, kv.k_scale, kv.k_mean, kv.v, kv.v_scale, None, None, True, **{**base, **extra})
+    out += [t for t in got if t.numel()]
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+@needs_a_compiler
+@pytest.mark.skipif(kernels.isa() != "avx512_bf16", reason="no AVX512-VNNI on this CPU (the avx512_bf16 build has it): only one of the two builds can run here")
+def test_int8_decodings_integer_products_give_the_same_bits_with_and_without_vnni(tmp_path):
+    """Built for avx512_bf16 (with AVX512-VNNI), int8 decoding's q.k products take vpdpwssd; built
+    for plain AVX-512, vpmaddwd and an add. The integers are the same, so every output and
+    statistic must agree bit for bit (each build in its own process)."""
+    import torch
+
+    results = {}
+    for isa in ("avx512_bf16", "avx512"):
+        path = tmp_path / f"{isa}.pt"
+        done = subprocess.run([sys.executable, "-c", _INT8_OUTPUTS, str(path)], capture_output=True, text=True,
+                              env={**os.environ, "ATTNSCALE_KERNEL_ISA": isa}, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[isa] = torch.load(path)
+    vnni, plain = results["avx512_bf16"], results["avx512"]
+    assert (vnni[0], plain[0]) == ("avx512_bf16", "avx512") and len(vnni) == len(plain) > 20
+    assert [i for i, (a, b) in enumerate(zip(vnni[1:], plain[1:])) if not torch.equal(a, b)] == []
+
+
 @pytest.mark.parametrize(
     "value, disabled",
     [("", False), ("0", False), ("false", False), ("No", False), ("off", False), ("1", True), ("true", True), ("YES", True), ("maybe", True)],

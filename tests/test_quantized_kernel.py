@@ -1,8 +1,8 @@
 """The compiled kernel's attention over int8 keys and values (kernels/csrc/quantized.h): every
 option against the float64 reference over the record's dequantized K and V, on both of its paths
-(decoding's products from the codes in registers, a few query rows a key head; float32 tiles and
-BLAS for more), at group sizes its vectors take whole and ones they do not; the calls it leaves to
-the specification; its own refusals. tests/test_kernels_build.py runs this file on the AVX2 build
+(decoding's products from the codes in registers, a few query rows a key head, q.k in integers
+for a 16-bit query; float32 tiles and BLAS for more), at group sizes its vectors take whole and
+ones they do not; the calls it leaves to the specification; its own refusals. tests/test_kernels_build.py runs this file on the AVX2 build
 too."""
 
 import math
@@ -84,6 +84,76 @@ def test_a_decoding_step_of_sixteen_bit_queries_is_widened_and_its_output_rounde
     torch.testing.assert_close(out.double(), torch.from_numpy(want), rtol=torch.finfo(dtype).eps / 2, atol=ATOL)
 
 
+class _RowsBeforeRounding:
+    """The kernel module, keeping each forward_int8 call's q_int16 and float32 rows (the output
+    before the caller rounds it to the query's format and applies sinks)."""
+
+    def __init__(self, module):
+        self._module, self.calls = module, []
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def forward_int8(self, *args, **kwargs):
+        got = self._module.forward_int8(*args, **kwargs)
+        self.calls.append((args[8], got[0].clone()))
+        return got
+
+
+def _int16_rows(q: torch.Tensor) -> torch.Tensor:
+    """q's rows as decoding's integer products take them: int16 codes at a step of max |q_r| / 32767
+    (the float32 arithmetic of quantize_rows in csrc/quantized.h), times the step, in float64."""
+    top = q.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, 32767.0 / top, torch.zeros_like(top))
+    return torch.round((q * inv).clamp(-32767, 32767)).double() * (top.double() / 32767)
+
+
+# Decoding shapes whose groups every vector width takes whole in int16 (32 channels on AVX-512, 16 on AVX2).
+INTEGER_SHAPES = {"decode": (1, 600, 64), "few rows, group 32": (3, 41, 32)}
+
+
+@pytest.mark.parametrize("shape", list(INTEGER_SHAPES))
+@pytest.mark.parametrize("name", [name for name in OPTIONS if name != "sinks"])  # (sinks scale the rows after the kernel)
+def test_a_sixteen_bit_querys_decoding_step_is_the_oracle_over_q_rounded_to_int16(monkeypatch, shape, name):
+    """A bfloat16 query's decoding step multiplies q by the keys' codes in integers: the kernel's
+    float32 rows (before their rounding to bfloat16) are the float64 reference over the
+    dequantized K and V with q's rows rounded to int16 codes, to float32 rounding, every option
+    and statistic; over q itself they are not (its lse tells the two apart)."""
+    q, kv, options = _call(*INTEGER_SHAPES[shape], name)
+    q16 = q.bfloat16()
+    proxy = _RowsBeforeRounding(kernels.load())
+    monkeypatch.setattr(attnscale.kernels.fused, "load", lambda: proxy)
+    out, stats = attnscale.quantized_attention(q16, kv, enable_gqa=True, return_stats=True, **options)
+    assert last_backend() == "fused" and out.dtype == torch.bfloat16
+    [(q_int16, rows)] = proxy.calls
+    assert q_int16 and rows.dtype == torch.float32
+    want, want_stats = _reference(_int16_rows(q16.float()), kv, options)
+    np.testing.assert_allclose(rows.numpy(), want, rtol=0, atol=ATOL)
+    np.testing.assert_allclose(stats.lse.numpy(), want_stats["lse"], rtol=0, atol=ATOL_STATS)
+    np.testing.assert_allclose(stats.entropy.numpy(), want_stats["entropy"], rtol=0, atol=ATOL_STATS)
+    unrounded, unrounded_stats = _reference(q16.float(), kv, options)
+    assert np.abs(stats.lse.numpy() - unrounded_stats["lse"]).max() > ATOL_STATS
+
+
+def test_a_query_row_that_is_not_finite_takes_the_float_products():
+    """A NaN or an infinity in a row of q: the block is multiplied in float32 (as q_int16=False
+    does, bit for bit), so the row's NaN spreads as it does there; q_int16 changes the others."""
+    q, kv, _ = _call(1, 300, 64, "plain")
+    options = dict(scale=0.125, softcap=0.0, causal=False, q_offset=0, left=-1, right=-1, q_start=0, k_start=0, with_stats=False,
+                   block_q=256, block_k=256, half_products=False, round_out=False)  # fmt: skip
+    q = q.bfloat16().float()
+    bad = q.clone()
+    bad[0, 1, 0, 5], bad[1, 2, 0, 7] = float("nan"), float("inf")
+    run = kernels.load().forward_int8
+    codes = (kv.k, kv.k_scale, kv.k_mean, kv.v, kv.v_scale)
+    for query in (bad,):
+        integer, floats = run(query, *codes, None, None, True, **options)[0], run(query, *codes, None, None, False, **options)[0]
+        # batch 0's key head 0 and batch 1's key head 1 hold the bad rows: those blocks match bit for bit
+        torch.testing.assert_close(integer[0, :2], floats[0, :2], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(integer[1, 2:], floats[1, 2:], rtol=0, atol=0, equal_nan=True)
+        assert bool(integer[0, 1].isnan().all()) and not torch.equal(integer[0, 2:], floats[0, 2:])
+
+
 def _bf16_kernel_takes_packs() -> bool:
     return kernels.available() and kernels.load().brgemm_runs()
 
@@ -151,8 +221,8 @@ def test_the_kernels_error_against_torchs_bfloat16_attention(L):
     """Against float64 attention over the exact K and V (2048 keys with a per-channel offset, D =
     128, 8 query heads over 2, causal at L = 256; five seeds): attnscale over the int8 record with
     bfloat16 queries next to torch's SDPA over the bfloat16 q, K and V. Measured on the Intel Xeon
-    (torch 2.13), as ratios to torch's error: decoding (the codes multiplied in float32) mean 1.40x
-    to 1.62x, largest 1.19x to 1.99x; prefill (where brgemm runs: the bfloat16 kernel over packs that
+    (torch 2.13), as ratios to torch's error: decoding (q.k in integers over q's rows rounded to
+    int16, the values in float32) mean 1.40x to 1.62x, largest 1.19x to 1.99x; prefill (where brgemm runs: the bfloat16 kernel over packs that
     round the dequantized K and V to bfloat16, on top of the int8 step) mean 1.80x to 2.00x,
     largest 1.07x to 2.16x: at its worst seed past the 2x the int8 step alone would cost."""
     means, peaks = [], []
@@ -185,14 +255,16 @@ def test_a_record_of_views_into_longer_buffers_is_read_where_it_lies(L):
     assert torch.equal(attnscale.quantized_attention(q, views, enable_gqa=True), attnscale.quantized_attention(q, copies, enable_gqa=True))
 
 
-def test_quantizing_q_as_well_would_cost_accuracy_the_kernel_keeps():
-    """Why the kernel keeps q in float32 (one dequantizing multiply, the scale in its products)
-    rather than quantizing it too (per row and group of 64 channels, the softmax scale folded into
-    its int8 scale, as SageAttention does for integer q.k products): on the decoding case of the
-    test above, q's own rounding simulated before the kernel raises the mean error from 1.39x to
-    1.59x torch's bfloat16 error to 1.62x to 1.85x, and the largest to 2.01x at two of five seeds
-    (measured on the Intel Xeon, torch 2.13). An integer q.k path was not built: its speed is not
-    measured here."""
+def test_q_in_int16_costs_no_accuracy_where_int8_would():
+    """Why decoding's integer q.k products round q to int16 per row (vpdpwssd's operands), not to
+    int8 (vpdpbusd's, per row and group of 64 channels, the softmax scale folded into the int8
+    scale, as SageAttention does): on the decoding case of the error test above, q's rounding
+    simulated before the float32 products, int16 moves the mean error by at most 0.01% (measured:
+    1.39x to 1.59x torch's bfloat16 error either way), int8 raises it to 1.62x to 1.85x and the
+    largest to 2.01x at two of five seeds (Intel Xeon, torch 2.13). int16 takes one more
+    instruction per 64 codes than int8 would (the codes widened to int16): the speed it buys over
+    float32 products is in benchmarks/bench_int8.py."""
+
     def int8_q(q: torch.Tensor, scale: float) -> torch.Tensor:
         x = (q * scale).reshape(*q.shape[:-1], q.shape[-1] // 64, 64)
         step = x.abs().amax(-1, keepdim=True) / 127
@@ -206,7 +278,8 @@ def test_quantizing_q_as_well_would_cost_accuracy_the_kernel_keeps():
         v = torch.randn(1, 2, 2048, 128, generator=gen, dtype=torch.float64)
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         kv = attnscale.quantize_kv(k.float(), v.float())
-        q32 = q.bfloat16().float()
+        q32 = q.bfloat16().float()  # a float32 query: the float32 products, whatever its rounding
         kept = (attnscale.quantized_attention(q32, kv, enable_gqa=True).double() - want).abs().mean()
-        quantized = (attnscale.quantized_attention(int8_q(q32, 128**-0.5), kv, enable_gqa=True, scale=1.0).double() - want).abs().mean()
-        assert quantized > 1.1 * kept, (seed, float(quantized / kept))
+        int8 = (attnscale.quantized_attention(int8_q(q32, 128**-0.5), kv, enable_gqa=True, scale=1.0).double() - want).abs().mean()
+        int16 = (attnscale.quantized_attention(_int16_rows(q32).float(), kv, enable_gqa=True).double() - want).abs().mean()
+        assert int8 > 1.1 * kept and abs(int16 / kept - 1) < 5e-4, (seed, float(int8 / kept), float(int16 / kept))

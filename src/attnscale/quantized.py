@@ -21,14 +21,17 @@ dequantizes, so every score-path feature (softcap, statistics) means what it mea
 compiled kernel computes it over the codes themselves (``kernels/csrc/quantized.h``): each key
 tile is dequantized as it is reached, to the floats :meth:`QuantizedKV.dequantize` gives, and the
 query heads that share a key head take it together; for the few query rows of a decoding step the
-codes are multiplied in registers, never written out as floats. A bfloat16 prefill (many query
-rows, where torch's brgemm runs) rounds the dequantized K and V to bfloat16 for the bfloat16
-kernel's products instead. Where the kernel cannot take a call (float64 queries, a gradient asked
-of the query, a trace, no compiler) or flags a row (non-finite, or all zeros), the specification
-computes it: the dequantized K and V in float32 through
-:func:`attnscale.scaled_dot_product_attention`. Each agrees with the float64 reference over the
-dequantized K and V up to float32 rounding, the bfloat16 prefill up to bfloat16's
-(tests/test_quantized_kernel.py).
+codes are multiplied in registers, never written out as floats. A bfloat16 or float16 query's
+decoding step (its output rounded to 16 bits) takes q.k in integers: each row of q rounded to
+int16 codes at a step of its own (max |q_r| / 32767), each group's products summed exactly in
+int32 (AVX512-VNNI's vpdpwssd where the CPU has it), what the float64 reference computes over q's
+rounded rows. A bfloat16 prefill (many query rows, where torch's brgemm runs) rounds the
+dequantized K and V to bfloat16 for the bfloat16 kernel's products instead. Where the kernel
+cannot take a call (float64 queries, a gradient asked of the query, a trace, no compiler) or
+flags a row (non-finite, or all zeros), the specification computes it: the dequantized K and V
+in float32 through :func:`attnscale.scaled_dot_product_attention`. Each agrees with the float64
+reference over the dequantized K and V up to float32 rounding (a 16-bit query's decoding step:
+over its int16 rows), the bfloat16 prefill up to bfloat16's (tests/test_quantized_kernel.py).
 """
 
 from __future__ import annotations

@@ -40,12 +40,13 @@ __all__ = ["CHECKS_MAX", "available", "build", "build_precondition", "checks", "
 _SOURCE = Path(__file__).with_name("fused.cpp")  # the binding; it includes csrc/*.h, one file per concern
 _HEADERS = Path(__file__).with_name("csrc")
 # The widest vectors the CPU has, as ATen's own CPU_CAPABILITY builds: AVX-512 (F, BW, VL, DQ;
-# 16 floats a vector), with AVX512-BF16 where present (its one-instruction conversion of the
-# softmax weights to bfloat16), else AVX2 + FMA + F16C (8; x86-64 from 2013 on; F16C converts
+# 16 floats a vector), with AVX512-BF16 and AVX512-VNNI where present (BF16's one-instruction
+# conversion of the softmax weights to bfloat16; VNNI's vpdpwssd for int8 decoding's integer
+# products, every CPU with AVX512-BF16 has it), else AVX2 + FMA + F16C (8; x86-64 from 2013 on; F16C converts
 # float16, which ATen's AVX2 vectors use). ATTNSCALE_KERNEL_ISA=avx512 or avx2 builds a narrower
 # kernel on a wider CPU (the tests run them too).
 _ISA_FLAGS = {
-    "avx512_bf16": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx512_bf16"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx512bf16", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-DATTNSCALE_AVX512_BF16"]),
+    "avx512_bf16": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx512_bf16", "avx512_vnni"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx512bf16", "-mavx512vnni", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-DATTNSCALE_AVX512_BF16", "-DATTNSCALE_AVX512_VNNI"]),
     "avx512": (("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"), ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]),
     "avx2": (("avx2", "fma", "f16c"), ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]),
 }

@@ -210,10 +210,11 @@ std::vector<torch::Tensor> forward_with(const torch::Tensor& q, const torch::Ten
 // head are folded into its rows (Problem::fold), so a tile is dequantized once for all of them
 // (decoding: its products taken from the codes, Problem::int8_direct). bfloat16 q (prefill, where
 // brgemm runs and D is even): the codes dequantized into brgemm's bfloat16 packs (pack_int8) and
-// the bfloat16 kernel run on them.
+// the bfloat16 kernel run on them. q_int16 (float32 q holding a 16-bit query's values): decoding's
+// q.k products in integers, q rounded to int16 per row (Int8KV::q_int16).
 std::vector<torch::Tensor> forward_int8(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& k_scale,
                                         const torch::Tensor& k_mean, const torch::Tensor& v, const torch::Tensor& v_scale,
-                                        const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
+                                        const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask, bool q_int16,
                                         const py::kwargs& options) {
   const Options o = Options::from(options);
   check_int8_call(q, k, k_scale, k_mean, v, v_scale, alibi, mask, o);
@@ -236,6 +237,7 @@ std::vector<torch::Tensor> forward_int8(const torch::Tensor& q, const torch::Ten
     codes.v_scale = v_scale.const_data_ptr<float>(), codes.vs_sb = v_scale.stride(0), codes.vs_sh = v_scale.stride(1);
     codes.k_mean = k_mean.const_data_ptr<float>(), codes.km_sb = k_mean.stride(0), codes.km_sh = k_mean.stride(1);
     codes.group = D / k_scale.size(3), codes.Hkv = Hkv, codes.D = D, codes.Dv = Dv;
+    codes.q_int16 = q_int16;
     Problem<float> P{};
     const int64_t G = packs ? 1 : H / Hkv;  // query heads folded into a key head's rows
     P.q_sb = H * L * D, P.q_sh = G * L * D, P.q_sl = D;
@@ -577,7 +579,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("forward_ordered", &forward_ordered, "forward with the options as one tuple in option_names' order (attnscale.kernels.ops.KernelOptions, whose order is checked at load)",
              py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alibi"), py::arg("mask"), py::arg("spans"), py::arg("options"));
   module.def("forward_int8", &forward_int8, "attention of float32 or bfloat16 q over int8 keys and values (attnscale.QuantizedKV's layout): forward's outputs; the options by keyword (Options)",
-             py::arg("q"), py::arg("k"), py::arg("k_scale"), py::arg("k_mean"), py::arg("v"), py::arg("v_scale"), py::arg("alibi"), py::arg("mask"));
+             py::arg("q"), py::arg("k"), py::arg("k_scale"), py::arg("k_mean"), py::arg("v"), py::arg("v_scale"), py::arg("alibi"), py::arg("mask"),
+             py::arg("q_int16") = false);
   module.def("option_names", &Options::names, "the options forward and backward take by keyword, in their order (Options)");
   module.def("brgemm_runs", &brgemm_runs, "whether bfloat16 products with an even head dim go through torch's brgemm (oneDNN) here, not oneMKL");
   module.def("half_gemm", &half_gemm, "whether 16-bit q, k, v of this format (1 bfloat16, 2 float16) can be passed as they are (oneMKL's products)");

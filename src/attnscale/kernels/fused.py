@@ -440,7 +440,8 @@ def int8_attention(
     """Attention of a validated query (B, H, L, D) over int8 keys and values in one kernel call:
     ``codes`` = (k, k_scale, k_mean, v, v_scale) of an :class:`attnscale.QuantizedKV`. The query in
     float32, the query heads of a key head taking each of its tiles together: the codes multiplied
-    in registers for a decoding step's few rows, else each tile dequantized into float32 scratch
+    in registers for a decoding step's few rows (q.k in integers over q's rows rounded to int16
+    where the query is 16-bit: ``q_int16``), else each tile dequantized into float32 scratch
     (csrc/quantized.h). A bfloat16 query with more than INT8_PACK_ROWS rows a key head, where
     brgemm runs: the codes dequantized into bfloat16 packs and the bfloat16 kernel's products
     (what torch's bfloat16 attention computes over the dequantized K and V rounded to bfloat16).
@@ -468,6 +469,8 @@ def int8_attention(
         block_k = min(block_k, INT8_BLOCK_K)
     options = options._replace(block_q=block_q, block_k=block_k)
     mask, slopes = _flat_mask(attn_mask, spec, L, k.shape[2], torch.float32), _flat_slopes(alibi_slopes, spec, torch.float32)
-    got = ops.KernelOutputs(*load().forward_int8(q, k, k_scale, k_mean, v, v_scale, slopes, mask, **options._asdict()))
+    # A 16-bit query's output is rounded to 16 bits: decoding's q.k products may take q in int16 codes.
+    q_int16 = query.dtype in (torch.bfloat16, torch.float16) and q.dtype is torch.float32
+    got = ops.KernelOutputs(*load().forward_int8(q, k, k_scale, k_mean, v, v_scale, slopes, mask, q_int16, **options._asdict()))
     stats = [got.max_logit, got.max_prob, got.entropy, got.visible_keys]
     return _finished(query.dtype, got.out, got.lse, stats, got.rows_ok, sinks, return_stats)

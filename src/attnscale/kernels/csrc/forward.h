@@ -48,13 +48,16 @@ struct ForwardScratch {
   Scratch<T> sbuf, acc, m, l, w, bound, top;  // top: the largest logit so far (statistics)
   Scratch<uint16_t> pbuf;  // 16-bit products: the tile's weights, rounded for the second product
   Scratch<T> wq, wk, wv;   // Problem::widen: the block's q and the tile's k, v in float32 (int8: k, v)
+  Scratch<int16_t> qc;     // int8 decoding's integer products: the block's q as int16 codes, and per row
+  Scratch<T> qs, qm;       // alpha times its step, and alpha q . mean (int8_quantize_q)
   std::vector<int64_t> seen;
   std::vector<char> is_static;
   explicit ForwardScratch(const Problem<T>& P)
       : sbuf(P.tile_rows() * P.tile_width()), acc(P.tile_rows() * P.Dv), m(P.tile_rows()), l(P.tile_rows()),
         w(P.tile_rows()), bound(P.tile_rows()), top(P.tile_rows()), pbuf(P.half && !P.widen ? P.tile_rows() * (P.tile_width() + 1) : 0),
         wq(P.widen ? P.tile_rows() * P.D : 0), wk(P.widen || (P.int8 && !P.int8_direct) ? P.tile_width() * P.D : 0),
-        wv(P.widen || (P.int8 && !P.int8_direct) ? P.tile_width() * P.Dv : 0), seen(P.tile_rows()), is_static(P.tile_rows()), brgemm(P.brgemm()) {}
+        wv(P.widen || (P.int8 && !P.int8_direct) ? P.tile_width() * P.Dv : 0), qc(P.int8_direct && P.int8->q_int16 ? P.tile_rows() * P.D : 0),
+        qs(qc.empty() ? 0 : P.tile_rows()), qm(qs.size()), seen(P.tile_rows()), is_static(P.tile_rows()), brgemm(P.brgemm()) {}
   // The thread's AMX tile state, set up by brgemm's first call, released with the scratch.
   bool brgemm;
   ~ForwardScratch() {
@@ -70,6 +73,8 @@ struct Block {
   const T *q, *k, *v;             // float operands (q: the block's rows, widened where Problem::widen)
   const uint16_t *qh, *kh, *vh;   // 16-bit operands (null for float inputs)
   int64_t q_ld;                   // q's row stride
+  const int16_t* qc = nullptr;    // int8 decoding: q's int16 codes (row stride D), qs, qm (int8_quantize_q), or null
+  const T *qs = nullptr, *qm = nullptr;
   T alpha;                        // the products' multiplier: scale, over softcap where capped
   T pre;                          // brgemm's products come unscaled: score_row multiplies them by pre
   bool stats, static_offsets;            // statistics asked for; rows may take a static offset (Problem::kmax)
@@ -91,6 +96,10 @@ Block<T> block_at(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64_
   }
   B.alpha = P.softcap != T(0) ? P.scale / P.softcap : P.scale;
   B.pre = P.kpack ? B.alpha : T(1);
+  if constexpr (std::is_same_v<T, float>) {
+    if (!W.qc.empty() && int8_quantize_q(*P.int8, b * P.Hkv + B.hk, B.q, B.q_ld, B.rows, B.alpha, W.qc.data(), W.qs.data(), W.qm.data()))
+      B.qc = W.qc.data(), B.qs = W.qs.data(), B.qm = W.qm.data();
+  }
   B.stats = O.max_logit != nullptr;
   B.static_offsets = P.kmax != nullptr;
   return B;
@@ -215,7 +224,7 @@ template <typename T, typename Weight>
 void tile_scores(const Problem<T>& P, const Block<T>& B, const Tile<T>& t, T* x) {
   if constexpr (std::is_same_v<Weight, T>) {
     if constexpr (std::is_same_v<T, float>) {
-      if (P.int8_direct) return int8_scores(*P.int8, B.b * P.Hkv + B.hk, B.q, B.q_ld, B.rows, t.j0, t.width, B.alpha, x);
+      if (P.int8_direct) return int8_scores(*P.int8, B.b * P.Hkv + B.hk, B.q, B.q_ld, B.qc, B.qs, B.qm, B.rows, t.j0, t.width, B.alpha, x);
     }
     gemm('T', 'N', t.width, B.rows, P.D, B.alpha, t.k, t.k_ld, B.q, B.q_ld, T(0), x, t.width);
   } else if (P.kpack) {

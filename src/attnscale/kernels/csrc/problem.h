@@ -27,6 +27,9 @@ struct Int8KV {
   const float *k_scale, *k_mean, *v_scale;
   int64_t group, Hkv, D, Dv;
   int64_t k_sb, k_sh, v_sb, v_sh, ks_sb, ks_sh, vs_sb, vs_sh, km_sb, km_sh;
+  // Decoding's q.k products in integers, q rounded to int16 per row (quantized.h, int8_scores):
+  // for a 16-bit query, whose output is rounded to 16 bits.
+  bool q_int16;
   // Head `head` (b * Hkv + hk) from key j on: its codes, scales, and mean.
   int64_t at(int64_t head, int64_t sb, int64_t sh) const { return (head / Hkv) * sb + (head % Hkv) * sh; }
   const int8_t* keys(int64_t head, int64_t j) const { return k + at(head, k_sb, k_sh) + j * D; }

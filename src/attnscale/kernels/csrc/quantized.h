@@ -173,6 +173,128 @@ inline void values_rows(const float* p, int64_t p_ld, const int8_t* codes, const
   for (; c0 < Dv; c0 += kLanes) values_at<NR, 1>(p, p_ld, codes, scales, width, Dv, c0, acc, acc_ld);
 }
 
+// Decoding's q.k products in integers, for a 16-bit query (Int8KV::q_int16: its output is
+// rounded to 16 bits anyway). Each row of q is rounded to int16 codes at a step of its own,
+// max |q_r| / 32767, below a thousandth of bfloat16's rounding of the row's largest entry; each
+// key's codes are widened to int16 and each group's sum of code products is exact in int32 (|sum|
+// <= 32767 * 127 * group < 2^31 for group <= 512): vpdpwssd where the CPU has AVX512-VNNI, else
+// vpmaddwd and an add, the same integers. Then, in float32 and in this order on every ISA, x =
+// (sum over groups of scale_g * I_g) * (alpha step_r) + (alpha step_r) (codes_r . mean): the
+// attention of q's rounded rows over the dequantized keys (VNNI's build and the others': the same
+// integers, the same bits).
+#if defined(CPU_CAPABILITY_AVX512)
+using I = __m512i;
+constexpr int64_t kPairs = 32, kIKeys = 4;  // int16 lanes a vector; keys at a time
+inline I widen_codes(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline I load_codes(const int16_t* p) { return _mm512_loadu_si512(p); }
+inline I izero() { return _mm512_setzero_si512(); }
+inline I dot(I acc, I a, I b) {
+#if defined(ATTNSCALE_AVX512_VNNI)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+inline int32_t isum(I a) { return _mm512_reduce_add_epi32(a); }
+// sums16's tree on int32 lanes: v[i]'s sum in lane i, exact.
+inline I isums16(const I* v) {
+  I a[8], b[4];
+  for (int i = 0; i < 8; ++i) a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+  const I d01 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], 0x44), _mm512_shuffle_i32x4(b[0], b[1], 0xEE));
+  const I d23 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2], b[3], 0x44), _mm512_shuffle_i32x4(b[2], b[3], 0xEE));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(d01, d23, 0x88), _mm512_shuffle_i32x4(d01, d23, 0xDD));
+}
+#else
+using I = __m256i;
+constexpr int64_t kPairs = 16, kIKeys = 2;
+inline I widen_codes(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline I load_codes(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline I izero() { return _mm256_setzero_si256(); }
+inline I dot(I acc, I a, I b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+inline int32_t isum(I a) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+#endif
+
+// x[r][j + k] for NR rows and NK keys from key j: qc the rows' int16 codes (row stride D), qs
+// their alpha step_r, qm their mean's share (quantize_rows).
+template <int NR, int NK>
+inline void iscores_at(const int16_t* qc, const float* qs, const float* qm, const int8_t* codes, const float* scales, int64_t j, int64_t D,
+                       int64_t group, float* x, int64_t x_ld) {
+  const int64_t groups = D / group;
+  float part[NK][NR] = {};
+#if defined(CPU_CAPABILITY_AVX512)
+  constexpr bool tree = NK == 4 && NR == 4;  // lane 4k + r: key k, row r
+  F total = zero();
+#else
+  constexpr bool tree = false;
+#endif
+  for (int64_t g = 0, c = 0; g < groups; ++g) {
+    I acc[NK][NR];
+    for (int k = 0; k < NK; ++k)
+      for (int r = 0; r < NR; ++r) acc[k][r] = izero();
+    for (const int64_t end = c + group; c < end; c += kPairs) {
+      I qv[NR];
+      for (int r = 0; r < NR; ++r) qv[r] = load_codes(qc + r * D + c);
+      for (int k = 0; k < NK; ++k) {
+        const I key = widen_codes(codes + (j + k) * D + c);
+        for (int r = 0; r < NR; ++r) acc[k][r] = dot(acc[k][r], key, qv[r]);
+      }
+    }
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (tree) {
+      const __m128 s4 = _mm_setr_ps(scales[j * groups + g], scales[(j + 1) * groups + g], scales[(j + 2) * groups + g], scales[(j + 3) * groups + g]);
+      const F s = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(s4));
+      total = add(total, mul(_mm512_cvtepi32_ps(isums16(&acc[0][0])), s));
+      continue;
+    }
+#endif
+    for (int k = 0; k < NK; ++k)
+      for (int r = 0; r < NR; ++r) part[k][r] += static_cast<float>(isum(acc[k][r])) * scales[(j + k) * groups + g];
+  }
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (tree) {
+    const F rows = add(mul(total, _mm512_broadcast_f32x4(_mm_loadu_ps(qs))), _mm512_broadcast_f32x4(_mm_loadu_ps(qm)));
+    const F by_row = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), rows);  // lane 4r + k
+    _mm_storeu_ps(x + j, _mm512_extractf32x4_ps(by_row, 0));
+    _mm_storeu_ps(x + x_ld + j, _mm512_extractf32x4_ps(by_row, 1));
+    _mm_storeu_ps(x + 2 * x_ld + j, _mm512_extractf32x4_ps(by_row, 2));
+    _mm_storeu_ps(x + 3 * x_ld + j, _mm512_extractf32x4_ps(by_row, 3));
+    return;
+  }
+#endif
+  for (int k = 0; k < NK; ++k)
+    for (int r = 0; r < NR; ++r) x[r * x_ld + j + k] = part[k][r] * qs[r] + qm[r];
+}
+
+// Row r of q (row stride q_ld) as int16 codes qc (row stride D), with qs[r] = alpha step_r and
+// qm[r] = qs[r] (codes_r . mean): every product takes q's rounded row, the mean's share too. False
+// where a row holds a NaN or an infinity (the float32 products then take the block, so that it
+// spreads as it does there).
+inline bool quantize_rows(const float* q, int64_t q_ld, int64_t rows, int64_t D, const float* mean, float alpha, int16_t* qc, float* qs, float* qm) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = q + r * q_ld;
+    float top = 0.0f;
+    bool finite = true;
+    for (int64_t c = 0; c < D; ++c) {
+      finite = finite && std::isfinite(row[c]);
+      top = std::max(top, std::abs(row[c]));
+    }
+    if (!finite) return false;
+    const float inv = top > 0.0f ? 32767.0f / top : 0.0f;
+    float dot = 0.0f;
+    for (int64_t c = 0; c < D; ++c) {
+      qc[r * D + c] = static_cast<int16_t>(std::nearbyint(std::min(32767.0f, std::max(-32767.0f, row[c] * inv))));
+      dot += static_cast<float>(qc[r * D + c]) * mean[c];
+    }
+    qs[r] = alpha * (top / 32767.0f), qm[r] = qs[r] * dot;
+  }
+  return true;
+}
+
 // Calls f.template operator()<NR>(r0) for row groups of four (the last NR = rows - r0 < 4).
 template <typename F4>
 inline void by_four_rows(int64_t rows, F4&& f) {
@@ -191,12 +313,33 @@ constexpr bool kInt8Direct = true;
 constexpr int64_t kInt8DirectRows = 16;  // a block's rows up to which the codes are multiplied in registers
 constexpr int64_t kInt8Lanes = int8v::kLanes;
 
-// x (rows, width) = alpha q k^T over key tile [j0, j0 + width) of key head `head`.
-inline void int8_scores(const Int8KV& Q, int64_t head, const float* q, int64_t q_ld, int64_t rows, int64_t j0, int64_t width, float alpha,
-                        float* x) {
+// A block's rows of q as int16 codes for int8_scores' integer products (int8v::quantize_rows),
+// where Q.q_int16 and the groups take whole int16 vectors: false where they do not, or a row is
+// not finite (the float32 products then take the block).
+inline bool int8_quantize_q(const Int8KV& Q, int64_t head, const float* q, int64_t q_ld, int64_t rows, float alpha, int16_t* qc, float* qs,
+                            float* qm) {
+  return Q.q_int16 && Q.group % int8v::kPairs == 0 && Q.group <= 512 && rows <= kInt8DirectRows &&
+         int8v::quantize_rows(q, q_ld, rows, Q.D, Q.mean(head), alpha, qc, qs, qm);
+}
+
+// x (rows, width) = alpha q k^T over key tile [j0, j0 + width) of key head `head`: in integers
+// from the block's codes qc, qs, qm (int8_quantize_q; int8v::iscores_at) where qc is not null,
+// else in float32.
+inline void int8_scores(const Int8KV& Q, int64_t head, const float* q, int64_t q_ld, const int16_t* qc, const float* qs, const float* qm,
+                        int64_t rows, int64_t j0, int64_t width, float alpha, float* x) {
   const int64_t D = Q.D;
   const int8_t* codes = Q.keys(head, j0);
   const float* scales = Q.key_scales(head, j0);
+  if (qc) {
+    int8v::by_four_rows(rows, [&](auto nr, int64_t r0) {
+      constexpr int NR = decltype(nr)::value;
+      int64_t j = 0;
+      for (; j + int8v::kIKeys <= width; j += int8v::kIKeys)
+        int8v::iscores_at<NR, int8v::kIKeys>(qc + r0 * D, qs + r0, qm + r0, codes, scales, j, D, Q.group, x + r0 * width, width);
+      for (; j < width; ++j) int8v::iscores_at<NR, 1>(qc + r0 * D, qs + r0, qm + r0, codes, scales, j, D, Q.group, x + r0 * width, width);
+    });
+    return;
+  }
   const float* mean = Q.mean(head);
   int8v::by_four_rows(rows, [&](auto nr, int64_t r0) {
     int8v::scores_rows<decltype(nr)::value>(q + r0 * q_ld, q_ld, Q, codes, scales, mean, width, D, alpha, x + r0 * width);
@@ -216,7 +359,9 @@ inline void int8_values(const Int8KV& Q, int64_t head, const float* p, int64_t r
 constexpr bool kInt8Direct = false;
 constexpr int64_t kInt8DirectRows = 0;
 constexpr int64_t kInt8Lanes = 1;
-inline void int8_scores(const Int8KV&, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, float, float*) {}
+inline bool int8_quantize_q(const Int8KV&, int64_t, const float*, int64_t, int64_t, float, int16_t*, float*, float*) { return false; }
+inline void int8_scores(const Int8KV&, int64_t, const float*, int64_t, const int16_t*, const float*, const float*, int64_t, int64_t, int64_t, float,
+                        float*) {}
 inline void int8_values(const Int8KV&, int64_t, const float*, int64_t, int64_t, int64_t, float*) {}
 #endif
 
