@@ -64,13 +64,15 @@ def test_the_tiny_profile_runs_end_to_end(tmp_path):
     measured = exp.run(config, 0, no_progress)
     again = exp.combine(config, 0, {p: exp.run_part(config, 0, p, no_progress) for p in exp.parts(config)})
     assert json.loads(json.dumps(measured)) == json.loads(json.dumps(again))  # deterministic, JSON-able
-    condition = measured["conditions"]["d_k 16, nanoGPT's init (std 0.02)"]
+    condition = measured["conditions"]["d_k 64, PyTorch's default init"]
     assert set(condition["arms"]) == {"scaled", "unscaled"}
     for arm in condition["arms"].values():
         assert len(arm["runs"]) == 3 and all(len(runs) == config.seeds for runs in arm["runs"].values())
         assert arm["summary"]["seeds"] == config.seeds
     judgement = exp.judge(measured)
-    assert [a.name for a in judgement.arms] == ["d_k 16, nanoGPT's init (std 0.02)"] and judgement.arms[0].reason
+    assert [a.name for a in judgement.arms] == ["d_k 64, PyTorch's default init"] and judgement.arms[0].reason
+    with_, without = (condition["arms"][a]["summary"]["best"]["centre"] for a in exp.JUDGED)
+    assert measured["headline"]["centre"] == without - with_  # the headline condition's
     names = exp.plot(measured, tmp_path)
     assert set(names) == set(exp.captions(measured))
     for name in names:
