@@ -20,7 +20,7 @@ attention entropy each run reached are stated beside, not judged.
 and 128 (4, 2 and 1 heads), from both initialisations, with QK-norm (LayerNorm of q and k, a
 learned temperature from 1, no scale) and muP's 1/d_k beside at d_k 32. ``default`` measures one
 condition of those, PyTorch's init at d_k 64, on a smaller model (2 layers of width 64, one head)
-for 400 steps at batch 12, 5 rates from 3.2e-4 to 3.2e-2 and 3 seeds: 30 runs that fit the
+for 400 steps at batch 12, 6 rates from 3.2e-4 to 1e-1 and 3 seeds: 36 runs that fit the
 report's budget on two cores, long enough that the scaled model trains past the loss near 2.5
 nats at which full's unscaled runs from that init stopped. It trims nanoGPT's init and the other
 d_k. ``quick`` trains the same condition for 100 steps at 3 rates with 2 seeds, which cannot
@@ -123,6 +123,16 @@ CLAIM = Claim(
             "run of v4's configuration was made before v4. The judgement is v3's, unchanged",
             "473a9029686ca0af",
         ),
+        RuleVersion(
+            5,
+            "2026-12-06",
+            "v4's default run (967911b, report seed 0, Intel Xeon) was inconclusive: the unscaled arm's best rate, 3.2e-2, "
+            "was the top of its grid (3.2e-4 to 3.2e-2), its losses flat from 1e-2 on (2.499 and 2.494 nats, medians), "
+            "where the scaled arm's best was 2.30 at 1e-2 (a difference of 0.195 +- 0.051 nats). A sweep goes upward "
+            "until the arm diverges or 1e-1: v5's default grid ends at 1e-1 (6 rates, 36 runs). Nothing else changes; "
+            "a best rate at the grid's end stays inconclusive",
+            "8e52bfb469320190",
+        ),
     ),
 )
 
@@ -165,7 +175,7 @@ class Config:
         if profile == "quick":
             return cls(dks=(64,), steps=100, warmup=10, eval_every=50, rates=GRID[2:5], inits=("torch",), seeds=2)
         if profile == "default":
-            return cls(dks=(64,), batch=12, steps=400, warmup=40, eval_every=200, inits=("torch",))
+            return cls(dks=(64,), batch=12, steps=400, warmup=40, eval_every=200, rates=GRID[1:7], inits=("torch",))
         if profile == "full":
             return cls(layers=4, width=128, dks=(32, 64, 128), batch=12, steps=500, warmup=50, eval_every=100,
                        eval_batches=20, extra_arms=("qknorm", "mup"))  # fmt: skip
