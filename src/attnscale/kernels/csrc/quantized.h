@@ -205,6 +205,23 @@ inline I isums16(const I* v) {
   const I d23 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2], b[3], 0x44), _mm512_shuffle_i32x4(b[2], b[3], 0xEE));
   return _mm512_add_epi32(_mm512_shuffle_i32x4(d01, d23, 0x88), _mm512_shuffle_i32x4(d01, d23, 0xDD));
 }
+// iscores_at's reduction of kTreeKeys keys by four rows at once (lane 4k + r: key k, row r): the
+// sums of acc[k][r], group g's scale of each key, each row's value of p, and the lanes stored.
+constexpr int kTreeKeys = 4;
+inline I tree_sums(const I* acc) { return isums16(acc); }
+inline F tree_scales(const float* scales, int64_t j, int64_t groups, int64_t g) {
+  const __m128 s4 = _mm_setr_ps(scales[j * groups + g], scales[(j + 1) * groups + g], scales[(j + 2) * groups + g], scales[(j + 3) * groups + g]);
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(s4));
+}
+inline F tree_rows(const float* p) { return _mm512_broadcast_f32x4(_mm_loadu_ps(p)); }
+inline F tree_float(I v) { return _mm512_cvtepi32_ps(v); }
+inline void tree_store(F v, float* x, int64_t x_ld, int64_t j) {
+  const F by_row = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);  // lane 4r + k
+  _mm_storeu_ps(x + j, _mm512_extractf32x4_ps(by_row, 0));
+  _mm_storeu_ps(x + x_ld + j, _mm512_extractf32x4_ps(by_row, 1));
+  _mm_storeu_ps(x + 2 * x_ld + j, _mm512_extractf32x4_ps(by_row, 2));
+  _mm_storeu_ps(x + 3 * x_ld + j, _mm512_extractf32x4_ps(by_row, 3));
+}
 #else
 using I = __m256i;
 constexpr int64_t kPairs = 16, kIKeys = 2;
@@ -217,6 +234,24 @@ inline int32_t isum(I a) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
+constexpr int kTreeKeys = 2;
+// The sums of 8 vectors, acc[i]'s in lane i: pairs added within each 128-bit half, then the halves.
+inline I tree_sums(const I* v) {
+  const I h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+  const I h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+  const I lo = _mm256_hadd_epi32(h01, h23), hi = _mm256_hadd_epi32(h45, h67);  // each half: a quarter of v[0..3]'s, v[4..7]'s sums
+  return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+inline F tree_scales(const float* scales, int64_t j, int64_t groups, int64_t g) {
+  return _mm256_set_m128(_mm_set1_ps(scales[(j + 1) * groups + g]), _mm_set1_ps(scales[j * groups + g]));
+}
+inline F tree_rows(const float* p) { return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p)); }
+inline F tree_float(I v) { return _mm256_cvtepi32_ps(v); }
+inline void tree_store(F v, float* x, int64_t x_ld, int64_t j) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  for (int r = 0; r < 4; ++r) x[r * x_ld + j] = t[r], x[r * x_ld + j + 1] = t[4 + r];
+}
 #endif
 
 // x[r][j + k] for NR rows and NK keys from key j: qc the rows' int16 codes (row stride D), qs
@@ -226,12 +261,8 @@ inline void iscores_at(const int16_t* qc, const float* qs, const float* qm, cons
                        int64_t group, float* x, int64_t x_ld) {
   const int64_t groups = D / group;
   float part[NK][NR] = {};
-#if defined(CPU_CAPABILITY_AVX512)
-  constexpr bool tree = NK == 4 && NR == 4;  // lane 4k + r: key k, row r
+  constexpr bool tree = NK == kTreeKeys && NR == 4;  // lane 4k + r: key k, row r
   F total = zero();
-#else
-  constexpr bool tree = false;
-#endif
   for (int64_t g = 0, c = 0; g < groups; ++g) {
     I acc[NK][NR];
     for (int k = 0; k < NK; ++k)
@@ -244,28 +275,17 @@ inline void iscores_at(const int16_t* qc, const float* qs, const float* qm, cons
         for (int r = 0; r < NR; ++r) acc[k][r] = dot(acc[k][r], key, qv[r]);
       }
     }
-#if defined(CPU_CAPABILITY_AVX512)
     if constexpr (tree) {
-      const __m128 s4 = _mm_setr_ps(scales[j * groups + g], scales[(j + 1) * groups + g], scales[(j + 2) * groups + g], scales[(j + 3) * groups + g]);
-      const F s = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_castps128_ps512(s4));
-      total = add(total, mul(_mm512_cvtepi32_ps(isums16(&acc[0][0])), s));
-      continue;
+      total = add(total, mul(tree_float(tree_sums(&acc[0][0])), tree_scales(scales, j, groups, g)));
+    } else {
+      for (int k = 0; k < NK; ++k)
+        for (int r = 0; r < NR; ++r) part[k][r] += static_cast<float>(isum(acc[k][r])) * scales[(j + k) * groups + g];
     }
-#endif
-    for (int k = 0; k < NK; ++k)
-      for (int r = 0; r < NR; ++r) part[k][r] += static_cast<float>(isum(acc[k][r])) * scales[(j + k) * groups + g];
   }
-#if defined(CPU_CAPABILITY_AVX512)
   if constexpr (tree) {
-    const F rows = add(mul(total, _mm512_broadcast_f32x4(_mm_loadu_ps(qs))), _mm512_broadcast_f32x4(_mm_loadu_ps(qm)));
-    const F by_row = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), rows);  // lane 4r + k
-    _mm_storeu_ps(x + j, _mm512_extractf32x4_ps(by_row, 0));
-    _mm_storeu_ps(x + x_ld + j, _mm512_extractf32x4_ps(by_row, 1));
-    _mm_storeu_ps(x + 2 * x_ld + j, _mm512_extractf32x4_ps(by_row, 2));
-    _mm_storeu_ps(x + 3 * x_ld + j, _mm512_extractf32x4_ps(by_row, 3));
+    tree_store(add(mul(total, tree_rows(qs)), tree_rows(qm)), x, x_ld, j);
     return;
   }
-#endif
   for (int k = 0; k < NK; ++k)
     for (int r = 0; r < NR; ++r) x[r * x_ld + j + k] = part[k][r] * qs[r] + qm[r];
 }
