@@ -49,7 +49,7 @@ struct ForwardScratch {
   Scratch<uint16_t> pbuf;  // 16-bit products: the tile's weights, rounded for the second product
   Scratch<T> wq, wk, wv;   // Problem::widen: the block's q and the tile's k, v in float32 (int8: k, v)
   Scratch<int16_t> qc;     // int8 decoding's integer products: the block's q as int16 codes, and per row
-  Scratch<T> qs, qm;       // alpha times its step, and alpha q . mean (int8_quantize_q)
+  Scratch<T> qs, qm;       // alpha times its step, and the key mean's share of its logits (int8_quantize_q)
   std::vector<int64_t> seen;
   std::vector<char> is_static;
   explicit ForwardScratch(const Problem<T>& P)

@@ -175,7 +175,7 @@ inline void values_rows(const float* p, int64_t p_ld, const int8_t* codes, const
 
 // Decoding's q.k products in integers, for a 16-bit query (Int8KV::q_int16: its output is
 // rounded to 16 bits anyway). Each row of q is rounded to int16 codes at a step of its own,
-// max |q_r| / 32767, below a thousandth of bfloat16's rounding of the row's largest entry; each
+// max |q_r| / 32767, where bfloat16's own spacing at that largest entry is at least 1/256 of it; each
 // key's codes are widened to int16 and each group's sum of code products is exact in int32 (|sum|
 // <= 32767 * 127 * group < 2^31 for group <= 512): vpdpwssd where the CPU has AVX512-VNNI, else
 // vpmaddwd and an add, the same integers. Then, in float32 and in this order on every ISA, x =
@@ -184,7 +184,7 @@ inline void values_rows(const float* p, int64_t p_ld, const int8_t* codes, const
 // integers, the same bits).
 #if defined(CPU_CAPABILITY_AVX512)
 using I = __m512i;
-constexpr int64_t kPairs = 32, kIKeys = 4;  // int16 lanes a vector; keys at a time
+constexpr int64_t kPairs = 32;  // int16 lanes a vector
 inline I widen_codes(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline I load_codes(const int16_t* p) { return _mm512_loadu_si512(p); }
 inline I izero() { return _mm512_setzero_si512(); }
@@ -205,8 +205,9 @@ inline I isums16(const I* v) {
   const I d23 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2], b[3], 0x44), _mm512_shuffle_i32x4(b[2], b[3], 0xEE));
   return _mm512_add_epi32(_mm512_shuffle_i32x4(d01, d23, 0x88), _mm512_shuffle_i32x4(d01, d23, 0xDD));
 }
-// iscores_at's reduction of kTreeKeys keys by four rows at once (lane 4k + r: key k, row r): the
-// sums of acc[k][r], group g's scale of each key, each row's value of p, and the lanes stored.
+// iscores_at takes kTreeKeys keys at a time, and reduces them by four rows at once (lane 4k + r:
+// key k, row r): the sums of acc[k][r], group g's scale of each key, each row's value of p, and
+// the lanes stored.
 constexpr int kTreeKeys = 4;
 inline I tree_sums(const I* acc) { return isums16(acc); }
 inline F tree_scales(const float* scales, int64_t j, int64_t groups, int64_t g) {
@@ -224,7 +225,7 @@ inline void tree_store(F v, float* x, int64_t x_ld, int64_t j) {
 }
 #else
 using I = __m256i;
-constexpr int64_t kPairs = 16, kIKeys = 2;
+constexpr int64_t kPairs = 16;
 inline I widen_codes(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline I load_codes(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline I izero() { return _mm256_setzero_si256(); }
@@ -354,8 +355,8 @@ inline void int8_scores(const Int8KV& Q, int64_t head, const float* q, int64_t q
     int8v::by_four_rows(rows, [&](auto nr, int64_t r0) {
       constexpr int NR = decltype(nr)::value;
       int64_t j = 0;
-      for (; j + int8v::kIKeys <= width; j += int8v::kIKeys)
-        int8v::iscores_at<NR, int8v::kIKeys>(qc + r0 * D, qs + r0, qm + r0, codes, scales, j, D, Q.group, x + r0 * width, width);
+      for (; j + int8v::kTreeKeys <= width; j += int8v::kTreeKeys)
+        int8v::iscores_at<NR, int8v::kTreeKeys>(qc + r0 * D, qs + r0, qm + r0, codes, scales, j, D, Q.group, x + r0 * width, width);
       for (; j < width; ++j) int8v::iscores_at<NR, 1>(qc + r0 * D, qs + r0, qm + r0, codes, scales, j, D, Q.group, x + r0 * width, width);
     });
     return;
