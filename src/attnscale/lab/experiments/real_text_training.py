@@ -25,8 +25,9 @@ report's budget on two cores, long enough that the scaled model trains past the 
 nats at which full's unscaled runs from that init stopped. It trims nanoGPT's init and the other
 d_k. ``quick`` trains the same condition for 100 steps at 3 rates with 2 seeds, which cannot
 conclude (a smoke test of the pipeline, not a measurement). The headline is the condition at
-PyTorch's init and d_k 64 in each. nanoGPT's own CPU recipe (4 layers, width 128, batch 12, 2,000 steps, the
-scale) is ``python -m attnscale.lab.gpt``: the anchor that shows the training itself is healthy.
+PyTorch's init and d_k 64 in each. nanoGPT's own CPU recipe (4 layers, width 128, batch 12,
+2,000 steps, the scale) is ``python -m attnscale.lab.gpt``: the anchor that shows the training
+itself is healthy.
 """
 
 from __future__ import annotations
