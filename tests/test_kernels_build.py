@@ -161,6 +161,23 @@ torch.save(out, sys.argv[1])
 """
 
 
+def _outputs_that_differ_between_the_avx512_builds(tmp_path, script: str) -> list[int]:
+    """Runs ``script`` (which saves [isa, tensor, ...] to argv[1]) under the avx512_bf16 build and
+    the plain avx512 one, each in its own process: the indices of the tensors that differ."""
+    import torch
+
+    results = {}
+    for isa in ("avx512_bf16", "avx512"):
+        path = tmp_path / f"{isa}.pt"
+        done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True,
+                              env={**os.environ, "ATTNSCALE_KERNEL_ISA": isa}, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[isa] = torch.load(path)
+    wide, plain = results["avx512_bf16"], results["avx512"]
+    assert (wide[0], plain[0]) == ("avx512_bf16", "avx512") and len(wide) == len(plain) > 20
+    return [i for i, (a, b) in enumerate(zip(wide[1:], plain[1:])) if not torch.equal(a, b)]
+
+
 @pytest.mark.slow
 @needs_a_compiler
 @pytest.mark.skipif(kernels.isa() != "avx512_bf16", reason="no AVX512-BF16 on this CPU: the build with its conversion cannot run here")
@@ -168,18 +185,7 @@ def test_the_cpus_bfloat16_conversion_gives_atens_bits(tmp_path):
     """Built for AVX512-BF16, the kernel rounds bfloat16 softmax weights with the CPU's own
     instruction; built for plain AVX-512 (ATTNSCALE_KERNEL_ISA=avx512), with ATen's vectors. Every
     output, statistic and gradient must agree bit for bit (each build in its own process)."""
-    import torch
-
-    results = {}
-    for isa in ("avx512_bf16", "avx512"):
-        path = tmp_path / f"{isa}.pt"
-        done = subprocess.run([sys.executable, "-c", _BF16_OUTPUTS, str(path)], capture_output=True, text=True,
-                              env={**os.environ, "ATTNSCALE_KERNEL_ISA": isa}, timeout=600)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        results[isa] = torch.load(path)
-    wide, plain = results["avx512_bf16"], results["avx512"]
-    assert (wide[0], plain[0]) == ("avx512_bf16", "avx512") and len(wide) == len(plain) > 20
-    assert [i for i, (a, b) in enumerate(zip(wide[1:], plain[1:])) if not torch.equal(a, b)] == []
+    assert _outputs_that_differ_between_the_avx512_builds(tmp_path, _BF16_OUTPUTS) == []
 
 
 _INT8_OUTPUTS = """
@@ -198,7 +204,7 @@ for L, S, D, group, extra in [(1, 700, 128, 64, {}), (1, 300, 64, 32, dict(softc
     q = torch.randn(2, 8, L, D, generator=gen).bfloat16().float()
     k = torch.randn(2, 2, S, D, generator=gen) + 2.0 * torch.randn(1, 1, 1, D, generator=gen)
     kv = attnscale.quantize_kv(k, torch.randn(2, 2, S, 48, generator=gen), group=group)
-    got = run(q, kv.k, kv.k_scale, kv.k_mean, kv.v, kv.v_scale, None, None, True, **{**base, **extra})
+    got = run(q, kv.k, kv.k_scale, kv.k_mean, kv.v, kv.v_scale, None, None, q_int16=True, **{**base, **extra})
     out += [t for t in got if t.numel()]
 torch.save(out, sys.argv[1])
 """
@@ -211,18 +217,7 @@ def test_int8_decodings_integer_products_give_the_same_bits_with_and_without_vnn
     """Built for avx512_bf16 (with AVX512-VNNI), int8 decoding's q.k products take vpdpwssd; built
     for plain AVX-512, vpmaddwd and an add. The integers are the same, so every output and
     statistic must agree bit for bit (each build in its own process)."""
-    import torch
-
-    results = {}
-    for isa in ("avx512_bf16", "avx512"):
-        path = tmp_path / f"{isa}.pt"
-        done = subprocess.run([sys.executable, "-c", _INT8_OUTPUTS, str(path)], capture_output=True, text=True,
-                              env={**os.environ, "ATTNSCALE_KERNEL_ISA": isa}, timeout=600)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        results[isa] = torch.load(path)
-    vnni, plain = results["avx512_bf16"], results["avx512"]
-    assert (vnni[0], plain[0]) == ("avx512_bf16", "avx512") and len(vnni) == len(plain) > 20
-    assert [i for i, (a, b) in enumerate(zip(vnni[1:], plain[1:])) if not torch.equal(a, b)] == []
+    assert _outputs_that_differ_between_the_avx512_builds(tmp_path, _INT8_OUTPUTS) == []
 
 
 @pytest.mark.parametrize(

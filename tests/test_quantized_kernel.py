@@ -13,6 +13,7 @@ import torch
 
 import attnscale
 from attnscale import kernels, reference
+from attnscale.kernels import ops
 from attnscale.functional import last_backend
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the compiled kernel is unavailable here (its fallback, the specification, is tested in test_quantized.py)")
@@ -96,7 +97,7 @@ class _RowsBeforeRounding:
 
     def forward_int8(self, *args, **kwargs):
         got = self._module.forward_int8(*args, **kwargs)
-        self.calls.append((args[8], got[0].clone()))
+        self.calls.append((kwargs["q_int16"], ops.KernelOutputs(*got).out.clone()))
         return got
 
 
@@ -147,7 +148,7 @@ def test_a_query_row_that_is_not_finite_takes_the_float_products():
     run = kernels.load().forward_int8
     codes = (kv.k, kv.k_scale, kv.k_mean, kv.v, kv.v_scale)
     for query in (bad,):
-        integer, floats = run(query, *codes, None, None, True, **options)[0], run(query, *codes, None, None, False, **options)[0]
+        integer, floats = (ops.KernelOutputs(*run(query, *codes, None, None, q_int16=flag, **options)).out for flag in (True, False))
         # batch 0's key head 0 and batch 1's key head 1 hold the bad rows: those blocks match bit for bit
         torch.testing.assert_close(integer[0, :2], floats[0, :2], rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(integer[1, 2:], floats[1, 2:], rtol=0, atol=0, equal_nan=True)

@@ -471,6 +471,6 @@ def int8_attention(
     mask, slopes = _flat_mask(attn_mask, spec, L, k.shape[2], torch.float32), _flat_slopes(alibi_slopes, spec, torch.float32)
     # A 16-bit query's output is rounded to 16 bits: decoding's q.k products may take q in int16 codes.
     q_int16 = query.dtype in (torch.bfloat16, torch.float16) and q.dtype is torch.float32
-    got = ops.KernelOutputs(*load().forward_int8(q, k, k_scale, k_mean, v, v_scale, slopes, mask, q_int16, **options._asdict()))
+    got = ops.KernelOutputs(*load().forward_int8(q, k, k_scale, k_mean, v, v_scale, slopes, mask, q_int16=q_int16, **options._asdict()))
     stats = [got.max_logit, got.max_prob, got.entropy, got.visible_keys]
     return _finished(query.dtype, got.out, got.lse, stats, got.rows_ok, sinks, return_stats)
