@@ -33,9 +33,14 @@ itself is healthy.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import statistics
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+import torch
 
 from matplotlib.figure import Figure
 
@@ -336,3 +341,68 @@ def captions(measured: dict) -> dict[str, str]:
             "without the scale the logits start and grow larger; Wortsman et al. saw runs diverge once it passed about 1e4."
         ),
     }
+
+
+def _pilot_run(config: Config, arm: str, lr: float, seed: int) -> dict:
+    torch.set_num_threads(1)  # runs side by side, one per core, as in the report's job slots
+    corpus = load()
+    (init,), (dk,) = config.inits, config.dks
+    model = GPTConfig(vocab=len(corpus.vocab), layers=config.layers, width=config.width, heads=config.width // dk, context=config.context, arm=arm, init=init)
+    train = LMTrainConfig(steps=config.steps, batch=config.batch, lr=lr, warmup=config.warmup, eval_every=config.eval_every,
+                          eval_batches=config.eval_batches, seed=seed)  # fmt: skip
+    run = train_lm(model, train, corpus)
+    return {"steps": config.steps, "arm": arm, "lr": lr, "seed": seed, "final": run.final_loss, "val_loss": run.val_loss, "seconds": run.seconds}
+
+
+def pilot(lengths: Sequence[int], rates: Sequence[float], seeds: Sequence[int], jobs: int = 2, progress: Progress = no_progress) -> list[dict]:
+    """``default``'s condition (its model, init, batch, d_k and evaluation) trained for each of
+    ``lengths`` steps (warm-up a tenth, evaluations at half and at the end), both judged arms, at
+    each rate and model seed: the runs that chose ``default``'s length and seed count (v6's
+    reason). Seeds from 9000 are no report's (a report at seed s trains 1000 s + i)."""
+    base = Config.for_profile("default")
+    configs = [replace(base, steps=n, warmup=n // 10, eval_every=n // 2) for n in lengths]
+    work = [(c, arm, lr, seed) for c in configs for arm in JUDGED for lr in rates for seed in seeds]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_pilot_run, *w) for w in work]
+        for i, _ in enumerate(as_completed(futures)):
+            progress(i + 1, len(futures))
+    return [f.result() for f in futures]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """real-text-training's pilot: default's condition (PyTorch's init, d_k 64) with and without the
+    scale, trained for other lengths on model seeds no report trains; prints each (length, arm,
+    rate)'s final validation losses, seed by seed (--json keeps every run)."""
+    import argparse
+    import json
+    import subprocess
+
+    from rich.progress import Progress as Bar
+
+    from ..terminal import progress_columns
+
+    parser = argparse.ArgumentParser(prog="python -m attnscale.lab.experiments.real_text_training", description=main.__doc__)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[550, 700], help="training steps (default 550 700)")
+    parser.add_argument("--rates", type=float, nargs="+", default=list(GRID[2:7]), help="peak learning rates (default 1e-3 to 1e-1, half-decade steps)")
+    parser.add_argument("--seeds", type=int, nargs=2, default=[9000, 9006], metavar=("FIRST", "END"), help="model seeds FIRST..END-1 (default 9000 9006)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs side by side, one thread each (default 2)")
+    parser.add_argument("--json", type=Path, help="write every run here")
+    args = parser.parse_args(argv)
+    with Bar(*progress_columns()) as bar:
+        task = bar.add_task("pilot runs", total=None)
+        runs = pilot(args.lengths, args.rates, range(*args.seeds), args.jobs, lambda done, total: bar.update(task, completed=done, total=total))
+    for n in args.lengths:
+        for arm in JUDGED:
+            for lr in args.rates:
+                finals = [r["final"] for r in runs if (r["steps"], r["arm"], r["lr"]) == (n, arm, lr)]
+                print(f"{n} steps, {ARM_NAMES[arm]:11s} lr {lr:<9g} final validation loss by seed: " + " ".join(f"{x:.3f}" for x in finals))
+    if args.json is not None:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+        about = (f"real-text-training's pilot (python -m attnscale.lab.experiments.real_text_training), default's condition "
+                 f"trained for {', '.join(map(str, args.lengths))} steps, model seeds {args.seeds[0]}..{args.seeds[1] - 1}, at commit {commit}")  # fmt: skip
+        args.json.write_text(json.dumps({"about": about, "commit": commit, "runs": runs}, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
