@@ -8,6 +8,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from attnscale.lab.base import Verdict, no_progress
 from attnscale.lab.experiments import real_text_training as exp
@@ -77,3 +78,60 @@ def test_the_tiny_profile_runs_end_to_end(tmp_path):
     assert set(names) == set(exp.captions(measured))
     for name in names:
         assert (tmp_path / f"{name}.svg").is_file() and (tmp_path / f"{name}.png").is_file()
+
+
+def test_v6s_reason_is_what_its_pilot_measured():
+    """v6 chose default's length and seed count from a pilot on model seeds no report trains: the
+    numbers its reason cites, judged by the rule from results/real_text_pilot.json."""
+    import itertools
+    import statistics
+    from pathlib import Path
+
+    from attnscale.lab.lr_sweep import GRID, Curve, Effect, compare, summarise
+
+    pilot = json.loads((Path(__file__).resolve().parents[2] / "results" / "real_text_pilot.json").read_text(encoding="utf-8"))
+    runs = pilot["runs"]
+    assert {r["seed"] for r in runs} == set(range(9000, 9006)) and {r["lr"] for r in runs} == set(GRID[2:7])
+    assert all(r["seed"] // exp.SEED_STRIDE > 2 for r in runs)  # no model of the reports at seeds 0, 1, 2
+
+    def judged(steps, seeds):
+        def curve(arm):
+            rs = [r for r in runs if (r["steps"], r["arm"]) == (steps, arm)]
+            by_lr = {lr: [r["final"] for r in rs if r["lr"] == lr and r["seed"] in seeds] for lr in GRID[2:7]}
+            return summarise(Curve(by_lr, statistics.median(r["val_loss"][0] for r in rs)))
+
+        return compare(curve("scaled"), curve("unscaled"))
+
+    seeds = range(9000, 9006)
+    (why,) = [v.why for v in exp.CLAIM.rule_history if v.version == 6]
+    effect, reason = judged(550, seeds)
+    assert effect is Effect.STALLS and "0.357 +- 0.029 nats apart" in reason and "0.357 +- 0.029" in why
+    subsets = [judged(550, sub)[0] for sub in itertools.combinations(seeds, 5)]
+    assert subsets == [Effect.STALLS] * 6
+    effect, reason = judged(700, seeds)
+    assert effect is Effect.COSTS and "0.319 +- 0.1 nats apart" in reason and "0.319 +- 0.1 nats" in why
+    assert [judged(700, sub)[0] for sub in itertools.combinations(seeds, 5)].count(Effect.INCONCLUSIVE) == 5
+    escaped = [r["final"] for r in runs if (r["steps"], r["arm"], r["lr"]) == (700, "unscaled", GRID[5])]
+    assert f"{min(escaped):.3f} to {max(escaped):.3f} nats at lr {GRID[5]:g}" in why
+    default = exp.Config.for_profile("default")
+    assert (default.steps, default.warmup, default.eval_every, default.seeds, default.rates) == (550, 55, 275, 5, GRID[2:7])
+
+
+def test_the_pilot_trains_defaults_condition_as_the_report_does():
+    """A pilot run (in its own process) is the report's run of default's condition at that length:
+    the same model, batches and losses as train_lm in this process."""
+    from attnscale.lab.gpt import GPTConfig, LMTrainConfig, train_lm
+    from attnscale.lab.shakespeare import load
+
+    got = exp.pilot([6], [1e-2], [9000], jobs=1)
+    assert [(r["steps"], r["arm"], r["lr"], r["seed"]) for r in got] == [(6, arm, 1e-2, 9000) for arm in exp.JUDGED]
+    corpus = load()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the pilot's processes (and the report's job slots) run
+    try:
+        for r in got:
+            model = GPTConfig(vocab=len(corpus.vocab), layers=2, width=64, heads=1, context=64, arm=r["arm"], init="torch")
+            run = train_lm(model, LMTrainConfig(steps=6, batch=12, lr=1e-2, warmup=0, eval_every=3, eval_batches=8, seed=9000), corpus)
+            assert r["val_loss"] == run.val_loss and r["final"] == run.final_loss
+    finally:
+        torch.set_num_threads(threads)

@@ -169,7 +169,8 @@ def test_the_power_calculation_the_seed_counts_rest_on():
     for name in ("default", "unit"):  # 3 of 15 scaled runs missed 90% at the rate v11 picked
         assert sum(s is None for p in pooled[("sgd mqar", name, 64)] for s in p.scaled) == 3
     assert at("sgd copy", "default", 64) == (1.78, 1.04, 135)
-    assert (exp.Config.for_profile("default").seeds, exp.Config.for_profile("default").sgd_seeds) == (5, 8)
+    assert (exp.Config.for_profile("default").seeds, exp.Config.for_profile("full").sgd_seeds) == (5, 8)
+    assert exp.Config.for_profile("default").sgd_tasks == ()  # since v15: SGD at full alone
 
 
 def test_v13s_reason_is_what_v12s_three_default_runs_measured():
