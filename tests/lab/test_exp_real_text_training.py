@@ -135,3 +135,40 @@ def test_the_pilot_trains_defaults_condition_as_the_report_does():
             assert r["val_loss"] == run.val_loss and r["final"] == run.final_loss
     finally:
         torch.set_num_threads(threads)
+
+
+def test_v7s_reason_is_what_v6s_default_run_measured():
+    """v7 flushes subnormals because v6's default report ran past the budget, its parts at high
+    rates the slowest: the numbers its reason cites, from results/real_text_v6_seed0.json."""
+    from pathlib import Path
+
+    v6 = json.loads((Path(__file__).resolve().parents[2] / "results" / "real_text_v6_seed0.json").read_text(encoding="utf-8"))
+    claim = v6["claim"]
+    assert (v6["profile"], v6["seed"], claim["rule_version"]) == ("default", 0, 6)
+    assert claim["rule_fingerprint"] == next(v.fingerprint for v in exp.CLAIM.rule_history if v.version == 6)
+    (why,) = [v.why for v in exp.CLAIM.rule_history if v.version == 7]
+    parts = {p["name"]: p["cpu_seconds"] for p in claim["parts"]}
+    slow = [parts[f"torch 64 {arm} 0.03162"] for arm in exp.JUDGED]
+    fast = [parts[f"torch 64 {arm} 0.001"] for arm in exp.JUDGED]
+    assert f"took {v6['seconds'] / 60:.1f} min" in why and v6["seconds"] > 300
+    assert f"{slow[0]:.1f} and {slow[1]:.1f} s of CPU against {fast[0]:.1f} and {fast[1]:.1f} at 1e-3" in why
+    assert claim["verdict"] == "holds-approximately" and "costs: " in claim["arms"][0]["reason"]
+    assert "0.258 +- 0.03 nats apart" in claim["arms"][0]["reason"] and "(costs, 0.258 +- 0.03 nats apart)" in why
+
+
+def test_training_flushes_subnormals_and_restores_the_callers_mode():
+    from attnscale.lab.gpt import subnormals_flushed
+
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush subnormals (torch.set_flush_denormal is unsupported)")
+    tiny = torch.tensor(1e-38)
+    with subnormals_flushed():
+        assert float(tiny * 0.01) == 0.0
+    assert float(tiny * 0.01) > 0.0
+    torch.set_flush_denormal(True)
+    try:
+        with subnormals_flushed():
+            pass
+        assert float(tiny * 0.01) == 0.0  # the caller's mode, on
+    finally:
+        torch.set_flush_denormal(False)
