@@ -1081,7 +1081,9 @@ WEIGHT_CASES = {  # name: (kernel options, ALiBi, mask kind); logits spread past
 }
 # Largest relative error of a weight against exp(s - m) in float64, measured on these tiles: float32
 # 1.4e-5 (logits up to ~100 carry float32 rounding), float64 1.2e-13 (up to ~1000); twice that here.
-WEIGHT_RTOL = {torch.float32: 3e-5, torch.float64: 3e-13}
+# float64: measured 3.41e-13 (the plain case on both ISAs, whose small tiles' products the kernel
+# computes itself; oneMKL's stayed under 3e-13), 1.14 eps of that tile's largest |logit| (1350)
+WEIGHT_RTOL = {torch.float32: 3e-5, torch.float64: 4e-13}
 
 
 def tile_weights_case(name, dtype):

@@ -78,10 +78,65 @@ inline void blas(char ta, char tb, int m, int n, int k, double alpha, const doub
   dgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
 }
 
+// Products of at most this many multiply-adds (m * n * k) are computed here, not by BLAS: a
+// decoding step's q k^T and p v are matrix-vector products of a few thousand, where the BLAS call
+// (its argument checks and dispatch) costs more than the arithmetic.
+constexpr int64_t kSmallProduct = int64_t(1) << 14;
+
+// C (m x n, column-major) = alpha op(A) B + beta C by hand, for the two shapes the kernel's small
+// products take: op(A) = A^T (C[i][j] = a dot of A's column i with B's column j, both contiguous)
+// and op(A) = A (C's column j gathers A's columns, each times B[l][j]). As reference BLAS does,
+// beta = 0 ignores C's contents and a zero B[l][j] skips A's column l (a hidden key's weight is
+// exactly 0: its values are never read). False for other shapes or larger products.
+template <typename T>
+inline bool small_gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
+                       const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
+  using V = Vectorized<T>;
+  constexpr int64_t w = V::size();
+  if (tb != 'N' || m * n * k > kSmallProduct) return false;
+  if (ta == 'T') {
+    for (int64_t j = 0; j < n; ++j) {
+      const T* y = b + j * ldb;
+      for (int64_t i = 0; i < m; ++i) {
+        const T* x = a + i * lda;
+        V acc(T(0));
+        int64_t l = 0;
+        for (; l + w <= k; l += w) acc = at::vec::fmadd(V::loadu(x + l), V::loadu(y + l), acc);
+        T s = at::vec::vec_reduce_all<T>([](V& p, V& q) { return p + q; }, acc);
+        for (; l < k; ++l) s += x[l] * y[l];
+        T* out = c + i + j * ldc;
+        *out = beta == T(0) ? alpha * s : alpha * s + beta * *out;
+      }
+    }
+    return true;
+  }
+  if (ta != 'N') return false;
+  for (int64_t j = 0; j < n; ++j) {
+    T* cj = c + j * ldc;
+    if (beta == T(0)) {
+      std::fill(cj, cj + m, T(0));
+    } else if (beta != T(1)) {
+      for (int64_t i = 0; i < m; ++i) cj[i] *= beta;
+    }
+    for (int64_t l = 0; l < k; ++l) {
+      const T weight = b[l + j * ldb];
+      if (weight == T(0)) continue;
+      const T scaled = alpha * weight;
+      const T* al = a + l * lda;
+      const V sv(scaled);
+      int64_t i = 0;
+      for (; i + w <= m; i += w) at::vec::fmadd(sv, V::loadu(al + i), V::loadu(cj + i)).store(cj + i);
+      for (; i < m; ++i) cj[i] += scaled * al[i];
+    }
+  }
+  return true;
+}
+
 template <typename T>
 inline void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
                  int64_t ldb, T beta, T* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
+  if (small_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
   auto ld = [](int64_t x) { return static_cast<int>(std::max<int64_t>(x, 1)); };
   blas(ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a, ld(lda), b, ld(ldb), beta, c, ld(ldc));
 }
