@@ -83,29 +83,55 @@ inline void blas(char ta, char tb, int m, int n, int k, double alpha, const doub
 // (its argument checks and dispatch) costs more than the arithmetic.
 constexpr int64_t kSmallProduct = int64_t(1) << 14;
 
+// s plus the scalar part of the dot of x and y, from index from to k.
+template <typename T>
+inline T dot_tail(const T* x, const T* y, int64_t from, int64_t k, T s) {
+  for (int64_t l = from; l < k; ++l) s += x[l] * y[l];
+  return s;
+}
+
 // C (m x n, column-major) = alpha op(A) B + beta C by hand, for the two shapes the kernel's small
 // products take: op(A) = A^T (C[i][j] = a dot of A's column i with B's column j, both contiguous)
-// and op(A) = A (C's column j gathers A's columns, each times B[l][j]). As reference BLAS does,
-// beta = 0 ignores C's contents and a zero B[l][j] skips A's column l (a hidden key's weight is
-// exactly 0: its values are never read). False for other shapes or larger products.
+// and op(A) = A (C's column j gathers A's columns, each times B[l][j], in registers 4 vectors at a
+// time). As reference BLAS does, beta = 0 ignores C's contents and a zero B[l][j] skips A's column
+// l (a hidden key's weight is exactly 0: its values are never read). False for other shapes or
+// larger products.
 template <typename T>
 inline bool small_gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
                        const T* b, int64_t ldb, T beta, T* c, int64_t ldc) {
   using V = Vectorized<T>;
   constexpr int64_t w = V::size();
   if (tb != 'N' || m * n * k > kSmallProduct) return false;
+  auto put = [&](int64_t i, int64_t j, T s) {
+    T* out = c + i + j * ldc;
+    *out = beta == T(0) ? alpha * s : alpha * s + beta * *out;
+  };
+  auto sum = [](V x) { return at::vec::vec_reduce_all<T>([](V& p, V& q) { return p + q; }, x); };
   if (ta == 'T') {
+    const int64_t kv = k - k % w;  // the dots' vector part; the rest by scalars
     for (int64_t j = 0; j < n; ++j) {
       const T* y = b + j * ldb;
-      for (int64_t i = 0; i < m; ++i) {
+      int64_t i = 0;
+      for (; i + 4 <= m; i += 4) {  // four of C's entries at a time: four independent chains share y's loads
+        const T *x0 = a + i * lda, *x1 = x0 + lda, *x2 = x1 + lda, *x3 = x2 + lda;
+        V s0(T(0)), s1(T(0)), s2(T(0)), s3(T(0));
+        for (int64_t l = 0; l < kv; l += w) {
+          const V yl = V::loadu(y + l);
+          s0 = at::vec::fmadd(V::loadu(x0 + l), yl, s0);
+          s1 = at::vec::fmadd(V::loadu(x1 + l), yl, s1);
+          s2 = at::vec::fmadd(V::loadu(x2 + l), yl, s2);
+          s3 = at::vec::fmadd(V::loadu(x3 + l), yl, s3);
+        }
+        put(i, j, dot_tail(x0, y, kv, k, sum(s0)));
+        put(i + 1, j, dot_tail(x1, y, kv, k, sum(s1)));
+        put(i + 2, j, dot_tail(x2, y, kv, k, sum(s2)));
+        put(i + 3, j, dot_tail(x3, y, kv, k, sum(s3)));
+      }
+      for (; i < m; ++i) {
         const T* x = a + i * lda;
-        V acc(T(0));
-        int64_t l = 0;
-        for (; l + w <= k; l += w) acc = at::vec::fmadd(V::loadu(x + l), V::loadu(y + l), acc);
-        T s = at::vec::vec_reduce_all<T>([](V& p, V& q) { return p + q; }, acc);
-        for (; l < k; ++l) s += x[l] * y[l];
-        T* out = c + i + j * ldc;
-        *out = beta == T(0) ? alpha * s : alpha * s + beta * *out;
+        V s0(T(0));
+        for (int64_t l = 0; l < kv; l += w) s0 = at::vec::fmadd(V::loadu(x + l), V::loadu(y + l), s0);
+        put(i, j, dot_tail(x, y, kv, k, sum(s0)));
       }
     }
     return true;
@@ -118,16 +144,30 @@ inline bool small_gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, T alph
     } else if (beta != T(1)) {
       for (int64_t i = 0; i < m; ++i) cj[i] *= beta;
     }
-    for (int64_t l = 0; l < k; ++l) {
-      const T weight = b[l + j * ldb];
-      if (weight == T(0)) continue;
-      const T scaled = alpha * weight;
-      const T* al = a + l * lda;
-      const V sv(scaled);
-      int64_t i = 0;
-      for (; i + w <= m; i += w) at::vec::fmadd(sv, V::loadu(al + i), V::loadu(cj + i)).store(cj + i);
-      for (; i < m; ++i) cj[i] += scaled * al[i];
+    const T* bj = b + j * ldb;
+    int64_t i = 0;
+    for (; i + 4 * w <= m; i += 4 * w) {  // 4 vectors of C's column held in registers over every l
+      V c0 = V::loadu(cj + i), c1 = V::loadu(cj + i + w), c2 = V::loadu(cj + i + 2 * w), c3 = V::loadu(cj + i + 3 * w);
+      for (int64_t l = 0; l < k; ++l) {
+        if (bj[l] == T(0)) continue;
+        const V sv(alpha * bj[l]);
+        const T* al = a + l * lda + i;
+        c0 = at::vec::fmadd(sv, V::loadu(al), c0);
+        c1 = at::vec::fmadd(sv, V::loadu(al + w), c1);
+        c2 = at::vec::fmadd(sv, V::loadu(al + 2 * w), c2);
+        c3 = at::vec::fmadd(sv, V::loadu(al + 3 * w), c3);
+      }
+      c0.store(cj + i), c1.store(cj + i + w), c2.store(cj + i + 2 * w), c3.store(cj + i + 3 * w);
     }
+    for (; i + w <= m; i += w) {
+      V c0 = V::loadu(cj + i);
+      for (int64_t l = 0; l < k; ++l)
+        if (bj[l] != T(0)) c0 = at::vec::fmadd(V(alpha * bj[l]), V::loadu(a + l * lda + i), c0);
+      c0.store(cj + i);
+    }
+    for (; i < m; ++i)
+      for (int64_t l = 0; l < k; ++l)
+        if (bj[l] != T(0)) cj[i] += alpha * bj[l] * a[l * lda + i];
   }
   return true;
 }
