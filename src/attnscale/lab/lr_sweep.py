@@ -14,7 +14,7 @@ of half-decade steps, over seeds. A run that diverged counts at the loss at init
 * ``width``: how many decades of the grid lie within 0.05 nats of ``best`` (half a decade a rate);
 * ``bracketed``: whether ``best_lr`` has a rate on both sides of it in the grid.
 
-The rule (version 1 written before any sweep ran; version 3 as below), per condition (a d_k and an initialisation),
+The rule (version 1 written before any sweep ran; version 8 as below), per condition (a d_k and an initialisation),
 comparing the arm without the scale (``unscaled``) with the one with it (``scaled``). Both arms
 train seed i from the same initial weights on the same batches, so they are compared seed by
 seed: a difference is the estimate over seeds of seed i's value without the scale less seed i's

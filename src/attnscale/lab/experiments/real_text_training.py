@@ -147,8 +147,8 @@ CLAIM = Claim(
         RuleVersion(
             6,
             "2026-12-06",
-            "v5's three default runs (400 steps, 3 seeds; results/published.json, results/default_seed1.json, "
-            "results/default_seed2.json) were inconclusive: the unscaled arm sat on its plateau near 2.49 nats while the "
+            "v5's three default runs (400 steps, 3 seeds; at 78c2ac4, published then in results/published.json and "
+            "results/default_seed{1,2}.json) were inconclusive: the unscaled arm sat on its plateau near 2.49 nats while the "
             "scaled one was still falling, its losses spread from seed to seed (0.191 +- 0.049, 0.136 +- 0.034 and 0.272 "
             "+- 0.12 nats apart). A pilot of default's condition on model seeds 9000 to 9005, which no report trains "
             "(python -m attnscale.lab.experiments.real_text_training; results/real_text_pilot.json), judged by this rule: "

@@ -75,8 +75,8 @@ CLAIM = Claim(
         "whose x is the unscaled model's measured init logit std: the realistic inits (nn.Linear's default, and "
         "unit-variance q/k components) and gains calibrated to init logit stds of 1 and 27 (1 to 54 in full); "
         "d_k 64 and 128 (16 to 256 in full); two tasks whose answer needs attention (multi-query associative recall "
-        "and pointer copy); AdamW (lr 1e-3) and, in the full profile, SGD with momentum 0.9 without weight decay, its learning rate searched "
-        "per rung and divisor on a ladder from 0.003 to 3 (walking towards the rate whose seeds most often keep 90%, the "
+        "and pointer copy); AdamW (lr 1e-3) and, in the full profile, SGD with momentum 0.9 without weight decay, "
+        "its learning rate searched per rung and divisor on a ladder from 0.003 to 3 (walking towards the rate whose seeds most often keep 90%, the "
         "fastest median among those; each seed counts its fastest run over the rates tried); 5 seeds per rung for AdamW, 8 for SGD; per rung the slowdown (steps to 90% held-out accuracy "
         "without the scale / with it, paired by seed), the share of unscaled runs that never reach 90% and the "
         "saturated share of attention rows at init."
@@ -206,11 +206,11 @@ CLAIM = Claim(
             15,
             "2026-12-06",
             "default trains AdamW only; SGD's learning-rate search (8 seeds on a ladder of up to 7 rates per rung and "
-            "divisor, the larger share of training-stall's time at default) moves to full alone, which keeps it. Under v13 and v14 both SGD arms were inconclusive at report seeds 0, 1 "
-            "and 2 (results/published.json, results/default_seed1.json, results/default_seed2.json), so they never set "
-            "the claim's verdict at default; the time goes to real-text-training's learning-rate sweep on real text "
-            "(its v6), the lab's answer to how the scale interacts with the learning rate. The rule and the AdamW arms "
-            "are v14's",
+            "divisor, the larger share of training-stall's time at default) moves to full alone, which keeps it. "
+            "Under v13 and v14 both SGD arms were inconclusive at report seeds 0, 1 and 2 (the default runs "
+            "at 78c2ac4), so they never set the claim's verdict at default; the time goes to real-text-training's "
+            "learning-rate sweep on real text (its v6), the lab's answer to how the scale interacts with the learning "
+            "rate. The rule and the AdamW arms are v14's",
             "fc03ef0d87646d34",
         ),
     ),
