@@ -88,7 +88,7 @@ def test_v6s_reason_is_what_its_pilot_measured():
     import statistics
     from pathlib import Path
 
-    from attnscale.lab.lr_sweep import GRID, Curve, Effect, compare, summarise
+    from attnscale.lab.lr_sweep import GRID, Effect, compare, summarise
 
     pilot = json.loads((Path(__file__).resolve().parents[2] / "results" / "real_text_pilot.json").read_text(encoding="utf-8"))
     runs = pilot["runs"]
@@ -96,10 +96,9 @@ def test_v6s_reason_is_what_its_pilot_measured():
     assert all(r["seed"] // exp.SEED_STRIDE > 2 for r in runs)  # no model of the reports at seeds 0, 1, 2
 
     def judged(steps, seeds):
-        def curve(arm):
-            rs = [r for r in runs if (r["steps"], r["arm"]) == (steps, arm)]
-            by_lr = {lr: [r["final"] for r in rs if r["lr"] == lr and r["seed"] in seeds] for lr in GRID[2:7]}
-            return summarise(Curve(by_lr, statistics.median(r["val_loss"][0] for r in rs)))
+        def curve(arm):  # as combine records an arm: every rate's runs, each with its final and initial loss
+            rs = [r for r in runs if (r["steps"], r["arm"]) == (steps, arm) and r["seed"] in seeds]
+            return summarise(exp._curve({"runs": {f"{lr:g}": [{"final": r["final"], "init": r["val_loss"][0]} for r in rs if r["lr"] == lr] for lr in GRID[2:7]}}))
 
         return compare(curve("scaled"), curve("unscaled"))
 
@@ -124,7 +123,7 @@ def test_the_pilot_trains_defaults_condition_as_the_report_does():
     from attnscale.lab.gpt import GPTConfig, LMTrainConfig, train_lm
     from attnscale.lab.shakespeare import load
 
-    got = exp.pilot([6], [1e-2], [9000], jobs=1)
+    got = exp.pilot([6], [1e-2], 1, jobs=1)
     assert [(r["steps"], r["arm"], r["lr"], r["seed"]) for r in got] == [(6, arm, 1e-2, 9000) for arm in exp.JUDGED]
     corpus = load()
     threads = torch.get_num_threads()

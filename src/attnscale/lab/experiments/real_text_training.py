@@ -392,32 +392,40 @@ def captions(measured: dict) -> dict[str, str]:
     }
 
 
-def _pilot_run(config: Config, arm: str, lr: float, seed: int) -> dict:
-    torch.set_num_threads(1)  # runs side by side, one per core, as in the report's job slots
-    corpus = load()
-    (init,), (dk,) = config.inits, config.dks
-    model = GPTConfig(vocab=len(corpus.vocab), layers=config.layers, width=config.width, heads=config.width // dk, context=config.context, arm=arm, init=init)
-    train = LMTrainConfig(steps=config.steps, batch=config.batch, lr=lr, warmup=config.warmup, eval_every=config.eval_every,
-                          eval_batches=config.eval_batches, seed=seed)  # fmt: skip
-    run = train_lm(model, train, corpus)
-    return {"steps": config.steps, "arm": arm, "lr": lr, "seed": seed, "final": run.final_loss, "val_loss": run.val_loss, "seconds": run.seconds}
+PILOT_SEED = 9
+"""The report seed whose model seeds (``SEED_STRIDE * 9 + i``: 9000 and up) the pilot trains, a
+seed no published report runs."""
 
 
-def pilot(lengths: Sequence[int], rates: Sequence[float], seeds: Sequence[int], jobs: int = 2, progress: Progress = no_progress) -> list[dict]:
-    """``default``'s condition (its model, init, batch, d_k and evaluation) trained for each of
-    ``lengths`` steps (warm-up a tenth, evaluations at half and at the end), both judged arms, at
-    each rate and model seed: the runs that chose ``default``'s length and seed count (v6's
-    reason). Seeds 9000 and up are no report's at seeds 0 to 8 (a report at seed s trains 1000 s + i).
-    The recorded pilot ran before training flushed subnormals (v7): its saturating runs (those at
-    1e-1 among them) may differ from a run of this code in their later digits."""
+def _pilot_part(config: Config, part: str) -> tuple[Config, str, dict]:
+    torch.set_num_threads(1)  # parts side by side, one per core, as in the report's job slots
+    return config, part, run_part(config, PILOT_SEED, part, no_progress)
+
+
+def pilot(lengths: Sequence[int], rates: Sequence[float], seeds: int, jobs: int = 2, progress: Progress = no_progress) -> list[dict]:
+    """``default``'s condition trained for each of ``lengths`` steps (warm-up a tenth, evaluations
+    at half and at the end) at ``rates``, both judged arms, ``seeds`` model seeds: the report's own
+    parts (:func:`run_part`) at report seed :data:`PILOT_SEED`, one record per run. The runs that
+    chose ``default``'s length and seed count (v6's reason). The recorded pilot ran before training
+    flushed subnormals (v7): its saturating runs (those at 1e-1 among them) may differ from a run of
+    this code in their later digits."""
     base = Config.for_profile("default")
-    configs = [replace(base, steps=n, warmup=n // 10, eval_every=n // 2) for n in lengths]
-    work = [(c, arm, lr, seed) for c in configs for arm in JUDGED for lr in rates for seed in seeds]
+    configs = [replace(base, steps=n, warmup=n // 10, eval_every=n // 2, rates=tuple(rates), seeds=seeds) for n in lengths]
+    work = [(c, part) for c in configs for part in parts(c)]
+    records = []
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_pilot_run, *w) for w in work]
-        for i, _ in enumerate(as_completed(futures)):
-            progress(i + 1, len(futures))
-    return [f.result() for f in futures]
+        futures = [pool.submit(_pilot_part, *w) for w in work]
+        for done, _ in enumerate(as_completed(futures)):
+            progress(done + 1, len(futures))
+    for future in futures:
+        config, part, result = future.result()
+        curve, rate = part.rsplit(" ", 1)
+        _, _, arm = _curves(config)[curve]
+        lr = next(lr for lr in config.rates if f"{lr:g}" == rate)
+        for i, run in enumerate(result["runs"]):
+            seed = SEED_STRIDE * PILOT_SEED + i
+            records.append({"steps": config.steps, "arm": arm, "lr": lr, "seed": seed, "final": run["final"], "val_loss": run["val_loss"]})
+    return records
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -435,13 +443,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m attnscale.lab.experiments.real_text_training", description=main.__doc__)
     parser.add_argument("--lengths", type=int, nargs="+", default=[550, 700], help="training steps (default 550 700)")
     parser.add_argument("--rates", type=float, nargs="+", default=list(GRID[2:7]), help="peak learning rates (default 1e-3 to 1e-1, half-decade steps)")
-    parser.add_argument("--seeds", type=int, nargs=2, default=[9000, 9006], metavar=("FIRST", "END"), help="model seeds FIRST..END-1 (default 9000 9006)")
+    parser.add_argument("--seeds", type=int, default=6, help="model seeds a rate, from 9000 (default 6)")
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side, one thread each (default 2)")
     parser.add_argument("--json", type=Path, help="write every run here")
     args = parser.parse_args(argv)
+    if not 1 <= args.seeds <= SEED_STRIDE:
+        parser.error(f"--seeds: expected 1 to {SEED_STRIDE} (more would train another report seed's models), got {args.seeds}")
+    if args.jobs < 1:
+        parser.error(f"--jobs: expected at least 1, got {args.jobs}")
     with Bar(*progress_columns()) as bar:
         task = bar.add_task("pilot runs", total=None)
-        runs = pilot(args.lengths, args.rates, range(*args.seeds), args.jobs, lambda done, total: bar.update(task, completed=done, total=total))
+        runs = pilot(args.lengths, args.rates, args.seeds, args.jobs, lambda done, total: bar.update(task, completed=done, total=total))
     for n in args.lengths:
         for arm in JUDGED:
             for lr in args.rates:
@@ -450,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
         about = (f"real-text-training's pilot (python -m attnscale.lab.experiments.real_text_training), default's condition "
-                 f"trained for {', '.join(map(str, args.lengths))} steps, model seeds {args.seeds[0]}..{args.seeds[1] - 1}, at commit {commit}")  # fmt: skip
+                 f"trained for {', '.join(map(str, args.lengths))} steps, model seeds {SEED_STRIDE * PILOT_SEED}..{SEED_STRIDE * PILOT_SEED + args.seeds - 1}, at commit {commit}")  # fmt: skip
         args.json.write_text(json.dumps({"about": about, "commit": commit, "runs": runs}, indent=1) + "\n", encoding="utf-8")
     return 0
 
