@@ -193,3 +193,20 @@ def test_v8s_reason_is_what_v7s_three_default_runs_measured():
         assert gap in why
     assert effects == [("holds-approximately", "costs"), ("holds", "stalls"), ("holds-approximately", "costs")]
     assert "seed 0 costs" in why and "seed 1 stalls" in why and "seed 2 costs" in why
+
+
+def test_v8_at_the_seeds_it_was_written_before_is_what_the_lab_report_says():
+    """docs/lab-report.md reports v8 at report seeds 3, 4 and 5, which it was written before:
+    each run's gap and verdict, from results/real_text_v8_seeds345.json."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    runs = json.loads((root / "results" / "real_text_v8_seeds345.json").read_text(encoding="utf-8"))["runs"]
+    report = " ".join((root / "docs" / "lab-report.md").read_text(encoding="utf-8").split())
+    v8 = next(v.fingerprint for v in exp.CLAIM.rule_history if v.version == 8)
+    assert [r["seed"] for r in runs] == [3, 4, 5] and all(r["claim"]["rule_fingerprint"] == v8 for r in runs)
+    gaps = [re.search(r"([0-9.]+ \+- [0-9.]+) nats apart seed by seed", r["claim"]["arms"][0]["reason"]).group(1) for r in runs]
+    assert f"({gaps[0]}, {gaps[1]} and {gaps[2]} nats)" in report
+    assert [r["claim"]["verdict"] for r in runs] == ["inconclusive", "holds", "inconclusive"]
+    assert "conclusive at seed 4 alone (holds, a cost)" in report and "conclusive at four of the six seeds run" in report
+    assert runs[1]["claim"]["arms"][0]["reason"].startswith("costs: ")
