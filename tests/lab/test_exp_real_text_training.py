@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import statistics
 
 import pytest
 import torch
@@ -85,7 +86,6 @@ def test_v6s_reason_is_what_its_pilot_measured():
     """v6 chose default's length and seed count from a pilot on model seeds no report trains: the
     numbers its reason cites, judged by the rule from results/real_text_pilot.json."""
     import itertools
-    import statistics
     from pathlib import Path
 
     from attnscale.lab.lr_sweep import GRID, Effect, compare, summarise
@@ -98,7 +98,9 @@ def test_v6s_reason_is_what_its_pilot_measured():
     def judged(steps, seeds):
         def curve(arm):  # as combine records an arm: every rate's runs, each with its final and initial loss
             rs = [r for r in runs if (r["steps"], r["arm"]) == (steps, arm) and r["seed"] in seeds]
-            return summarise(exp._curve({"runs": {f"{lr:g}": [{"final": r["final"], "init": r["val_loss"][0]} for r in rs if r["lr"] == lr] for lr in GRID[2:7]}}))
+            c = exp._curve({"runs": {f"{lr:g}": [{"final": r["final"], "init": r["val_loss"][0]} for r in rs if r["lr"] == lr] for lr in GRID[2:7]}})
+            s = summarise(c)
+            return dataclasses.replace(s, best_losses=tuple(c.capped(s.best_lr)))  # v6's pairing: each seed at the median curve's best rate
 
         return compare(curve("scaled"), curve("unscaled"))
 
@@ -210,3 +212,35 @@ def test_v8_at_the_seeds_it_was_written_before_is_what_the_lab_report_says():
     assert [r["claim"]["verdict"] for r in runs] == ["inconclusive", "holds", "inconclusive"]
     assert "conclusive at seed 4 alone (holds, a cost)" in report and "conclusive at four of the six seeds run" in report
     assert runs[1]["claim"]["arms"][0]["reason"].startswith("costs: ")
+
+
+def test_v9s_reason_is_what_v8_measured_at_seeds_3_to_5():
+    """v9 takes each seed's own best loss because, at report seeds 3 and 5, v8 counted seeds that
+    failed at the median curve's best rate as failed: every number its reason cites, from the
+    finals recorded in results/real_text_v8_seeds345.json."""
+    from pathlib import Path
+
+    recorded = json.loads((Path(__file__).resolve().parents[2] / "results" / "real_text_v8_seeds345.json").read_text(encoding="utf-8"))
+    (why,) = [v.why for v in exp.CLAIM.rule_history if v.version == 9]
+    runs = {r["seed"]: r for r in recorded["runs"]}
+    assert f"at {recorded['commit'][:7]}" in why
+    for seed in (3, 5):
+        claim = runs[seed]["claim"]
+        assert claim["verdict"] == "inconclusive" and "(lr 0.03162): " in claim["arms"][0]["reason"]
+        gap = re.search(r"([0-9.]+ \+- [0-9.]+) nats apart seed by seed", claim["arms"][0]["reason"]).group(1)
+        assert gap in why
+        at_best = sorted(runs[seed]["finals"]["scaled"]["0.03162"])
+        assert f"seed {seed}: {at_best[0]:.3f} to {at_best[-2]:.3f}" in why and f"and {at_best[-1]:.3f}" in why
+    worst = max(range(5), key=lambda i: runs[3]["finals"]["scaled"]["0.03162"][i])
+    assert f"{runs[3]['finals']['scaled']['0.03162'][worst]:.3f} run: {runs[3]['finals']['scaled']['0.01'][worst]:.3f} there" in why
+    flat = [statistics.median(runs[s]["finals"]["unscaled"][lr]) for s in (3, 4, 5) for lr in ("0.003162", "0.01", "0.03162")]
+    assert all(abs(x - 2.48) < 0.02 for x in flat) and "flat near 2.48 nats from 3.2e-3 to 3.2e-2" in why
+
+
+def test_each_seeds_best_is_its_own_lowest_loss():
+    """v9: a seed that fails at the median curve's best rate counts at its own best rate."""
+    from attnscale.lab.lr_sweep import Curve, summarise
+
+    curve = Curve({1e-3: [2.6, 2.6, 2.6], 1e-2: [2.2, 2.2, 2.15], 3e-2: [2.1, 2.1, 2.9], 1e-1: [3.1, 3.1, 3.1]}, init_loss=4.3)
+    s = summarise(curve)
+    assert s.best_lr == 3e-2 and s.best_losses == (2.1, 2.1, 2.15)

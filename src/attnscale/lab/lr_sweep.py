@@ -14,17 +14,18 @@ of half-decade steps, over seeds. A run that diverged counts at the loss at init
 * ``width``: how many decades of the grid lie within 0.05 nats of ``best`` (half a decade a rate);
 * ``bracketed``: whether ``best_lr`` has a rate on both sides of it in the grid.
 
-The rule (version 1 written before any sweep ran; version 8 as below), per condition (a d_k and an initialisation),
-comparing the arm without the scale (``unscaled``) with the one with it (``scaled``). Both arms
-train seed i from the same initial weights on the same batches, so they are compared seed by
-seed: a difference is the estimate over seeds of seed i's value without the scale less seed i's
-with it (the loss at each arm's own best rate; the LR sensitivity), and it is "clearly above" a
-bound when its centre less Student's t (95%, the seed count) times its standard error exceeds
-the bound (:func:`attnscale.lab.uncertainty.side`):
+The rule (version 1 written before any sweep ran; version 9 as below), per condition (a d_k and an
+initialisation), comparing the arm without the scale (``unscaled``) with the one with it
+(``scaled``). Both arms train seed i from the same initial weights on the same batches, so they
+are compared seed by seed: a difference is the estimate over seeds of seed i's value without the
+scale less seed i's with it (seed i's best loss, the lowest of its losses over the grid at
+whatever rate it reached it; its LR sensitivity), and it is "clearly above" a bound when its
+centre less Student's t (95%, the seed count) times its standard error exceeds the bound
+(:func:`attnscale.lab.uncertainty.side`):
 
 * inconclusive if either arm has fewer than 2 seeds at a rate, the arms have different seed
   counts (no pairs), or either arm's ``best_lr`` is not bracketed;
-* **stalls** if ``best_unscaled - best_scaled`` is clearly above 0.25 nats (the missing scale never
+* **stalls** if the best-loss difference is clearly above 0.25 nats (the missing scale never
   comes within a quarter nat per character of the scaled model's best, at any learning rate);
 * else **costs** if that difference is clearly above 0.05 nats;
 * else **narrows** if ``sensitivity_unscaled - sensitivity_scaled`` is clearly above 0.1 nats;
@@ -37,6 +38,12 @@ carries no uncertainty (version 1 judged it, and one rate's median 0.05 nats fro
 a condition; version 2 leaves it to the sensitivity, which is measured per seed). Versions 1 and 2
 compared the arms as independent samples (their standard errors added in quadrature), which
 counts twice the variation the seeds share (which init, which batches); version 3 pairs them.
+
+Versions 1 to 8 took seed i's loss at one rate, the arm's ``best_lr`` by the median curve, so a
+seed that failed at that rate but trained well at the next counted as failed (version 9's reason
+says where that happened); version 9 takes each seed's own best, as the sensitivity always did. A
+lowest of several noisy losses lies below their centre, the more so the flatter the curve: that
+favours the arm whose curve is flat near its best, in the runs so far the unscaled one.
 
 A condition that stalls, costs or narrows supports "holds" (version 8; the claim states that
 without the scale training "stalls or trains worse ... or fewer learning rates train it well", and
@@ -104,7 +111,7 @@ class Summary:
     loss: dict[float, float]
     """The median loss at each rate."""
     best_losses: tuple[float, ...] = ()
-    """Each seed's loss at ``best_lr`` (capped at the loss at init), in seed order."""
+    """Each seed's own best: its lowest loss over the grid (capped at the loss at init), in seed order."""
     sensitivities: tuple[float, ...] = ()
     """Each seed's LR sensitivity, in seed order."""
 
@@ -135,7 +142,7 @@ def summarise(curve: Curve) -> Summary:
         bracketed=0 < rates.index(best_lr) < len(rates) - 1,
         seeds=seeds,
         loss=loss,
-        best_losses=tuple(capped[best_lr][:seeds]),
+        best_losses=tuple(min(row) for row in per_seed),
         sensitivities=sensitivities,
     )
 
@@ -173,7 +180,7 @@ def compare(scaled: Summary, unscaled: Summary) -> tuple[Effect, str]:
     sens = estimate([u - w for u, w in zip(unscaled.sensitivities, scaled.sensitivities, strict=True)])
     said = (
         f"best loss {unscaled.best.text()} without the scale (lr {unscaled.best_lr:g}) vs {scaled.best.text()} with it (lr {scaled.best_lr:g}): "
-        f"{loss.text()} nats apart seed by seed; LR sensitivity {sens.text()} nats apart; {unscaled.width:g} vs {scaled.width:g} decades within {WITHIN_BEST_NATS} nats of the best"
+        f"{loss.text()} nats apart seed by seed (each at its own best rate); LR sensitivity {sens.text()} nats apart; {unscaled.width:g} vs {scaled.width:g} decades within {WITHIN_BEST_NATS} nats of the best"
     )
     if side(loss, STALL_NATS) is Side.ABOVE:
         return Effect.STALLS, f"{said}: clearly more than {STALL_NATS} nats worse at every rate"
