@@ -144,8 +144,14 @@ def test_the_full_real_text_run_is_judged_by_the_published_rule_and_the_lab_repo
         assert f"Rules changed since the run at {full['commit'][:7]}: real-text-training (v{claim['rule_version']} there, v{now['rule_version']} now)" in LAB_REPORT
     assert f"recorded at {full['commit'][:7]}" in LAB_REPORT and f"`results/full_real_text_training.json`, {full['seconds'] / 60:.1f} min" in LAB_REPORT
     paragraph = _readme_paragraph(f"real-text-training's v{claim['rule_version']} at `full`", "docs/lab-report.md")
+    (judged,) = published.rejudge(full)  # the same runs by the current rule, which the paragraph states
+    assert judged["verdict"] == claim["verdict"] and judged["rule_version"] == now["rule_version"]
+    stall = [a["reason"] for a in judged["arms"] if a["name"] == "d_k 64, PyTorch's default init"][0]
+    assert stall.startswith("stalls: ") and re.search(r"([0-9.]+ \+- [0-9.]+) nats apart seed by seed", stall).group(1) in paragraph
+    assert f"`python -m attnscale.lab.published rejudge results/full_real_text_training.json`" in paragraph
+    assert [a["name"] for a in judged["arms"] if not a["reason"].startswith("inconclusive: ")] == ["d_k 64, PyTorch's default init"]
     cited = re.findall(r"\d+\.\d+", paragraph)
-    assert cited and [n for n in cited if n not in json.dumps(full)] == [f"{full['seconds'] / 60:.1f}"]
+    assert cited and [n for n in cited if n not in json.dumps([full, judged])] == [f"{full['seconds'] / 60:.1f}"]
 
 
 def test_the_full_census_reached_the_published_rule_and_the_lab_report_cites_it():
@@ -259,3 +265,18 @@ def test_the_readmes_lab_text_cites_only_numbers_of_the_published_run():
     times = _readme_paragraph("Wall time of these runs", "docs/lab-report.md")
     assert f"`default` {PUBLISHED['seconds'] / 60:.1f} min" in times
     assert f"`--profile quick` (CI's size) {QUICK['seconds'] / 60:.1f} min" in times
+
+
+def test_rejudge_refuses_what_it_cannot_judge_and_says_why(tmp_path, capsys):
+    """rejudge needs each claim's recorded measurement and a claim the lab has: a summary (which
+    keeps none), an unknown claim and a file that is no JSON object are each refused by name."""
+    with pytest.raises(ValueError, match="variance-law.*recorded measurement"):
+        published.rejudge(PUBLISHED)
+    with pytest.raises(ValueError, match="'no-such-claim'.*a claim of the lab"):
+        published.rejudge({"claims": [{"id": "no-such-claim", "measured": {}}]})
+    bad = tmp_path / "list.json"
+    bad.write_text("[1]", encoding="utf-8")
+    with pytest.raises(SystemExit, match="expected a JSON object"):
+        published.main(["rejudge", str(bad)])
+    with pytest.raises(SystemExit, match="recorded measurement"):
+        published.main(["rejudge", str(ROOT / "results" / "published.json")])

@@ -13,6 +13,11 @@ markers :data:`BEGIN` and :data:`END`; a test fails when the two disagree. Comma
     python -m attnscale.lab.published summarize attnscale-report/results.json results/published.json
     python -m attnscale.lab.published readme results/published.json README.md
     python -m attnscale.lab.published compare results/quick.json attnscale-report-quick/results.json
+    python -m attnscale.lab.published rejudge results/full_real_text_training.json
+
+``rejudge`` judges the measurements a file records (a report's results.json, or a committed run
+that keeps its claim's ``measured``) by the rules of the code that runs it, where a rule changed
+since the run but the measurement did not: the same runs, the current verdict.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 from . import schema
 from .formatting import headline_text, short_arm_name, short_reason
 
-__all__ = ["BEGIN", "END", "compare", "main", "readme_table", "replace_table", "summarize"]
+__all__ = ["BEGIN", "END", "compare", "main", "readme_table", "rejudge", "replace_table", "summarize"]
 
 BEGIN = "<!-- verdict table: python -m attnscale.lab.published readme results/published.json README.md -->"
 END = "<!-- end of verdict table -->"
@@ -126,12 +131,46 @@ def compare(snapshot: dict[str, Any], results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def rejudge(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each claim of ``results`` that records its measurement, judged by the current rule: its id,
+    the rule version that judged it then and its verdict, the current rule version, verdict, reason
+    and arms. Claims without a recorded measurement, or whose experiment is not in the lab, are
+    refused with a ValueError that names them."""
+    from .registry import discover  # (the lab's experiments: imported only by this command)
+
+    experiments = discover().by_id()
+    found = []
+    for claim in results.get("claims", []):
+        cid = claim.get("id")
+        if cid not in experiments:
+            raise ValueError(f"claim {cid!r}: expected a claim of the lab ({', '.join(experiments)}), got one it does not have")
+        if not isinstance(claim.get("measured"), dict):
+            raise ValueError(f"claim {cid!r}: expected its recorded measurement ('measured'), got none; only a run that keeps it can be judged again")
+        exp = experiments[cid]
+        judgement = exp.module.judge(claim["measured"])
+        found.append({
+            "id": cid, "then": {"rule_version": claim.get("rule_version"), "verdict": claim.get("verdict")},
+            "rule_version": exp.claim.rule_history[-1].version, "verdict": judgement.verdict.value, "reason": judgement.reason,
+            "arms": [{"name": a.name, "verdict": a.verdict.value, "reason": a.reason} for a in judgement.arms],
+        })  # fmt: skip
+    if not found:
+        raise ValueError("results: expected at least one claim with its recorded measurement, got none")
+    return found
+
+
 def _read(path: str) -> dict[str, Any]:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"{path}: expected a JSON file written by attnscale, got {type(exc).__name__}: {exc}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"{path}: expected a JSON object written by attnscale, got a {type(data).__name__}")
+    return data
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``summarize RESULTS OUT``, ``readme SUMMARY README`` or ``compare SNAPSHOT RESULTS`` (exit 1 on a change)."""
+    """``summarize RESULTS OUT``, ``readme SUMMARY README``, ``compare SNAPSHOT RESULTS`` (exit 1 on a
+    change) or ``rejudge RESULTS``."""
     parser = argparse.ArgumentParser(prog="python -m attnscale.lab.published", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("summarize", help="write the summary of a report's results.json")
@@ -143,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("compare", help="compare a report's verdicts with a snapshot; exit 1 if any differs")
     p.add_argument("snapshot")
     p.add_argument("results")
+    p = sub.add_parser("rejudge", help="judge the measurements a results file records by the current rules (the same runs)")
+    p.add_argument("results")
     args = parser.parse_args(argv)
     if args.command == "summarize":
         Path(args.out).write_text(schema.dumps(summarize(_read(args.results))), encoding="utf-8")
@@ -150,6 +191,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "readme":
         readme = Path(args.readme)
         readme.write_text(replace_table(readme.read_text(encoding="utf-8"), readme_table(_read(args.summary))), encoding="utf-8")
+        return 0
+    if args.command == "rejudge":
+        try:
+            claims = rejudge(_read(args.results))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SystemExit(f"{args.results}: {exc}") from None
+        for c in claims:
+            print(f"{c['id']}: v{c['then']['rule_version']} judged {c['then']['verdict']}; v{c['rule_version']} judges {c['verdict']} ({c['reason']})")
+            for arm in c["arms"]:
+                print(f"  {arm['name']}: {arm['verdict']} ({arm['reason']})")
         return 0
     changes = compare(_read(args.snapshot), _read(args.results))
     for line in changes:
