@@ -210,7 +210,7 @@ def test_v8_at_the_seeds_it_was_written_before_is_what_the_lab_report_says():
     gaps = [re.search(r"([0-9.]+ \+- [0-9.]+) nats apart seed by seed", r["claim"]["arms"][0]["reason"]).group(1) for r in runs]
     assert f"({gaps[0]}, {gaps[1]} and {gaps[2]} nats)" in report
     assert [r["claim"]["verdict"] for r in runs] == ["inconclusive", "holds", "inconclusive"]
-    assert "conclusive at seed 4 alone (holds, a cost)" in report and "conclusive at four of the six seeds run" in report
+    assert "conclusive at seed 4 alone (holds, a cost)" in report
     assert runs[1]["claim"]["arms"][0]["reason"].startswith("costs: ")
 
 
@@ -244,3 +244,34 @@ def test_each_seeds_best_is_its_own_lowest_loss():
     curve = Curve({1e-3: [2.6, 2.6, 2.6], 1e-2: [2.2, 2.2, 2.15], 3e-2: [2.1, 2.1, 2.9], 1e-1: [3.1, 3.1, 3.1]}, init_loss=4.3)
     s = summarise(curve)
     assert s.best_lr == 3e-2 and s.best_losses == (2.1, 2.1, 2.15)
+
+
+def test_v9_at_report_seeds_3_to_8_is_what_the_lab_report_says():
+    """docs/lab-report.md reports v9 at report seeds 6, 7 and 8, which it was written before, and at
+    3, 4 and 5, which it was not: each run's verdict and gap, from results/real_text_v9_seeds.json;
+    the runs at seeds 3 to 5 train what v8's did (its measurement unchanged), loss for loss."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    recorded = json.loads((root / "results" / "real_text_v9_seeds.json").read_text(encoding="utf-8"))
+    v8 = {r["seed"]: r for r in json.loads((root / "results" / "real_text_v8_seeds345.json").read_text(encoding="utf-8"))["runs"]}
+    report = " ".join((root / "docs" / "lab-report.md").read_text(encoding="utf-8").split())
+    v9 = next(v for v in exp.CLAIM.rule_history if v.version == 9)
+    runs = {r["seed"]: r for r in recorded["runs"]}
+    assert sorted(runs) == [3, 4, 5, 6, 7, 8] and recorded["written_before"] == [6, 7, 8]
+    assert all(r["claim"]["rule_fingerprint"] == v9.fingerprint and r["commit"] == recorded["commit"] for r in runs.values())
+    assert "seeds 6, 7 and 8, which do" in v9.why
+    for seed in (3, 4, 5):
+        assert runs[seed]["finals"] == v8[seed]["finals"]
+    said = []
+    for seed in range(3, 9):
+        claim = runs[seed]["claim"]
+        effect, gap = re.match(r"(\w+): .*?: ([0-9.]+ \+- [0-9.]+) nats apart seed by seed", claim["arms"][0]["reason"]).groups()
+        said.append(f"{'a stall' if effect == 'stalls' else 'a cost'}, {gap}")
+        assert claim["verdict"] == "holds" and effect in ("stalls", "costs")
+    assert f"report seeds 6, 7 and 8, which it was written before (`results/real_text_v9_seeds.json`), it holds at each ({said[3]}; {said[4]}; {said[5]} nats)" in report
+    assert f"at seeds 3, 4 and 5 it holds too ({said[0]}; {said[1]}; {said[2]} nats)" in report
+    published = [json.loads((root / "results" / name).read_text(encoding="utf-8")) for name in ("published.json", "default_seed1.json", "default_seed2.json")]
+    claims = [next(c for c in p["claims"] if c["id"] == "real-text-training") for p in published]
+    assert [p["seed"] for p in published] == [0, 1, 2] and all(c["rule_version"] == 9 and c["verdict"] == "holds" for c in claims)
+    assert "The default profile holds at all nine seeds run under v9" in report
