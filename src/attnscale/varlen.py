@@ -38,84 +38,6 @@ from .stats import AttentionStats, join_rows, rows_of
 __all__ = ["varlen_attention"]
 
 
-_VARLEN_DOC = r"""Attention over B packed sequences of different lengths (``flash_attn_varlen_func``'s layout).
-
-Shapes (B sequences; sequence b has ``L_b`` queries and ``S_b`` keys)::
-
-    q            (total_q, H,   D)    total_q = sum_b L_b, sequences end to end along dim 0
-    k            (total_k, Hkv, D)    total_k = sum_b S_b; H a multiple of Hkv (G = H // Hkv)
-    v            (total_k, Hkv, Dv)
-    cu_seqlens_q (B + 1,) int32/int64 [0, L_0, L_0 + L_1, ..., total_q]
-    cu_seqlens_k (B + 1,) int32/int64 [0, S_0, S_0 + S_1, ..., total_k]
-    out          (total_q, H,   Dv)   row t belongs to the same sequence as q's row t
-
-Sequence b computes ``scaled_dot_product_attention`` of its own queries
-``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` against its own keys and values, with the same
-options: nothing crosses a sequence boundary. Lengths may be 0: a sequence with no queries
-contributes no rows, and a query row with no visible key (no keys at all, or all hidden by
-``is_causal`` or ``window``) gives zeros, with zero gradients.
-
-Causal alignment is per sequence and bottom-right (FlashAttention's): query i of a sequence
-with L queries and S keys sees keys ``j <= i + S - L``. Drawn for L = 2, S = 5::
-
-        keys 0 1 2 3 4
-    q0       x x x x .
-    q1       x x x x x
-
-With L > S the first L - S rows of that sequence see no key and return zeros.
-
-Args:
-    max_seqlen_q: optional hint (FlashAttention sizes its grid with it); when given, at least
-        the longest query length, else a ValueError.
-    max_seqlen_k: the same for the longest key length.
-    scale: multiplier of q.k; ``None`` means ``1/sqrt(D)``, D the per-head dim.
-    is_causal: hide keys after each query's bottom-right-aligned position (drawn above).
-    softcap: logits become ``softcap * tanh(logits / softcap)``, after the scale.
-    alibi_slopes: (H,), or (B, H) for one row of slopes per sequence; adds
-        ``-slope * |i + S - L - j|`` after scale and softcap, at positions within the sequence.
-    window: ``(left, right)``: key j is visible to query i iff
-        ``i + S - L - left <= j <= i + S - L + right``; ``None`` or ``-1`` means unlimited.
-    sinks: (H,), one logit per query head added to each row's softmax denominator (not
-        multiplied by the scale): ``p_ij = exp(s_ij) / (sum_j' exp(s_ij') + exp(sink_h))``.
-    return_stats: also return :class:`~attnscale.AttentionStats` as ``(out, stats)``. Its
-        tensors are **(H, total_q)**: the ``(..., H, L)`` layout of every ``AttentionStats``,
-        with the packed query rows as L, in the order of ``out``'s rows (``stats.lse[h, t]``
-        belongs to ``out[t, h]``), so :func:`~attnscale.summarize` and the other reductions
-        apply unchanged. This is also FlashAttention's ``softmax_lse`` layout.
-    backend: ``"auto"`` and ``"fused"`` run every sequence in one call of the compiled CPU
-        kernel where it runs (CPU tensors, kernel built; under ``"auto"`` a sequence with a
-        non-finite input row, where gradients are wanted, or one whose rows the kernel does
-        not vouch for, such as logits that overflow float32, takes the per-sequence path,
-        which handles those); ``"flex"``, and ``"auto"`` on CUDA tensors where FlexAttention can run
-        the call, run them in one FlexAttention call with a document mask (the same
-        condition on the inputs, else one flex call per sequence); any other backend runs as
-        in :func:`~attnscale.scaled_dot_product_attention`, one call per sequence.
-
-Memory: the packed tensors are never padded or copied (each sequence runs on views of them)
-and GQA never repeats K/V, so memory is O(total tokens) plus one sequence's working set
-(O(L_b + S_b) on the tiled kernel; ``"auto"`` takes the O(L_b S_b) math backend only below
-``MATH_MAX_SCORES`` scores).
-The inputs are checked before any compute; bad input raises ValueError or TypeError.
-
-Equivalent to a loop over the sequences:
-
->>> import torch, attnscale
->>> q, k, v = torch.randn(9, 4, 8), torch.randn(11, 2, 8), torch.randn(11, 2, 3)
->>> cu_q, cu_k = torch.tensor([0, 2, 2, 9]), torch.tensor([0, 5, 6, 11])
->>> out = attnscale.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True)
->>> rows = []
->>> for b in range(3):
-...     qb = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)[None]  # (1, H, L_b, D)
-...     kb = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1)[None]  # (1, Hkv, S_b, D)
-...     vb = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1)[None]  # (1, Hkv, S_b, Dv)
-...     ob = attnscale.scaled_dot_product_attention(
-...         qb, kb, vb, is_causal=True, enable_gqa=True, causal_alignment="bottom_right")
-...     rows.append(ob[0].transpose(0, 1))  # (L_b, H, Dv)
->>> torch.allclose(out, torch.cat(rows), atol=1e-6)
-True
-"""
-
-
 def varlen_attention(
     q: Tensor,
     k: Tensor,
@@ -134,6 +56,82 @@ def varlen_attention(
     return_stats: bool = False,
     backend: Backend | str = Backend.AUTO,
 ) -> Tensor | tuple[Tensor, AttentionStats]:
+    r"""Attention over B packed sequences of different lengths (``flash_attn_varlen_func``'s layout).
+
+    Shapes (B sequences; sequence b has ``L_b`` queries and ``S_b`` keys)::
+
+        q            (total_q, H,   D)    total_q = sum_b L_b, sequences end to end along dim 0
+        k            (total_k, Hkv, D)    total_k = sum_b S_b; H a multiple of Hkv (G = H // Hkv)
+        v            (total_k, Hkv, Dv)
+        cu_seqlens_q (B + 1,) int32/int64 [0, L_0, L_0 + L_1, ..., total_q]
+        cu_seqlens_k (B + 1,) int32/int64 [0, S_0, S_0 + S_1, ..., total_k]
+        out          (total_q, H,   Dv)   row t belongs to the same sequence as q's row t
+
+    Sequence b computes ``scaled_dot_product_attention`` of its own queries
+    ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` against its own keys and values, with the same
+    options: nothing crosses a sequence boundary. Lengths may be 0: a sequence with no queries
+    contributes no rows, and a query row with no visible key (no keys at all, or all hidden by
+    ``is_causal`` or ``window``) gives zeros, with zero gradients.
+
+    Causal alignment is per sequence and bottom-right (FlashAttention's): query i of a sequence
+    with L queries and S keys sees keys ``j <= i + S - L``. Drawn for L = 2, S = 5::
+
+            keys 0 1 2 3 4
+        q0       x x x x .
+        q1       x x x x x
+
+    With L > S the first L - S rows of that sequence see no key and return zeros.
+
+    Args:
+        max_seqlen_q: optional hint (FlashAttention sizes its grid with it); when given, at least
+            the longest query length, else a ValueError.
+        max_seqlen_k: the same for the longest key length.
+        scale: multiplier of q.k; ``None`` means ``1/sqrt(D)``, D the per-head dim.
+        is_causal: hide keys after each query's bottom-right-aligned position (drawn above).
+        softcap: logits become ``softcap * tanh(logits / softcap)``, after the scale.
+        alibi_slopes: (H,), or (B, H) for one row of slopes per sequence; adds
+            ``-slope * |i + S - L - j|`` after scale and softcap, at positions within the sequence.
+        window: ``(left, right)``: key j is visible to query i iff
+            ``i + S - L - left <= j <= i + S - L + right``; ``None`` or ``-1`` means unlimited.
+        sinks: (H,), one logit per query head added to each row's softmax denominator (not
+            multiplied by the scale): ``p_ij = exp(s_ij) / (sum_j' exp(s_ij') + exp(sink_h))``.
+        return_stats: also return :class:`~attnscale.AttentionStats` as ``(out, stats)``. Its
+            tensors are **(H, total_q)**: the ``(..., H, L)`` layout of every ``AttentionStats``,
+            with the packed query rows as L, in the order of ``out``'s rows (``stats.lse[h, t]``
+            belongs to ``out[t, h]``), so :func:`~attnscale.summarize` and the other reductions
+            apply unchanged. This is also FlashAttention's ``softmax_lse`` layout.
+        backend: ``"auto"`` and ``"fused"`` run every sequence in one call of the compiled CPU
+            kernel where it runs (CPU tensors, kernel built; under ``"auto"`` a sequence with a
+            non-finite input row, where gradients are wanted, or one whose rows the kernel does
+            not vouch for, such as logits that overflow float32, takes the per-sequence path,
+            which handles those); ``"flex"``, and ``"auto"`` on CUDA tensors where FlexAttention can run
+            the call, run them in one FlexAttention call with a document mask (the same
+            condition on the inputs, else one flex call per sequence); any other backend runs as
+            in :func:`~attnscale.scaled_dot_product_attention`, one call per sequence.
+
+    Memory: the packed tensors are never padded or copied (each sequence runs on views of them)
+    and GQA never repeats K/V, so memory is O(total tokens) plus one sequence's working set
+    (O(L_b + S_b) on the tiled kernel; ``"auto"`` takes the O(L_b S_b) math backend only below
+    ``MATH_MAX_SCORES`` scores).
+    The inputs are checked before any compute; bad input raises ValueError or TypeError.
+
+    Equivalent to a loop over the sequences:
+
+    >>> import torch, attnscale
+    >>> q, k, v = torch.randn(9, 4, 8), torch.randn(11, 2, 8), torch.randn(11, 2, 3)
+    >>> cu_q, cu_k = torch.tensor([0, 2, 2, 9]), torch.tensor([0, 5, 6, 11])
+    >>> out = attnscale.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True)
+    >>> rows = []
+    >>> for b in range(3):
+    ...     qb = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)[None]  # (1, H, L_b, D)
+    ...     kb = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1)[None]  # (1, Hkv, S_b, D)
+    ...     vb = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1)[None]  # (1, Hkv, S_b, Dv)
+    ...     ob = attnscale.scaled_dot_product_attention(
+    ...         qb, kb, vb, is_causal=True, enable_gqa=True, causal_alignment="bottom_right")
+    ...     rows.append(ob[0].transpose(0, 1))  # (L_b, H, Dv)
+    >>> torch.allclose(out, torch.cat(rows), atol=1e-6)
+    True
+    """
     # Static checks -> choose (backends.choose over PACKED) -> run; in eager mode the guard says
     # which sequences one packed call may run and vouches for its rows, the others run one by one.
     refuse_jit_trace("varlen_attention")
@@ -151,9 +149,6 @@ def varlen_attention(
     else:
         out, stats = _checked(implementation, why, c)
     return (out, stats) if c.spec.return_stats else out
-
-
-varlen_attention.__doc__ = _VARLEN_DOC
 
 
 def _checked(implementation: Implementation, why: object, c: Call) -> tuple[Tensor, AttentionStats | None]:
@@ -269,6 +264,10 @@ def _run_flex(c: Call, q: Tensor, k: Tensor, v: Tensor) -> Result:
     return Result(out, stats, None)
 
 
+def _per_sequence_cannot(c: Call) -> Refusal | None:
+    return _traced_refusal(c) if c.spans is None or c.spans.rows is None else None
+
+
 def _traced_refusal(c: Call) -> Refusal:
     """While tracing only the compiled kernel's op runs a packed call (the others need the lengths' values)."""
     why = fused_supports(c.query, None)
@@ -283,7 +282,7 @@ def _run_per_sequence(c: Call, q: Tensor, k: Tensor, v: Tensor) -> Result:
 
 PACKED_FUSED = Implementation(Backend.FUSED, FUSED.cannot, _run_kernel, checks_rows=True)
 PACKED_FLEX = Implementation(Backend.FLEX, _flex_cannot, _run_flex, float64=False)
-PER_SEQUENCE = Implementation(Backend.AUTO, lambda c: _traced_refusal(c) if c.spans is None or c.spans.rows is None else None, _run_per_sequence)
+PER_SEQUENCE = Implementation(Backend.AUTO, _per_sequence_cannot, _run_per_sequence)
 """Each sequence alone through scaled_dot_product_attention (whose calls record their backends)."""
 PACKED = Walk(
     (
