@@ -3,6 +3,7 @@ implementation the same question, so what auto takes, forcing takes too, to the 
 what an implementation says it cannot compute, forcing it refuses."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -148,3 +149,20 @@ def test_a_call_grown_along_s_takes_its_familys_torch_kernel_only_where_the_offs
             assert ran == ("torch" if not bottom_right_grown else ("fused" if attnscale.kernels.available() else "tiled"))
         grown_asked = [S for S in walked if S != 3]
         assert grown_asked == ([] if "causal_alignment" not in options else [5, 7])  # the walk asked again only where it must
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_a_repeated_torch_call_leaves_out_only_what_torch_defaults_to_the_same_bits(dtype):
+    """A signature's repeated call to torch's kernel leaves its default scale and enable_gqa=False
+    out of the call: torch's default 1/sqrt(D) is the scale attnscale computes, to the bit, so the
+    output is the one passing it gives, for head dims that are and are not powers of 4; an explicit
+    other scale and GQA are passed."""
+    F = torch.nn.functional.scaled_dot_product_attention
+    for D in (1, 3, 7, 24, 80, 96, 128):
+        gen = torch.Generator().manual_seed(D)
+        q, k, v = (torch.randn(1, 4, 9, D, generator=gen).to(dtype) for _ in range(3))
+        for _ in range(2):  # the second call is the memo's
+            assert torch.equal(sdpa(q, k, v, is_causal=True), F(q, k, v, is_causal=True, scale=1.0 / math.sqrt(D)))
+            assert attnscale.last_backend() == "torch"
+            assert torch.equal(sdpa(q, k, v, scale=0.3), F(q, k, v, scale=0.3))
+            assert torch.equal(sdpa(q, k[:, :2], v[:, :2], enable_gqa=True), F(q, k[:, :2], v[:, :2], enable_gqa=True))

@@ -836,13 +836,18 @@ def test_16_bit_inputs_reach_the_kernel_as_they_are_on_every_path(half_path, dty
     path to take them (the float32 tiles convert inside it), plain calls and packed sequences alike;
     without a gradient the kernel also writes the output in their format (round_out)."""
     seen = []
-    real = ops.run_forward
+    real, direct = ops.run_forward, ops.run_direct
 
     def spy(q, k, v, alibi, mask, spans, options):
         seen.append((q.dtype, k.dtype, v.dtype, options.half_products, options.round_out))
         return real(q, k, v, alibi, mask, spans, options)
 
+    def spy_direct(q, k, v, alibi, sinks, options):  # a signature planned by an earlier call
+        seen.append((q.dtype, k.dtype, v.dtype, options.half_products, options.round_out))
+        return direct(q, k, v, alibi, sinks, options)
+
     monkeypatch.setattr(ops, "run_forward", spy)
+    monkeypatch.setattr(ops, "run_direct", spy_direct)
     q, k, v = (torch.randn(1, 2, 40, 8, dtype=dtype) for _ in range(3))
     out = sdpa(q, k, v, is_causal=True, softcap=5.0, backend="fused")
     cu = torch.tensor([0, 15, 40], dtype=torch.int32)

@@ -252,3 +252,26 @@ def test_sink_scaled_is_merge_sinks_output_with_its_gradients():
     for g, w in zip(grads, torch.autograd.grad(want.sum(), (out, lse, sinks))):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, w, rtol=0, atol=1e-14)
+
+
+@pytest.mark.skipif(KERNEL != "fused", reason="the compiled kernel did not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_a_repeated_call_merges_its_sinks_in_the_kernel_and_learned_sinks_keep_their_gradient(dtype):
+    """A signature's second call goes straight to the kernel, which merges constant sinks in place;
+    sinks that require grad (q, k and v constant, as when only the sinks learn) are merged by torch
+    ops on that path, so their gradient is the math backend's."""
+    q, k, v = make_inputs(H=4, Hkv=2, L=3, S=11, D=8, Dv=8, dtype=dtype)
+    q, k, v = q[:1], k[:1], v[:1]  # (1, H, L, D): one batch, the plannable layout
+    sinks = torch.tensor(SINKS[:3] + (0.25,), dtype=torch.float64)
+    want = torch.from_numpy(run_reference(q, k, v, None, sinks)).to(dtype)
+    # measured (Intel Xeon, AVX-512): output 2.8e-7, 2.2e-16, 3.0e-3 (bfloat16's rounding: at most
+    # half its ulp, 2^-8, for |out| < 2); the sinks' gradient against math 2.8e-7, 4.2e-16, 2.1e-3
+    tol = {torch.float32: 6e-7, torch.float64: 1e-15, torch.bfloat16: 4e-3}[dtype]
+    for _ in range(3):  # plan, then direct
+        torch.testing.assert_close(sdpa(q, k, v, None, sinks, "auto"), want, rtol=0, atol=tol)
+        assert attnscale.last_backend() == "fused"
+    learned = sinks.clone().requires_grad_()
+    for _ in range(2):
+        (got,) = torch.autograd.grad(sdpa(q, k, v, None, learned, "auto").double().square().sum(), learned)
+        (ref,) = torch.autograd.grad(sdpa(q, k, v, None, learned, "math").double().square().sum(), learned)
+        torch.testing.assert_close(got, ref, rtol=0, atol=tol)

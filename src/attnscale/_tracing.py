@@ -22,7 +22,15 @@ R = TypeVar("R")
 
 __all__ = ["refuse_jit_trace", "tracing", "under_vmap"]
 
-_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def _functorch_wrapped(t: Tensor) -> bool:
+    """Whether ``t`` is wrapped by a torch.func transform (vmap, grad, jvp, functionalize), asked
+    of the tensor only while a transform is active: a live wrapper exists only inside one, and
+    whether one is costs a fifth of asking a tensor."""
+    return _transforms_active() and _is_wrapped(t)
 
 
 def constant_result(fn: Callable[P, R]) -> Callable[P, R]:
@@ -39,14 +47,15 @@ def tracing(*tensors: object) -> bool:
     validation then refuses) count for nothing."""
     if torch.compiler.is_compiling():
         return True
+    transformed = _transforms_active()
     for t in tensors:
         if t is None:
             continue
         # is_meta, not device.type: every call asks, and making a torch.device costs several times more
         if type(t) is Tensor:  # the common case: a plain tensor is no FakeTensor
-            if t.is_meta or _functorch_wrapped(t):
+            if t.is_meta or (transformed and _is_wrapped(t)):
                 return True
-        elif isinstance(t, Tensor) and (t.is_meta or isinstance(t, FakeTensor) or _functorch_wrapped(t)):
+        elif isinstance(t, Tensor) and (t.is_meta or isinstance(t, FakeTensor) or (transformed and _is_wrapped(t))):
             return True
     return False
 

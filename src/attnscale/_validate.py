@@ -152,7 +152,7 @@ def _finite_as(t: Tensor, acc: torch.dtype) -> bool:
     """True where ``t`` is known finite in ``acc`` by one call of the compiled kernel (a small CPU
     tensor no wider than ``acc``: widening keeps a finite value finite); False means "not shown"."""
     kernel = kernel_checks(t)
-    return kernel is not None and (t.dtype is acc or acc is torch.float64) and kernel.all_finite(t.detach())
+    return kernel is not None and (t.dtype is acc or acc is torch.float64) and kernel.all_finite(t)  # (reads values only: no detach)
 
 
 def check_sinks(sinks: object, H: int, device: torch.device, *, values: bool = True, dtype: torch.dtype = torch.float64) -> None:

@@ -70,9 +70,9 @@ class Call(NamedTuple):
 class Result(NamedTuple):
     out: Tensor
     stats: AttentionStats | None
-    rows_ok: Tensor | None
-    """The backend's own verdict on its rows (0-d bool: each finite and not all zeros); None: the
-    guard reads the rows itself."""
+    rows_ok: Tensor | bool | None
+    """The backend's own verdict on its rows (a 0-d bool tensor, or a bool from an eager call of the
+    compiled kernel: each finite and not all zeros); None: the guard reads the rows itself."""
 
 
 class Refusal(NamedTuple):
@@ -240,6 +240,10 @@ class _TorchArgs(NamedTuple):
     is_causal: bool
     scale: float
     enable_gqa: bool
+    defaults: bool
+    """Whether ``scale`` is torch's own default (1/sqrt(D), the same double) and there is no GQA:
+    then the two are left out of the call, whose keywords cost torch's argument parser a few
+    tenths of a microsecond."""
 
 
 _TORCH_CALLS: dict[int, tuple[AttentionCall, _TorchArgs | None]] = {}
@@ -257,6 +261,8 @@ def _run_torch(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
             memo, owner = _TORCH_CALLS.get(id(family)), family
     if memo is not None and memo[0] is owner and memo[1] is not None and memo[1].masked is (mask is not None):
         args = memo[1]
+        if args.defaults:
+            return Result(TORCH_SDPA(query, key, value, mask, args.dropout_p, args.is_causal), None, None)
         return Result(TORCH_SDPA(query, key, value, mask, args.dropout_p, args.is_causal, scale=args.scale, enable_gqa=args.enable_gqa), None, None)
     out = torch_attention(query, key, value, spec, mask, c.alibi_slopes, c.sinks)
     if memo is None and not torch.compiler.is_compiling():
@@ -264,7 +270,9 @@ def _run_torch(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
         as_is = mask is None or (not path.causal and (mask.dtype is torch.bool or mask.dtype is query.dtype))
         plain = as_is and not spec.alibi and not spec.sinks and path.window is None and (not path.causal or path.q_offset == 0)
         as_given = query.ndim == 4 and query.shape[0] == key.shape[0] == value.shape[0]
-        args = _TorchArgs(mask is not None, spec.dropout_p, path.causal, path.scale, spec.H != spec.Hkv)
+        gqa = spec.H != spec.Hkv
+        defaults = not gqa and spec.D > 0 and path.scale == 1.0 / math.sqrt(spec.D)  # (torch's default, computed as torch does)
+        args = _TorchArgs(mask is not None, spec.dropout_p, path.causal, path.scale, gqa, defaults)
         _remember(_TORCH_CALLS, spec, args if plain and as_given else None)
     return Result(out, None, None)
 

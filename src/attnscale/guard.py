@@ -23,6 +23,7 @@ from .backends import FUSED, MATH, TILED, Call, Implementation, Result
 from .dense import accumulation_dtype
 from .kernels import CHECKS_MAX
 from .kernels import checks as kernel_checks
+from .kernels import load as load_kernel
 from .stats import AttentionStats, with_nan_rows
 
 __all__ = ["abs_max", "check", "may_overflow", "trusted_spans", "wrong_spans"]
@@ -86,7 +87,7 @@ class _Read:
     output's rows look right (the backend's own verdict where it gave one), max |x| of a tensor
     (also of a float mask's finite part), and whether a tensor is finite."""
 
-    def __init__(self, out: Tensor, rows_ok: Tensor | None) -> None:
+    def __init__(self, out: Tensor, rows_ok: Tensor | bool | None) -> None:
         self._out, self._rows_ok = out, rows_ok
 
     @functools.cached_property
@@ -225,10 +226,11 @@ def check(implementation: Implementation, c: Call, result: Result) -> Checked:
     elif rows_ok is None and _finite_rows_trusted(implementation, c):
         # The common case of a backend that reports nothing on its rows (torch's kernel, the math
         # backend) on small CPU tensors: the two questions below (rows_look_right, and
-        # _rows_may_hide_trouble's look at k), as two compiled calls and nothing else.
-        key = c.key  # of the output's dtype and device (validated), so one look at the output says whether the kernel takes both
-        kernel = kernel_checks(out)
-        if kernel is not None and key.dtype is out.dtype and key.numel() <= CHECKS_MAX and kernel.rows_ok(out) and kernel.all_finite(key):
+        # _rows_may_hide_trouble's look at k), as one compiled call and nothing else.
+        # (The kernel's output_ok says None where it does not check these two: other dtypes or
+        # devices, or more than CHECKS_MAX entries; tensor subclasses, which may hold no data, never reach it.)
+        key, kernel = c.key, load_kernel()
+        if kernel is not None and type(out) is Tensor and type(key) is Tensor and kernel.output_ok(out, key, CHECKS_MAX):
             return Checked(out, stats)
     on_host = rows_ok is not None or c.query.is_cpu
     read = _Read(out, rows_ok) if on_host else _OneRead(out, (c.query, c.key, c.alibi_slopes), c.attn_mask)

@@ -50,6 +50,14 @@ class AttentionStats:
     visible_keys: Tensor
     sink_share: Tensor | None = None
 
+    @classmethod
+    def _of(cls, lse: Tensor, max_logit: Tensor, max_prob: Tensor, entropy: Tensor, visible_keys: Tensor) -> AttentionStats:
+        """The statistics without sinks as the kernels make them for every call, without the frozen
+        ``__init__``'s five ``object.__setattr__`` (a decoding step's share of a microsecond)."""
+        stats = object.__new__(cls)
+        stats.__dict__.update(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys, sink_share=None)
+        return stats
+
     def to_dict(self) -> dict[str, list]:
         """Nested lists, ready for ``json.dumps``; -inf becomes None (JSON has no infinity).
         ``sink_share`` is present only with sinks."""

@@ -63,8 +63,8 @@ void set_options(Problem<T>& P, const Options& o, const c10::optional<torch::Ten
   P.block_q = o.block_q, P.block_k = o.block_k;
   P.o_rows = P.L, P.o_start = 0, P.k_rows = P.S, P.k_out_start = 0;
   if (alibi.has_value()) {
-    P.alibi = alibi->data_ptr<T>();
-    P.al_sb = alibi->stride(0), P.al_sh = alibi->stride(1);
+    P.alibi = alibi->data_ptr<T>();  // (units, H), or (H,): the same slopes for every unit
+    P.al_sb = alibi->dim() == 2 ? alibi->stride(0) : 0, P.al_sh = alibi->stride(-1);
   }
   if (mask.has_value()) {
     if (mask->scalar_type() == torch::kBool) {
@@ -464,11 +464,22 @@ void sink_scale_op(torch::Tensor& out, const torch::Tensor& lse, const torch::Te
                     "attnscale fused kernel: sink_scale takes contiguous out (..., H, L, Dv), lse (..., H, L) and sinks (H,), got ",
                     out.sizes(), ", ", lse.sizes(), " and ", sinks.sizes());
   const int64_t H = out.size(-3), L = out.size(-2), Dv = out.size(-1), rows = lse.numel();
-  const auto sink = sinks.to(at::kDouble).contiguous();
+  // The H sink logits as doubles (exact from any float dtype), read in place where they are float32
+  // or float64: no tensor made for a decoding step's few heads.
+  std::vector<double> sink(H);
+  if (sinks.scalar_type() == at::kFloat || sinks.scalar_type() == at::kDouble) {
+    AT_DISPATCH_FLOATING_TYPES(sinks.scalar_type(), "attnscale_sink_values", [&] {
+      const scalar_t* p = sinks.const_data_ptr<scalar_t>();
+      for (int64_t h = 0; h < H; ++h) sink[h] = static_cast<double>(p[h * sinks.stride(0)]);
+    });
+  } else {
+    const auto wide = sinks.to(at::kDouble).contiguous();
+    std::copy(wide.const_data_ptr<double>(), wide.const_data_ptr<double>() + H, sink.begin());
+  }
   AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "attnscale_sink_scale", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     const scalar_t* m = lse.const_data_ptr<scalar_t>();
-    const double* s = sink.const_data_ptr<double>();
+    const double* s = sink.data();
     const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(Dv, 1));
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
@@ -571,6 +582,43 @@ std::vector<torch::Tensor> forward_ordered(const torch::Tensor& q, const torch::
   return forward_with(q, k, v, alibi, mask, spans, Options::from(options));
 }
 
+// forward_ordered for a planned eager call (attnscale.kernels.fused.run_planned; its sinks merged
+// as sink_scale merges them, 16-bit inputs' out then float32), returning only
+// what that caller reads, as (out, lse, rows_ok) or, with statistics, (out, lse, max_logit,
+// max_prob, entropy, visible, rows_ok), rows_ok a Python bool: m, l and the empty statistics are
+// never wrapped for Python, nor the verdict read back through a 0-d tensor. alibi: the caller's
+// validated slopes, (H,) or (B, H) of any float dtype, taken as they are in the accumulation dtype
+// (else converted to it).
+py::tuple forward_direct(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& sinks,
+                         const py::tuple& options) {
+  const Options o = Options::from(options);
+  c10::optional<torch::Tensor> slopes;
+  if (alibi.has_value()) {
+    const auto acc = half_kind(q) ? at::kFloat : q.scalar_type();
+    slopes = alibi->scalar_type() == acc ? *alibi : alibi->detach().to(acc);
+  }
+  auto r = forward_with(q, k, v, slopes, c10::nullopt, c10::nullopt, o);
+  const bool ok = *r.back().const_data_ptr<bool>();
+  // Sinks (H,) merged into the fresh rows in place (sink_scale_op checks what it takes): a row
+  // scaled by its share, in [0, 1], keeps the verdict (attnscale.kernels.fused._finished).
+  if (sinks.has_value()) sink_scale_op(r[0], r[1], *sinks);
+  if (!o.with_stats) return py::make_tuple(r[0], r[1], ok);
+  return py::make_tuple(r[0], r[1], r[4], r[5], r[6], r[7], ok);
+}
+
+// The guard's check of an output that reports nothing on its rows (rows_ok(out)) and of its k
+// (all_finite(key)), in one call, with the question of whether it applies: None unless both are
+// CPU tensors of one dtype, float32 or float64, of at most `limit` entries each (larger ones are
+// torch's reductions', which use every thread).
+py::object output_ok_op(const torch::Tensor& out, const torch::Tensor& key, int64_t limit) {
+  const auto dt = out.scalar_type();
+  if (!out.device().is_cpu() || !key.device().is_cpu() || key.scalar_type() != dt || (dt != at::kFloat && dt != at::kDouble) ||
+      out.numel() > limit || key.numel() > limit)
+    return py::none();
+  return py::bool_(rows_ok_op(out) && all_finite_op(key));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // The options by keyword (Options::from): a call that names one wrongly, or leaves one out,
   // fails, where one that swapped two ints or bools by position was silent.
@@ -585,6 +633,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("brgemm_runs", &brgemm_runs, "whether bfloat16 products with an even head dim go through torch's brgemm (oneDNN) here, not oneMKL");
   module.def("half_gemm", &half_gemm, "whether 16-bit q, k, v of this format (1 bfloat16, 2 float16) can be passed as they are (oneMKL's products)");
   module.def("rows_ok", &rows_ok_op, "whether every row (last dim) of a float32 or float64 tensor is finite and not all zeros (the guard's check)");
+  module.def("forward_direct", &forward_direct, "forward_ordered for a planned eager call without mask or spans, sinks merged: (out, lse, rows_ok) or, with statistics, (out, lse, max_logit, max_prob, entropy, visible, rows_ok); rows_ok a bool",
+             py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alibi"), py::arg("sinks"), py::arg("options"));
+  module.def("output_ok", &output_ok_op, "rows_ok(out) and all_finite(key) in one call (the guard's check of a backend that reports nothing on its rows); None unless both are CPU float32 or float64 tensors of one dtype with at most limit entries",
+             py::arg("out"), py::arg("key"), py::arg("limit"));
   module.def("all_finite", &all_finite_op, "whether every entry of a float32 or float64 tensor is finite (the guard's check of k)");
   module.def("below_inf", &below_inf_op, "whether no entry of a float32 or float64 tensor is NaN or +inf (a float mask's values)");
   module.def("sink_scale", &sink_scale_op, "attention sinks on the kernel's rows, in place: out (..., H, L, Dv) times sigmoid(lse - sink) per row, rows with lse = -inf left as they are");

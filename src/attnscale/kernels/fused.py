@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .._tracing import _functorch_wrapped, constant_result
+from .._tracing import _functorch_wrapped, _is_wrapped, _transforms_active, constant_result
 from ..dense import accumulation_dtype, head_groups
 from ..masks import slopes_learned
 from ..score import ScorePath
@@ -263,35 +263,35 @@ def fused_attention_checked(
 
 
 def _finished(
-    dtype: torch.dtype, out: Tensor, lse: Tensor, rest: list[Tensor], verdict: Tensor, sinks: Tensor | None, return_stats: bool
-) -> tuple[Tensor, AttentionStats | None, Tensor | None]:
-    """The kernel's rows as the caller gets them: the sinks merged, in the inputs' ``dtype``, the
-    statistics named, and the rows' verdict where it holds of the returned rows."""
+    dtype: torch.dtype, out: Tensor, lse: Tensor, rest: list[Tensor], verdict: Tensor | bool, sinks: Tensor | None, return_stats: bool,
+    merged: bool = False,
+) -> tuple[Tensor, AttentionStats | None, Tensor | bool]:
+    """The kernel's rows as the caller gets them: the sinks merged (unless the kernel ``merged``
+    them), in the inputs' ``dtype``, the statistics named, and the rows' verdict where it holds of
+    the returned rows."""
     # For 16-bit inputs the kernel checks each row against the format's range too, so its verdict
     # holds of the rounded output. The sinks merge scales each row by its share, in [0, 1]: a
     # finite row stays finite (and within the values' range, so within their format), and a row
     # it takes to zero is right (the sink holds all of the mass), so the verdict still says what
     # the guard asks of the rows.
     rows_ok = verdict
-    if sinks is not None:
+    if sinks is not None and not merged:
         out = _sinks_applied(out, lse, sinks)
     if out.dtype != dtype:
         out = out.to(dtype)
     if not return_stats:
         return out, None, rows_ok
     max_logit, max_prob, entropy, visible_keys = rest
-    stats = AttentionStats(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
+    stats = AttentionStats._of(lse, max_logit, max_prob, entropy, visible_keys)
     return out, stats if sinks is None else with_sinks(stats, sinks), rows_ok
 
 
 class Plan(NamedTuple):
     """What a call's signature fixes of its kernel call (:func:`plan`): the options with the tiles
-    and the product path resolved, and the sizes the slopes are laid out to."""
+    and the product path resolved, and what the 16-bit product path is asked again from."""
 
     options: ops.KernelOptions
     dtype: torch.dtype
-    B: int
-    H: int
     L: int
     group: int
 
@@ -309,7 +309,7 @@ def plan(query: Tensor, key: Tensor, value: Tensor, *, path: ScorePath, sinks: b
     round_out = query.dtype in ops.HALF and not sinks  # as _round_out gives it where no gradient is asked (direct)
     options = spec.options(ops.half_products(query.dtype, L, head_groups(H, spec.Hkv)), round_out)
     block_q, block_k = ops.default_blocks(options.causal, options.left >= 0 or options.right >= 0, L, None)
-    return Plan(options._replace(block_q=block_q, block_k=block_k), query.dtype, B, H, L, head_groups(H, spec.Hkv))
+    return Plan(options._replace(block_q=block_q, block_k=block_k), query.dtype, L, head_groups(H, spec.Hkv))
 
 
 def direct(query: Tensor, key: Tensor, value: Tensor, dtype: torch.dtype) -> bool:
@@ -320,25 +320,25 @@ def direct(query: Tensor, key: Tensor, value: Tensor, dtype: torch.dtype) -> boo
         return False
     if (query.requires_grad or key.requires_grad or value.requires_grad) and torch.is_grad_enabled():
         return False
-    if _functorch_wrapped(query) or _functorch_wrapped(key) or _functorch_wrapped(value) or torch.compiler.is_compiling():
+    if (_transforms_active() and (_is_wrapped(query) or _is_wrapped(key) or _is_wrapped(value))) or torch.compiler.is_compiling():
         return False
     return _blas_rows(query) and _blas_rows(key) and _blas_rows(value)
 
 
 def run_planned(
     plan: Plan, query: Tensor, key: Tensor, value: Tensor, alibi_slopes: Tensor | None, sinks: Tensor | None
-) -> tuple[Tensor, AttentionStats | None, Tensor | None]:
+) -> tuple[Tensor, AttentionStats | None, Tensor | bool]:
     """:func:`fused_attention_checked` of a call whose :func:`plan` is ``plan``, with ``direct``
     inputs: the kernel itself, called with the planned options (no layout to make, no option but
     the 16-bit product path to derive again)."""
-    slopes = None
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.detach().to(accumulation_dtype(plan.dtype)).expand(plan.B, plan.H)
     options = plan.options
     if plan.dtype in ops.HALF:  # the product path is asked each call (ATTNSCALE_HALF_PRODUCTS may change it)
         options = options._replace(half_products=ops.half_products(plan.dtype, plan.L, plan.group))
-    out, lse, _, _, *rest, verdict = ops.run_forward(query, key, value, slopes, None, None, options)
-    return _finished(plan.dtype, out, lse, rest, verdict, sinks, options.with_stats)
+    # The slopes read as given and the sinks merged by the kernel (plan: no rounded 16-bit rows
+    # with sinks), but sinks a gradient is asked of, which its torch ops merge.
+    merge = sinks is not None and not (sinks.requires_grad and torch.is_grad_enabled())
+    out, lse, *rest, verdict = ops.run_direct(query, key, value, alibi_slopes, sinks if merge else None, options)
+    return _finished(plan.dtype, out, lse, rest, verdict, sinks, options.with_stats, merged=merge)
 
 
 def _packed(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -406,7 +406,7 @@ def fused_varlen_attention(
     if not return_stats:
         return out, None, rows_ok
     max_logit, max_prob, entropy, visible_keys = (t[0] for t in rest)
-    stats = AttentionStats(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
+    stats = AttentionStats._of(lse, max_logit, max_prob, entropy, visible_keys)
     return out, stats if sinks is None else with_sinks(stats, sinks), rows_ok
 
 

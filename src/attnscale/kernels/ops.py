@@ -231,6 +231,17 @@ def run_forward(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Ten
     return KernelOutputs(*_kernel().forward_ordered(q, k, v, alibi, mask, spans, options))
 
 
+def run_direct(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, sinks: Tensor | None, options: KernelOptions) -> tuple:
+    """:func:`run_forward` of a planned eager call that no gradient is asked of (no mask, no spans,
+    tiles resolved), with only what its caller reads: ``(out, lse, rows_ok)``, or with statistics
+    ``(out, lse, max_logit, max_prob, entropy, visible_keys, rows_ok)``; ``rows_ok`` a bool.
+    ``alibi``: validated slopes, (H,) or (B, H) of any float dtype (the kernel reads them as they
+    are, converted to the accumulation dtype where they are not in it); ``sinks`` (H,) are merged
+    into ``out`` as ``sink_scale`` merges them (for 16-bit inputs ``options.round_out`` must then
+    be off: the rows stay float32)."""
+    return _kernel().forward_direct(q, k, v, alibi, sinks, options)
+
+
 def _same_device(q: Tensor, **others: Tensor | None) -> None:
     """One device for every tensor (a meta tensor among CPU ones sends the op to its fake rule)."""
     for name, t in others.items():

@@ -56,13 +56,15 @@ inline void check_options(const Options& o) {
                    "positive block sizes (the ops resolve 0 to their defaults)", std::to_string(o.block_q) + ", " + std::to_string(o.block_k));
 }
 
-// ALiBi slopes (units, H) and a mask (B, H, L, S) of the compute dtype acc (a mask also bool).
+// ALiBi slopes (units, H), or (H,) for every unit, and a mask (B, H, L, S) of the compute dtype acc
+// (a mask also bool).
 inline void check_biases(const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
                          const c10::optional<torch::Tensor>& spans, int64_t B, int64_t H, int64_t L, int64_t S, at::ScalarType acc) {
   const int64_t units = spans.has_value() && spans->dim() == 2 ? spans->size(0) : B;
   if (alibi.has_value())
-    ATTNSCALE_REFUSE(alibi->dim() == 2 && alibi->size(0) == units && alibi->size(1) == H && alibi->scalar_type() == acc && alibi->device().is_cpu(),
-                     "alibi", c10::str("a ", acc, " CPU tensor (", spans.has_value() ? "nseq" : "B", ", H) = (", units, ", ", H, ")"),
+    ATTNSCALE_REFUSE(((alibi->dim() == 2 && alibi->size(0) == units) || alibi->dim() == 1) && alibi->size(-1) == H && alibi->scalar_type() == acc &&
+                         alibi->device().is_cpu(),
+                     "alibi", c10::str("a ", acc, " CPU tensor (", spans.has_value() ? "nseq" : "B", ", H) = (", units, ", ", H, ") or (H,) = (", H, ",)"),
                      c10::str(alibi->scalar_type(), " ", alibi->sizes(), " on ", alibi->device()));
   if (mask.has_value())
     ATTNSCALE_REFUSE(mask->dim() == 4 && mask->size(0) == B && mask->size(1) == H && mask->size(2) == L && mask->size(3) == S &&
