@@ -117,38 +117,51 @@ Problem<T> make_problem(const torch::Tensor& q, const torch::Tensor& k, const to
 // the kernel has just streamed k and v through the caches).
 // The statistics' outputs (B, H, L) after [out, lse, m, l]: made by make(shape, fill, dtype) with
 // with_stats, else empty (0 long).
+// Without with_stats and without `empties` (forward_run's lean outputs), nothing.
 template <typename Make>
 void add_statistics(std::vector<torch::Tensor>& result, Make& make, const at::TensorOptions& like, int64_t B, int64_t H, int64_t L,
-                    at::ScalarType dt, bool with_stats) {
+                    at::ScalarType dt, bool with_stats, bool empties = true) {
   const double inf = std::numeric_limits<double>::infinity();
   if (with_stats) {
     result.push_back(make({B, H, L}, -inf, dt));  // max_logit
     result.push_back(make({B, H, L}, 0.0, dt));   // max_prob
     result.push_back(make({B, H, L}, 0.0, dt));   // entropy
     result.push_back(make({B, H, L}, 0.0, torch::kInt64));  // visible
-  } else {
+  } else if (empties) {
     for (int i = 0; i < 3; ++i) result.push_back(torch::empty({0}, like.dtype(dt)));
     result.push_back(torch::empty({0}, like.dtype(torch::kInt64)));
   }
 }
 
-// The outputs' pointers for the kernel (statistics where asked for).
+// The outputs' pointers for the kernel (statistics where asked for): [out, lse, m, l, statistics...],
+// or with m and l given (forward_run's lean outputs), [out, lse, statistics...].
 template <typename T>
-ForwardOut<T> forward_out(const std::vector<torch::Tensor>& result, bool with_stats, std::atomic<bool>* suspect) {
-  ForwardOut<T> O{result[0].scalar_type() == c10::CppTypeToScalarType<T>::value ? result[0].data_ptr<T>() : nullptr, nullptr, kNoHalf, result[1].data_ptr<T>(), result[2].data_ptr<T>(), result[3].data_ptr<T>(),
-                  nullptr, nullptr, nullptr, nullptr, suspect};
+ForwardOut<T> forward_out(const std::vector<torch::Tensor>& result, bool with_stats, std::atomic<bool>* suspect, T* m = nullptr, T* l = nullptr) {
+  const bool lean = m != nullptr;
+  const size_t stats = lean ? 2 : 4;
+  ForwardOut<T> O{result[0].scalar_type() == c10::CppTypeToScalarType<T>::value ? result[0].data_ptr<T>() : nullptr, nullptr, kNoHalf, result[1].data_ptr<T>(),
+                  lean ? m : result[2].data_ptr<T>(), lean ? l : result[3].data_ptr<T>(), nullptr, nullptr, nullptr, nullptr, suspect};
   if (with_stats) {
-    O.max_logit = result[4].data_ptr<T>();
-    O.max_prob = result[5].data_ptr<T>();
-    O.entropy = result[6].data_ptr<T>();
-    O.visible = result[7].data_ptr<int64_t>();
+    O.max_logit = result[stats].data_ptr<T>();
+    O.max_prob = result[stats + 1].data_ptr<T>();
+    O.entropy = result[stats + 2].data_ptr<T>();
+    O.visible = result[stats + 3].data_ptr<int64_t>();
   }
   return O;
 }
 
-std::vector<torch::Tensor> forward_with(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                        const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
-                                        const c10::optional<torch::Tensor>& spans, const Options& o) {
+// The forward's outputs [out, lse, m, l, statistics...] (the statistics empty without with_stats)
+// and whether every row looks right (forward_with's rows_ok); `lean` (forward_direct, a call
+// without spans whose caller reads only out, lse and the statistics): [out, lse, statistics...],
+// m and l the kernel's scratch and no empty statistics, each tensor fewer some tenths of a
+// microsecond of a decoding step.
+struct Forward {
+  std::vector<torch::Tensor> result;
+  bool ok;
+};
+
+Forward forward_run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const c10::optional<torch::Tensor>& alibi,
+                    const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& spans, const Options& o, bool lean) {
   check_call(q, k, v, alibi, mask, spans, o);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
   // Packed: rows of sequences without keys are not visited; they keep an empty row's values.
@@ -163,13 +176,12 @@ std::vector<torch::Tensor> forward_with(const torch::Tensor& q, const torch::Ten
   const auto dt = half_kind(q) ? at::kFloat : q.scalar_type();
   const bool out16 = o.round_out && half_kind(q) != kNoHalf;
   auto out = make({B, H, L, Dv}, 0.0, out16 ? q.scalar_type() : dt);
-  auto lse = make({B, H, L}, -inf, dt), m = make({B, H, L}, 0.0, dt), l = make({B, H, L}, 1.0, dt);
-  std::vector<torch::Tensor> result{out, lse, m, l};
-  add_statistics(result, make, q.options(), B, H, L, dt, o.with_stats);
-  if (H == 0) {  // no query heads: the empty outputs, and no head is read
-    result.push_back(torch::scalar_tensor(true, q.options().dtype(torch::kBool)));
-    return result;
-  }
+  TORCH_CHECK(!(lean && packed), "attnscale fused kernel: the lean forward takes no spans");
+  auto lse = make({B, H, L}, -inf, dt);
+  std::vector<torch::Tensor> result{out, lse};
+  if (!lean) result.push_back(make({B, H, L}, 0.0, dt)), result.push_back(make({B, H, L}, 1.0, dt));  // m, l
+  add_statistics(result, make, q.options(), B, H, L, dt, o.with_stats, !lean);
+  if (H == 0) return {result, true};  // no query heads: the empty outputs, and no head is read
   std::atomic<bool> suspect{false};
   AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_forward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, alibi, mask, spans, o);
@@ -192,7 +204,9 @@ std::vector<torch::Tensor> forward_with(const torch::Tensor& q, const torch::Ten
       packed = pack_problem(P, false, seqs, static_offsets ? kmax.data() : nullptr);
     }
     if (static_offsets && !P.spans) P.kmax = kmax.data();  // packed: each sequence's, from seqs
-    ForwardOut<scalar_t> O = forward_out<scalar_t>(result, o.with_stats, &suspect);
+    std::vector<scalar_t> scratch(lean ? 2 * B * H * L : 0);  // lean: m, l (every row written: no spans)
+    ForwardOut<scalar_t> O = lean ? forward_out<scalar_t>(result, o.with_stats, &suspect, scratch.data(), scratch.data() + B * H * L)
+                                  : forward_out<scalar_t>(result, o.with_stats, &suspect);
     if (out16) O.out = nullptr, O.out16 = static_cast<uint16_t*>(out.data_ptr()), O.out16_kind = half_kind(q);
     if (P.half == kBF16)
       O.template set_rounded_range<at::BFloat16>();
@@ -200,8 +214,15 @@ std::vector<torch::Tensor> forward_with(const torch::Tensor& q, const torch::Ten
       O.template set_rounded_range<at::Half>();
     forward_kernel(P, O);
   });
-  result.push_back(torch::scalar_tensor(!suspect.load(), q.options().dtype(torch::kBool)));
-  return result;
+  return {result, !suspect.load()};
+}
+
+std::vector<torch::Tensor> forward_with(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        const c10::optional<torch::Tensor>& alibi, const c10::optional<torch::Tensor>& mask,
+                                        const c10::optional<torch::Tensor>& spans, const Options& o) {
+  Forward f = forward_run(q, k, v, alibi, mask, spans, o, false);
+  f.result.push_back(torch::scalar_tensor(f.ok, q.options().dtype(torch::kBool)));
+  return f.result;
 }
 
 // Attention of q (B, H, L, D) over int8 keys and values (Problem::int8; check_int8_call gives the
@@ -598,13 +619,12 @@ py::tuple forward_direct(const torch::Tensor& q, const torch::Tensor& k, const t
     const auto acc = half_kind(q) ? at::kFloat : q.scalar_type();
     slopes = alibi->scalar_type() == acc ? *alibi : alibi->detach().to(acc);
   }
-  auto r = forward_with(q, k, v, slopes, c10::nullopt, c10::nullopt, o);
-  const bool ok = *r.back().const_data_ptr<bool>();
+  auto [r, ok] = forward_run(q, k, v, slopes, c10::nullopt, c10::nullopt, o, true);
   // Sinks (H,) merged into the fresh rows in place (sink_scale_op checks what it takes): a row
   // scaled by its share, in [0, 1], keeps the verdict (attnscale.kernels.fused._finished).
   if (sinks.has_value()) sink_scale_op(r[0], r[1], *sinks);
   if (!o.with_stats) return py::make_tuple(r[0], r[1], ok);
-  return py::make_tuple(r[0], r[1], r[4], r[5], r[6], r[7], ok);
+  return py::make_tuple(r[0], r[1], r[2], r[3], r[4], r[5], ok);
 }
 
 // The guard's check of an output that reports nothing on its rows (rows_ok(out)) and of its k
