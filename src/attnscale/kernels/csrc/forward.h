@@ -405,6 +405,8 @@ void forward_block(const Problem<T>& P, const ForwardOut<T>& O, int64_t b, int64
   write_rows(P, B, O, W);
 }
 
+constexpr int64_t kSerialWork = int64_t(1) << 16;
+
 // Parallel over batch, heads and query blocks (packed: heads and every sequence's query blocks).
 template <typename T, typename Weight>
 void forward_blocks(const Problem<T>& P, const ForwardOut<T>& O) {
@@ -419,11 +421,14 @@ void forward_blocks(const Problem<T>& P, const ForwardOut<T>& O) {
     return;
   }
   // Head by head, each head's query blocks last to first: under causality the last see the most
-  // keys, so the work left at the end, when threads run out of tasks, is the smallest.
+  // keys, so the work left at the end, when threads run out of tasks, is the smallest. A call of at
+  // most kSerialWork multiply-adds (a decoding step over a short cache: 8 heads, 64 keys of 64
+  // dims) runs on the calling thread, where waking the pool costs about what its arithmetic does.
   const int64_t nqb = P.q_blocks();
+  const bool serial = P.B * P.H * P.L * P.S * (P.D + P.Dv) <= kSerialWork;
   parallel_tasks(P.B * P.H * nqb, make, [&](int64_t task, ForwardScratch<T>& W) {
     forward_block<T, Weight>(P, O, task / (nqb * P.H), (task / nqb) % P.H, nqb - 1 - task % nqb, W);
-  });
+  }, serial);
 }
 
 // The weights' type resolved once per call (a static switch): 16-bit products take the weights in

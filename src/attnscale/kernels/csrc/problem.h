@@ -206,12 +206,13 @@ using Scratch = std::vector<T, CacheLineAllocator<T>>;
 // Tasks [0, n) on every thread, handed out one at a time from a shared counter (dynamic, in
 // order) rather than split into equal ranges up front: a thread that starts late, or loses its
 // core for a while, leaves its share to the others instead of making everyone wait for it. Each
-// thread makes its scratch once (make()) and runs run(task, scratch) under SerialBlas.
+// thread makes its scratch once (make()) and runs run(task, scratch) under SerialBlas. `serial`:
+// every task on the calling thread (at::parallel_for of one task runs inline).
 template <typename Make, typename Run>
-void parallel_tasks(int64_t n, Make make, Run run) {
+void parallel_tasks(int64_t n, Make make, Run run, bool serial = false) {
   if (n <= 0) return;
   std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  const int64_t threads = serial ? 1 : std::min<int64_t>(at::get_num_threads(), n);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     SerialBlas serial;
     auto W = make();
