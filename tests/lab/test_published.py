@@ -281,3 +281,8 @@ def test_rejudge_refuses_what_it_cannot_judge_and_says_why(tmp_path, capsys):
         published.main(["rejudge", str(bad)])
     with pytest.raises(SystemExit, match="recorded measurement"):
         published.main(["rejudge", str(ROOT / "results" / "published.json")])
+    odd = tmp_path / "odd.json"
+    for text in ('{"claims": {"id": 1}}', '{"claims": [{"id": "real-text-training", "measured": {"conditions": 3}}]}'):
+        odd.write_text(text, encoding="utf-8")
+        with pytest.raises(SystemExit, match="expected a results file written by attnscale"):
+            published.main(["rejudge", str(odd)])

@@ -195,8 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "rejudge":
         try:
             claims = rejudge(_read(args.results))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SystemExit(f"{args.results}: {exc}") from None
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:  # a file not laid out as attnscale writes it
+            raise SystemExit(f"{args.results}: expected a results file written by attnscale; {type(exc).__name__}: {exc}") from None
         for c in claims:
             print(f"{c['id']}: v{c['then']['rule_version']} judged {c['then']['verdict']}; v{c['rule_version']} judges {c['verdict']} ({c['reason']})")
             for arm in c["arms"]:
