@@ -151,7 +151,7 @@ def test_a_call_grown_along_s_takes_its_familys_torch_kernel_only_where_the_offs
         assert grown_asked == ([] if "causal_alignment" not in options else [5, 7])  # the walk asked again only where it must
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=["float32", "float64", "bfloat16", "float16"])
 def test_a_repeated_torch_call_leaves_out_only_what_torch_defaults_to_the_same_bits(dtype):
     """A signature's repeated call to torch's kernel leaves its default scale and enable_gqa=False
     out of the call: torch's default 1/sqrt(D) is the scale attnscale computes, to the bit, so the

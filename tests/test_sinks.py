@@ -170,7 +170,7 @@ def test_a_minus_inf_sink_is_no_sink_and_keeps_gradients_finite():
         assert (grad == 0).all(), backend
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("case", [0, 23, 47, 71], ids=feature_id)
 def test_low_precision_error_is_like_math(dtype, case):
     """The tiled kernel's error against fp64 is at most twice the math backend's (same dtype), plus
@@ -255,7 +255,7 @@ def test_sink_scaled_is_merge_sinks_output_with_its_gradients():
 
 
 @pytest.mark.skipif(KERNEL != "fused", reason="the compiled kernel did not build here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["float32", "float64", "bfloat16"])
 def test_a_repeated_call_merges_its_sinks_in_the_kernel_and_learned_sinks_keep_their_gradient(dtype):
     """A signature's second call goes straight to the kernel, which merges constant sinks in place;
     sinks that require grad (q, k and v constant, as when only the sinks learn) are merged by torch

@@ -51,7 +51,7 @@ class AttentionStats:
     sink_share: Tensor | None = None
 
     @classmethod
-    def _of(cls, lse: Tensor, max_logit: Tensor, max_prob: Tensor, entropy: Tensor, visible_keys: Tensor) -> AttentionStats:
+    def _of(cls, *, lse: Tensor, max_logit: Tensor, max_prob: Tensor, entropy: Tensor, visible_keys: Tensor) -> AttentionStats:
         """The statistics without sinks as the kernels make them for every call, without the frozen
         ``__init__``'s five ``object.__setattr__`` (a decoding step's share of a microsecond)."""
         stats = object.__new__(cls)

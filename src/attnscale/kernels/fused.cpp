@@ -136,8 +136,8 @@ void add_statistics(std::vector<torch::Tensor>& result, Make& make, const at::Te
 // The outputs' pointers for the kernel (statistics where asked for): [out, lse, m, l, statistics...],
 // or with m and l given (forward_run's lean outputs), [out, lse, statistics...].
 template <typename T>
-ForwardOut<T> forward_out(const std::vector<torch::Tensor>& result, bool with_stats, std::atomic<bool>* suspect, T* m = nullptr, T* l = nullptr) {
-  const bool lean = m != nullptr;
+ForwardOut<T> forward_out(const std::vector<torch::Tensor>& result, bool with_stats, std::atomic<bool>* suspect, bool lean = false,
+                          T* m = nullptr, T* l = nullptr) {
   const size_t stats = lean ? 2 : 4;
   ForwardOut<T> O{result[0].scalar_type() == c10::CppTypeToScalarType<T>::value ? result[0].data_ptr<T>() : nullptr, nullptr, kNoHalf, result[1].data_ptr<T>(),
                   lean ? m : result[2].data_ptr<T>(), lean ? l : result[3].data_ptr<T>(), nullptr, nullptr, nullptr, nullptr, suspect};
@@ -205,8 +205,7 @@ Forward forward_run(const torch::Tensor& q, const torch::Tensor& k, const torch:
     }
     if (static_offsets && !P.spans) P.kmax = kmax.data();  // packed: each sequence's, from seqs
     std::vector<scalar_t> scratch(lean ? 2 * B * H * L : 0);  // lean: m, l (every row written: no spans)
-    ForwardOut<scalar_t> O = lean ? forward_out<scalar_t>(result, o.with_stats, &suspect, scratch.data(), scratch.data() + B * H * L)
-                                  : forward_out<scalar_t>(result, o.with_stats, &suspect);
+    ForwardOut<scalar_t> O = forward_out<scalar_t>(result, o.with_stats, &suspect, lean, scratch.data(), scratch.data() + B * H * L);
     if (out16) O.out = nullptr, O.out16 = static_cast<uint16_t*>(out.data_ptr()), O.out16_kind = half_kind(q);
     if (P.half == kBF16)
       O.template set_rounded_range<at::BFloat16>();
@@ -623,8 +622,11 @@ py::tuple forward_direct(const torch::Tensor& q, const torch::Tensor& k, const t
   // Sinks (H,) merged into the fresh rows in place (sink_scale_op checks what it takes): a row
   // scaled by its share, in [0, 1], keeps the verdict (attnscale.kernels.fused._finished).
   if (sinks.has_value()) sink_scale_op(r[0], r[1], *sinks);
-  if (!o.with_stats) return py::make_tuple(r[0], r[1], ok);
-  return py::make_tuple(r[0], r[1], r[2], r[3], r[4], r[5], ok);
+  const auto& out = r[0];
+  const auto& lse = r[1];
+  if (!o.with_stats) return py::make_tuple(out, lse, ok);
+  const auto &max_logit = r[2], &max_prob = r[3], &entropy = r[4], &visible = r[5];  // forward_run's lean layout
+  return py::make_tuple(out, lse, max_logit, max_prob, entropy, visible, ok);
 }
 
 // The guard's check of an output that reports nothing on its rows (rows_ok(out)) and of its k

@@ -282,7 +282,7 @@ def _finished(
     if not return_stats:
         return out, None, rows_ok
     max_logit, max_prob, entropy, visible_keys = rest
-    stats = AttentionStats._of(lse, max_logit, max_prob, entropy, visible_keys)
+    stats = AttentionStats._of(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
     return out, stats if sinks is None else with_sinks(stats, sinks), rows_ok
 
 
@@ -406,7 +406,7 @@ def fused_varlen_attention(
     if not return_stats:
         return out, None, rows_ok
     max_logit, max_prob, entropy, visible_keys = (t[0] for t in rest)
-    stats = AttentionStats._of(lse, max_logit, max_prob, entropy, visible_keys)
+    stats = AttentionStats._of(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
     return out, stats if sinks is None else with_sinks(stats, sinks), rows_ok
 
 
