@@ -43,7 +43,8 @@ def test_wheel_holds_the_package_and_its_data_files(wheel):
     package = {n for n in names if not n.startswith(dist_info + "/")}
     sources = {f"attnscale/{p.relative_to(PACKAGE).as_posix()}" for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
     assert {n for n in package if n.endswith(".py")} == sources
-    for data in ("attnscale/py.typed", "attnscale/kernels/fused.cpp", "attnscale/kernels/csrc/forward.h", "attnscale/lab/explore.html"):
+    for data in ("attnscale/py.typed", "attnscale/kernels/fused.cpp", "attnscale/kernels/csrc/forward.h", "attnscale/lab/explore.html",
+                 "attnscale/lab/task_seconds.json"):
         assert data in package, data
     assert {"attnscale/__main__.py", "attnscale/cli.py", "attnscale/lab/experiments/__init__.py"} <= package
 

@@ -38,6 +38,7 @@ _NOT_MEASUREMENT = {
     "lab/report.py",
     "lab/runner.py",
     "lab/schema.py",
+    "lab/timings.py",
 }
 
 

@@ -38,7 +38,7 @@ from rich.table import Table
 
 from .. import __version__
 from .._validate import fail
-from . import cache, executors, formatting, registry, report, schema
+from . import cache, executors, formatting, registry, report, schema, timings
 from .base import PROFILES, Profile
 from .execute import (
     Task,
@@ -71,6 +71,7 @@ __all__ = [
     "run_report",
     "run_single",
     "select",
+    "start_order",
     "source_commit",
     "summary_table",
     "throttled",
@@ -349,8 +350,7 @@ def run_report(
             else:
                 pending.append(task)
 
-    # Longest first (by the last finished run, unknown ones first), so that a long one does not start last.
-    pending.sort(key=lambda t: -(cache.last_seconds(outdir, t.claim_id, t.part) or float("inf")))
+    pending = start_order(pending, outdir)
     if executor == "ray":
         executors.run_ray(pending, records, jobs=jobs, address=address, console=console)
     else:
@@ -370,6 +370,22 @@ def run_report(
     }
     report.write_report(results, outdir)
     return results
+
+
+def start_order(pending: list[Task], outdir: Path) -> list[Task]:
+    """``pending`` longest first, so that a long task does not start last while the other slots idle.
+
+    A task's length is its last finished run in ``outdir``'s cache, else its time in the published
+    run of its profile (:mod:`attnscale.lab.timings`: a fresh clone's report), else unknown; unknown
+    ones go first (a new claim may be long), and ties keep claim order.
+    """
+
+    def seconds(t: Task) -> float:
+        known = cache.last_seconds(outdir, t.claim_id, t.part)
+        known = timings.expected(t.profile, t.claim_id, t.part) if known is None else known
+        return float("inf") if known is None else known
+
+    return sorted(pending, key=lambda t: -seconds(t))
 
 
 def _run_pending(pending: list[Task], records: dict[str, dict[str, Any]], jobs: int, console: Console) -> None:
