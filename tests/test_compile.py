@@ -568,8 +568,8 @@ def test_the_backward_op_refuses_a_gradient_of_the_wrong_shape():
     q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 4)
     out, lse, m, l, *_ = torch.ops.attnscale.fused_forward(q, k, v, None, None, None, *ops.KernelOptions(scale=0.35))
     rest = (None, None, None, *ops.KernelOptions(scale=0.35).backward_args())
-    dq, dk, dv = torch.ops.attnscale.fused_backward(q, k, v, torch.ones_like(out), torch.zeros_like(lse), m, l, *rest)
-    assert dq.shape == q.shape and dv.shape == v.shape
+    dq, dk, dv, dslope = torch.ops.attnscale.fused_backward(q, k, v, torch.ones_like(out), torch.zeros_like(lse), m, l, *rest)
+    assert dq.shape == q.shape and dv.shape == v.shape and dslope.shape == (0, 0)  # no slopes: no gradient of theirs
     with pytest.raises(ValueError, match="torch.ops.attnscale: dout: expected the output's shape"):
         torch.ops.attnscale.fused_backward(q, k, v, torch.ones(1, 2, 6, 8), torch.zeros_like(lse), m, l, *rest)
     with pytest.raises(ValueError, match="torch.ops.attnscale: delta"):

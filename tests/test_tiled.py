@@ -344,7 +344,7 @@ def test_auto_dispatch_rule(monkeypatch):
     sdpa(q, k, v, softcap=5.0, dropout_p=0.1)
     assert attnscale.last_backend() == "math"
     sdpa(q, k, v, alibi_slopes=attnscale.alibi_slopes(2).requires_grad_())
-    assert attnscale.last_backend() == "math"
+    assert attnscale.last_backend() == ("fused" if KERNEL == "fused" else "math")  # learned slopes: the compiled kernel's backward, or math's
     sdpa(q, k, v[..., :3], dropout_p=0.0)  # D != Dv: torch's fused kernel declines; small: math
     assert attnscale.last_backend() == "math"
     monkeypatch.setattr(attnscale.backends, "MATH_MAX_SCORES", 100)

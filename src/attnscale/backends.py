@@ -132,7 +132,8 @@ def _torch_cannot(c: Call) -> Refusal | None:
 
 
 def learned_slopes_refusal(c: Call, backend: Backend) -> Refusal | None:
-    """The kernels' refusal of ALiBi slopes that require grad (they take slopes as constants)."""
+    """The tiled kernel's refusal of ALiBi slopes that require grad (it takes slopes as constants;
+    the compiled kernel's backward returns their gradient)."""
     if not c.slopes_need_grad:
         return None
     name = backend.value
@@ -141,12 +142,12 @@ def learned_slopes_refusal(c: Call, backend: Backend) -> Refusal | None:
         "alibi_slopes",
         f"constant slopes on the {name} backend",
         "a tensor that requires grad",
-        "pass alibi_slopes.detach(), or backend='math' to learn the slopes",
+        "pass alibi_slopes.detach(), or backend='math' (or 'fused', where the compiled kernel runs) to learn the slopes",
     )
 
 
 def _fused_cannot(c: Call) -> Refusal | None:
-    refusal = _dropout_refusal(c, Backend.FUSED) or learned_slopes_refusal(c, Backend.FUSED)
+    refusal = _dropout_refusal(c, Backend.FUSED)
     if refusal is not None:
         return refusal
     reason = fused_supports(c.query, c.attn_mask)
@@ -200,7 +201,8 @@ call whose tensors are not :func:`~attnscale.kernels.fused.direct` takes it that
 def _run_fused(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
     spec = c.spec
     memo = _PLANS.get(id(spec))
-    if memo is not None and memo[0] is spec and memo[1] is not None and c.attn_mask is None and fused_kernel.direct(query, key, value, memo[1].dtype):
+    planned = memo is not None and memo[0] is spec and memo[1] is not None and c.attn_mask is None
+    if planned and not c.slopes_need_grad and fused_kernel.direct(query, key, value, memo[1].dtype):  # (learned slopes: through autograd)
         return Result(*fused_kernel.run_planned(memo[1], query, key, value, c.alibi_slopes, c.sinks))
     result = Result(
         *fused_attention_checked(query, key, value, path=spec.path, attn_mask=c.attn_mask, alibi_slopes=c.alibi_slopes, sinks=c.sinks, return_stats=spec.return_stats)
@@ -318,11 +320,11 @@ def torch_lacks(spec: AttentionCall) -> str | None:
 
 
 def _math_first(c: Call) -> str | None:
-    """None where auto takes the math backend before the kernels: for dropout or learned ALiBi
-    slopes (which the kernels lack), and for calls without a kernel feature up to
-    :data:`MATH_MAX_SCORES` scores."""
+    """None where auto takes the math backend before the kernels: for dropout (which the kernels
+    lack), for learned ALiBi slopes where the compiled kernel cannot run (the tiled kernel takes
+    them as constants), and for calls without a kernel feature up to :data:`MATH_MAX_SCORES` scores."""
     spec = c.spec
-    if spec.dropout_p > 0.0 or c.slopes_need_grad:
+    if spec.dropout_p > 0.0 or (c.slopes_need_grad and _fused_cannot(c) is not None):
         return None
     feature = kernel_feature(spec)
     if feature is not None:

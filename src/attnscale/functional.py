@@ -136,7 +136,8 @@ def scaled_dot_product_attention(
             probability, entropy in nats; with sinks also the sink's share, see
             :mod:`attnscale.stats`) as ``(out, stats)``.
         backend: ``"auto"`` picks, in this order: torch's fused kernel whenever it computes exactly
-            these semantics; ``"math"`` for dropout (or ALiBi slopes that require grad);
+            these semantics; ``"math"`` for dropout (or ALiBi slopes that require grad where the
+            compiled kernel cannot run: its backward differentiates them, the tiled kernel's does not);
             ``"tiled"`` when the call uses a feature torch lacks (softcap, return_stats, ALiBi,
             sinks, window, bottom-right causal alignment with L != S) or has more than
             ``MATH_MAX_SCORES = 2**26`` scores ``prod(batch) * H * L * S``; ``"math"`` otherwise.

@@ -318,15 +318,17 @@ def _careful(implementation: Implementation, c: Call, fast: tuple[Tensor, Attent
 
 def _float64(implementation: Implementation, c: Call) -> Implementation:
     """The backend of the float64 recompute: the chosen one where it can (``float64``), else
-    attnscale's own kernel (the math backend for dropout or learned ALiBi slopes, which the
-    kernels lack). Not torch's SDPA, whose float64 backward returns NaN gradients for logits near
+    attnscale's own kernel (the math backend for dropout, which the kernels lack, and for learned
+    ALiBi slopes where the compiled kernel cannot run). Not torch's SDPA, whose float64 backward returns NaN gradients for logits near
     1e60 (torch 2.13 on CPU, e.g. B=2 H=4 L=S=64 D=32 with |q|, |k| ~ 1e30; tests/test_hostile.py),
     nor FlexAttention, whose compiled kernels take no float64 on CPU."""
     if implementation.float64:
         return implementation
+    if FUSED.cannot(c) is None:
+        return FUSED
     if c.spec.dropout_p > 0.0 or c.slopes_need_grad:  # (masks.slopes_learned: the one rule)
         return MATH
-    return FUSED if FUSED.cannot(c) is None else TILED
+    return TILED
 
 
 def _misfit(peaks: Tensor, nan_rows: Tensor | None, may_overflow: Callable[[], bool], trust_finite: bool) -> bool:

@@ -320,19 +320,23 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
   const bool grouped = H == 0 || Hkv == H || units * Hkv >= at::get_num_threads();
   auto dk = torch::zeros({B, grouped ? Hkv : H, S, D}, q.options().dtype(dt));
   auto dv = torch::zeros({B, grouped ? Hkv : H, S, Dv}, q.options().dtype(dt));
-  if (H == 0) return {dq, dk, dv};  // no query heads: no gradient reaches k or v
+  // ALiBi: the slopes' gradient per (batch or sequence, head), for the caller to reduce to the
+  // slopes' shape; empty without slopes.
+  auto dslope = torch::zeros({alibi.has_value() ? units : 0, alibi.has_value() ? H : 0}, q.options().dtype(dt));
+  if (H == 0) return {dq, dk, dv, dslope};  // no query heads: no gradient reaches k or v
   AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_backward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, alibi, mask, spans, o);
     BackwardIO<scalar_t> IO{dout.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(), m.data_ptr<scalar_t>(),
                             l.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
                             dv.data_ptr<scalar_t>(), grouped};
     if (half) IO.dout16 = static_cast<const uint16_t*>(dout16.const_data_ptr());
+    if (alibi.has_value()) IO.dslope = dslope.data_ptr<scalar_t>();
     SequencePacks seqs;
     PackPtr packed;  // brgemm's k^T, v^T and k, every key head
     if (takes_brgemm(P, true)) packed = pack_problem(P, true, seqs);
     backward_kernel(P, IO);
   });
-  return {dq, dk, dv};
+  return {dq, dk, dv, dslope};
 }
 
 }  // namespace
@@ -666,7 +670,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("weights", &weights_op, "the softmax's exp of centred scores, and exp_u20 floored the same way (float32, 1-d, a multiple of 8 long)");
   module.def("tile_weights", &tile_weights_op, "one tile's softmax weights exp(s - m) and m as the forward makes them (tests; float32/float64, one block and tile)",
              py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alibi"), py::arg("mask"));
-  module.def("backward", &backward, "attnscale fused attention backward (dq, dk, dv; dk, dv per key head, or per query head for the caller to sum per group); the options by keyword (Options)",
+  module.def("backward", &backward, "attnscale fused attention backward (dq, dk, dv; dk, dv per key head, or per query head for the caller to sum per group; and the ALiBi slopes' gradient per (batch or sequence, head), empty without slopes); the options by keyword (Options)",
              py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"), py::arg("delta"), py::arg("m"), py::arg("l"),
              py::arg("alibi"), py::arg("mask"), py::arg("spans"));
 }

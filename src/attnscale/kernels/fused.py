@@ -9,8 +9,9 @@ rounded back (by the kernel as it writes the rows, where no gradient and no sink
 output: :func:`_round_out`): where the CPU multiplies them natively (:func:`ops.half_products`: AMX, AVX512-BF16/FP16)
 the products take the 16-bit inputs as they are, as torch's CPU kernel does; elsewhere the kernel
 converts each tile to float32 as it goes (no copy of the inputs). Sinks enter through :func:`attnscale.tiled.sink_scaled` on the kernel's
-``(out, lse)``, as in the tiled kernel. ALiBi slopes are constants; a float mask that requires
-grad is refused (``backend="auto"`` sends it to the tiled kernel).
+``(out, lse)``, as in the tiled kernel. ALiBi slopes may be learned (the kernel's backward returns
+their gradient); a float mask that requires grad is refused (``backend="auto"`` sends it to the
+tiled kernel).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from torch import Tensor
 
 from .._tracing import _functorch_wrapped, _is_wrapped, _transforms_active, constant_result
 from ..dense import accumulation_dtype, head_groups
-from ..masks import slopes_learned
 from ..score import ScorePath
 from ..stats import AttentionStats, with_sinks
 from ..tiled import sink_scaled, tiled_attention
@@ -86,16 +86,11 @@ def _loaded() -> bool:
     return load() is not None
 
 
-def _check_runnable(query: Tensor, attn_mask: Tensor | None, alibi_slopes: Tensor | None) -> None:
-    """RuntimeError where the kernel cannot run (see :func:`supports`), ValueError for learned slopes."""
+def _check_runnable(query: Tensor, attn_mask: Tensor | None) -> None:
+    """RuntimeError where the kernel cannot run (see :func:`supports`)."""
     reason = supports(query, attn_mask)
     if reason is not None:
         raise RuntimeError(f"backend='fused' cannot run this call: {reason}")
-    if slopes_learned(alibi_slopes):  # (the pipeline refuses them first: backends' Refusal)
-        raise ValueError(
-            "alibi_slopes: expected constant slopes on the fused backend, got a tensor that requires grad. "
-            "Fix: pass alibi_slopes.detach(), or backend='math' to learn the slopes"
-        )
 
 
 def _blas_rows(x: Tensor) -> bool:
@@ -130,7 +125,7 @@ def _flat_mask(mask: Tensor | None, spec: _Spec, L: int, S: int, dtype: torch.dt
 def _flat_slopes(alibi: Tensor | None, spec: _Spec, dtype: torch.dtype) -> Tensor | None:
     if alibi is None:
         return None
-    slopes = alibi.detach().to(dtype).expand(*spec.batch, spec.H)
+    slopes = alibi.to(dtype).expand(*spec.batch, spec.H)  # learned slopes: their gradient through the op, cast and expand
     return slopes.flatten(0, len(spec.batch) - 1) if len(spec.batch) != 1 else slopes
 
 
@@ -232,7 +227,7 @@ def fused_attention_checked(
     own (for 16-bit inputs, of the output rounded to their format; with sinks, of the rows before
     their share scales them, see :func:`_finished`). None where no kernel ran: the caller checks
     the output itself."""
-    _check_runnable(query, attn_mask, alibi_slopes)
+    _check_runnable(query, attn_mask)
     if query.shape[-2] == 0 or key.shape[-2] == 0:  # nothing to tile: the eager kernel's empty results
         out, stats = tiled_attention(
             query, key, value, path=path, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks, return_stats=return_stats
@@ -384,12 +379,12 @@ def fused_varlen_attention(
     the most query rows of a span where the caller knows it (the tiles are chosen from it here,
     not from the table inside the op). Raises RuntimeError when the compiled kernel is unavailable
     (see :func:`supports`)."""
-    _check_runnable(query, None, alibi_slopes)
+    _check_runnable(query, None)
     B, H = spans.shape[0], query.shape[1]
     table = spans.contiguous()
     slopes = None
     if alibi_slopes is not None:
-        slopes = alibi_slopes.detach().to(accumulation_dtype(query.dtype)).expand(B, H)
+        slopes = alibi_slopes.to(accumulation_dtype(query.dtype)).expand(B, H)  # (learned: the gradient flows back)
     q, k, v = (_packed(t, query.dtype) for t in (query, key, value))  # (1, heads, total, d) views
     round_out = _round_out(query, key, value, sinks)
     options = _packed_options(path, with_stats=return_stats, half_products=ops.half_products(query.dtype), round_out=round_out)
@@ -448,7 +443,7 @@ def int8_attention(
     Returns (out (B, H, L, Dv) in the query's dtype, stats or None, rows_ok as
     :func:`fused_attention_checked` gives it). Every size >= 1; no gradient flows (the caller sends
     those calls elsewhere)."""
-    _check_runnable(query, attn_mask, alibi_slopes)
+    _check_runnable(query, attn_mask)
     k, k_scale, k_mean, v, v_scale = (t if _head_rows(t) else t.contiguous() for t in codes)
     B, H, L = query.shape[:3]
     G = H // k.shape[1]

@@ -274,17 +274,19 @@ def _(q, k, v, alibi, mask, spans, *options):
 @torch.library.custom_op(
     "attnscale::fused_backward",
     mutates_args=(),
-    schema=_schema("Tensor q, Tensor k, Tensor v, Tensor dout, Tensor delta, Tensor m, Tensor l, Tensor? alibi, Tensor? mask, Tensor? spans", BACKWARD_FIELDS, 3),
+    schema=_schema("Tensor q, Tensor k, Tensor v, Tensor dout, Tensor delta, Tensor m, Tensor l, Tensor? alibi, Tensor? mask, Tensor? spans", BACKWARD_FIELDS, 4),
 )
-def fused_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, delta: Tensor, m: Tensor, l: Tensor, alibi: Optional[Tensor], mask: Optional[Tensor], spans: Optional[Tensor], *options) -> tuple[Tensor, Tensor, Tensor]:
-    """The kernel's backward as an op: the options positionally, in :data:`BACKWARD_FIELDS`' order."""
+def fused_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, delta: Tensor, m: Tensor, l: Tensor, alibi: Optional[Tensor], mask: Optional[Tensor], spans: Optional[Tensor], *options) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The kernel's backward as an op: the options positionally, in :data:`BACKWARD_FIELDS`' order.
+    Returns dq, dk, dv in the inputs' dtype, and the gradient of ``alibi`` in its shape (B, H) or
+    (sequences, H) in the kernel's compute dtype (empty (0, 0) without slopes)."""
     given = KernelOptions(**dict(zip(BACKWARD_FIELDS, options)))  # with_stats and round_out: their defaults
     block_q, block_k = _blocks(given.block_q, given.block_k, given.causal, given.left, given.right, q.shape[2], spans)
     dtype = q.dtype
     if dtype in HALF and not given.half_products:  # the forward's float32 tiles: the same values, as whole copies
         q, k, v = q.float(), k.float(), v.float()
     kwargs = given._replace(block_q=block_q, block_k=block_k, half_products=True)._asdict()  # 16-bit here: multiplied as they are
-    dq, dk, dv = _kernel().backward(
+    dq, dk, dv, dslope = _kernel().backward(
         q=q, k=k, v=v, dout=dout.contiguous(), delta=delta.contiguous(), m=m.contiguous(), l=l.contiguous(), alibi=alibi, mask=mask, spans=spans, **kwargs
     )
     B, H, Hkv, S = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
@@ -292,13 +294,15 @@ def fused_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, delta: Tensor,
         dk, dv = (t.view(B, Hkv, H // Hkv, S, t.shape[-1]).sum(2) for t in (dk, dv))
     if dtype in HALF:  # computed in float32 from 16-bit inputs: rounded once, to the inputs' format
         dq, dk, dv = dq.to(dtype), dk.to(dtype), dv.to(dtype)
-    return dq, dk, dv
+    return dq, dk, dv, dslope
 
 
 @fused_backward.register_fake
 def _(q, k, v, dout, delta, m, l, alibi, mask, spans, *options):
     _same_device(q, k=k, v=v, dout=dout, delta=delta, m=m, l=l, alibi=alibi, mask=mask, spans=spans)
-    return torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape)
+    slopes = (0, 0) if alibi is None else (spans.shape[0] if spans is not None else q.shape[0], q.shape[1])
+    dslope = q.new_empty(slopes, dtype=torch.float32 if q.dtype in HALF else q.dtype)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape), dslope
 
 
 def setup_forward(ctx, inputs, output) -> None:
@@ -311,7 +315,8 @@ def setup_forward(ctx, inputs, output) -> None:
 
 
 def backward_forward(ctx, dout, dlse, *unused):
-    """Gradients of q, k, v through ``fused_backward`` (None for every other input)."""
+    """Gradients of q, k, v and of learned ALiBi slopes through ``fused_backward`` (None for every
+    other input)."""
     q, k, v, alibi, mask, spans, out, m, l = ctx.saved_tensors
     options: KernelOptions = ctx.options
     with torch.no_grad():  # the backward has no derivative: see first_order
@@ -319,8 +324,10 @@ def backward_forward(ctx, dout, dlse, *unused):
             out, dout = out.float(), dout.float()
         # D_i = rowsum(dO * O) - dlse_i (FlashAttention-2; a gradient on lse adds p dlse to dS)
         delta = (dout * out).sum(-1) - dlse
-        dq, dk, dv = fused_backward(q, k, v, dout, delta, m, l, alibi, mask, spans, *options.backward_args())
-    return first_order("fused", (q, k, v), dq, dk, dv) + (None,) * (3 + len(options))
+        dq, dk, dv, dslope = fused_backward(q, k, v, dout, delta, m, l, alibi, mask, spans, *options.backward_args())
+    learned = alibi is not None and ctx.needs_input_grad[3]  # (B, H): the caller's expand and cast take it to its slopes
+    dslope = dslope.to(alibi.dtype) if learned else None
+    return first_order("fused", (q, k, v, alibi), dq, dk, dv, dslope) + (None,) * (2 + len(options))
 
 
 fused_forward.register_autograd(backward_forward, setup_context=setup_forward)
@@ -355,7 +362,7 @@ def _(info, in_dims, q, k, v, dout, delta, m, l, alibi, mask, spans, *options):
     n = info.batch_size
     args = [_fold(x, d, n) for x, d in zip((q, k, v, dout, delta, m, l, alibi, mask), in_dims[:9])]
     grads = fused_backward(*args, None, *options)
-    return tuple(_unfold(t, n) for t in grads), (0, 0, 0)
+    return tuple(_unfold(t, n) for t in grads), (0, 0, 0, 0)
 
 
 class FusedForward(torch.autograd.Function):
@@ -388,7 +395,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Tensor 
     be asked for, else the kernel itself (dispatching a Python custom op is a visible share of a
     decoding step: bench_fused.py's decoding case). The one route into the kernel for every caller."""
     if not tracing(q, k, v, alibi, mask):  # eager (the common case first: each check it passes costs)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (alibi is not None and alibi.requires_grad)):
             return KernelOutputs(*FusedForward.apply(q, k, v, alibi, mask, spans, *options))
         return run_forward(q, k, v, alibi, mask, spans, options)
     if not torch.compiler.is_compiling() and any(_functorch_wrapped(t) for t in (q, k, v, alibi, mask) if t is not None):

@@ -21,6 +21,9 @@ struct BackwardIO {
   bool grouped;  // one task per key head runs its whole group: dk, dv per key head, no scratch
   // 16-bit inputs (Problem::half): dout in their format, for the products (null otherwise).
   const uint16_t* dout16 = nullptr;
+  // With ALiBi: the slopes' gradient, (B, H) (packed: (sequences, H)), accumulated; a (batch or
+  // sequence, head) belongs to one task, so no two tasks add to one entry. Null: not asked.
+  T* dslope = nullptr;
 };
 
 // One thread's buffers for backward tasks.
@@ -175,11 +178,35 @@ void backward_dv_dp(const Problem<T>& P, const BackwardHead<T>& A, int64_t j0, i
           A.dout, A.dout16, P.Dv, T(0), dp, width);
 }
 
-// dS = p (dp - delta) in place of dp, times (1 - t^2) with softcap (t = tanh of the products).
+// The gradient of the tile's ALiBi bias -slope |i' - j|: minus the sum over the tile of
+// g |i' - j|, g = p (dp - delta) the gradient of the logits (before softcap's factor, which
+// belongs to the products, not the bias).
 template <typename T>
-void backward_ds(const Problem<T>& P, const BackwardIO<T>& IO, const BackwardHead<T>& A, int64_t width, BackwardScratch<T>& W) {
+T slope_gradient(const Problem<T>& P, const BackwardHead<T>& A, int64_t j0, int64_t width, const BackwardScratch<T>& W, const T* delta) {
   using Vec = Vectorized<T>;
   constexpr int64_t n = Vec::size();
+  const Vec iota = Vec::arange(T(0), T(1));
+  Vec acc(T(0));
+  T tail = T(0);
+  for (int64_t r = 0; r < A.rows; ++r) {
+    const T* pr = W.sbuf.data() + r * width;
+    const T* dr = W.dpbuf.data() + r * width;
+    const int64_t p = P.q_start + A.i0 + r + P.q_offset - P.k_start - j0;  // i' - j = p - c at column c (score_row's)
+    const Vec vd(delta[r]);
+    int64_t c = 0;
+    for (; c + n <= width; c += n)
+      acc = at::vec::fmadd((Vec::loadu(dr + c) - vd) * Vec::loadu(pr + c), (Vec(static_cast<T>(p - c)) - iota).abs(), acc);
+    for (; c < width; ++c) tail += (dr[c] - delta[r]) * pr[c] * static_cast<T>(std::abs(p - c));
+  }
+  return -(at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, acc) + tail);
+}
+
+// dS = p (dp - delta) in place of dp, times (1 - t^2) with softcap (t = tanh of the products).
+template <typename T>
+void backward_ds(const Problem<T>& P, const BackwardIO<T>& IO, const BackwardHead<T>& A, int64_t j0, int64_t width, BackwardScratch<T>& W) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  if (IO.dslope && P.alibi) IO.dslope[A.b * P.H + A.h] += slope_gradient(P, A, j0, width, W, IO.delta + A.row0);
   for (int64_t r = 0; r < A.rows; ++r) {
     const T* pr = W.sbuf.data() + r * width;
     T* dr = W.dpbuf.data() + r * width;
@@ -237,7 +264,7 @@ void backward_head(const Problem<T>& P, const BackwardIO<T>& IO, int64_t b, int6
     for (auto [j0, j1] : P.key_tiles(A.i0, A.i0 + A.rows)) {
       backward_weights(P, IO, A, j0, j1 - j0, W);
       backward_dv_dp(P, A, j0, j1 - j0, W);
-      backward_ds(P, IO, A, j1 - j0, W);
+      backward_ds(P, IO, A, j0, j1 - j0, W);
       backward_dq_dk(P, A, j0, j1 - j0, W);
     }
     T* dq = IO.dq + A.row0 * P.D;
@@ -274,7 +301,7 @@ void write_dk_dv(const Problem<T>& P, const BackwardIO<T>& IO, int64_t kv_head, 
 template <typename T>
 void backward_kernel(const Problem<T>& P, const BackwardIO<T>& IO) {
   const int64_t G = P.G(), heads = IO.grouped ? P.Hkv : P.H;  // one task per (sequence or batch, heads)
-  auto run = [&](const Problem<T>& Q, int64_t b, int64_t head, BackwardScratch<T>& W) {
+  auto run = [&](const Problem<T>& Q, const BackwardIO<T>& IO, int64_t b, int64_t head, BackwardScratch<T>& W) {
     if (W.brgemm) {  // this problem's keys only (a packed sequence's are a share of the scratch)
       std::fill(W.dkt.begin(), W.dkt.begin() + Q.D * Q.S, T(0));
       std::fill(W.dvt.begin(), W.dvt.begin() + Q.Dv * Q.S, T(0));
@@ -295,10 +322,14 @@ void backward_kernel(const Problem<T>& P, const BackwardIO<T>& IO) {
     for (int64_t s = 0; s < P.nseq; ++s)
       if (P.spans[4 * s + 1] > P.spans[4 * s] && P.spans[4 * s + 3] > P.spans[4 * s + 2]) seqs.push_back(s);
     const int64_t ns = static_cast<int64_t>(seqs.size());
-    parallel_tasks(heads * ns, make, [&](int64_t task, BackwardScratch<T>& W) { run(P.sequence(seqs[task % ns]), 0, task / ns, W); });
+    parallel_tasks(heads * ns, make, [&](int64_t task, BackwardScratch<T>& W) {
+      BackwardIO<T> own = IO;  // a sequence's slope gradients: its own row of dslope
+      if (own.dslope) own.dslope += seqs[task % ns] * P.H;
+      run(P.sequence(seqs[task % ns]), own, 0, task / ns, W);
+    });
     return;
   }
-  parallel_tasks(P.B * heads, make, [&](int64_t task, BackwardScratch<T>& W) { run(P, task / heads, task % heads, W); });
+  parallel_tasks(P.B * heads, make, [&](int64_t task, BackwardScratch<T>& W) { run(P, IO, task / heads, task % heads, W); });
 }
 
 }  // namespace
