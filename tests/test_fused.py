@@ -1318,3 +1318,29 @@ def test_gradcheck_of_learned_alibi_slopes_float64():
     for opts in ({}, {"is_causal": True, "softcap": 2.0}):
         assert torch.autograd.gradcheck(lambda q, k, v, s: sdpa(q, k, v, alibi_slopes=s, backend="fused", **opts), inputs)
         assert torch.autograd.gradcheck(lambda q, k, v, s: sdpa(q, k, v, alibi_slopes=s[0], backend="fused", **opts), inputs)
+
+
+def test_the_eager_apply_is_autograd_functions_apply_without_its_signature_binding(monkeypatch):
+    """ops._eager_apply skips only apply's inspect.signature binding (an identity for FusedForward's
+    all-positional forward): the same outputs and gradients as FusedForward.apply, no signature
+    bound, and apply itself under a functorch transform."""
+    import inspect
+
+    q, k, v = make_inputs(B=1, H=2, Hkv=2, L=9, S=11, D=8, Dv=8)
+    slopes = torch.tensor([[0.5, 0.25]], dtype=torch.float64)
+    options = ops.KernelOptions(scale=0.3, softcap=4.0, causal=True)
+    grads = []
+    for apply in (ops.FusedForward.apply, ops._eager_apply):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, slopes)]
+        with monkeypatch.context() as m:
+            if apply is ops._eager_apply:
+                m.setattr(inspect, "signature", lambda *a, **kw: pytest.fail("bound a signature"))
+            out, lse, *rest = apply(*leaves, None, None, *options)
+        (out.sum() + lse.sum()).backward()
+        grads.append([out.detach(), lse.detach()] + [t.grad for t in leaves])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    called = []
+    monkeypatch.setattr(ops.FusedForward, "apply", lambda *a: called.append(1) or ops.fused_forward(*a))
+    torch.func.vmap(lambda x: ops._eager_apply(x, k, v, None, None, None, *options)[0])(q.expand(3, *q.shape))
+    assert called == [1]

@@ -560,3 +560,36 @@ def test_a_head_whose_alibi_biases_all_overflow_to_minus_inf_is_recomputed_not_z
     want = torch.cat(want)
     assert (want[2:8, 0].abs().amax(-1) > 0).all()  # the nearest key's value, not zeros
     torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+
+
+def test_a_packed_signature_that_passed_is_not_checked_again_but_values_and_lengths_are(monkeypatch):
+    """A packed call whose tensors' shapes, dtypes and devices, cumulative lengths and options all
+    passed before is not checked again; the slopes' and sinks' values are checked on every call, and
+    other lengths (same shapes) are a new signature, checked in full."""
+    from attnscale import _validate
+
+    full = []
+    original = _validate.check_packed_tensors  # the first of the full checks
+    monkeypatch.setattr(_validate, "check_packed_tensors", lambda *a, **kw: full.append(1) or original(*a, **kw))
+    monkeypatch.setattr(_validate, "_PACKED", {})
+    (q, k, v, cu_q, cu_k), _ = packed_case("gqa-dv-differs", "plain")
+    slopes, sinks = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
+    call = dict(is_causal=True, alibi_slopes=slopes, sinks=sinks, window=(7, 0))
+    first = attnscale.varlen_attention(q, k, v, cu_q, cu_k, **call)
+    again = attnscale.varlen_attention(q, k, v, cu_q, cu_k, **call)
+    assert len(full) == 1 and torch.equal(first, again)
+    for tensor, name in ((slopes, "alibi_slopes"), (sinks, "sinks")):
+        tensor[1] = math.nan
+        with pytest.raises(ValueError, match=name):
+            attnscale.varlen_attention(q, k, v, cu_q, cu_k, **call)
+        tensor[1] = 0.25
+    moved = cu_q.clone()
+    moved[1] += 1  # sequence 0 one query longer, sequence 1 one shorter: the same shapes
+    attnscale.varlen_attention(q, k, v, moved, cu_k, **call)
+    assert len(full) == 2
+    moved[1] = moved[2] + 1  # decreasing: refused by the full checks, never served from memory
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected non-decreasing entries"):
+        attnscale.varlen_attention(q, k, v, moved, cu_k, **call)
+    attnscale.varlen_attention(q, k, v, cu_q, cu_k, **{**call, "window": [7, 0]})  # unhashable: checked every time
+    attnscale.varlen_attention(q, k, v, cu_q, cu_k, **{**call, "window": [7, 0]})
+    assert len(full) == 5

@@ -488,7 +488,48 @@ def check_packed_call(
     """Validate a packed call (:func:`attnscale.varlen_attention`) before any compute, reading no
     tensor value while ``traced``. Returns its spec (batch (), L and S the longest query and key
     lengths; while tracing, the totals), its sequences' rows ``(q0, q1, k0, k1)`` (None while
-    tracing) and the same as a (B, 4) int64 table."""
+    tracing) and the same as a (B, 4) int64 table.
+
+    In eager mode a call whose signature (every tensor's shape, dtype, layout and device, the
+    cumulative lengths' values, every option) passed before takes that result, and only the value
+    checks of slopes and sinks run again, as for :func:`check_attention_call`."""
+    signature = None
+    if not traced:
+        metas = (_meta(q), _meta(k), _meta(v), _meta(cu_q), _meta(cu_k), _meta(alibi_slopes), _meta(sinks))
+        if _UNCACHED not in metas:
+            options = (max_q, max_k, scale, is_causal, softcap, window, return_stats, backend)
+            cus = (metas[3], metas[4])  # (shape, dtype, layout, device), or None; readable: integers on q's device (else the full checks say why)
+            readable = all(m is not None and m[1] in _CU_DTYPES and m[3] == metas[0][3] for m in cus)  # type: ignore[index]
+            small = readable and cu_q.ndim == 1 and cu_k.ndim == 1 and cu_q.numel() <= _PACKED_MEMO_MAX and cu_k.numel() <= _PACKED_MEMO_MAX  # type: ignore[union-attr]
+            if small:  # the lengths' values are part of what was validated
+                signature = (*metas, *map(type, options), *options, tuple(cu_q.tolist()), tuple(cu_k.tolist()))  # type: ignore[union-attr]
+                try:
+                    known = _PACKED.get(signature)
+                except TypeError:  # an option that cannot be a key: checked every time
+                    signature, known = None, None
+                if known is not None:
+                    if alibi_slopes is not None:
+                        check_alibi_values(alibi_slopes, q.dtype)  # type: ignore[arg-type, union-attr]
+                    if sinks is not None:
+                        check_sink_values(sinks, q.dtype)  # type: ignore[arg-type, union-attr]
+                    return known
+    checked = _check_packed_call(q, k, v, cu_q, cu_k, max_q, max_k, traced=traced, scale=scale, is_causal=is_causal, softcap=softcap,
+                                 alibi_slopes=alibi_slopes, window=window, sinks=sinks, return_stats=return_stats, backend=backend)  # fmt: skip
+    if signature is not None:
+        remember(_PACKED, signature, checked)
+    return checked
+
+
+_PACKED: dict[tuple, tuple[AttentionCall, list[tuple[int, int, int, int]] | None, Tensor]] = {}
+_PACKED_MEMO_MAX = 1025
+_CU_DTYPES = (torch.int32, torch.int64)
+"""Packed calls of at most this many sequences (plus one) are remembered by their lengths' values."""
+
+
+def _check_packed_call(
+    q: object, k: object, v: object, cu_q: object, cu_k: object, max_q: object, max_k: object, *, traced: bool, scale: object, is_causal: object,
+    softcap: object, alibi_slopes: object, window: object, sinks: object, return_stats: object, backend: object,
+) -> tuple[AttentionCall, list[tuple[int, int, int, int]] | None, Tensor]:
     H, Hkv, D, Dv = check_packed_tensors(q, k, v)
     assert isinstance(q, Tensor) and isinstance(k, Tensor)
     cu_q_t, cu_k_t = check_cu_seqlens(cu_q, cu_k, q.device)

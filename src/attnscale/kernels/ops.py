@@ -38,6 +38,7 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
 
 from .._autograd import first_order
 from .._tracing import _functorch_wrapped, constant_result, tracing
@@ -388,6 +389,20 @@ class FusedForward(torch.autograd.Function):
         return backward_forward(ctx, *grads)
 
 
+def _eager_apply(*args: object) -> tuple[Tensor, ...]:
+    """``FusedForward.apply(*args)`` in eager mode, without the per-call ``inspect.signature``
+    binding that ``autograd.Function.apply`` does for a Function with a ``setup_context`` (in torch
+    2.13 the largest Python cost of a small call that a gradient is asked of: bench_overhead.py's
+    learned-slopes case): FusedForward's forward takes every
+    argument positionally and has no defaults, so that binding returns ``args`` unchanged. The
+    rest is what ``apply`` does: dead functorch wrappers unwrapped, then the C++ Function's apply;
+    with functorch transforms active, ``apply`` itself."""
+    if torch._C._are_functorch_transforms_active():
+        return FusedForward.apply(*args)
+    tensors = tuple(_unwrap_if_dead(a) if a is not None else a for a in args[:6])  # q, k, v, alibi, mask, spans; then the options
+    return super(torch.autograd.Function, FusedForward).apply(*tensors, *args[6:])
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Tensor | None, spans: Tensor | None, options: KernelOptions) -> KernelOutputs:
     """``fused_forward`` on its arguments, by the cheapest route that keeps its semantics: the op
     while tracing (one node for torch.compile and torch.export; its fake rule for FakeTensor and
@@ -396,7 +411,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Tensor 
     decoding step: bench_fused.py's decoding case). The one route into the kernel for every caller."""
     if not tracing(q, k, v, alibi, mask):  # eager (the common case first: each check it passes costs)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (alibi is not None and alibi.requires_grad)):
-            return KernelOutputs(*FusedForward.apply(q, k, v, alibi, mask, spans, *options))
+            return KernelOutputs(*_eager_apply(q, k, v, alibi, mask, spans, *options))
         return run_forward(q, k, v, alibi, mask, spans, options)
     if not torch.compiler.is_compiling() and any(_functorch_wrapped(t) for t in (q, k, v, alibi, mask) if t is not None):
         return KernelOutputs(*FusedForward.apply(q, k, v, alibi, mask, spans, *options))
