@@ -252,12 +252,13 @@ def _readme_paragraph(starts: str, page: str = "README.md") -> str:
 
 def test_the_readmes_lab_text_cites_only_numbers_of_the_published_run():
     """The lab's opening paragraph quotes the published run: each decimal and each ratio in it is in
-    results/published.json (reasons, arms, key numbers) or, for real-text-training's full profile,
-    which it names, results/full_real_text_training.json; the wall times are the run's `seconds`."""
+    results/published.json (reasons, arms, key numbers) or, for the full profile, which it names,
+    results/full_real_text_training.json and results/full_training_stall.json; the wall times are
+    the run's `seconds`."""
     text = _readme_paragraph("`d_k` is the **per-head** key dimension")
-    full = json.loads((ROOT / "results" / "full_real_text_training.json").read_text(encoding="utf-8"))
+    full = [json.loads((ROOT / "results" / name).read_text(encoding="utf-8")) for name in ("full_real_text_training.json", "full_training_stall.json")]
     assert "`--profile full`" in text
-    published_text = json.dumps([PUBLISHED, full])
+    published_text = json.dumps([PUBLISHED, *full])
     cited = re.findall(r"\d+\.\d+|\d+(?=x)", text)
     assert cited, "the README's lab paragraph cites no number of the run"
     assert [n for n in cited if n not in published_text] == [], "README's lab paragraph cites numbers not in results/published.json"
