@@ -1228,6 +1228,39 @@ def test_the_kernels_guard_checks_answer_as_the_guards_torch_ops(dtype):
         kernel.rows_ok(base.half())
 
 
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_the_kernels_checks_of_large_tensors_split_over_threads_answer_as_torch_ops(dtype, threads):
+    """rows_ok and all_finite of tensors of 2^14 entries or more run on every thread, each a run of
+    rows (where one thread reading rows other cores just wrote waited on their caches): the same
+    answers as the torch-op definitions, a poisoned or zero row in the first, a middle and the
+    last run, contiguous and as the strided view torch's kernel returns ((B, L, H, D) storage seen
+    as (B, H, L, D))."""
+    from attnscale.guard import _finite_sum, _row_peaks, _rows_look_right
+
+    kernel = kernels.load()
+    gen = torch.Generator().manual_seed(5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        base = torch.randn(2, 64, 8, 33, generator=gen, dtype=dtype).transpose(1, 2)  # (2, 8, 64, 33): 33792 entries
+        for layout in (base, base.contiguous()):
+            assert kernel.rows_ok(layout) and kernel.all_finite(layout)
+            for b, h, i in ((0, 0, 0), (1, 3, 40), (1, 7, 63)):
+                for poison in (math.nan, math.inf, 0.0):
+                    x = layout.clone() if layout.is_contiguous() else layout.transpose(1, 2).clone().transpose(1, 2)
+                    if poison == 0.0:
+                        x[b, h, i] = 0.0
+                    else:
+                        x[b, h, i, 32] = poison
+                    assert kernel.rows_ok(x) == _rows_look_right(_row_peaks(x)) is False, (b, h, i, poison)
+                    assert kernel.all_finite(x) == _finite_sum(x), (b, h, i, poison)
+                    assert kernel.output_ok(x, layout, 1 << 18) is False and kernel.output_ok(layout, x, 1 << 18) == _finite_sum(x)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 def test_the_kernels_sink_scale_is_sink_scaled_in_one_pass(dtype):
     """The kernel's in-place sink_scale (a decoding step's sinks, without four torch ops) against

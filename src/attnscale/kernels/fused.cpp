@@ -387,17 +387,22 @@ bool rows_ok_impl(const T* x, int64_t rows, int64_t width) {
   return true;
 }
 
-// Calls f(row, width) for every row (last dim) of x, which has a contiguous last dim and any other
-// strides (the views projections make: (B, L, H, D) storage seen as (B, H, L, D)), so that no copy
-// is made of it; stops at the first row f says false of.
+// Calls f(row, width) for rows [first, last) (default: every row; rows in the order of x's
+// logical index) of x, which has a contiguous last dim and any other strides (the views
+// projections make: (B, L, H, D) storage seen as (B, H, L, D)), so that no copy is made of it;
+// stops at the first row f says false of.
 template <typename T, typename F>
-bool every_row(const torch::Tensor& x, F&& f) {
-  const int64_t outer = x.dim() - 1, width = x.size(-1), rows = x.numel() / width;
+bool every_row(const torch::Tensor& x, F&& f, int64_t first = 0, int64_t last = -1) {
+  const int64_t outer = x.dim() - 1, width = x.size(-1), rows = last < 0 ? x.numel() / width : last;
   const auto sizes = x.sizes(), strides = x.strides();
   std::vector<int64_t> index(static_cast<size_t>(std::max<int64_t>(outer, 0)), 0);
   const T* base = x.const_data_ptr<T>();
   int64_t offset = 0;
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t d = outer - 1, rest = first; d >= 0; --d) {  // row `first`'s index and offset
+    index[d] = rest % sizes[d], rest /= sizes[d];
+    offset += index[d] * strides[d];
+  }
+  for (int64_t r = first; r < rows; ++r) {
     if (!f(base + offset, width)) return false;
     for (int64_t d = outer - 1; d >= 0; --d) {  // the next row's index, odometer-wise
       offset += strides[d];
@@ -409,12 +414,27 @@ bool every_row(const torch::Tensor& x, F&& f) {
   return true;
 }
 
+// Tensors of at least this many entries are checked on every thread, each a run of rows: a
+// kernel that wrote them on every thread (torch's splits its work into runs of (batch, head)
+// rows) left each run in the cache of the core that wrote it, where one thread reading them all
+// waited on the other cores' caches (a (1, 8, 64, 64) float32 output after torch's kernel at 2
+// threads: bench_overhead.py's HuggingFace layer case).
+constexpr int64_t kParallelRows = int64_t(1) << 14;
+
 bool rows_ok_op(const torch::Tensor& x) {
   TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "attnscale fused kernel: rows_ok takes float32 or float64, got ", x.scalar_type());
   if (x.dim() == 0 || x.numel() == 0 || x.size(-1) == 0) return true;
   bool ok = true;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "attnscale_rows_ok", [&] {
-    if (x.is_contiguous()) {
+    const int64_t threads = at::get_num_threads(), width = x.size(-1), rows = x.numel() / width;
+    if (x.numel() >= kParallelRows && threads > 1 && x.stride(-1) == 1 && !at::in_parallel_region()) {
+      std::atomic<bool> all(true);
+      at::parallel_for(0, rows, (rows + threads - 1) / threads, [&](int64_t first, int64_t last) {
+        const auto row = [](const scalar_t* r, int64_t w) { return rows_ok_impl<scalar_t>(r, 1, w); };
+        if (all.load(std::memory_order_relaxed) && !every_row<scalar_t>(x, row, first, last)) all.store(false);
+      });
+      ok = all.load();
+    } else if (x.is_contiguous()) {
       ok = rows_ok_impl<scalar_t>(x.const_data_ptr<scalar_t>(), x.numel() / x.size(-1), x.size(-1));
     } else if (x.stride(-1) == 1) {
       ok = every_row<scalar_t>(x, [](const scalar_t* row, int64_t width) { return rows_ok_impl<scalar_t>(row, 1, width); });
@@ -431,7 +451,17 @@ bool all_finite_op(const torch::Tensor& x) {
   if (x.numel() == 0) return true;
   bool ok = true;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "attnscale_all_finite", [&] {
-    if (x.is_contiguous()) {
+    const int64_t threads = at::get_num_threads();
+    if (x.numel() >= kParallelRows && threads > 1 && x.dim() > 0 && x.stride(-1) == 1 && !at::in_parallel_region()) {
+      // (keys a projection just wrote on every thread, as for rows_ok's outputs)
+      const int64_t rows = x.numel() / x.size(-1);
+      std::atomic<bool> all(true);
+      at::parallel_for(0, rows, (rows + threads - 1) / threads, [&](int64_t first, int64_t last) {
+        const auto row = [](const scalar_t* r, int64_t w) { return finite_impl<scalar_t>(r, w); };
+        if (all.load(std::memory_order_relaxed) && !every_row<scalar_t>(x, row, first, last)) all.store(false);
+      });
+      ok = all.load();
+    } else if (x.is_contiguous()) {
       ok = finite_impl<scalar_t>(x.const_data_ptr<scalar_t>(), x.numel());
     } else if (x.dim() > 0 && x.stride(-1) == 1) {
       ok = every_row<scalar_t>(x, [](const scalar_t* row, int64_t width) { return finite_impl<scalar_t>(row, width); });
