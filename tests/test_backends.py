@@ -96,11 +96,12 @@ def test_auto_logs_what_it_passed_over_and_why():
     assert str(why) == "auto"
 
 
-def test_auto_remembers_its_kernel_for_a_validated_call_and_asks_again_where_grad_may_change_it():
+def test_auto_remembers_its_kernel_for_a_validated_call_and_asks_again_where_grad_may_change_it(monkeypatch):
     """A decoding loop asks auto's walk once per signature: the spec validation hands back for it
     is remembered when auto gives it torch's kernel or the compiled one (those steps read the spec,
     what its signature fixes, and whether a mask or slopes require grad); a forced backend, another
-    backend, or a call whose slopes require grad is never answered from that memory."""
+    backend, or a call whose slopes require grad is never answered from that memory, but where the
+    compiled kernel was the answer (it takes learned slopes too)."""
     gen = torch.Generator().manual_seed(8)
     q, k, v = torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 2, 5, 8, generator=gen), torch.randn(1, 2, 5, 8, generator=gen)
     plain = _call(q, k, v)
@@ -123,7 +124,11 @@ def test_auto_remembers_its_kernel_for_a_validated_call_and_asks_again_where_gra
     same_signature = with_slopes._replace(alibi_slopes=learned)  # the signature does not say requires_grad
     # learned slopes: the compiled kernel differentiates them, the tiled kernel does not (math does)
     learns = backends.FUSED if kernel is backends.FUSED else backends.MATH
+    walked = []
+    real = backends._fused_cannot
+    monkeypatch.setattr(backends, "_fused_cannot", lambda c: walked.append(1) or real(c))  # asked by auto's walk (_math_first) only
     assert same_signature.spec is with_slopes.spec and backends.choose(same_signature)[0] is learns
+    assert (walked == []) == (kernel is backends.FUSED), "the compiled kernel's answer holds for learned slopes: not walked again"
 
 
 def test_a_call_grown_along_s_takes_its_familys_torch_kernel_only_where_the_offset_cannot_matter(monkeypatch):

@@ -395,7 +395,7 @@ def choose(c: Call, walk: Walk = SDPA) -> tuple[Implementation, Why]:
     the forced backend, refused with its reason where it cannot compute exactly this call (also
     where no step of auto's walk can: the last step's refusal)."""
     memo = _CHOSEN.get(id(c.spec))
-    if memo is not None and memo[0] is c.spec and _constant_inputs(c) and not torch.compiler.is_compiling():
+    if memo is not None and memo[0] is c.spec and _remembered_answer_holds(memo[1][0], c) and not torch.compiler.is_compiling():
         return memo[1]
     family = c.spec.same_along_s()  # a step over a growing cache: its family's choice of torch's kernel holds
     memo = _CHOSEN.get(id(family)) if family is not None else None
@@ -415,13 +415,22 @@ def choose(c: Call, walk: Walk = SDPA) -> tuple[Implementation, Why]:
             refusal = implementation.cannot(c)
             if refusal is None:
                 chosen = implementation, Why(tuple(passed))
-                if (implementation is TORCH or implementation is FUSED) and _constant_inputs(c) and not torch.compiler.is_compiling():
+                if (implementation is TORCH or implementation is FUSED) and _remembered_answer_holds(implementation, c) and not torch.compiler.is_compiling():
                     _remember(_CHOSEN, c.spec, chosen)
                 return chosen
             reason = refusal.reason
         passed.append((implementation.backend.value, reason))
     assert refusal is not None, "the last step of a walk takes every call it does not refuse"
     refusal.raise_()
+
+
+def _remembered_answer_holds(implementation: Implementation, c: Call) -> bool:
+    """Whether ``auto``'s answer for the call's signature is the answer for this call: where its
+    inputs are constants (:func:`_constant_inputs`), and for the compiled kernel also where the
+    slopes are learned (it takes them either way; a mask that requires grad it does not)."""
+    if implementation is FUSED:
+        return c.attn_mask is None or not c.attn_mask.requires_grad
+    return _constant_inputs(c)
 
 
 def _constant_inputs(c: Call) -> bool:
