@@ -522,8 +522,8 @@ def check_packed_call(
 
 _PACKED: dict[tuple, tuple[AttentionCall, list[tuple[int, int, int, int]] | None, Tensor]] = {}
 _PACKED_MEMO_MAX = 1025
-_CU_DTYPES = (torch.int32, torch.int64)
 """Packed calls of at most this many sequences (plus one) are remembered by their lengths' values."""
+_CU_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_packed_call(

@@ -393,10 +393,10 @@ def _eager_apply(*args: object) -> tuple[Tensor, ...]:
     """``FusedForward.apply(*args)`` in eager mode, without the per-call ``inspect.signature``
     binding that ``autograd.Function.apply`` does for a Function with a ``setup_context`` (in torch
     2.13 the largest Python cost of a small call that a gradient is asked of: bench_overhead.py's
-    learned-slopes case): FusedForward's forward takes every
-    argument positionally and has no defaults, so that binding returns ``args`` unchanged. The
-    rest is what ``apply`` does: dead functorch wrappers unwrapped, then the C++ Function's apply;
-    with functorch transforms active, ``apply`` itself."""
+    learned-slopes case): FusedForward's forward takes every argument positionally and has no
+    defaults, so that binding returns ``args`` unchanged. The rest is what ``apply`` does: dead
+    functorch wrappers unwrapped, then the C++ Function's apply; with functorch transforms active,
+    ``apply`` itself."""
     if torch._C._are_functorch_transforms_active():
         return FusedForward.apply(*args)
     tensors = tuple(_unwrap_if_dead(a) if a is not None else a for a in args[:6])  # q, k, v, alibi, mask, spans; then the options
