@@ -1229,7 +1229,7 @@ def test_the_kernels_guard_checks_answer_as_the_guards_torch_ops(dtype):
 
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_the_kernels_checks_of_large_tensors_split_over_threads_answer_as_torch_ops(dtype, threads):
     """rows_ok and all_finite of tensors of 2^14 entries or more run on every thread, each a run of

@@ -428,16 +428,14 @@ def _remembered_answer_holds(implementation: Implementation, c: Call) -> bool:
     """Whether ``auto``'s answer for the call's signature is the answer for this call: where its
     inputs are constants (:func:`_constant_inputs`), and for the compiled kernel also where the
     slopes are learned (it takes them either way; a mask that requires grad it does not)."""
-    if implementation is FUSED:
-        return c.attn_mask is None or not c.attn_mask.requires_grad
-    return _constant_inputs(c)
+    return _constant_inputs(c, slopes=implementation is not FUSED)
 
 
-def _constant_inputs(c: Call) -> bool:
-    """Whether neither the mask nor the slopes require grad (what auto's answer may turn on besides
-    the signature)."""
-    mask, slopes = c.attn_mask, c.alibi_slopes
-    return (mask is None or not mask.requires_grad) and (slopes is None or not slopes.requires_grad)
+def _constant_inputs(c: Call, *, slopes: bool = True) -> bool:
+    """Whether neither the mask nor (with ``slopes``) the slopes require grad (what auto's answer
+    may turn on besides the signature)."""
+    mask = c.attn_mask
+    return (mask is None or not mask.requires_grad) and not (slopes and c.alibi_slopes is not None and c.alibi_slopes.requires_grad)
 
 
 def torch_attention(

@@ -58,7 +58,7 @@ def test_a_damaged_table_orders_nothing_and_raises_nothing(tmp_path, text):
 
 
 def _task(claim_id, part=None):
-    return Task("m", claim_id, "default", 0, None, "", None, part=part)
+    return Task(module_name="m", claim_id=claim_id, profile="default", seed=0, figdir=None, fig_prefix="", cache_file=None, part=part)
 
 
 def test_start_order_is_longest_first_by_the_cache_then_the_table_unknown_first(tmp_path, monkeypatch):

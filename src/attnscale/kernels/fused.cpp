@@ -34,6 +34,8 @@
 // values: their tiles dequantized, or decoding's products from the codes), forward.h, backward.h;
 // this file makes a call's problem and outputs and binds the kernel to Python.
 
+#include <optional>
+
 #include "csrc/backward.h"
 #include "csrc/bounds.h"
 #include "csrc/checks.h"
@@ -421,19 +423,28 @@ bool every_row(const torch::Tensor& x, F&& f, int64_t first = 0, int64_t last = 
 // threads: bench_overhead.py's HuggingFace layer case).
 constexpr int64_t kParallelRows = int64_t(1) << 14;
 
+// Whether f(row, width) holds of every row of x, in runs of rows on every thread where x is large
+// enough (kParallelRows) and its last dim contiguous; nullopt elsewhere (the caller's one pass).
+template <typename T, typename F>
+std::optional<bool> every_row_in_parallel(const torch::Tensor& x, F f) {
+  const int64_t threads = at::get_num_threads();
+  if (x.numel() < kParallelRows || threads < 2 || x.dim() == 0 || x.stride(-1) != 1 || at::in_parallel_region()) return std::nullopt;
+  const int64_t rows = x.numel() / x.size(-1);
+  std::atomic<bool> all(true);
+  at::parallel_for(0, rows, (rows + threads - 1) / threads, [&](int64_t first, int64_t last) {
+    if (all.load(std::memory_order_relaxed) && !every_row<T>(x, f, first, last)) all.store(false);
+  });
+  return all.load();
+}
+
 bool rows_ok_op(const torch::Tensor& x) {
   TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "attnscale fused kernel: rows_ok takes float32 or float64, got ", x.scalar_type());
   if (x.dim() == 0 || x.numel() == 0 || x.size(-1) == 0) return true;
   bool ok = true;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "attnscale_rows_ok", [&] {
-    const int64_t threads = at::get_num_threads(), width = x.size(-1), rows = x.numel() / width;
-    if (x.numel() >= kParallelRows && threads > 1 && x.stride(-1) == 1 && !at::in_parallel_region()) {
-      std::atomic<bool> all(true);
-      at::parallel_for(0, rows, (rows + threads - 1) / threads, [&](int64_t first, int64_t last) {
-        const auto row = [](const scalar_t* r, int64_t w) { return rows_ok_impl<scalar_t>(r, 1, w); };
-        if (all.load(std::memory_order_relaxed) && !every_row<scalar_t>(x, row, first, last)) all.store(false);
-      });
-      ok = all.load();
+    const auto parallel = every_row_in_parallel<scalar_t>(x, [](const scalar_t* r, int64_t w) { return rows_ok_impl<scalar_t>(r, 1, w); });
+    if (parallel) {
+      ok = *parallel;
     } else if (x.is_contiguous()) {
       ok = rows_ok_impl<scalar_t>(x.const_data_ptr<scalar_t>(), x.numel() / x.size(-1), x.size(-1));
     } else if (x.stride(-1) == 1) {
@@ -451,16 +462,10 @@ bool all_finite_op(const torch::Tensor& x) {
   if (x.numel() == 0) return true;
   bool ok = true;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "attnscale_all_finite", [&] {
-    const int64_t threads = at::get_num_threads();
-    if (x.numel() >= kParallelRows && threads > 1 && x.dim() > 0 && x.stride(-1) == 1 && !at::in_parallel_region()) {
-      // (keys a projection just wrote on every thread, as for rows_ok's outputs)
-      const int64_t rows = x.numel() / x.size(-1);
-      std::atomic<bool> all(true);
-      at::parallel_for(0, rows, (rows + threads - 1) / threads, [&](int64_t first, int64_t last) {
-        const auto row = [](const scalar_t* r, int64_t w) { return finite_impl<scalar_t>(r, w); };
-        if (all.load(std::memory_order_relaxed) && !every_row<scalar_t>(x, row, first, last)) all.store(false);
-      });
-      ok = all.load();
+    // (keys a projection just wrote on every thread, as rows_ok's outputs)
+    const auto parallel = every_row_in_parallel<scalar_t>(x, [](const scalar_t* r, int64_t w) { return finite_impl<scalar_t>(r, w); });
+    if (parallel) {
+      ok = *parallel;
     } else if (x.is_contiguous()) {
       ok = finite_impl<scalar_t>(x.const_data_ptr<scalar_t>(), x.numel());
     } else if (x.dim() > 0 && x.stride(-1) == 1) {

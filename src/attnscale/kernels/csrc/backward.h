@@ -191,7 +191,7 @@ T slope_gradient(const Problem<T>& P, const BackwardHead<T>& A, int64_t j0, int6
   for (int64_t r = 0; r < A.rows; ++r) {
     const T* pr = W.sbuf.data() + r * width;
     const T* dr = W.dpbuf.data() + r * width;
-    const int64_t p = P.q_start + A.i0 + r + P.q_offset - P.k_start - j0;  // i' - j = p - c at column c (score_row's)
+    const int64_t p = P.aligned(A.i0 + r) - j0;  // i' - j = p - c at column c, as score_row has it
     const Vec vd(delta[r]);
     int64_t c = 0;
     for (; c + n <= width; c += n)

@@ -143,6 +143,10 @@ struct Problem {
   }
   int64_t q_blocks() const { return (L + block_q - 1) / block_q; }
 
+  // Query row i's aligned position as a local key index: ALiBi's distance to key j is |that - j|
+  // (score_row in the forward, slope_gradient in the backward).
+  int64_t aligned(int64_t i) const { return q_start + i + q_offset - k_start; }
+
   // Keys [lo, hi) (local) that causal / window leave visible to query row i; hi <= lo if none.
   // Only the limits that exist are applied (no stand-in for "unbounded" that a position could
   // reach). Positions are at most 2^61 (checks.h), window sides any int64: p plus or minus a side

@@ -178,7 +178,7 @@ T score_row(const Problem<T>& P, int64_t b, int64_t h, int64_t i, int64_t j0, in
     std::fill(t + hi, t + width, T(0));
   }
   const T slope = P.alibi ? P.alibi[b * P.al_sb + h * P.al_sh] : T(0);
-  const int64_t p = P.q_start + i + P.q_offset - P.k_start - j0;  // i' - j = p - c at column c
+  const int64_t p = P.aligned(i) - j0;  // i' - j = p - c at column c
   const T* fm = P.fmask ? P.fmask + b * P.m_sb + h * P.m_sh + i * P.m_sl + j0 * P.m_ss : nullptr;
   SpanLoop<T> loop{lo, hi};
   if (cap == T(0) && !P.alibi && !fm)
