@@ -128,7 +128,8 @@ def test_the_backward_op_passes_opcheck(name, args):
     out, lse, m, l, *_ = torch.ops.attnscale.fused_forward(q, k, v, alibi, mask, spans, *options._replace(with_stats=False, round_out=False))
     dout = torch.randn_like(out)
     delta = (dout * out).sum(-1)
-    torch.library.opcheck(torch.ops.attnscale.fused_backward.default, (q, k, v, dout, delta, m, l, alibi, mask, spans, *options.backward_args()))
+    for slope_grad in (False, True) if alibi is not None else (False,):
+        torch.library.opcheck(torch.ops.attnscale.fused_backward.default, (q, k, v, dout, delta, m, l, alibi, mask, spans, slope_grad, *options.backward_args()))
 
 
 @needs_kernel
@@ -567,9 +568,16 @@ def test_positions_up_to_2_to_the_61_are_exact(given, sees):
 def test_the_backward_op_refuses_a_gradient_of_the_wrong_shape():
     q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 4)
     out, lse, m, l, *_ = torch.ops.attnscale.fused_forward(q, k, v, None, None, None, *ops.KernelOptions(scale=0.35))
-    rest = (None, None, None, *ops.KernelOptions(scale=0.35).backward_args())
+    rest = (None, None, None, False, *ops.KernelOptions(scale=0.35).backward_args())
     dq, dk, dv, dslope = torch.ops.attnscale.fused_backward(q, k, v, torch.ones_like(out), torch.zeros_like(lse), m, l, *rest)
     assert dq.shape == q.shape and dv.shape == v.shape and dslope.shape == (0, 0)  # no slopes: no gradient of theirs
+    slopes = torch.tensor([[0.5, 0.25]])
+    options = ops.KernelOptions(scale=0.35).backward_args()
+    for slope_grad, shape in ((False, (0, 0)), (True, (1, 2))):  # fixed slopes: none computed; learned: one per (batch, head)
+        grads = torch.ops.attnscale.fused_backward(q, k, v, torch.ones_like(out), torch.zeros_like(lse), m, l, slopes, None, None, slope_grad, *options)
+        assert grads[3].shape == shape
+    with pytest.raises(ValueError, match="slope_grad asks for the gradient of ALiBi slopes, but the call has none"):
+        torch.ops.attnscale.fused_backward(q, k, v, torch.ones_like(out), torch.zeros_like(lse), m, l, None, None, None, True, *options)
     with pytest.raises(ValueError, match="torch.ops.attnscale: dout: expected the output's shape"):
         torch.ops.attnscale.fused_backward(q, k, v, torch.ones(1, 2, 6, 8), torch.zeros_like(lse), m, l, *rest)
     with pytest.raises(ValueError, match="torch.ops.attnscale: delta"):
@@ -632,8 +640,8 @@ def test_the_options_record_names_the_ops_arguments_in_their_order():
     backward = [a.name for a in torch.ops.attnscale.fused_backward.default._schema.arguments]
     assert forward[:6] == ["q", "k", "v", "alibi", "mask", "spans"]
     assert forward[6:] == list(ops.KernelOptions._fields)
-    assert backward[:10] == ["q", "k", "v", "dout", "delta", "m", "l", "alibi", "mask", "spans"]
-    assert backward[10:] == list(ops.BACKWARD_FIELDS)
+    assert backward[:11] == ["q", "k", "v", "dout", "delta", "m", "l", "alibi", "mask", "spans", "slope_grad"]
+    assert backward[11:] == list(ops.BACKWARD_FIELDS)
     assert ops.KernelOutputs._fields[-1] == "rows_ok" and len(ops.KernelOutputs._fields) == len(torch.ops.attnscale.fused_forward.default._schema.returns)
     types = {a.name: str(a.type) for a in torch.ops.attnscale.fused_forward.default._schema.arguments}
     assert [types[name] for name in ("scale", "causal", "q_offset")] == ["float", "bool", "int"]

@@ -293,10 +293,11 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
                                     const torch::Tensor& dout, const torch::Tensor& delta, const torch::Tensor& m,
                                     const torch::Tensor& l, const c10::optional<torch::Tensor>& alibi,
                                     const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& spans,
-                                    const py::kwargs& options) {
+                                    bool slope_grad, const py::kwargs& options) {
   const Options o = Options::from(options);
   check_call(q16, k16, v16, alibi, mask, spans, o);
   check_backward(q16, v16, dout, delta, m, l);
+  TORCH_CHECK_VALUE(!slope_grad || alibi.has_value(), "attnscale fused kernel: slope_grad asks for the gradient of ALiBi slopes, but the call has none");
   // A forward that widened its tiles (half_products false) is differentiated on float32 copies
   // the caller makes: 16-bit inputs here are always multiplied as they are.
   TORCH_CHECK(!half_kind(q16) || o.half_products, "attnscale fused kernel: the backward of 16-bit inputs takes them with half_products=True (else float32 copies)");
@@ -322,9 +323,9 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
   const bool grouped = H == 0 || Hkv == H || units * Hkv >= at::get_num_threads();
   auto dk = torch::zeros({B, grouped ? Hkv : H, S, D}, q.options().dtype(dt));
   auto dv = torch::zeros({B, grouped ? Hkv : H, S, Dv}, q.options().dtype(dt));
-  // ALiBi: the slopes' gradient per (batch or sequence, head), for the caller to reduce to the
-  // slopes' shape; empty without slopes.
-  auto dslope = torch::zeros({alibi.has_value() ? units : 0, alibi.has_value() ? H : 0}, q.options().dtype(dt));
+  // Learned ALiBi slopes (slope_grad): their gradient per (batch or sequence, head), for the caller
+  // to reduce to the slopes' shape; else empty, and not computed.
+  auto dslope = torch::zeros({slope_grad ? units : 0, slope_grad ? H : 0}, q.options().dtype(dt));
   if (H == 0) return {dq, dk, dv, dslope};  // no query heads: no gradient reaches k or v
   AT_DISPATCH_FLOATING_TYPES(dt, "attnscale_fused_backward", [&] {
     auto P = make_problem<scalar_t>(q, k, v, alibi, mask, spans, o);
@@ -332,7 +333,7 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
                             l.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
                             dv.data_ptr<scalar_t>(), grouped};
     if (half) IO.dout16 = static_cast<const uint16_t*>(dout16.const_data_ptr());
-    if (alibi.has_value()) IO.dslope = dslope.data_ptr<scalar_t>();
+    if (slope_grad) IO.dslope = dslope.data_ptr<scalar_t>();
     SequencePacks seqs;
     PackPtr packed;  // brgemm's k^T, v^T and k, every key head
     if (takes_brgemm(P, true)) packed = pack_problem(P, true, seqs);
@@ -705,7 +706,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("weights", &weights_op, "the softmax's exp of centred scores, and exp_u20 floored the same way (float32, 1-d, a multiple of 8 long)");
   module.def("tile_weights", &tile_weights_op, "one tile's softmax weights exp(s - m) and m as the forward makes them (tests; float32/float64, one block and tile)",
              py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alibi"), py::arg("mask"));
-  module.def("backward", &backward, "attnscale fused attention backward (dq, dk, dv; dk, dv per key head, or per query head for the caller to sum per group; and the ALiBi slopes' gradient per (batch or sequence, head), empty without slopes); the options by keyword (Options)",
+  module.def("backward", &backward, "attnscale fused attention backward (dq, dk, dv; dk, dv per key head, or per query head for the caller to sum per group; and, with slope_grad, the ALiBi slopes' gradient per (batch or sequence, head), else empty); the options by keyword (Options)",
              py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"), py::arg("delta"), py::arg("m"), py::arg("l"),
-             py::arg("alibi"), py::arg("mask"), py::arg("spans"));
+             py::arg("alibi"), py::arg("mask"), py::arg("spans"), py::arg("slope_grad"));
 }

@@ -275,12 +275,13 @@ def _(q, k, v, alibi, mask, spans, *options):
 @torch.library.custom_op(
     "attnscale::fused_backward",
     mutates_args=(),
-    schema=_schema("Tensor q, Tensor k, Tensor v, Tensor dout, Tensor delta, Tensor m, Tensor l, Tensor? alibi, Tensor? mask, Tensor? spans", BACKWARD_FIELDS, 4),
+    schema=_schema("Tensor q, Tensor k, Tensor v, Tensor dout, Tensor delta, Tensor m, Tensor l, Tensor? alibi, Tensor? mask, Tensor? spans, bool slope_grad", BACKWARD_FIELDS, 4),
 )
-def fused_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, delta: Tensor, m: Tensor, l: Tensor, alibi: Optional[Tensor], mask: Optional[Tensor], spans: Optional[Tensor], *options) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def fused_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, delta: Tensor, m: Tensor, l: Tensor, alibi: Optional[Tensor], mask: Optional[Tensor], spans: Optional[Tensor], slope_grad: bool, *options) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The kernel's backward as an op: the options positionally, in :data:`BACKWARD_FIELDS`' order.
-    Returns dq, dk, dv in the inputs' dtype, and the gradient of ``alibi`` in its shape (B, H) or
-    (sequences, H) in the kernel's compute dtype (empty (0, 0) without slopes)."""
+    Returns dq, dk, dv in the inputs' dtype, and with ``slope_grad`` (learned slopes) the gradient
+    of ``alibi`` in its shape (B, H) or (sequences, H) in the kernel's compute dtype; without it an
+    empty (0, 0) tensor, and the backward computes none (fixed slopes pay nothing for it)."""
     given = KernelOptions(**dict(zip(BACKWARD_FIELDS, options)))  # with_stats and round_out: their defaults
     block_q, block_k = _blocks(given.block_q, given.block_k, given.causal, given.left, given.right, q.shape[2], spans)
     dtype = q.dtype
@@ -288,7 +289,7 @@ def fused_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, delta: Tensor,
         q, k, v = q.float(), k.float(), v.float()
     kwargs = given._replace(block_q=block_q, block_k=block_k, half_products=True)._asdict()  # 16-bit here: multiplied as they are
     dq, dk, dv, dslope = _kernel().backward(
-        q=q, k=k, v=v, dout=dout.contiguous(), delta=delta.contiguous(), m=m.contiguous(), l=l.contiguous(), alibi=alibi, mask=mask, spans=spans, **kwargs
+        q=q, k=k, v=v, dout=dout.contiguous(), delta=delta.contiguous(), m=m.contiguous(), l=l.contiguous(), alibi=alibi, mask=mask, spans=spans, slope_grad=slope_grad, **kwargs
     )
     B, H, Hkv, S = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
     if dk.shape[1] != Hkv:  # per query head: a group's heads share k
@@ -299,9 +300,9 @@ def fused_backward(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, delta: Tensor,
 
 
 @fused_backward.register_fake
-def _(q, k, v, dout, delta, m, l, alibi, mask, spans, *options):
+def _(q, k, v, dout, delta, m, l, alibi, mask, spans, slope_grad, *options):
     _same_device(q, k=k, v=v, dout=dout, delta=delta, m=m, l=l, alibi=alibi, mask=mask, spans=spans)
-    slopes = (0, 0) if alibi is None else (spans.shape[0] if spans is not None else q.shape[0], q.shape[1])
+    slopes = (0, 0) if alibi is None or not slope_grad else (spans.shape[0] if spans is not None else q.shape[0], q.shape[1])
     dslope = q.new_empty(slopes, dtype=torch.float32 if q.dtype in HALF else q.dtype)
     return torch.empty_like(q, memory_format=torch.contiguous_format), k.new_empty(k.shape), v.new_empty(v.shape), dslope
 
@@ -325,9 +326,9 @@ def backward_forward(ctx, dout, dlse, *unused):
             out, dout = out.float(), dout.float()
         # D_i = rowsum(dO * O) - dlse_i (FlashAttention-2; a gradient on lse adds p dlse to dS)
         delta = (dout * out).sum(-1) - dlse
-        dq, dk, dv, dslope = fused_backward(q, k, v, dout, delta, m, l, alibi, mask, spans, *options.backward_args())
-    learned = alibi is not None and ctx.needs_input_grad[3]  # (B, H): the caller's expand and cast take it to its slopes
-    dslope = dslope.to(alibi.dtype) if learned else None
+        learned = alibi is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dslope = fused_backward(q, k, v, dout, delta, m, l, alibi, mask, spans, learned, *options.backward_args())
+    dslope = dslope.to(alibi.dtype) if learned else None  # (B, H): the caller's expand and cast take it to its slopes
     return first_order("fused", (q, k, v, alibi), dq, dk, dv, dslope) + (None,) * (2 + len(options))
 
 
@@ -357,12 +358,12 @@ def _(info, in_dims, q, k, v, alibi, mask, spans, *options):
 
 
 @fused_backward.register_vmap
-def _(info, in_dims, q, k, v, dout, delta, m, l, alibi, mask, spans, *options):
+def _(info, in_dims, q, k, v, dout, delta, m, l, alibi, mask, spans, slope_grad, *options):
     if spans is not None:
         raise NotImplementedError("torch.func.vmap over attnscale's packed sequences: call varlen_attention once per batch entry")
     n = info.batch_size
     args = [_fold(x, d, n) for x, d in zip((q, k, v, dout, delta, m, l, alibi, mask), in_dims[:9])]
-    grads = fused_backward(*args, None, *options)
+    grads = fused_backward(*args, None, slope_grad, *options)
     return tuple(_unfold(t, n) for t in grads), (0, 0, 0, 0)
 
 

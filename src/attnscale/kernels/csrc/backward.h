@@ -21,7 +21,7 @@ struct BackwardIO {
   bool grouped;  // one task per key head runs its whole group: dk, dv per key head, no scratch
   // 16-bit inputs (Problem::half): dout in their format, for the products (null otherwise).
   const uint16_t* dout16 = nullptr;
-  // With ALiBi: the slopes' gradient, (B, H) (packed: (sequences, H)), accumulated; a (batch or
+  // Learned ALiBi slopes: their gradient, (B, H) (packed: (sequences, H)), accumulated; a (batch or
   // sequence, head) belongs to one task, so no two tasks add to one entry. Null: not asked.
   T* dslope = nullptr;
 };
