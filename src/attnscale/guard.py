@@ -26,7 +26,7 @@ from .kernels import checks as kernel_checks
 from .kernels import load as load_kernel
 from .stats import AttentionStats, with_nan_rows
 
-__all__ = ["abs_max", "check", "may_overflow", "trusted_spans", "wrong_spans"]
+__all__ = ["abs_max", "check", "check_sharded", "finite_abs_max", "may_overflow", "trusted_spans", "wrong_spans"]
 
 
 def abs_max(x: Tensor) -> float:
@@ -301,18 +301,56 @@ def _careful(implementation: Implementation, c: Call, fast: tuple[Tensor, Attent
     recomputed_by = None
     if _misfit(peaks, nan_rows, lambda: may_overflow(bound(), acc), trust_finite):
         if acc == torch.float64:
-            _refuse_overflow(c, query, key, value, acc, bound())
+            _refuse_overflow(c, acc, bound(), q_max=abs_max(query), k_max=abs_max(key), v_max=abs_max(value))
         wide = _float64(implementation, c)
         recomputed_by = wide.backend
         out, stats, _ = wide.run(c, query.double(), key.double(), value.double())
         if _misfit(_row_peaks(out), nan_rows, lambda: may_overflow(bound(), torch.float64), trust_finite):
-            _refuse_overflow(c, query, key, value, acc, bound())
+            _refuse_overflow(c, acc, bound(), q_max=abs_max(query), k_max=abs_max(key), v_max=abs_max(value))
         # A convex combination of values (weights summing to at most 1) fits the values' dtype.
         out, stats = out.to(query.dtype), _cast_stats(stats, acc)
     if nan_rows is not None:
         out = out.masked_fill(nan_rows[..., None], math.nan)
         if stats is not None:
             stats = with_nan_rows(stats, nan_rows)
+    return Checked(out, stats, recomputed_by)
+
+
+def check_sharded(implementation: Implementation, c: Call, *, finite: bool, q_max: float, k_max: float) -> Checked:
+    """The documented rules for one rank's shard of a problem spread over a process group (context
+    parallelism), where ``implementation.run`` is collective and every rank must take the same
+    steps: each decision reads only what every rank knows alike, never the local rows. ``c.spec``
+    is the whole problem's; ``finite``: whether every rank's q, k and v are finite; ``q_max``,
+    ``k_max``: the largest finite |q| and |k| over every rank.
+
+    Non-finite inputs anywhere: the NaN rows come from :func:`_nan_rows` (the implementation run on
+    indicators) and the rest from inputs whose non-finite entries are 0, as in :func:`_careful`.
+    Logits that may overflow the accumulation dtype (:func:`_logit_bound`): the whole call runs in
+    float64 when the inputs are narrower; where the bound exceeds float64's range too, every rank
+    refuses the call (a bound, so a call with such entries is refused even where no one product
+    overflows: :func:`_careful` can look at rows, a decision taken alike on every rank cannot).
+    """
+    query, key, value = c.query, c.key, c.value
+    nan_rows = None
+    if not finite:
+        with torch.no_grad():
+            bad_q = ~torch.isfinite(query).all(dim=-1)  # (..., H, Lr)
+            bad_kv = ~torch.isfinite(key).all(dim=-1) | ~torch.isfinite(value).all(dim=-1)  # (..., Hkv, Sr)
+            nan_rows = _nan_rows(implementation, c, bad_q, bad_kv)
+        query, key, value = (torch.where(torch.isfinite(x), x, 0.0) for x in (query, key, value))
+    acc = accumulation_dtype(query.dtype)
+    bound = _logit_bound(c, q_max, k_max, _Read(query, None))
+    recomputed_by = None
+    if may_overflow(bound, acc):
+        if acc == torch.float64 or may_overflow(bound, torch.float64):
+            _refuse_overflow(c, acc, bound, q_max=q_max, k_max=k_max, v_max=math.nan)  # (the bound is blamed: |v| is never shown)
+        out, stats, _ = implementation.run(c, query.double(), key.double(), value.double())
+        out, stats, recomputed_by = out.to(query.dtype), _cast_stats(stats, acc), implementation.backend
+    else:
+        out, stats, _ = implementation.run(c, query, key, value)
+    if nan_rows is not None:
+        out = out.masked_fill(nan_rows[..., None], math.nan)
+        stats = None if stats is None else with_nan_rows(stats, nan_rows)
     return Checked(out, stats, recomputed_by)
 
 
@@ -343,20 +381,21 @@ def _misfit(peaks: Tensor, nan_rows: Tensor | None, may_overflow: Callable[[], b
     return (not trust_finite or bool((peaks == 0).any())) and may_overflow()
 
 
-def _refuse_overflow(c: Call, query: Tensor, key: Tensor, value: Tensor, acc: torch.dtype, bound: float) -> NoReturn:
+def _refuse_overflow(c: Call, acc: torch.dtype, bound: float, *, q_max: float, k_max: float, v_max: float) -> NoReturn:
     """Refuse finite inputs whose result does not fit even float64: blame the logits if their
-    bound exceeds float64's range, else the values."""
+    bound exceeds float64's range, else the values (entries up to ``q_max``, ``k_max``, ``v_max``)."""
+    dtype = c.query.dtype
     if bound < torch.finfo(torch.float64).max / 2:
         fail(
             "value",
             "values whose weighted sums fit float64",
-            f"{value.dtype} values up to |v| = {abs_max(value):.3g}",
+            f"{dtype} values up to |v| = {v_max:.3g}",
             "rescale value before attention (and the output after it)",
         )
     fail(
         "query/key",
         f"products q.k * scale (plus ALiBi and float-mask values) that fit {acc}, or float64 after a recompute",
-        f"{query.dtype} inputs with entries up to |q| = {abs_max(query):.3g}, |k| = {abs_max(key):.3g}, scale = {c.spec.path.scale:.3g}",
+        f"{dtype} inputs with entries up to |q| = {q_max:.3g}, |k| = {k_max:.3g}, scale = {c.spec.path.scale:.3g}",
         "rescale query or key (e.g. normalise them, as QK-norm does) or pass a smaller scale",
     )
 
@@ -376,7 +415,7 @@ def trusted_spans(c: Call, *, bound: bool) -> list[int]:
     read = _Read(c.query, None)
     finite = read.finite(c.query) and read.finite(c.key) and read.finite(c.value)
     if bound:
-        q_max, k_max = (read(t) if finite else _finite_abs_max(t) for t in (c.query, c.key))
+        q_max, k_max = (read(t) if finite else finite_abs_max(t) for t in (c.query, c.key))
         products = c.spec.D * q_max * k_max  # |q.k| before the scale, as the products accumulate it
         if may_overflow(max(products, _logit_bound(c, q_max, k_max, read)), accumulation_dtype(c.query.dtype)):
             return []
@@ -386,7 +425,7 @@ def trusted_spans(c: Call, *, bound: bool) -> list[int]:
     return [b for b, (q0, q1, k0, k1) in enumerate(rows) if bad_q[q1] == bad_q[q0] and bad_k[k1] == bad_k[k0] and bad_v[k1] == bad_v[k0]]
 
 
-def _finite_abs_max(x: Tensor) -> float:
+def finite_abs_max(x: Tensor) -> float:
     """max |x| over x's finite entries (0 if none)."""
     x = x.detach()
     return abs_max(torch.where(torch.isfinite(x), x, 0.0))
@@ -412,7 +451,7 @@ def wrong_spans(c: Call, out: Tensor, rows_ok: Tensor | None, ran: list[int]) ->
     zero = (peaks == 0).any(dim=-1)  # a head's row of zeros
     if bool(zero.any()):
         read = _Read(out, None)
-        q_max, k_max = (_finite_abs_max(t) for t in (c.query, c.key))
+        q_max, k_max = (finite_abs_max(t) for t in (c.query, c.key))
         if may_overflow(_logit_bound(c, q_max, k_max, read), accumulation_dtype(c.query.dtype)):
             bad |= zero
     counts = [0, *torch.cumsum(bad.to(torch.int64), 0).tolist()]

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import guard
+from .._tracing import tracing
 from .._validate import FLOAT_DTYPES, AttentionCall, check_attention_call, check_choice, fail
-from ..dense import accumulation_dtype
+from ..backends import Call
 from ..masks import CausalAlignment, query_offset
 from ..score import ScorePath
 from ..stats import AttentionStats
 from .agreement import Field, check_agreement, digest, float_bits, from_bits, gather_rows, text_code, text_of
 from .layout import Layout, check_zigzag_length, segments
-from .ring import RingPlan, ring_attention
+from .ring import RingPlan, ring_implementation
 from .ulysses import UlyssesPlan, ulysses_attention
 
 __all__ = ["Method", "context_parallel_attention"]
@@ -100,12 +103,25 @@ _FIELDS = (
         for arg in ("query", "key", "value", "sinks")
     ),
     Field("query", "shard lengths (Lr, Sr)", 2, "", must_agree=False),
+    Field("query", "inputs' summary (q, k, v finite; largest finite |q|, |k|)", 3, "", must_agree=False),
 )
+
+
+def _summary(method: Method, query: Tensor, key: Tensor, value: Tensor) -> tuple[int, int, int]:
+    """What the ring's guard decides by (:func:`attnscale.guard.check_sharded`), gathered with the
+    arguments so that every rank decides alike: whether this rank's q, k and v are all finite, and
+    its largest finite |q| and |k| (as float bits). Ulysses' local calls have their own guard;
+    tensors without values to read (meta, fake) have none."""
+    if method is not Method.RING or tracing(query, key, value):
+        return (1, 0, 0)
+    finite = all(math.isfinite(guard.abs_max(t)) for t in (query, key, value))
+    q_max, k_max = (guard.abs_max(t) if finite else guard.finite_abs_max(t) for t in (query, key))
+    return (int(finite), float_bits(q_max), float_bits(k_max))
 
 
 def _row(
     query: Tensor, key: Tensor, value: Tensor, call: AttentionCall, method: Method, layout: Layout,
-    alibi_slopes: Tensor | None, sinks: Tensor | None,
+    alibi_slopes: Tensor | None, sinks: Tensor | None, summary: tuple[int, int, int],
 ) -> list[tuple[int, ...]]:
     """This rank's call as the int64 values of :data:`_FIELDS`, in order."""
     path, grad = call.path, torch.is_grad_enabled()
@@ -138,6 +154,7 @@ def _row(
         (int(call.return_stats),),
         needs_grad(query), needs_grad(key), needs_grad(value), needs_grad(sinks),
         (query.shape[-2], key.shape[-2]),
+        summary,
     ]
 
 
@@ -245,6 +262,12 @@ def context_parallel_attention(
     sinks, of the softmax that includes the sink: ``lse`` includes it, ``sink_share`` is set);
     ``stats.lse`` is differentiable, the other fields are not.
 
+    NaN and inf entries and logits beyond the accumulation dtype follow the rules of
+    :func:`attnscale.scaled_dot_product_attention` (NaN rows, the float64 recompute). The ring
+    decides them from what the same gather carries (whether every shard is finite, the largest
+    finite ``|q|`` and ``|k|``), so every rank takes the same steps; where the logits' bound passes
+    float64's range, every rank raises the same ``ValueError``.
+
     Equivalent to ``shard_sequence(scaled_dot_product_attention(q, k, v, ...), rank, N, layout)``
     on the whole q, k, v; shown here on a group of one process (torchrun starts N):
 
@@ -266,11 +289,12 @@ def context_parallel_attention(
             query, key, value, method=method, layout=layout, is_causal=is_causal, causal_alignment=causal_alignment,
             scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, window=window, sinks=sinks, return_stats=return_stats,
         )
-        row = _row(query, key, value, call, method, layout, alibi_slopes, sinks)
+        row = _row(query, key, value, call, method, layout, alibi_slopes, sinks, _summary(method, query, key, value))
     except (TypeError, ValueError):
         gather_rows(_FIELDS, None, group, size)  # join the one collective, so that the others raise too
         raise
-    shards = [values[-1] for values in check_agreement(_FIELDS, gather_rows(_FIELDS, row, group, size))]
+    per_rank = check_agreement(_FIELDS, gather_rows(_FIELDS, row, group, size))
+    shards, summaries = [values[-2] for values in per_rank], [values[-1] for values in per_rank]
     _check_shards(method, layout, shards, call.H, size)
     L, S = sum(s[0] for s in shards), sum(s[1] for s in shards)
     batch = call.batch
@@ -289,7 +313,7 @@ def context_parallel_attention(
             scale=call.path.scale, softcap=call.path.softcap, causal=call.path.causal,
             window=call.path.window, q_offset=query_offset(L, S, call.alignment),
         )
-        ring = RingPlan(
+        geometry = RingPlan(
             group=group, rank=rank, size=size,
             send_to=peers[(rank + 1) % size], recv_from=peers[(rank - 1) % size],
             path=path,
@@ -297,10 +321,17 @@ def context_parallel_attention(
             k_runs=tuple(tuple(segments(layout, [s[1] for s in shards], r)) for r in range(size)),
             k_lengths=tuple(s[1] for s in shards),
             kv_dims=((*batch, call.Hkv, call.D), (*batch, call.Hkv, call.Dv)),
-            alibi=None if alibi_slopes is None else alibi_slopes.detach().to(accumulation_dtype(query.dtype)),
+            alibi=None,  # (the call's, taken by the ring's run)
             with_stats=call.return_stats,
         )
-        out, stats = ring_attention(query, key, value, ring, sinks)
+        ring = ring_implementation(geometry)
+        c = Call(call._replace(L=L, S=S, path=path), query, key, value, None, alibi_slopes, sinks)  # the whole problem
+        if tracing(query, key, value, alibi_slopes, sinks):
+            out, stats, _ = ring.run(c, query, key, value)
+        else:
+            finite = all(s[0] for s in summaries)
+            q_max, k_max = (max(from_bits(s[i]) for s in summaries) for i in (1, 2))
+            out, stats, _ = guard.check_sharded(ring, c, finite=finite, q_max=q_max, k_max=k_max)
     if return_stats:
         assert stats is not None
         return out, stats

@@ -26,6 +26,7 @@ request is waited on (``batch_isend_irecv`` can hang on gloo).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,13 +35,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._validate import Backend
+from ..backends import Call, Implementation, Result
 from ..dense import accumulation_dtype
 from ..score import ScorePath
 from ..stats import AttentionStats
 from ..tiled import merge_partials, merge_sinks, partial_backward, partial_forward
 from .merge import merge_sink_stats, merge_stats
 
-__all__ = ["RingPlan", "ring_attention"]
+__all__ = ["RingPlan", "ring_attention", "ring_implementation"]
 
 _KV_TAG, _GRAD_TAG = 0, 1
 _STAT_FIELDS = ("max_logit", "max_prob", "entropy", "visible_keys")
@@ -227,3 +230,25 @@ def ring_attention(
             stats = merge_sink_stats(stats, sinks, lse)
     return out.to(query.dtype), stats
 
+
+
+def ring_implementation(geometry: RingPlan) -> Implementation:
+    """The ring as the backend of one call, for :func:`attnscale.guard.check_sharded`, which may
+    run it again on indicators, on inputs with non-finite entries zeroed, or in float64: ``run``
+    takes the score path, ALiBi slopes, sinks and statistics from the call (``c.spec`` is the whole
+    problem's) and the dims from its tensors; ``geometry`` gives the rest. Collective: every rank
+    runs it, the same number of times. Its partials are the tiled kernel's (``floors_exp``)."""
+
+    def run(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
+        slopes = c.alibi_slopes
+        plan = dataclasses.replace(
+            geometry,
+            path=c.spec.path,
+            kv_dims=((*key.shape[:-2], key.shape[-1]), (*value.shape[:-2], value.shape[-1])),
+            alibi=None if slopes is None else slopes.detach().to(accumulation_dtype(query.dtype)),
+            with_stats=c.spec.return_stats,
+        )
+        out, stats = ring_attention(query, key, value, plan, c.sinks)
+        return Result(out, stats, None)
+
+    return Implementation(Backend.TILED, lambda c: None, run, floors_exp=True)
