@@ -1232,8 +1232,9 @@ def test_the_kernels_guard_checks_answer_as_the_guards_torch_ops(dtype):
 @pytest.mark.parametrize("threads", [1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_the_kernels_checks_of_large_tensors_split_over_threads_answer_as_torch_ops(dtype, threads):
-    """rows_ok and all_finite of tensors of 2^14 entries or more run on every thread, each a run of
-    rows (where one thread reading rows other cores just wrote waited on their caches): the same
+    """rows_ok of tensors of 2^14 entries or more, and all_finite of more than torch's grain of
+    32768, run on every thread, each a run of rows (where one thread reading rows other cores just
+    wrote waited on their caches): the same
     answers as the torch-op definitions, a poisoned or zero row in the first, a middle and the
     last run, contiguous and as the strided view torch's kernel returns ((B, L, H, D) storage seen
     as (B, H, L, D))."""

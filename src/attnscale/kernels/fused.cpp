@@ -417,19 +417,23 @@ bool every_row(const torch::Tensor& x, F&& f, int64_t first = 0, int64_t last = 
   return true;
 }
 
-// Tensors of at least this many entries are checked on every thread, each a run of rows: a
+// Outputs of at least this many entries are checked on every thread, each a run of rows: a
 // kernel that wrote them on every thread (torch's splits its work into runs of (batch, head)
-// rows) left each run in the cache of the core that wrote it, where one thread reading them all
-// waited on the other cores' caches (a (1, 8, 64, 64) float32 output after torch's kernel at 2
-// threads: bench_overhead.py's HuggingFace layer case).
+// rows, whatever their size) left each run in the cache of the core that wrote it, where one
+// thread reading them all waited on the other cores' caches (a (1, 8, 64, 64) float32 output after
+// torch's kernel at 2 threads: bench_overhead.py's HuggingFace layer case).
 constexpr int64_t kParallelRows = int64_t(1) << 14;
+// Inputs (keys, slopes, sinks) only above torch's elementwise grain (at::internal::GRAIN_SIZE):
+// smaller ones a projection's or a cache's elementwise op wrote on one thread, and waking the
+// others costs more than the read (a (1, 8, 64, 64) float32 key at 2 threads: several us).
+constexpr int64_t kParallelInput = at::internal::GRAIN_SIZE + 1;
 
-// Whether f(row, width) holds of every row of x, in runs of rows on every thread where x is large
-// enough (kParallelRows) and its last dim contiguous; nullopt elsewhere (the caller's one pass).
+// Whether f(row, width) holds of every row of x, in runs of rows on every thread where x has at
+// least `least` entries and its last dim contiguous; nullopt elsewhere (the caller's one pass).
 template <typename T, typename F>
-std::optional<bool> every_row_in_parallel(const torch::Tensor& x, F f) {
+std::optional<bool> every_row_in_parallel(const torch::Tensor& x, int64_t least, F f) {
   const int64_t threads = at::get_num_threads();
-  if (x.numel() < kParallelRows || threads < 2 || x.dim() == 0 || x.stride(-1) != 1 || at::in_parallel_region()) return std::nullopt;
+  if (x.numel() < least || threads < 2 || x.dim() == 0 || x.stride(-1) != 1 || at::in_parallel_region()) return std::nullopt;
   const int64_t rows = x.numel() / x.size(-1);
   std::atomic<bool> all(true);
   at::parallel_for(0, rows, (rows + threads - 1) / threads, [&](int64_t first, int64_t last) {
@@ -443,7 +447,7 @@ bool rows_ok_op(const torch::Tensor& x) {
   if (x.dim() == 0 || x.numel() == 0 || x.size(-1) == 0) return true;
   bool ok = true;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "attnscale_rows_ok", [&] {
-    const auto parallel = every_row_in_parallel<scalar_t>(x, [](const scalar_t* r, int64_t w) { return rows_ok_impl<scalar_t>(r, 1, w); });
+    const auto parallel = every_row_in_parallel<scalar_t>(x, kParallelRows, [](const scalar_t* r, int64_t w) { return rows_ok_impl<scalar_t>(r, 1, w); });
     if (parallel) {
       ok = *parallel;
     } else if (x.is_contiguous()) {
@@ -463,8 +467,8 @@ bool all_finite_op(const torch::Tensor& x) {
   if (x.numel() == 0) return true;
   bool ok = true;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "attnscale_all_finite", [&] {
-    // (keys a projection just wrote on every thread, as rows_ok's outputs)
-    const auto parallel = every_row_in_parallel<scalar_t>(x, [](const scalar_t* r, int64_t w) { return finite_impl<scalar_t>(r, w); });
+    // (keys large enough that torch's elementwise ops wrote them on every thread, as rows_ok's outputs)
+    const auto parallel = every_row_in_parallel<scalar_t>(x, kParallelInput, [](const scalar_t* r, int64_t w) { return finite_impl<scalar_t>(r, w); });
     if (parallel) {
       ok = *parallel;
     } else if (x.is_contiguous()) {
