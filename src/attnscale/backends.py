@@ -254,20 +254,28 @@ kernel takes as it is (4-d tensors of one batch; no ALiBi, sinks or window; caus
 no mask, or a bool mask or one of the query's dtype and no causal), else None."""
 
 
-def _run_torch(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
-    spec, mask = c.spec, c.attn_mask
+def torch_arguments(spec: AttentionCall, mask: Tensor | None) -> _TorchArgs | None:
+    """torch's own arguments for a call of ``spec`` (and ``mask``) that its kernel takes as it is,
+    once one such call has run; else None."""
     memo, owner = _TORCH_CALLS.get(id(spec)), spec
     if memo is None:
         family = spec.same_along_s()  # a step over a growing cache: torch's arguments do not turn on S
         if family is not None:
             memo, owner = _TORCH_CALLS.get(id(family)), family
     if memo is not None and memo[0] is owner and memo[1] is not None and memo[1].masked is (mask is not None):
-        args = memo[1]
+        return memo[1]
+    return None
+
+
+def _run_torch(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
+    spec, mask = c.spec, c.attn_mask
+    args = torch_arguments(spec, mask)
+    if args is not None:
         if args.defaults:
             return Result(TORCH_SDPA(query, key, value, mask, args.dropout_p, args.is_causal), None, None)
         return Result(TORCH_SDPA(query, key, value, mask, args.dropout_p, args.is_causal, scale=args.scale, enable_gqa=args.enable_gqa), None, None)
     out = torch_attention(query, key, value, spec, mask, c.alibi_slopes, c.sinks)
-    if memo is None and not torch.compiler.is_compiling():
+    if _TORCH_CALLS.get(id(spec)) is None and not torch.compiler.is_compiling():
         path = spec.path
         as_is = mask is None or (not path.causal and (mask.dtype is torch.bool or mask.dtype is query.dtype))
         plain = as_is and not spec.alibi and not spec.sinks and path.window is None and (not path.causal or path.q_offset == 0)

@@ -1,7 +1,9 @@
 """``scaled_dot_product_attention``: the torch entry point.
 
 Static checks (:mod:`attnscale._validate`) -> choose a backend (:mod:`attnscale.backends`) -> run
-it -> check its output (:mod:`attnscale.guard`, eager calls only)."""
+it -> check its output (:mod:`attnscale.guard`, eager calls only). A call whose answer was torch's
+kernel as it is is remembered by its signature in the compiled kernel; a later one of that
+signature is that torch call and the guard's first check, made there (:func:`_remember`)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from ._tracing import refuse_jit_trace, tracing
 from ._validate import Backend, as_input_error, check_attention_call
 from .backends import MATH_MAX_SCORES
 from .guard import abs_max, may_overflow
+from .kernels import CHECKS_MAX
+from .kernels import load as load_kernel
 from .masks import CausalAlignment, from_causal_bias
 from .stats import AttentionStats
 
@@ -62,6 +66,38 @@ class _Recomputed(NamedTuple):
 
     def __str__(self) -> str:
         return f"float64 recompute: {self.chosen.value} ({self.why}) gave {self.dtype} rows that overflowed or may have"
+
+
+_remembered = None
+"""The compiled kernel's ``remembered_torch_call``, once a call has been remembered there."""
+_function_mode = torch._C._is_torch_function_mode_enabled
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def _torch_form(dropout_p: object, alignment: object, backend: object, softcap: object, alibi_slopes: object, window: object, sinks: object, return_stats: object) -> bool:
+    """Whether a call's options are the form a remembered call of torch's kernel takes: torch's own
+    options only, attnscale's at their defaults (as objects), no dropout; and the call eager, outside
+    any torch.func transform or torch-function mode. The one rule for remembering a call and for
+    taking a remembered one."""
+    return (
+        softcap is None and alibi_slopes is None and window is None and sinks is None and return_stats is False
+        and alignment is CausalAlignment.TOP_LEFT and backend is Backend.AUTO and type(dropout_p) is float and dropout_p == 0.0
+        and not torch.compiler.is_compiling() and not _transforms_active() and not _function_mode()
+    )  # fmt: skip
+
+
+def _remember(c: backends.Call, is_causal: object, scale: object, enable_gqa: object, why: object) -> None:
+    """Remember in the compiled kernel that torch's kernel computed this call as it is (with the
+    arguments :func:`attnscale.backends.torch_arguments` gives; not for a mask that requires grad),
+    so that a later call of its signature in :func:`_torch_form` takes ``remembered_torch_call``."""
+    global _remembered
+    mask, kernel = c.attn_mask, load_kernel()
+    args = backends.torch_arguments(c.spec, mask)
+    if args is None or kernel is None or (mask is not None and mask.requires_grad):
+        return
+    torch_scale = None if args.defaults else args.scale
+    if kernel.remember_torch_call(c.query, c.key, c.value, mask, is_causal, scale, enable_gqa, args.is_causal, args.enable_gqa, torch_scale, why):
+        _remembered = kernel.remembered_torch_call
 
 
 def scaled_dot_product_attention(
@@ -190,6 +226,14 @@ def scaled_dot_product_attention(
     >>> torch.allclose(out, weights @ v, atol=1e-6)
     True
     """
+    # A call of a signature whose answer was torch's kernel as it is: that call again, and the
+    # guard's first check, in one compiled call (None: the pipeline below runs, as on any call).
+    remembered = _remembered
+    if remembered is not None and _torch_form(dropout_p, causal_alignment, backend, softcap, alibi_slopes, window, sinks, return_stats):
+        hit = remembered(query, key, value, attn_mask, is_causal, scale, enable_gqa, CHECKS_MAX)
+        if hit is not None:
+            record_backend(Backend.TORCH, hit[1])
+            return hit[0]
     # Static checks -> choose -> call the backend; then, in eager mode only, the checks of the
     # output that need values (see attnscale._tracing): none of it while tracing.
     try:
@@ -213,6 +257,8 @@ def scaled_dot_product_attention(
             out, stats, recomputed_by = guard.check(implementation, c, result)
             if recomputed_by is None:
                 record_backend(implementation.backend, why)
+                if implementation is backends.TORCH and _torch_form(dropout_p, causal_alignment, backend, softcap, alibi_slopes, window, sinks, return_stats):
+                    _remember(c, is_causal, scale, enable_gqa, why)
             else:  # what computed the returned output, and why
                 record_backend(recomputed_by, _Recomputed(implementation.backend, why, query.dtype))
         return (out, stats) if call.return_stats else out

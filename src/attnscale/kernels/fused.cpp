@@ -35,6 +35,11 @@
 // this file makes a call's problem and outputs and binds the kernel to Python.
 
 #include <optional>
+#include <string>
+#include <unordered_map>
+
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 
 #include "csrc/backward.h"
 #include "csrc/bounds.h"
@@ -685,6 +690,115 @@ py::object output_ok_op(const torch::Tensor& out, const torch::Tensor& key, int6
   return py::bool_(rows_ok_op(out) && all_finite_op(key));
 }
 
+namespace {
+
+// attnscale.scaled_dot_product_attention's answers for calls torch's kernel computes as they are
+// (the "torch" backend with torch's own arguments), remembered by the call's signature: every
+// tensor's dtype and sizes (plain CPU strided tensors only: no subclass, meta or nested tensor),
+// whether the mask requires grad, and is_causal, scale and enable_gqa as passed (exact bools, a
+// float or None). remember_torch_call stores one after the full pipeline ran such a call (its
+// checks, its choice and its guard); remembered_torch_call makes the same call for a later one
+// of that signature, and the guard's first check of its output, or answers None (not
+// remembered, not of this form, a float mask with a NaN or +inf, an output the check does not
+// pass): then the full pipeline runs, as on any call. Python holds the rest of the gate (options
+// at their defaults, not compiling, no torch.func transform or torch-function mode).
+struct TorchCall {
+  bool causal;
+  bool gqa;
+  std::optional<double> scale;  // nullopt: torch's default
+  py::object why;               // why the pipeline chose torch's kernel (its log line)
+};
+
+constexpr size_t kTorchCallsMax = 512;  // as attnscale._validate's signatures
+
+std::unordered_map<std::string, TorchCall>& torch_calls() {
+  // Never destroyed: its Python objects must not be released after the interpreter has finalised.
+  static auto* calls = new std::unordered_map<std::string, TorchCall>();
+  return *calls;
+}
+
+bool append_tensor(std::string& key, PyObject* obj) {
+  if (!THPVariable_CheckExact(obj)) return false;
+  const auto& t = THPVariable_Unpack(obj);
+  if (!t.is_cpu() || t.layout() != at::kStrided || t.is_nested()) return false;
+  key.push_back(static_cast<char>(t.scalar_type()));
+  key.push_back(static_cast<char>(t.dim()));
+  key.append(reinterpret_cast<const char*>(t.sizes().data()), t.dim() * sizeof(int64_t));
+  return true;
+}
+
+bool append_flag(std::string& key, PyObject* obj) {
+  if (obj != Py_True && obj != Py_False) return false;
+  key.push_back(obj == Py_True ? 'T' : 'F');
+  return true;
+}
+
+std::optional<std::string> call_signature(py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa) {
+  std::string key;
+  key.reserve(128);
+  if (!append_tensor(key, q.ptr()) || !append_tensor(key, k.ptr()) || !append_tensor(key, v.ptr())) return std::nullopt;
+  if (mask.is_none()) {
+    key.push_back('n');
+  } else {
+    if (!append_tensor(key, mask.ptr())) return std::nullopt;
+    key.push_back(THPVariable_Unpack(mask.ptr()).requires_grad() ? 'g' : 'c');
+  }
+  if (!append_flag(key, causal.ptr()) || !append_flag(key, gqa.ptr())) return std::nullopt;
+  if (scale.is_none()) {
+    key.push_back('n');
+  } else if (PyFloat_CheckExact(scale.ptr())) {
+    const double x = PyFloat_AS_DOUBLE(scale.ptr());
+    key.push_back('f');
+    key.append(reinterpret_cast<const char*>(&x), sizeof(double));
+  } else {
+    return std::nullopt;
+  }
+  return key;
+}
+
+bool remember_torch_call(py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa,
+                         bool torch_causal, bool torch_gqa, std::optional<double> torch_scale, py::object why) {
+  auto key = call_signature(q, k, v, mask, causal, scale, gqa);
+  if (!key) return false;
+  const auto dt = THPVariable_Unpack(q.ptr()).scalar_type();
+  if (dt != at::kFloat && dt != at::kDouble) return false;  // (the guard's one-call check takes these)
+  auto& calls = torch_calls();
+  if (calls.size() >= kTorchCallsMax) calls.clear();
+  calls[*key] = TorchCall{torch_causal, torch_gqa, torch_scale, std::move(why)};
+  return true;
+}
+
+void forget_torch_calls() { torch_calls().clear(); }
+
+py::object remembered_torch_call(py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa, int64_t limit) {
+  if (torch::jit::tracer::isTracing()) return py::none();
+  const auto key = call_signature(q, k, v, mask, causal, scale, gqa);
+  if (!key) return py::none();
+  const auto& calls = torch_calls();
+  const auto found = calls.find(*key);
+  if (found == calls.end()) return py::none();
+  const TorchCall& call = found->second;
+  const auto& Q = THPVariable_Unpack(q.ptr());
+  const auto& K = THPVariable_Unpack(k.ptr());
+  const auto& V = THPVariable_Unpack(v.ptr());
+  const int64_t out_numel = Q.dim() == 0 || Q.size(-1) == 0 ? 0 : Q.numel() / Q.size(-1) * V.size(-1);
+  if (Q.numel() > limit || K.numel() > limit || out_numel > limit) return py::none();  // (the guard's check takes torch's reductions there)
+  std::optional<at::Tensor> M;
+  if (!mask.is_none()) {
+    M = THPVariable_Unpack(mask.ptr());
+    if (M->scalar_type() != at::kBool && M->numel() && !below_inf_op(*M)) return py::none();  // (the full checks say why)
+  }
+  at::Tensor out;
+  {
+    py::gil_scoped_release released;
+    out = at::scaled_dot_product_attention(Q, K, V, M, 0.0, call.causal, call.scale, call.gqa);
+  }
+  if (!(rows_ok_op(out) && all_finite_op(K))) return py::none();
+  return py::make_tuple(py::reinterpret_steal<py::object>(THPVariable_Wrap(out)), call.why);
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // The options by keyword (Options::from): a call that names one wrongly, or leaves one out,
   // fails, where one that swapped two ints or bools by position was silent.
@@ -704,6 +818,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("output_ok", &output_ok_op, "rows_ok(out) and all_finite(key) in one call (the guard's check of a backend that reports nothing on its rows); None unless both are CPU float32 or float64 tensors of one dtype with at most limit entries",
              py::arg("out"), py::arg("key"), py::arg("limit"));
   module.def("all_finite", &all_finite_op, "whether every entry of a float32 or float64 tensor is finite (the guard's check of k)");
+  module.def("remember_torch_call", &remember_torch_call, "remember that torch's kernel computes calls of this signature with these arguments (False: not a signature remembered here)",
+             py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("is_causal"), py::arg("scale"), py::arg("enable_gqa"),
+             py::arg("torch_causal"), py::arg("torch_gqa"), py::arg("torch_scale"), py::arg("why"));
+  module.def("remembered_torch_call", &remembered_torch_call, "(out, why) of a remembered call of torch's kernel whose output passes the guard's first check; None otherwise",
+             py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("is_causal"), py::arg("scale"), py::arg("enable_gqa"), py::arg("limit"));
+  module.def("forget_torch_calls", &forget_torch_calls, "forget every remembered call of torch's kernel");
   module.def("below_inf", &below_inf_op, "whether no entry of a float32 or float64 tensor is NaN or +inf (a float mask's values)");
   module.def("sink_scale", &sink_scale_op, "attention sinks on the kernel's rows, in place: out (..., H, L, Dv) times sigmoid(lse - sink) per row, rows with lse = -inf left as they are");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");

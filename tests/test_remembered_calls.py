@@ -1,0 +1,211 @@
+"""Calls torch's kernel computes as they are, remembered by their signature in the compiled kernel
+(``remember_torch_call``) after the full pipeline ran one: a later call of that signature makes
+the same torch call and the guard's first check in one compiled call, without validation, choice
+or guard in Python. Everything else (another signature, options off their defaults, a tensor
+subclass, tracing, a torch.func transform or torch-function mode, a float mask with a NaN, an
+output the check does not pass) takes the full pipeline, as before."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnscale
+from attnscale import functional, kernels, reference
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="the remembered calls live in the compiled kernel")
+
+
+@pytest.fixture(autouse=True)
+def _nothing_remembered():
+    kernels.load().forget_torch_calls()
+    yield
+    kernels.load().forget_torch_calls()
+
+
+@pytest.fixture
+def validated(monkeypatch) -> list[int]:
+    """One entry per call that took the full pipeline (its validation)."""
+    calls: list[int] = []
+    check = functional.check_attention_call
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(functional, "check_attention_call", counting)
+    return calls
+
+
+def _qkv(seed: int, *, L=1, S=24, H=4, Hkv=None, D=16, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)  # noqa: E731
+    return draw(2, H, L, D), draw(2, Hkv or H, S, D), draw(2, Hkv or H, S, D)
+
+
+def _bool_mask(L: int, S: int) -> torch.Tensor:
+    keep = torch.rand(2, 1, L, S, generator=torch.Generator().manual_seed(7)) > 0.3
+    keep[..., 0] = True
+    return keep
+
+
+CASES = {
+    "plain": (dict(), dict()),
+    "causal": (dict(L=24), dict(is_causal=True)),
+    "scale": (dict(), dict(scale=0.3)),
+    "gqa": (dict(Hkv=2), dict(enable_gqa=True)),
+    "bool mask": (dict(L=3), dict(attn_mask=_bool_mask(3, 24))),
+    "float mask": (dict(L=3), dict(attn_mask=torch.zeros(2, 1, 3, 24).masked_fill(~_bool_mask(3, 24), -math.inf))),
+    "float64": (dict(dtype=torch.float64), dict(is_causal=True)),
+}
+
+
+@pytest.mark.parametrize("name", CASES, ids=str)
+def test_a_remembered_call_skips_the_pipeline_and_equals_it_and_torch(name, validated):
+    shape, options = CASES[name]
+    q, k, v = _qkv(0, **shape)
+    first = attnscale.scaled_dot_product_attention(q, k, v, **options)
+    assert len(validated) == 1 and attnscale.last_backend() == "torch"
+    again = attnscale.scaled_dot_product_attention(q, k, v, **options)
+    assert len(validated) == 1, "a remembered call is not validated again"
+    assert attnscale.last_backend() == "torch"
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    torch.testing.assert_close(again, F.scaled_dot_product_attention(q, k, v, **options), rtol=0, atol=0)
+    # other tensors of the same signature take the same route
+    q2, k2, v2 = _qkv(1, **shape)
+    torch.testing.assert_close(attnscale.scaled_dot_product_attention(q2, k2, v2, **options), F.scaled_dot_product_attention(q2, k2, v2, **options), rtol=0, atol=0)
+    assert len(validated) == 1
+
+
+def test_gradients_through_a_remembered_call_are_torchs(validated):
+    q, k, v = _qkv(2, L=8, S=8)
+    attnscale.scaled_dot_product_attention(q, k, v, is_causal=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    theirs = [t.clone().requires_grad_() for t in (q, k, v)]
+    attnscale.scaled_dot_product_attention(*leaves, is_causal=True).square().sum().backward()
+    F.scaled_dot_product_attention(*theirs, is_causal=True).square().sum().backward()
+    assert len(validated) == 1
+    for mine, want in zip(leaves, theirs):
+        torch.testing.assert_close(mine.grad, want.grad, rtol=0, atol=0)
+
+
+def _oracle(q, k, v) -> torch.Tensor:
+    return torch.from_numpy(reference.attention(*(t.double().numpy() for t in (q, k, v)))).float()
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"], ids=str)
+@pytest.mark.parametrize("poison", [math.nan, math.inf], ids=["nan", "inf"])
+def test_a_remembered_signature_still_follows_the_nan_rule(where, poison, validated):
+    q, k, v = _qkv(3)
+    attnscale.scaled_dot_product_attention(q, k, v)
+    t = dict(q=q.clone(), k=k.clone(), v=v.clone())
+    t[where][1, 2, 0, 5] = poison
+    out = attnscale.scaled_dot_product_attention(t["q"], t["k"], t["v"])
+    assert len(validated) == 2, "the check of the remembered call's output sends it down the full pipeline"
+    want = _oracle(t["q"], t["k"], t["v"])
+    assert torch.equal(out.isnan(), want.isnan()) and bool(out.isnan().any())
+    torch.testing.assert_close(out.nan_to_num(0.0), want.nan_to_num(0.0), rtol=0, atol=1e-6)
+
+
+def test_a_float_mask_with_a_nan_is_refused_on_a_remembered_signature(validated):
+    q, k, v = _qkv(4, L=3)
+    mask = torch.zeros(2, 1, 3, 24)
+    attnscale.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    mask[0, 0, 1, 3] = math.nan
+    with pytest.raises(ValueError, match="attn_mask: expected float values that are finite or -inf"):
+        attnscale.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+class _Mode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _in_mode(q, k, v):
+    with _Mode():
+        return attnscale.scaled_dot_product_attention(q, k, v)
+
+
+def _vmapped(q, k, v):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's fallback for its own kernel under vmap
+        return torch.func.vmap(attnscale.scaled_dot_product_attention)(q, k, v)
+
+
+OTHER_ROUTES = {
+    "backend named": lambda q, k, v: attnscale.scaled_dot_product_attention(q, k, v, backend="torch"),
+    "alignment as a string": lambda q, k, v: attnscale.scaled_dot_product_attention(q, k, v, causal_alignment="top_left"),
+    "an int scale": lambda q, k, v: attnscale.scaled_dot_product_attention(q, k, v, scale=1) - F.scaled_dot_product_attention(q, k, v, scale=1.0) + _oracle(q, k, v),
+    "a subclass": lambda q, k, v: attnscale.scaled_dot_product_attention(q.as_subclass(_Subclass), k, v),
+    "torch-function mode": _in_mode,
+    "vmap": _vmapped,
+    "return_stats": lambda q, k, v: attnscale.scaled_dot_product_attention(q, k, v, return_stats=True)[0],
+}
+
+
+@pytest.mark.parametrize("route", OTHER_ROUTES, ids=str)
+def test_calls_off_the_remembered_form_take_the_full_pipeline(route, validated):
+    q, k, v = _qkv(5)
+    attnscale.scaled_dot_product_attention(q, k, v)
+    attnscale.scaled_dot_product_attention(q, k, v)
+    assert len(validated) == 1
+    out = OTHER_ROUTES[route](q, k, v)
+    assert len(validated) >= 2, "validated in full"
+    torch.testing.assert_close(torch.as_tensor(out), _oracle(q, k, v), rtol=0, atol=1e-6)
+
+
+def test_jit_trace_is_refused_on_a_remembered_signature():
+    q, k, v = _qkv(6)
+    attnscale.scaled_dot_product_attention(q, k, v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.13 deprecates torch.jit.trace itself
+        with pytest.raises(RuntimeError, match="torch.jit.trace is not supported"):
+            torch.jit.trace(lambda x: attnscale.scaled_dot_product_attention(x, k, v), (q,))
+
+
+def test_torch_compile_traces_a_remembered_signature_as_one_graph():
+    q, k, v = _qkv(7)
+    attnscale.scaled_dot_product_attention(q, k, v)
+    compiled = torch.compile(lambda a, b, c: attnscale.scaled_dot_product_attention(a, b, c) * 2, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v), 2 * F.scaled_dot_product_attention(q, k, v), rtol=0, atol=0)
+
+
+def test_a_mask_that_requires_grad_is_never_remembered(validated):
+    q, k, v = _qkv(8, L=3)
+    mask = torch.zeros(2, 1, 3, 24, requires_grad=True)
+    for _ in range(2):
+        attnscale.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert len(validated) == 2
+
+
+def test_a_process_that_remembered_calls_exits_cleanly():
+    # The remembered calls hold Python objects (why each was chosen) past the interpreter's
+    # finalisation: they are never released, rather than released without the GIL (an abort).
+    code = "import torch, attnscale\nq = torch.randn(1, 2, 1, 8)\nfor _ in range(2): attnscale.scaled_dot_product_attention(q, q, q)\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "Fatal" not in done.stderr, done.stderr[-2000:]
+
+
+def test_the_remembered_calls_are_bounded():
+    # More signatures than it keeps: it starts again rather than growing without bound.
+    kernel = kernels.load()
+    q = torch.randn(1, 1, 1, 4)
+    for S in range(1, 600):
+        k = torch.randn(1, 1, S, 4)
+        assert kernel.remember_torch_call(q, k, k, None, False, None, False, False, False, None, "why")
+    assert kernel.remembered_torch_call(q, k, k, None, False, None, False, kernels.CHECKS_MAX) is not None
+    first = torch.randn(1, 1, 1, 4)
+    assert kernel.remembered_torch_call(q, first, first, None, False, None, False, kernels.CHECKS_MAX) is None
+    np.testing.assert_equal(kernel.remember_torch_call(q.half(), k.half(), k.half(), None, False, None, False, False, False, None, "why"), False)
+
