@@ -200,12 +200,24 @@ def test_a_process_that_remembered_calls_exits_cleanly():
 def test_the_remembered_calls_are_bounded():
     # More signatures than it keeps: it starts again rather than growing without bound.
     kernel = kernels.load()
-    q = torch.randn(1, 1, 1, 4)
-    for S in range(1, 600):
-        k = torch.randn(1, 1, S, 4)
+    k = torch.randn(1, 1, 3, 4)
+    for L in range(1, 600):
+        q = torch.randn(1, 1, L, 4)
         assert kernel.remember_torch_call(q, k, k, None, False, None, False, False, False, None, "why")
     assert kernel.remembered_torch_call(q, k, k, None, False, None, False, kernels.CHECKS_MAX) is not None
     first = torch.randn(1, 1, 1, 4)
-    assert kernel.remembered_torch_call(q, first, first, None, False, None, False, kernels.CHECKS_MAX) is None
+    assert kernel.remembered_torch_call(first, k, k, None, False, None, False, kernels.CHECKS_MAX) is None
     np.testing.assert_equal(kernel.remember_torch_call(q.half(), k.half(), k.half(), None, False, None, False, False, False, None, "why"), False)
 
+def test_a_growing_cache_takes_the_remembered_call_at_every_length(validated):
+    # Without a mask, keys and values of any length S > 0 share the answer (as the pipeline's own
+    # memory of a growing cache's calls has it): one full call, then every step remembered.
+    q, k, v = _qkv(9, Hkv=2, S=40)
+    for S in range(20, 40):
+        out = attnscale.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S], is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S], is_causal=True, enable_gqa=True), rtol=0, atol=0)
+    assert len(validated) == 1
+    with pytest.raises(ValueError, match=r"value: expected length S = 30 \(dim -2\) like the key's"):
+        attnscale.scaled_dot_product_attention(q, k[:, :, :30], v[:, :, :31], is_causal=True, enable_gqa=True)
+    empty = attnscale.scaled_dot_product_attention(q, k[:, :, :0], v[:, :, :0], is_causal=True, enable_gqa=True)
+    assert len(validated) == 3 and attnscale.last_backend() != "torch" and torch.equal(empty, torch.zeros_like(q))

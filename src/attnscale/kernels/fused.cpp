@@ -694,9 +694,9 @@ namespace {
 
 // attnscale.scaled_dot_product_attention's answers for calls torch's kernel computes as they are
 // (the "torch" backend with torch's own arguments), remembered by the call's signature: every
-// tensor's dtype and sizes (plain CPU strided tensors only: no subclass, meta or nested tensor),
-// whether the mask requires grad, and is_causal, scale and enable_gqa as passed (exact bools, a
-// float or None). remember_torch_call stores one after the full pipeline ran such a call (its
+// tensor's dtype and sizes (plain CPU strided tensors only: no subclass, meta or nested tensor;
+// without a mask, keys and values of any length S > 0), whether the mask requires grad, and
+// is_causal, scale and enable_gqa as passed (exact bools, a float or None). remember_torch_call stores one after the full pipeline ran such a call (its
 // checks, its choice and its guard); remembered_torch_call makes the same call for a later one
 // of that signature, and the guard's first check of its output, or answers None (not
 // remembered, not of this form, a float mask with a NaN or +inf, an output the check does not
@@ -717,13 +717,23 @@ std::unordered_map<std::string, TorchCall>& torch_calls() {
   return *calls;
 }
 
-bool append_tensor(std::string& key, PyObject* obj) {
+// A tensor's dtype and sizes; with `any_length`, all sizes but dim -2's (keys and values without a
+// mask: the choice of torch's kernel and its arguments do not turn on S, as the pipeline's own
+// memory of a growing cache's calls has it, AttentionCall.same_along_s).
+bool append_tensor(std::string& key, PyObject* obj, bool any_length = false) {
   if (!THPVariable_CheckExact(obj)) return false;
   const auto& t = THPVariable_Unpack(obj);
   if (!t.is_cpu() || t.layout() != at::kStrided || t.is_nested()) return false;
+  const int64_t dim = t.dim();
   key.push_back(static_cast<char>(t.scalar_type()));
-  key.push_back(static_cast<char>(t.dim()));
-  key.append(reinterpret_cast<const char*>(t.sizes().data()), t.dim() * sizeof(int64_t));
+  key.push_back(static_cast<char>(dim));
+  const char* sizes = reinterpret_cast<const char*>(t.sizes().data());
+  if (any_length && dim >= 2) {
+    key.append(sizes, (dim - 2) * sizeof(int64_t));
+    key.append(sizes + (dim - 1) * sizeof(int64_t), sizeof(int64_t));
+  } else {
+    key.append(sizes, dim * sizeof(int64_t));
+  }
   return true;
 }
 
@@ -736,8 +746,9 @@ bool append_flag(std::string& key, PyObject* obj) {
 std::optional<std::string> call_signature(py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa) {
   std::string key;
   key.reserve(128);
-  if (!append_tensor(key, q.ptr()) || !append_tensor(key, k.ptr()) || !append_tensor(key, v.ptr())) return std::nullopt;
-  if (mask.is_none()) {
+  const bool any_length = mask.is_none();
+  if (!append_tensor(key, q.ptr()) || !append_tensor(key, k.ptr(), any_length) || !append_tensor(key, v.ptr(), any_length)) return std::nullopt;
+  if (any_length) {
     key.push_back('n');
   } else {
     if (!append_tensor(key, mask.ptr())) return std::nullopt;
@@ -781,6 +792,7 @@ py::object remembered_torch_call(py::handle q, py::handle k, py::handle v, py::h
   const auto& Q = THPVariable_Unpack(q.ptr());
   const auto& K = THPVariable_Unpack(k.ptr());
   const auto& V = THPVariable_Unpack(v.ptr());
+  if (mask.is_none() && (K.size(-2) != V.size(-2) || K.size(-2) == 0)) return py::none();  // (keys of any length S > 0: one S for k and v)
   const int64_t out_numel = Q.dim() == 0 || Q.size(-1) == 0 ? 0 : Q.numel() / Q.size(-1) * V.size(-1);
   if (Q.numel() > limit || K.numel() > limit || out_numel > limit) return py::none();  // (the guard's check takes torch's reductions there)
   std::optional<at::Tensor> M;
