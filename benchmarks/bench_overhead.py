@@ -96,9 +96,10 @@ def cases() -> list[Case]:
         Case("sinks", lambda: sdpa(q, k, v, sinks=sinks), None, lambda: _fp64(q, k, v, sinks=sinks)),
         Case("return_stats", lambda: _first(sdpa(q, k, v, return_stats=True)), None, lambda: TORCH_SDPA(q, k, v)),
     ]
-    # a decoding step over a growing cache: every call a new key length, so a new signature (what
-    # HuggingFace generate makes), GQA as in Llama; 600 lengths in turn, each side the same (more
-    # than the 512 signatures attnscale remembers: no length is met again as a remembered one)
+    # a decoding step over a growing cache: every call a new key length (what HuggingFace generate
+    # makes), GQA as in Llama; 600 lengths in turn, each side the same (more than the 512 signatures
+    # attnscale's validation remembers: no length is met again as a validated one; its remembered
+    # call of torch's kernel takes keys of any length as one signature)
     grown = [(draw(B, HKV, n, D), draw(B, HKV, n, D)) for n in range(S, S + 600)]
     turn = {"ours": 0, "theirs": 0}
 
