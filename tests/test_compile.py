@@ -5,6 +5,9 @@ backward, torch.jit.trace) that keep anything from being silently wrong."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -269,6 +272,56 @@ def test_export_with_softcap_sinks_and_a_window_equals_eager(strict):
     x = inputs(40, B=2) * 0.5
     with torch.no_grad():
         torch.testing.assert_close(program.module()(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
+def test_a_traced_call_passes_the_build_that_traced_it():
+    program = torch.export.export(Block(**FEATURES["softcap-sinks-window"]), (inputs(),))
+    calls = [node for node in program.graph.nodes if "attnscale.fused_forward" in str(node.target)]
+    assert calls and all(node.args[-1] == ops.BUILD for node in calls)
+
+
+def test_the_build_follows_every_source_of_the_ops(tmp_path):
+    names = {path.name for path in ops._BUILD_SOURCES}
+    assert {"ops.py", "_autograd.py", "fused.cpp", "forward.h", "backward.h"} <= names
+    assert ops.BUILD == ops._build_id()
+    copies = []
+    for i, path in enumerate(ops._BUILD_SOURCES):
+        copy = tmp_path / f"{i}_{path.name}"
+        copy.write_bytes(path.read_bytes())
+        copies.append(copy)
+    assert ops._build_id(tuple(copies)) == ops.BUILD
+    for copy in copies:
+        text = copy.read_bytes()
+        copy.write_bytes(text + b" ")
+        assert ops._build_id(tuple(copies)) != ops.BUILD, copy.name
+        copy.write_bytes(text)
+
+
+_CACHE_PROBE = """
+import sys, torch, attnscale
+from attnscale.kernels import ops
+from torch._dynamo.utils import counters
+ops.BUILD = int(sys.argv[1])
+f = torch.compile(lambda q, k, v: attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0))
+q, k, v = (torch.randn(1, 2, 8, 16).requires_grad_() for _ in range(3))
+f(q, k, v).sum().backward()
+print(sorted(name for name in counters["aot_autograd"] if name in ("autograd_cache_hit", "autograd_cache_miss")))
+"""
+
+
+@needs_kernel
+def test_a_graph_traced_by_another_build_is_not_replayed_from_the_compile_cache(tmp_path):
+    # torch.compile's caches on disk key a graph by its code, which names the op and its arguments
+    # but not what the op does: without the build among them, a graph traced against an attnscale
+    # whose op had another schema or autograd rule was replayed (and failed, or computed the old rule).
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    seen = []
+    for build in (1, 1, 2):
+        done = subprocess.run([sys.executable, "-c", _CACHE_PROBE, str(build)], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        seen.append(done.stdout.strip().splitlines()[-1])
+    assert seen == ["['autograd_cache_miss']", "['autograd_cache_hit']", "['autograd_cache_miss']"]
 
 
 def _shapes(result) -> list[tuple[int, ...]]:
@@ -634,12 +687,12 @@ def test_per_sample_gradients_through_the_kernel_equal_the_loop(in_dim):
 
 def test_the_options_record_names_the_ops_arguments_in_their_order():
     """ops.KernelOptions is the one list of the kernel's options: its fields are the forward op's
-    arguments after q, k, v, alibi, mask, spans, and BACKWARD_FIELDS the backward op's after its
-    ten tensors, name for name, with the record's types."""
+    arguments after q, k, v, alibi, mask, spans (the forward's build after them), and
+    BACKWARD_FIELDS the backward op's after its ten tensors, name for name, with the record's types."""
     forward = [a.name for a in torch.ops.attnscale.fused_forward.default._schema.arguments]
     backward = [a.name for a in torch.ops.attnscale.fused_backward.default._schema.arguments]
     assert forward[:6] == ["q", "k", "v", "alibi", "mask", "spans"]
-    assert forward[6:] == list(ops.KernelOptions._fields)
+    assert forward[6:-1] == list(ops.KernelOptions._fields) and forward[-1] == "build"
     assert backward[:11] == ["q", "k", "v", "dout", "delta", "m", "l", "alibi", "mask", "spans", "slope_grad"]
     assert backward[11:] == list(ops.BACKWARD_FIELDS)
     assert ops.KernelOutputs._fields[-1] == "rows_ok" and len(ops.KernelOutputs._fields) == len(torch.ops.attnscale.fused_forward.default._schema.returns)

@@ -32,17 +32,20 @@ that names ``backend="math"``, which computes it (:mod:`attnscale._autograd`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import typing
+from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
 
+from .. import _autograd
 from .._autograd import first_order
 from .._tracing import _functorch_wrapped, constant_result, tracing
-from . import load
+from . import _HEADERS, _SOURCE, load
 
 __all__ = ["BLOCK_K", "BLOCK_K_FEW_ROWS", "BLOCK_Q", "FEW_ROWS", "HALF", "SHORT", "FusedForward", "KernelOptions", "KernelOutputs", "backward_forward", "default_blocks", "forward", "half_products", "run_forward", "setup_forward"]
 
@@ -201,23 +204,50 @@ def _kernel():
     return kernel
 
 
-def _schema(tensors: str, fields: tuple[str, ...], returns: int) -> str:
+def _schema(tensors: str, fields: tuple[str, ...], returns: int, tail: str = "") -> str:
     """A custom op's schema: its tensors, then the named options with their types (from
-    :class:`KernelOptions`), so the ops' signatures follow the record and never restate it."""
+    :class:`KernelOptions`), so the ops' signatures follow the record and never restate it; then
+    ``tail``, if any."""
     kinds = {float: "float", bool: "bool", int: "int"}
     hints = typing.get_type_hints(KernelOptions)
-    options = ", ".join(f"{kinds[hints[name]]} {name}" for name in fields)
+    options = ", ".join([*(f"{kinds[hints[name]]} {name}" for name in fields), *([tail] if tail else [])])
     return f"({tensors}, {options}) -> ({', '.join(['Tensor'] * returns)})"
+
+
+_BUILD_SOURCES = (Path(__file__), Path(_autograd.__file__), _SOURCE, *sorted(_HEADERS.glob("*.h")))
+"""Every source of the ops' behaviour: the Python of their fake and autograd rules (this module,
+``attnscale._autograd``) and the kernel's C++."""
+
+
+def _build_id(sources: tuple[Path, ...] = _BUILD_SOURCES) -> int:
+    """A number (60 bits) that changes with any of ``sources``."""
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.read_bytes())
+    return int(digest.hexdigest()[:15], 16)
+
+
+BUILD = _build_id()
+"""The ``build`` a traced call passes ``fused_forward``: torch.compile's caches key a graph by its
+code, which names a custom op and its arguments but not what the op does, so a graph traced
+against another attnscale (an op of another schema, or autograd rule) would be replayed from the
+cache on disk. The op reads nothing of it."""
+
+
+def _options(options: tuple) -> KernelOptions:
+    """The options of a ``fused_forward`` call (``build`` after them, where passed, left out)."""
+    return KernelOptions(*options[: len(KernelOptions._fields)])
 
 
 @torch.library.custom_op(
     "attnscale::fused_forward",
     mutates_args=(),
-    schema=_schema("Tensor q, Tensor k, Tensor v, Tensor? alibi, Tensor? mask, Tensor? spans", KernelOptions._fields, _OUTPUTS),
+    schema=_schema("Tensor q, Tensor k, Tensor v, Tensor? alibi, Tensor? mask, Tensor? spans", KernelOptions._fields, _OUTPUTS, "int build=0"),
 )
 def fused_forward(q: Tensor, k: Tensor, v: Tensor, alibi: Optional[Tensor], mask: Optional[Tensor], spans: Optional[Tensor], *options) -> tuple[Tensor, ...]:
-    """The kernel's forward as an op: the options positionally, in :class:`KernelOptions`' order."""
-    return tuple(run_forward(q, k, v, alibi, mask, spans, KernelOptions(*options)))
+    """The kernel's forward as an op: the options positionally, in :class:`KernelOptions`' order,
+    then (optional) ``build``, :data:`BUILD` in a traced call, which the op does not read."""
+    return tuple(run_forward(q, k, v, alibi, mask, spans, _options(options)))
 
 
 def run_forward(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Tensor | None, spans: Tensor | None, options: KernelOptions) -> KernelOutputs:
@@ -253,7 +283,7 @@ def _same_device(q: Tensor, **others: Tensor | None) -> None:
 @fused_forward.register_fake
 def _(q, k, v, alibi, mask, spans, *options):
     _same_device(q, k=k, v=v, alibi=alibi, mask=mask, spans=spans)
-    given = KernelOptions(*options)
+    given = _options(options)
     with_stats, round_out = given.with_stats, given.round_out
     B, H, L = q.shape[0], q.shape[1], q.shape[2]
     rows = (B, H, L)
@@ -312,7 +342,7 @@ def setup_forward(ctx, inputs, output) -> None:
     q, k, v, alibi, mask, spans, *options = inputs
     out, _, m, l, *rest = output
     ctx.save_for_backward(q, k, v, alibi, mask, spans, out, m, l)
-    ctx.options = KernelOptions(*options)
+    ctx.options, ctx.inputs = _options(options), len(inputs)
     ctx.mark_non_differentiable(m, l, *rest)  # only out and lse carry gradients
 
 
@@ -329,7 +359,7 @@ def backward_forward(ctx, dout, dlse, *unused):
         learned = alibi is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dslope = fused_backward(q, k, v, dout, delta, m, l, alibi, mask, spans, learned, *options.backward_args())
     dslope = dslope.to(alibi.dtype) if learned else None  # (B, H): the caller's expand and cast take it to its slopes
-    return first_order("fused", (q, k, v, alibi), dq, dk, dv, dslope) + (None,) * (2 + len(options))
+    return first_order("fused", (q, k, v, alibi), dq, dk, dv, dslope) + (None,) * (ctx.inputs - 4)
 
 
 fused_forward.register_autograd(backward_forward, setup_context=setup_forward)
@@ -378,7 +408,7 @@ class FusedForward(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, alibi, mask, spans, *options):  # type: ignore[override]
         if tracing(q, k, v, alibi, mask):
-            return fused_forward(q, k, v, alibi, mask, spans, *options)
+            return fused_forward(q, k, v, alibi, mask, spans, *options, BUILD)
         return tuple(run_forward(q, k, v, alibi, mask, spans, KernelOptions(*options)))
 
     @staticmethod
@@ -416,4 +446,4 @@ def forward(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, mask: Tensor 
         return run_forward(q, k, v, alibi, mask, spans, options)
     if not torch.compiler.is_compiling() and any(_functorch_wrapped(t) for t in (q, k, v, alibi, mask) if t is not None):
         return KernelOutputs(*FusedForward.apply(q, k, v, alibi, mask, spans, *options))
-    return KernelOutputs(*fused_forward(q, k, v, alibi, mask, spans, *options))  # compiling, or fake / meta tensors
+    return KernelOutputs(*fused_forward(q, k, v, alibi, mask, spans, *options, BUILD))  # compiling, or fake / meta tensors
