@@ -24,7 +24,7 @@ from numbers import Integral
 import torch
 from torch import Tensor, nn
 
-from ._validate import FLOAT_DTYPES, check_attention_call, check_bool, check_choice, check_positive_finite, fail
+from ._validate import FLOAT_DTYPES, Backend, check_attention_call, check_bool, check_choice, check_positive_finite, fail
 from ._variant_stack import VariantStack, effective_scale
 from .config import AttentionConfig, AttentionKernel, ScaleMode
 from .dense import dense_weights
@@ -492,7 +492,7 @@ class MultiHeadAttention(nn.Module):
         mask = _merge_masks(attn_mask, key_mask)
         q = variant.fold_scale(q, k, is_causal=is_causal, alignment=alignment, mask=mask)
         if config.kernel is AttentionKernel.SOFTMAX:
-            backend = "math" if need_weights else "auto"
+            backend = Backend.MATH if need_weights else Backend.AUTO  # (the enum: a remembered call of torch's kernel takes only it)
             result = scaled_dot_product_attention(q, k, v, mask, backend=backend, **score_options, **options)
             out, stats = result if isinstance(result, tuple) else (result, None)
         else:
