@@ -208,13 +208,14 @@ def time_cases(found: Sequence[Case], threads: int, rounds: int, calls: int) -> 
 
 def time_generate(threads: int, rounds: int, new_tokens: int) -> dict:
     """Greedy decoding of ``new_tokens`` from an 8-token prompt, tokens per second of each
-    implementation (median over rounds, interleaved); the two must produce the same tokens."""
+    implementation (median over rounds, interleaved, each first in every other round); the two
+    must produce the same tokens."""
     torch.set_num_threads(threads)
     models = {name: _tiny_llama(name) for name in ("attnscale", "sdpa")}
     prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
     outputs, rates = {}, {name: [] for name in models}
-    for _ in range(rounds + 1):  # the first round warms up
-        for name, model in models.items():
+    for round_ in range(rounds + 1):  # the first round warms up
+        for name, model in sorted(models.items(), reverse=bool(round_ % 2)):  # each side first in every other round
             start = time.perf_counter()
             with torch.no_grad():
                 outputs[name] = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
