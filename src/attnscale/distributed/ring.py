@@ -231,7 +231,6 @@ def ring_attention(
     return out.to(query.dtype), stats
 
 
-
 def ring_implementation(geometry: RingPlan) -> Implementation:
     """The ring as the backend of one call, for :func:`attnscale.guard.check_sharded`, which may
     run it again on indicators, on inputs with non-finite entries zeroed, or in float64: ``run``
