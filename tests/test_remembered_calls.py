@@ -165,6 +165,23 @@ def test_calls_off_the_remembered_form_take_the_full_pipeline(route, validated):
     torch.testing.assert_close(torch.as_tensor(out), _oracle(q, k, v), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_remembered_signature_under_cpu_autocast_is_torchs_answer_there(dtype, validated):
+    # torch's kernel answers in the autocast dtype: the full pipeline takes such calls, remembered
+    # or not, and the signature stays remembered outside autocast.
+    q, k, v = _qkv(10)
+    attnscale.scaled_dot_product_attention(q, k, v)
+    with torch.autocast("cpu", dtype=dtype):
+        for _ in range(2):
+            out = attnscale.scaled_dot_product_attention(q, k, v)
+            want = F.scaled_dot_product_attention(q, k, v)
+            assert out.dtype == want.dtype == dtype
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert len(validated) == 3
+    torch.testing.assert_close(attnscale.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v), rtol=0, atol=0)
+    assert len(validated) == 3
+
+
 def test_jit_trace_is_refused_on_a_remembered_signature():
     q, k, v = _qkv(6)
     attnscale.scaled_dot_product_attention(q, k, v)

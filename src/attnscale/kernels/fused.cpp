@@ -38,6 +38,7 @@
 #include <string>
 #include <unordered_map>
 
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 
@@ -700,7 +701,7 @@ namespace {
 // checks, its choice and its guard); remembered_torch_call makes the same call for a later one
 // of that signature, and the guard's first check of its output, or answers None (not
 // remembered, not of this form, a float mask with a NaN or +inf, an output the check does not
-// pass): then the full pipeline runs, as on any call. Python holds the rest of the gate (options
+// pass, torch.jit.trace or CPU autocast on): then the full pipeline runs, as on any call. Python holds the rest of the gate (options
 // at their defaults, not compiling, no torch.func transform or torch-function mode).
 struct TorchCall {
   bool causal;
@@ -782,7 +783,9 @@ bool remember_torch_call(py::handle q, py::handle k, py::handle v, py::handle ma
 void forget_torch_calls() { torch_calls().clear(); }
 
 py::object remembered_torch_call(py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa, int64_t limit) {
-  if (torch::jit::tracer::isTracing()) return py::none();
+  // (jit.trace: the pipeline refuses it; CPU autocast: torch's kernel answers in the autocast
+  // dtype, which the pipeline's guard reads as such)
+  if (torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU)) return py::none();
   const auto key = call_signature(q, k, v, mask, causal, scale, gqa);
   if (!key) return py::none();
   const auto& calls = torch_calls();
@@ -805,7 +808,7 @@ py::object remembered_torch_call(py::handle q, py::handle k, py::handle v, py::h
     py::gil_scoped_release released;
     out = at::scaled_dot_product_attention(Q, K, V, M, 0.0, call.causal, call.scale, call.gqa);
   }
-  if (!(rows_ok_op(out) && all_finite_op(K))) return py::none();
+  if (out.scalar_type() != Q.scalar_type() || !(rows_ok_op(out) && all_finite_op(K))) return py::none();
   return py::make_tuple(py::reinterpret_steal<py::object>(THPVariable_Wrap(out)), call.why);
 }
 
