@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -204,6 +205,36 @@ def test_a_mask_that_requires_grad_is_never_remembered(validated):
     for _ in range(2):
         attnscale.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert len(validated) == 2
+
+
+def test_remembered_calls_from_several_threads_while_another_forgets_them():
+    # The compiled call releases the GIL while torch's kernel runs; meanwhile another thread may
+    # start the memory again. Every answer stays torch's.
+    q, k, v = _qkv(11, L=64, S=256)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    kernel, wrong, stop = kernels.load(), [], threading.Event()
+
+    def attend() -> None:
+        for _ in range(100):
+            out = attnscale.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if not torch.equal(out, want):
+                wrong.append(out)
+
+    def forget() -> None:
+        while not stop.is_set():
+            kernel.forget_torch_calls()
+            attnscale.scaled_dot_product_attention(q, k, v, is_causal=True)  # remembered again
+
+    threads = [threading.Thread(target=attend) for _ in range(2)]
+    other = threading.Thread(target=forget)
+    other.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    other.join()
+    assert not wrong
 
 
 def test_a_process_that_remembered_calls_exits_cleanly():

@@ -791,7 +791,9 @@ py::object remembered_torch_call(py::handle q, py::handle k, py::handle v, py::h
   const auto& calls = torch_calls();
   const auto found = calls.find(*key);
   if (found == calls.end()) return py::none();
-  const TorchCall& call = found->second;
+  // A copy: while the GIL is released below, another thread may remember a call (and start the
+  // memory again, destroying its entries) or forget them all.
+  const TorchCall call = found->second;
   const auto& Q = THPVariable_Unpack(q.ptr());
   const auto& K = THPVariable_Unpack(k.ptr());
   const auto& V = THPVariable_Unpack(v.ptr());
