@@ -96,7 +96,10 @@ def _remember(c: backends.Call, is_causal: object, scale: object, enable_gqa: ob
     if args is None or kernel is None or (mask is not None and mask.requires_grad):
         return
     torch_scale = None if args.defaults else args.scale
-    if kernel.remember_torch_call(c.query, c.key, c.value, mask, is_causal, scale, enable_gqa, args.is_causal, args.enable_gqa, torch_scale, why):
+    if kernel.remember_torch_call(
+        q=c.query, k=c.key, v=c.value, mask=mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+        torch_causal=args.is_causal, torch_gqa=args.enable_gqa, torch_scale=torch_scale, why=why,
+    ):
         _remembered = kernel.remembered_torch_call
 
 
@@ -230,10 +233,11 @@ def scaled_dot_product_attention(
     # guard's first check, in one compiled call (None: the pipeline below runs, as on any call).
     remembered = _remembered
     if remembered is not None and _torch_form(dropout_p, causal_alignment, backend, softcap, alibi_slopes, window, sinks, return_stats):
-        hit = remembered(query, key, value, attn_mask, is_causal, scale, enable_gqa, CHECKS_MAX)
+        hit = remembered(query, key, value, attn_mask, is_causal, scale, enable_gqa, CHECKS_MAX)  # (torch's order; no keywords on this path)
         if hit is not None:
-            record_backend(Backend.TORCH, hit[1])
-            return hit[0]
+            out, why = hit
+            record_backend(Backend.TORCH, why)
+            return out
     # Static checks -> choose -> call the backend; then, in eager mode only, the checks of the
     # output that need values (see attnscale._tracing): none of it while tracing.
     try:

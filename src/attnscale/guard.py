@@ -262,6 +262,26 @@ def _nan_rows(implementation: Implementation, c: Call, bad_q: Tensor, bad_kv: Te
     return ((seen[..., 1] > 0) & bad_q) | (seen[..., 0] > 0)
 
 
+def _nan_rows_and_zeroed(implementation: Implementation, c: Call) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The rows the semantics make NaN (:func:`_nan_rows`), and q, k, v with their non-finite
+    entries 0 (differentiable: the finite entries keep their gradients), from which every other
+    row is computed."""
+    query, key, value = c.query, c.key, c.value
+    with torch.no_grad():
+        bad_q = ~torch.isfinite(query).all(dim=-1)  # (..., H, L)
+        bad_kv = ~torch.isfinite(key).all(dim=-1) | ~torch.isfinite(value).all(dim=-1)  # (..., Hkv, S)
+        nan_rows = _nan_rows(implementation, c, bad_q, bad_kv)
+    query, key, value = (torch.where(torch.isfinite(x), x, 0.0) for x in (query, key, value))
+    return nan_rows, query, key, value
+
+
+def _with_nan_rows(out: Tensor, stats: AttentionStats | None, nan_rows: Tensor | None) -> tuple[Tensor, AttentionStats | None]:
+    """``out`` and ``stats`` with the rows ``nan_rows`` NaN (None: as they are)."""
+    if nan_rows is None:
+        return out, stats
+    return out.masked_fill(nan_rows[..., None], math.nan), None if stats is None else with_nan_rows(stats, nan_rows)
+
+
 def _cast_stats(stats: AttentionStats | None, dtype: torch.dtype) -> AttentionStats | None:
     if stats is None:
         return None
@@ -286,11 +306,7 @@ def _careful(implementation: Implementation, c: Call, fast: tuple[Tensor, Attent
     read = _Read(out, None)
     q_max, k_max, v_max = (abs_max(x) for x in (query, key, value))
     if not all(math.isfinite(m) for m in (q_max, k_max, v_max)):  # a cheap pass before the per-row test
-        with torch.no_grad():
-            bad_q = ~torch.isfinite(query).all(dim=-1)  # (..., H, L)
-            bad_kv = ~torch.isfinite(key).all(dim=-1) | ~torch.isfinite(value).all(dim=-1)  # (..., Hkv, S)
-            nan_rows = _nan_rows(implementation, c, bad_q, bad_kv)
-        query, key, value = (torch.where(torch.isfinite(x), x, 0.0) for x in (query, key, value))
+        nan_rows, query, key, value = _nan_rows_and_zeroed(implementation, c)
         out, stats, _ = implementation.run(c, query, key, value)
         peaks = _row_peaks(out)
         q_max, k_max = abs_max(query), abs_max(key)
@@ -309,11 +325,7 @@ def _careful(implementation: Implementation, c: Call, fast: tuple[Tensor, Attent
             _refuse_overflow(c, acc, bound(), q_max=abs_max(query), k_max=abs_max(key), v_max=abs_max(value))
         # A convex combination of values (weights summing to at most 1) fits the values' dtype.
         out, stats = out.to(query.dtype), _cast_stats(stats, acc)
-    if nan_rows is not None:
-        out = out.masked_fill(nan_rows[..., None], math.nan)
-        if stats is not None:
-            stats = with_nan_rows(stats, nan_rows)
-    return Checked(out, stats, recomputed_by)
+    return Checked(*_with_nan_rows(out, stats, nan_rows), recomputed_by)
 
 
 def check_sharded(implementation: Implementation, c: Call, *, finite: bool, q_max: float, k_max: float) -> Checked:
@@ -333,11 +345,7 @@ def check_sharded(implementation: Implementation, c: Call, *, finite: bool, q_ma
     query, key, value = c.query, c.key, c.value
     nan_rows = None
     if not finite:
-        with torch.no_grad():
-            bad_q = ~torch.isfinite(query).all(dim=-1)  # (..., H, Lr)
-            bad_kv = ~torch.isfinite(key).all(dim=-1) | ~torch.isfinite(value).all(dim=-1)  # (..., Hkv, Sr)
-            nan_rows = _nan_rows(implementation, c, bad_q, bad_kv)
-        query, key, value = (torch.where(torch.isfinite(x), x, 0.0) for x in (query, key, value))
+        nan_rows, query, key, value = _nan_rows_and_zeroed(implementation, c)
     acc = accumulation_dtype(query.dtype)
     bound = _logit_bound(c, q_max, k_max, _Read(query, None))
     recomputed_by = None
@@ -348,10 +356,7 @@ def check_sharded(implementation: Implementation, c: Call, *, finite: bool, q_ma
         out, stats, recomputed_by = out.to(query.dtype), _cast_stats(stats, acc), implementation.backend
     else:
         out, stats, _ = implementation.run(c, query, key, value)
-    if nan_rows is not None:
-        out = out.masked_fill(nan_rows[..., None], math.nan)
-        stats = None if stats is None else with_nan_rows(stats, nan_rows)
-    return Checked(out, stats, recomputed_by)
+    return Checked(*_with_nan_rows(out, stats, nan_rows), recomputed_by)
 
 
 def _float64(implementation: Implementation, c: Call) -> Implementation:
