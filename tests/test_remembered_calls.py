@@ -26,9 +26,9 @@ pytestmark = pytest.mark.skipif(kernels.load() is None, reason="the remembered c
 
 @pytest.fixture(autouse=True)
 def _nothing_remembered():
-    kernels.load().forget_torch_calls()
+    kernels.load().forget_calls()
     yield
-    kernels.load().forget_torch_calls()
+    kernels.load().forget_calls()
 
 
 @pytest.fixture
@@ -222,7 +222,7 @@ def test_remembered_calls_from_several_threads_while_another_forgets_them():
 
     def forget() -> None:
         while not stop.is_set():
-            kernel.forget_torch_calls()
+            kernel.forget_calls()
             attnscale.scaled_dot_product_attention(q, k, v, is_causal=True)  # remembered again
 
     threads = [threading.Thread(target=attend) for _ in range(2)]
@@ -245,17 +245,31 @@ def test_a_process_that_remembered_calls_exits_cleanly():
     assert done.returncode == 0 and "Fatal" not in done.stderr, done.stderr[-2000:]
 
 
+def _plain_call(q, k):
+    """A plain call's arguments as the compiled kernel's memory keys them."""
+    options = dict(mask=None, is_causal=False, scale=None, enable_gqa=False, alignment=attnscale.CausalAlignment.TOP_LEFT)
+    return dict(q=q, k=k, v=k, **options, softcap=None, alibi_slopes=None, window=None, sinks=None, return_stats=False)
+
+
+def _remembered(kernel, q, k):
+    args = _plain_call(q, k)
+    return kernel.remembered_call(*(args[name] for name in ("q", "k", "v", "mask", "is_causal", "scale", "enable_gqa", "alignment", "softcap", "alibi_slopes", "window", "sinks", "return_stats")), kernels.CHECKS_MAX)
+
+
 def test_the_remembered_calls_are_bounded():
     # More signatures than it keeps: it starts again rather than growing without bound.
     kernel = kernels.load()
+    kernel.set_alignments(top_left=attnscale.CausalAlignment.TOP_LEFT, bottom_right=attnscale.CausalAlignment.BOTTOM_RIGHT)
     k = torch.randn(1, 1, 3, 4)
+    torch_args = dict(torch_causal=False, torch_gqa=False, torch_scale=None, backend=attnscale.Backend.TORCH, why="why")
     for L in range(1, 600):
         q = torch.randn(1, 1, L, 4)
-        assert kernel.remember_torch_call(q, k, k, None, False, None, False, False, False, None, "why")
-    assert kernel.remembered_torch_call(q, k, k, None, False, None, False, kernels.CHECKS_MAX) is not None
+        assert kernel.remember_torch_call(**_plain_call(q, k), **torch_args)
+    assert _remembered(kernel, q, k) is not None
     first = torch.randn(1, 1, 1, 4)
-    assert kernel.remembered_torch_call(first, k, k, None, False, None, False, kernels.CHECKS_MAX) is None
-    np.testing.assert_equal(kernel.remember_torch_call(q.half(), k.half(), k.half(), None, False, None, False, False, False, None, "why"), False)
+    assert _remembered(kernel, first, k) is None
+    np.testing.assert_equal(kernel.remember_torch_call(**_plain_call(q.half(), k.half()), **torch_args), False)
+
 
 def test_a_growing_cache_takes_the_remembered_call_at_every_length(validated):
     # Without a mask, keys and values of any length S > 0 share the answer (as the pipeline's own

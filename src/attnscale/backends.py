@@ -27,7 +27,7 @@ from .masks import add_bias, alibi_bias, slopes_learned
 from .stats import AttentionStats
 from .tiled import tiled_attention
 
-__all__ = ["AUTO", "IMPLEMENTATIONS", "MATH_MAX_SCORES", "SDPA", "Call", "Implementation", "Refusal", "Result", "Spans", "Walk", "Why", "choose"]
+__all__ = ["AUTO", "IMPLEMENTATIONS", "MATH_MAX_SCORES", "SDPA", "Call", "Implementation", "Refusal", "Result", "Spans", "Walk", "Why", "choose", "kernel_plan"]
 
 TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
 """torch's own SDPA, bound once at import (``torch.nn.functional.scaled_dot_product_attention``
@@ -211,6 +211,19 @@ def _run_fused(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
         plan = None if c.attn_mask is not None else fused_kernel.plan(query, key, value, path=spec.path, sinks=c.sinks is not None, return_stats=spec.return_stats)
         _remember(_PLANS, spec, plan)
     return result
+
+
+def kernel_plan(c: Call) -> fused_kernel.ops.KernelOptions | None:
+    """The compiled kernel's planned options for a call it has computed by its plan, for the
+    compiled kernel's memory of answers (:func:`attnscale.functional._remember`): a call with a
+    feature torch lacks (so that ``auto`` takes the compiled kernel at every key length), no mask,
+    and no sinks where a gradient is asked (their merge is torch ops then); else None."""
+    memo = _PLANS.get(id(c.spec))
+    if memo is None or memo[0] is not c.spec or memo[1] is None or c.attn_mask is not None or kernel_feature(c.spec) is None:
+        return None
+    if c.sinks is not None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (c.query, c.key, c.value, c.alibi_slopes, c.sinks)):
+        return None
+    return memo[1].options
 
 
 def _remember(memo: dict, spec: AttentionCall, value: object) -> None:

@@ -38,7 +38,9 @@
 #include <string>
 #include <unordered_map>
 
+#include <ATen/ExpandUtils.h>
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 
@@ -295,12 +297,11 @@ std::vector<torch::Tensor> forward_int8(const torch::Tensor& q, const torch::Ten
   return result;
 }
 
-std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tensor& k16, const torch::Tensor& v16,
-                                    const torch::Tensor& dout, const torch::Tensor& delta, const torch::Tensor& m,
-                                    const torch::Tensor& l, const c10::optional<torch::Tensor>& alibi,
-                                    const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& spans,
-                                    bool slope_grad, const py::kwargs& options) {
-  const Options o = Options::from(options);
+std::vector<torch::Tensor> backward_with(const torch::Tensor& q16, const torch::Tensor& k16, const torch::Tensor& v16,
+                                         const torch::Tensor& dout, const torch::Tensor& delta, const torch::Tensor& m,
+                                         const torch::Tensor& l, const c10::optional<torch::Tensor>& alibi,
+                                         const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& spans,
+                                         bool slope_grad, const Options& o) {
   check_call(q16, k16, v16, alibi, mask, spans, o);
   check_backward(q16, v16, dout, delta, m, l);
   TORCH_CHECK_VALUE(!slope_grad || alibi.has_value(), "attnscale fused kernel: slope_grad asks for the gradient of ALiBi slopes, but the call has none");
@@ -346,6 +347,14 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
     backward_kernel(P, IO);
   });
   return {dq, dk, dv, dslope};
+}
+
+std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tensor& k16, const torch::Tensor& v16,
+                                    const torch::Tensor& dout, const torch::Tensor& delta, const torch::Tensor& m,
+                                    const torch::Tensor& l, const c10::optional<torch::Tensor>& alibi,
+                                    const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& spans,
+                                    bool slope_grad, const py::kwargs& options) {
+  return backward_with(q16, k16, v16, dout, delta, m, l, alibi, mask, spans, slope_grad, Options::from(options));
 }
 
 }  // namespace
@@ -693,34 +702,49 @@ py::object output_ok_op(const torch::Tensor& out, const torch::Tensor& key, int6
 
 namespace {
 
-// attnscale.scaled_dot_product_attention's answers for calls torch's kernel computes as they are
-// (the "torch" backend with torch's own arguments), remembered by the call's signature: every
-// tensor's dtype and sizes (plain CPU strided tensors only: no subclass, meta or nested tensor;
-// without a mask, keys and values of any length S > 0), whether the mask requires grad, and
-// is_causal, scale and enable_gqa as passed (exact bools, a float or None). remember_torch_call stores one after the full pipeline ran such a call (its
-// checks, its choice and its guard); remembered_torch_call makes the same call for a later one
-// of that signature, and the guard's first check of its output, or answers None (not
-// remembered, not of this form, a float mask with a NaN or +inf, an output the check does not
-// pass, torch.jit.trace or CPU autocast on): then the full pipeline runs, as on any call. Python holds the rest of the gate (options
-// at their defaults, not compiling, no torch.func transform or torch-function mode).
-struct TorchCall {
-  bool causal;
-  bool gqa;
+// attnscale.scaled_dot_product_attention's answers, remembered by the call's signature once the
+// full pipeline (its checks, its choice and its guard) has given one, for two kinds of call: those
+// torch's kernel computes as they are (the "torch" backend with torch's own arguments), and those
+// the compiled kernel computes by its plan (attnscale.backends.kernel_plan: a feature torch
+// lacks, no mask, float32 or float64). The signature: every tensor's dtype and sizes (plain CPU
+// strided tensors only: no subclass, meta or nested tensor; without a mask and with top-left
+// alignment, keys and values of any length S > 0, as the pipeline's own memory of a growing
+// cache has it, AttentionCall.same_along_s), whether the mask, slopes and sinks require grad, and
+// every option as passed (exact bools, floats, None, a window of exact ints or None, the
+// alignment as one of CausalAlignment's two members). remembered_call makes the same call for a
+// later one of that signature, with the checks of values the pipeline makes of every call (a
+// float mask below +inf; finite slopes, sinks below +inf) and the guard's first check of its
+// output, or answers None (not remembered, not of this form, a value or an output the checks do
+// not pass, torch.jit.trace or CPU autocast on): then the full pipeline runs, as on any call.
+// Python holds the rest of the gate (backend "auto", no dropout, not compiling, no torch.func
+// transform or torch-function mode).
+struct Remembered {
+  bool torch;                   // torch's kernel with the three arguments below; else the compiled kernel's plan
+  bool causal = false;
+  bool gqa = false;
   std::optional<double> scale;  // nullopt: torch's default
-  py::object why;               // why the pipeline chose torch's kernel (its log line)
+  Options options{};            // the compiled kernel's, tiles resolved
+  py::object backend;           // the Backend that answers (last_backend)
+  py::object why;               // why the pipeline chose it (its log line)
 };
 
-constexpr size_t kTorchCallsMax = 512;  // as attnscale._validate's signatures
+constexpr size_t kRememberedMax = 512;  // as attnscale._validate's signatures
 
-std::unordered_map<std::string, TorchCall>& torch_calls() {
+std::unordered_map<std::string, Remembered>& remembered_calls() {
   // Never destroyed: its Python objects must not be released after the interpreter has finalised.
-  static auto* calls = new std::unordered_map<std::string, TorchCall>();
+  static auto* calls = new std::unordered_map<std::string, Remembered>();
   return *calls;
 }
 
-// A tensor's dtype and sizes; with `any_length`, all sizes but dim -2's (keys and values without a
-// mask: the choice of torch's kernel and its arguments do not turn on S, as the pipeline's own
-// memory of a growing cache's calls has it, AttentionCall.same_along_s).
+// CausalAlignment.TOP_LEFT and BOTTOM_RIGHT (set_alignments; held, never released).
+PyObject* g_top_left = nullptr;
+PyObject* g_bottom_right = nullptr;
+
+void set_alignments(py::object top_left, py::object bottom_right) {
+  if (g_top_left == nullptr) g_top_left = top_left.release().ptr(), g_bottom_right = bottom_right.release().ptr();
+}
+
+// A tensor's dtype and sizes; with `any_length`, all sizes but dim -2's.
 bool append_tensor(std::string& key, PyObject* obj, bool any_length = false) {
   if (!THPVariable_CheckExact(obj)) return false;
   const auto& t = THPVariable_Unpack(obj);
@@ -738,71 +762,119 @@ bool append_tensor(std::string& key, PyObject* obj, bool any_length = false) {
   return true;
 }
 
+// None, or a tensor (append_tensor) and whether it requires grad.
+bool append_optional_tensor(std::string& key, PyObject* obj) {
+  if (obj == Py_None) return key.push_back('n'), true;
+  if (!append_tensor(key, obj)) return false;
+  key.push_back(THPVariable_Unpack(obj).requires_grad() ? 'g' : 'c');
+  return true;
+}
+
 bool append_flag(std::string& key, PyObject* obj) {
   if (obj != Py_True && obj != Py_False) return false;
   key.push_back(obj == Py_True ? 'T' : 'F');
   return true;
 }
 
-std::optional<std::string> call_signature(py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa) {
-  std::string key;
-  key.reserve(128);
-  const bool any_length = mask.is_none();
-  if (!append_tensor(key, q.ptr()) || !append_tensor(key, k.ptr(), any_length) || !append_tensor(key, v.ptr(), any_length)) return std::nullopt;
-  if (any_length) {
-    key.push_back('n');
-  } else {
-    if (!append_tensor(key, mask.ptr())) return std::nullopt;
-    key.push_back(THPVariable_Unpack(mask.ptr()).requires_grad() ? 'g' : 'c');
-  }
-  if (!append_flag(key, causal.ptr()) || !append_flag(key, gqa.ptr())) return std::nullopt;
-  if (scale.is_none()) {
-    key.push_back('n');
-  } else if (PyFloat_CheckExact(scale.ptr())) {
-    const double x = PyFloat_AS_DOUBLE(scale.ptr());
-    key.push_back('f');
-    key.append(reinterpret_cast<const char*>(&x), sizeof(double));
-  } else {
-    return std::nullopt;
-  }
-  return key;
-}
-
-bool remember_torch_call(py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa,
-                         bool torch_causal, bool torch_gqa, std::optional<double> torch_scale, py::object why) {
-  auto key = call_signature(q, k, v, mask, causal, scale, gqa);
-  if (!key) return false;
-  const auto dt = THPVariable_Unpack(q.ptr()).scalar_type();
-  if (dt != at::kFloat && dt != at::kDouble) return false;  // (the guard's one-call check takes these)
-  auto& calls = torch_calls();
-  if (calls.size() >= kTorchCallsMax) calls.clear();
-  calls[*key] = TorchCall{torch_causal, torch_gqa, torch_scale, std::move(why)};
+// None, or an exact float (its bits).
+bool append_float(std::string& key, PyObject* obj) {
+  if (obj == Py_None) return key.push_back('n'), true;
+  if (!PyFloat_CheckExact(obj)) return false;
+  const double x = PyFloat_AS_DOUBLE(obj);
+  key.push_back('f');
+  key.append(reinterpret_cast<const char*>(&x), sizeof(double));
   return true;
 }
 
-void forget_torch_calls() { torch_calls().clear(); }
+// None, or an exact tuple of two sides, each None or an exact int (not a bool) that fits int64.
+bool append_window(std::string& key, PyObject* obj) {
+  if (obj == Py_None) return key.push_back('n'), true;
+  if (!PyTuple_CheckExact(obj) || PyTuple_GET_SIZE(obj) != 2) return false;
+  key.push_back('w');
+  for (Py_ssize_t i = 0; i < 2; ++i) {
+    PyObject* side = PyTuple_GET_ITEM(obj, i);
+    if (side == Py_None) {
+      key.push_back('n');
+      continue;
+    }
+    if (!PyLong_CheckExact(side)) return false;
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(side, &overflow);
+    if (overflow != 0 || (x == -1 && PyErr_Occurred())) return PyErr_Clear(), false;
+    key.push_back('i');
+    key.append(reinterpret_cast<const char*>(&x), sizeof(x));
+  }
+  return true;
+}
 
-py::object remembered_torch_call(py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa, int64_t limit) {
-  // (jit.trace: the pipeline refuses it; CPU autocast: torch's kernel answers in the autocast
-  // dtype, which the pipeline's guard reads as such)
-  if (torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU)) return py::none();
-  const auto key = call_signature(q, k, v, mask, causal, scale, gqa);
-  if (!key) return py::none();
-  const auto& calls = torch_calls();
-  const auto found = calls.find(*key);
-  if (found == calls.end()) return py::none();
-  // A copy: while the GIL is released below, another thread may remember a call (and start the
-  // memory again, destroying its entries) or forget them all.
-  const TorchCall call = found->second;
-  const auto& Q = THPVariable_Unpack(q.ptr());
-  const auto& K = THPVariable_Unpack(k.ptr());
-  const auto& V = THPVariable_Unpack(v.ptr());
-  if (mask.is_none() && (K.size(-2) != V.size(-2) || K.size(-2) == 0)) return py::none();  // (keys of any length S > 0: one S for k and v)
+// Everything a call passes, as Python objects.
+struct CallArgs {
+  py::handle q, k, v, mask, causal, scale, gqa, alignment, softcap, alibi, window, sinks, stats;
+};
+
+std::optional<std::string> call_signature(const CallArgs& a) {
+  PyObject* alignment = a.alignment.ptr();
+  if (alignment == nullptr || (alignment != g_top_left && alignment != g_bottom_right) || g_top_left == nullptr) return std::nullopt;
+  std::string key;
+  key.reserve(160);
+  const bool any_length = a.mask.is_none() && alignment == g_top_left;  // (top-left: the query offset is 0 at every S)
+  if (!append_tensor(key, a.q.ptr()) || !append_tensor(key, a.k.ptr(), any_length) || !append_tensor(key, a.v.ptr(), any_length)) return std::nullopt;
+  key.push_back(alignment == g_top_left ? 't' : 'b');
+  if (!append_optional_tensor(key, a.mask.ptr()) || !append_flag(key, a.causal.ptr()) || !append_flag(key, a.gqa.ptr()) ||
+      !append_float(key, a.scale.ptr()) || !append_float(key, a.softcap.ptr()) || !append_optional_tensor(key, a.alibi.ptr()) ||
+      !append_window(key, a.window.ptr()) || !append_optional_tensor(key, a.sinks.ptr()) || !append_flag(key, a.stats.ptr()))
+    return std::nullopt;
+  return key;
+}
+
+bool remember(const CallArgs& a, Remembered entry) {
+  auto key = call_signature(a);
+  if (!key) return false;
+  auto& calls = remembered_calls();
+  if (calls.size() >= kRememberedMax) calls.clear();
+  calls[*key] = std::move(entry);
+  return true;
+}
+
+bool float_kind(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble; }
+
+bool remember_torch_call(const CallArgs& a, bool torch_causal, bool torch_gqa, std::optional<double> torch_scale, py::object backend, py::object why) {
+  if (!THPVariable_CheckExact(a.q.ptr()) || !float_kind(THPVariable_Unpack(a.q.ptr()))) return false;  // (the guard's one-call check takes these)
+  return remember(a, Remembered{true, torch_causal, torch_gqa, torch_scale, Options{}, std::move(backend), std::move(why)});
+}
+
+// Slopes or sinks the checks of values read in one call: float32 or float64, no wider than q's
+// dtype (a float64 slope may not fit float32; a float32 one fits float64).
+bool checked_in_one_call(py::handle x, at::ScalarType q_dtype) {
+  if (x.is_none()) return true;
+  if (!THPVariable_CheckExact(x.ptr())) return false;
+  const auto dt = THPVariable_Unpack(x.ptr()).scalar_type();
+  return float_kind(THPVariable_Unpack(x.ptr())) && (dt == q_dtype || q_dtype == at::kDouble);
+}
+
+bool remember_kernel_call(const CallArgs& a, const py::tuple& options, py::object backend, py::object why) {
+  if (!THPVariable_CheckExact(a.q.ptr())) return false;
+  const auto dt = THPVariable_Unpack(a.q.ptr()).scalar_type();
+  if (!float_kind(THPVariable_Unpack(a.q.ptr())) || !a.mask.is_none() || !checked_in_one_call(a.alibi, dt) || !checked_in_one_call(a.sinks, dt)) return false;
+  const Options o = Options::from(options);
+  TORCH_CHECK(o.block_q > 0 && o.block_k > 0, "attnscale fused kernel: a remembered plan has its tiles resolved");
+  return remember(a, Remembered{false, false, false, std::nullopt, o, std::move(backend), std::move(why)});
+}
+
+void forget_calls() { remembered_calls().clear(); }
+
+py::object wrap(const at::Tensor& t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(t)); }
+
+// torch's kernel, as the pipeline called it, and the guard's first check of its output.
+py::object torch_call(const Remembered& call, const CallArgs& a, int64_t limit) {
+  const auto& Q = THPVariable_Unpack(a.q.ptr());
+  const auto& K = THPVariable_Unpack(a.k.ptr());
+  const auto& V = THPVariable_Unpack(a.v.ptr());
   const int64_t out_numel = Q.dim() == 0 || Q.size(-1) == 0 ? 0 : Q.numel() / Q.size(-1) * V.size(-1);
   if (Q.numel() > limit || K.numel() > limit || out_numel > limit) return py::none();  // (the guard's check takes torch's reductions there)
   std::optional<at::Tensor> M;
-  if (!mask.is_none()) {
-    M = THPVariable_Unpack(mask.ptr());
+  if (!a.mask.is_none()) {
+    M = THPVariable_Unpack(a.mask.ptr());
     if (M->scalar_type() != at::kBool && M->numel() && !below_inf_op(*M)) return py::none();  // (the full checks say why)
   }
   at::Tensor out;
@@ -811,7 +883,163 @@ py::object remembered_torch_call(py::handle q, py::handle k, py::handle v, py::h
     out = at::scaled_dot_product_attention(Q, K, V, M, 0.0, call.causal, call.scale, call.gqa);
   }
   if (out.scalar_type() != Q.scalar_type() || !(rows_ok_op(out) && all_finite_op(K))) return py::none();
-  return py::make_tuple(py::reinterpret_steal<py::object>(THPVariable_Wrap(out)), call.why);
+  return py::make_tuple(wrap(out), call.backend, call.why);
+}
+
+const char* const kNoDoubleBackward =
+    "attnscale's fused backend has no double backward (the derivative of its backward pass, which create_graph=True, gradient "
+    "penalties and nested torch.func.grad need). Fix: backend='math', which computes it";
+
+// Gradients from a backward without a derivative, in a graph-building backward: behind a node that
+// depends on the inputs and whose own backward raises (attnscale._autograd.first_order).
+struct RefuseDoubleBackward : public torch::autograd::Function<RefuseDoubleBackward> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext*, at::TensorList grads, at::TensorList) {
+    torch::autograd::variable_list copies;
+    for (const auto& g : grads) copies.push_back(g.clone());
+    return copies;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list) {
+    TORCH_CHECK(false, kNoDoubleBackward);
+  }
+};
+
+// The options in saved_data (ints cannot all be doubles: window sides reach 2**62).
+void save_options(torch::autograd::AutogradContext* ctx, const Options& o) {
+  std::vector<double> reals{o.scale, o.softcap};
+  std::vector<int64_t> ints{o.causal, o.q_offset, o.left, o.right, o.q_start, o.k_start, o.with_stats, o.block_q, o.block_k, o.half_products, o.round_out};
+  ctx->saved_data["reals"] = reals;
+  ctx->saved_data["ints"] = ints;
+}
+
+Options saved_options(torch::autograd::AutogradContext* ctx) {
+  const auto reals = ctx->saved_data["reals"].toDoubleVector();
+  const auto ints = ctx->saved_data["ints"].toIntVector();
+  Options o;
+  o.scale = reals[0], o.softcap = reals[1];
+  o.causal = ints[0], o.q_offset = ints[1], o.left = ints[2], o.right = ints[3], o.q_start = ints[4], o.k_start = ints[5];
+  o.with_stats = ints[6], o.block_q = ints[7], o.block_k = ints[8], o.half_products = ints[9], o.round_out = ints[10];
+  return o;
+}
+
+// The compiled kernel's forward where a gradient is asked of q, k, v or the slopes: the autograd
+// rule of attnscale.kernels.ops.fused_forward (setup_forward, backward_forward, fused_backward)
+// for float32 and float64 inputs of the kernel's layout, as one C++ node. Outputs: out, lse, and
+// with statistics the four of them (not differentiable); *ok: the rows' verdict.
+struct FusedForward : public torch::autograd::Function<FusedForward> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const c10::optional<at::Tensor>& alibi, Options o, bool* ok) {
+    c10::optional<at::Tensor> slopes;  // in the compute dtype, as the pipeline's cast gives them
+    if (alibi.has_value()) slopes = alibi->scalar_type() == q.scalar_type() ? alibi->detach() : alibi->detach().to(q.scalar_type());
+    auto [r, fine] = forward_run(q, k, v, slopes, c10::nullopt, c10::nullopt, o, false);  // [out, lse, m, l, statistics...]
+    *ok = fine;
+    ctx->save_for_backward({q, k, v, r[0], r[2], r[3], slopes.value_or(at::Tensor()), alibi.value_or(at::Tensor())});
+    save_options(ctx, o);
+    torch::autograd::variable_list outs{r[0], r[1]};
+    if (o.with_stats) {
+      for (size_t i = 4; i < 8; ++i) outs.push_back(r[i]);
+      ctx->mark_non_differentiable({r[4], r[5], r[6], r[7]});
+    }
+    return outs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &m = saved[4], &l = saved[5], &slopes = saved[6], &alibi = saved[7];
+    const bool learned = alibi.defined() && ctx->needs_input_grad(3);
+    at::Tensor dq, dk, dv, dslope;
+    {
+      at::NoGradGuard no_grad;  // the backward has no derivative: see RefuseDoubleBackward
+      const at::Tensor& dout = grads[0];
+      // D_i = rowsum(dO * O) - dlse_i (FlashAttention-2; a gradient on lse adds p dlse to dS)
+      const at::Tensor delta = (dout * out).sum(-1) - grads[1];
+      Options o = saved_options(ctx);
+      o.with_stats = false, o.round_out = false, o.half_products = true;  // (the backward's fields; float inputs)
+      const c10::optional<at::Tensor> kernel_slopes = slopes.defined() ? c10::optional<at::Tensor>(slopes) : c10::nullopt;
+      auto g = backward_with(q, k, v, dout.contiguous(), delta.contiguous(), m, l, kernel_slopes, c10::nullopt, c10::nullopt, learned, o);
+      dq = g[0], dk = g[1], dv = g[2];
+      const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), S = k.size(2);
+      if (dk.size(1) != Hkv) {  // per query head: a group's heads share k
+        dk = dk.view({B, Hkv, H / Hkv, S, dk.size(3)}).sum(2);
+        dv = dv.view({B, Hkv, H / Hkv, S, dv.size(3)}).sum(2);
+      }
+      if (learned) dslope = at::sum_to(g[3], alibi.sizes()).to(alibi.scalar_type());  // (B, H) to the slopes' shape and dtype
+    }
+    torch::autograd::variable_list result{dq, dk, dv, dslope, at::Tensor(), at::Tensor()};
+    if (!at::GradMode::is_enabled()) return result;
+    std::vector<at::Tensor> anchors, present;
+    for (const auto* x : {&q, &k, &v, &alibi})
+      if (x->defined() && x->requires_grad()) anchors.push_back(*x);
+    if (anchors.empty()) return result;
+    for (size_t i = 0; i < 4; ++i)
+      if (result[i].defined()) present.push_back(result[i]);
+    auto refused = RefuseDoubleBackward::apply(at::TensorList(present), at::TensorList(anchors));
+    for (size_t i = 0, j = 0; i < 4; ++i)
+      if (result[i].defined()) result[i] = refused[j++];
+    return result;
+  }
+};
+
+// Rows BLAS reads as they lie (attnscale.kernels.fused._blas_rows).
+bool blas_rows(const at::Tensor& x) { return x.stride(-1) == 1 && x.stride(-2) >= std::max<int64_t>(x.size(-1), 1); }
+
+// The compiled kernel by the remembered plan, with the checks of values and the guard's first
+// check (the kernel's verdict on its rows; where a gradient is asked of q or k, k finite).
+py::object kernel_call(const Remembered& call, const CallArgs& a) {
+  const auto& Q = THPVariable_Unpack(a.q.ptr());
+  const auto& K = THPVariable_Unpack(a.k.ptr());
+  const auto& V = THPVariable_Unpack(a.v.ptr());
+  if (!blas_rows(Q) || !blas_rows(K) || !blas_rows(V)) return py::none();  // (the pipeline's copies)
+  c10::optional<at::Tensor> alibi, sinks;
+  if (!a.alibi.is_none()) {
+    alibi = THPVariable_Unpack(a.alibi.ptr());
+    if (!all_finite_op(*alibi)) return py::none();  // (the full checks say why)
+  }
+  if (!a.sinks.is_none()) {
+    sinks = THPVariable_Unpack(a.sinks.ptr());
+    if (!below_inf_op(*sinks)) return py::none();
+  }
+  const Options& o = call.options;
+  const bool grad = at::GradMode::is_enabled() && (Q.requires_grad() || K.requires_grad() || V.requires_grad() || (alibi && alibi->requires_grad()) ||
+                                                   (sinks && sinks->requires_grad()));
+  std::vector<at::Tensor> r;
+  if (grad) {
+    if (sinks) return py::none();  // (their merge is torch ops the gradient flows through)
+    bool ok = false;
+    r = FusedForward::apply(Q, K, V, alibi, o, &ok);
+    if (!ok || ((Q.requires_grad() || K.requires_grad()) && !all_finite_op(K))) return py::none();
+  } else {
+    c10::optional<at::Tensor> slopes;
+    if (alibi) slopes = alibi->scalar_type() == Q.scalar_type() ? *alibi : alibi->detach().to(Q.scalar_type());
+    auto [lean, ok] = forward_run(Q, K, V, slopes, c10::nullopt, c10::nullopt, o, true);  // [out, lse, statistics...]
+    if (!ok) return py::none();
+    // A row scaled by its sink's share, in [0, 1], keeps the verdict (attnscale.kernels.fused._finished).
+    if (sinks) sink_scale_op(lean[0], lean[1], *sinks);
+    r = std::move(lean);
+  }
+  if (!o.with_stats) return py::make_tuple(wrap(r[0]), call.backend, call.why);
+  return py::make_tuple(wrap(r[0]), call.backend, call.why, wrap(r[1]), wrap(r[2]), wrap(r[3]), wrap(r[4]), wrap(r[5]));
+}
+
+py::object remembered_call(py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa,
+                           py::handle alignment, py::handle softcap, py::handle alibi, py::handle window, py::handle sinks, py::handle stats,
+                           int64_t limit) {
+  // (jit.trace: the pipeline refuses it; CPU autocast: torch's kernel answers in the autocast
+  // dtype, which the pipeline's guard reads as such)
+  if (torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU)) return py::none();
+  const CallArgs a{q, k, v, mask, causal, scale, gqa, alignment, softcap, alibi, window, sinks, stats};
+  const auto key = call_signature(a);
+  if (!key) return py::none();
+  const auto& calls = remembered_calls();
+  const auto found = calls.find(*key);
+  if (found == calls.end()) return py::none();
+  // A copy: while torch's call releases the GIL, another thread may remember a call (and start the
+  // memory again, destroying its entries) or forget them all.
+  const Remembered call = found->second;
+  if (mask.is_none()) {  // keys of any length S > 0: one S for k and v
+    const auto &K = THPVariable_Unpack(k.ptr()), &V = THPVariable_Unpack(v.ptr());
+    if (K.size(-2) != V.size(-2) || K.size(-2) == 0) return py::none();
+  }
+  return call.torch ? torch_call(call, a, limit) : kernel_call(call, a);
 }
 
 }  // namespace
@@ -835,12 +1063,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("output_ok", &output_ok_op, "rows_ok(out) and all_finite(key) in one call (the guard's check of a backend that reports nothing on its rows); None unless both are CPU float32 or float64 tensors of one dtype with at most limit entries",
              py::arg("out"), py::arg("key"), py::arg("limit"));
   module.def("all_finite", &all_finite_op, "whether every entry of a float32 or float64 tensor is finite (the guard's check of k)");
-  module.def("remember_torch_call", &remember_torch_call, "remember that torch's kernel computes calls of this signature with these arguments (False: not a signature remembered here)",
-             py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("is_causal"), py::arg("scale"), py::arg("enable_gqa"),
-             py::arg("torch_causal"), py::arg("torch_gqa"), py::arg("torch_scale"), py::arg("why"));
-  module.def("remembered_torch_call", &remembered_torch_call, "(out, why) of a remembered call of torch's kernel whose output passes the guard's first check; None otherwise",
-             py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("is_causal"), py::arg("scale"), py::arg("enable_gqa"), py::arg("limit"));
-  module.def("forget_torch_calls", &forget_torch_calls, "forget every remembered call of torch's kernel");
+  // A call's arguments as remembered_call takes them (CallArgs), then each kind's own.
+  auto call_args = [](py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa, py::handle alignment,
+                      py::handle softcap, py::handle alibi, py::handle window, py::handle sinks, py::handle stats) {
+    return CallArgs{q, k, v, mask, causal, scale, gqa, alignment, softcap, alibi, window, sinks, stats};
+  };
+#define ATTNSCALE_CALL_ARGS                                                                                                                  \
+  py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("is_causal"), py::arg("scale"), py::arg("enable_gqa"), py::arg("alignment"), \
+      py::arg("softcap"), py::arg("alibi_slopes"), py::arg("window"), py::arg("sinks"), py::arg("return_stats")
+  module.def(
+      "remember_torch_call",
+      [call_args](py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa, py::handle alignment,
+                  py::handle softcap, py::handle alibi, py::handle window, py::handle sinks, py::handle stats, bool torch_causal, bool torch_gqa,
+                  std::optional<double> torch_scale, py::object backend, py::object why) {
+        return remember_torch_call(call_args(q, k, v, mask, causal, scale, gqa, alignment, softcap, alibi, window, sinks, stats), torch_causal, torch_gqa,
+                                   torch_scale, std::move(backend), std::move(why));
+      },
+      "remember that torch's kernel computes calls of this signature with these arguments (False: not a signature remembered here)", ATTNSCALE_CALL_ARGS,
+      py::arg("torch_causal"), py::arg("torch_gqa"), py::arg("torch_scale"), py::arg("backend"), py::arg("why"));
+  module.def(
+      "remember_kernel_call",
+      [call_args](py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa, py::handle alignment,
+                  py::handle softcap, py::handle alibi, py::handle window, py::handle sinks, py::handle stats, const py::tuple& options, py::object backend,
+                  py::object why) {
+        return remember_kernel_call(call_args(q, k, v, mask, causal, scale, gqa, alignment, softcap, alibi, window, sinks, stats), options,
+                                    std::move(backend), std::move(why));
+      },
+      "remember that the compiled kernel computes calls of this signature by this plan (options in KernelOptions' order; False: not a signature remembered here)",
+      ATTNSCALE_CALL_ARGS, py::arg("options"), py::arg("backend"), py::arg("why"));
+#undef ATTNSCALE_CALL_ARGS
+  module.def("remembered_call", &remembered_call,
+             "(out, backend, why), with statistics (out, backend, why, lse, max_logit, max_prob, entropy, visible), of a remembered call whose checks and "
+             "output pass; None otherwise (arguments in scaled_dot_product_attention's order, then the largest tensor torch's call is checked on here)");
+  module.def("set_alignments", &set_alignments, "the two CausalAlignment members a remembered call's alignment is one of", py::arg("top_left"), py::arg("bottom_right"));
+  module.def("forget_calls", &forget_calls, "forget every remembered call");
   module.def("below_inf", &below_inf_op, "whether no entry of a float32 or float64 tensor is NaN or +inf (a float mask's values)");
   module.def("sink_scale", &sink_scale_op, "attention sinks on the kernel's rows, in place: out (..., H, L, Dv) times sigmoid(lse - sink) per row, rows with lse = -inf left as they are");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");

@@ -1,0 +1,263 @@
+"""Calls the compiled kernel computes by its plan (a feature torch lacks: softcap, window, ALiBi,
+sinks, bottom-right alignment, return_stats), remembered by their signature in the compiled kernel
+(``remember_kernel_call``) after the full pipeline ran one: a later call of that signature makes
+the same kernel call with the checks of values (finite slopes, sinks below +inf) and the guard's
+first check, in one compiled call, also where a gradient is asked (the kernel's autograd rule as a
+C++ node). Every answer is the pipeline's, bit for bit; anything the memory cannot vouch for takes
+the full pipeline."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnscale
+from attnscale import CausalAlignment, functional, kernels, reference
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="the remembered calls live in the compiled kernel")
+
+
+@pytest.fixture(autouse=True)
+def _nothing_remembered():
+    kernels.load().forget_calls()
+    yield
+    kernels.load().forget_calls()
+
+
+@pytest.fixture
+def validated(monkeypatch) -> list[int]:
+    """One entry per call that took the full pipeline (its validation)."""
+    calls: list[int] = []
+    check = functional.check_attention_call
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(functional, "check_attention_call", counting)
+    return calls
+
+
+def _qkv(seed: int, *, L=3, S=24, H=4, Hkv=2, D=16, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)  # noqa: E731
+    return draw(2, H, L, D), draw(2, Hkv, S, D), draw(2, Hkv, S, D)
+
+
+_SINKS = torch.tensor([0.5, -1.0, -math.inf, 2.0])
+CASES = {
+    "softcap": dict(softcap=5.0),
+    "window": dict(window=(4, 0), is_causal=True),
+    "window, sides as None and an int": dict(window=(None, 2)),
+    "alibi": dict(alibi_slopes=attnscale.alibi_slopes(4)),
+    "alibi per batch entry": dict(alibi_slopes=attnscale.alibi_slopes(4).expand(2, 4).contiguous()),
+    "bottom-right causal": dict(is_causal=True, causal_alignment=CausalAlignment.BOTTOM_RIGHT),
+    "sinks": dict(sinks=_SINKS),
+    "return_stats": dict(return_stats=True),
+    "return_stats with sinks and softcap": dict(return_stats=True, sinks=_SINKS, softcap=3.0),
+    "scale": dict(softcap=5.0, scale=0.7),
+    "float64": dict(softcap=5.0, dtype=torch.float64),
+    "float32 slopes, float64 inputs": dict(alibi_slopes=attnscale.alibi_slopes(4), dtype=torch.float64),
+}
+
+
+def _split(case: dict) -> tuple[dict, dict]:
+    options = dict(case)
+    dtype = options.pop("dtype", torch.float32)
+    return dict(dtype=dtype), dict(options, enable_gqa=True)
+
+
+def _equal(a, b) -> None:
+    """Bit for bit: the output, and every statistic where there are statistics."""
+    if isinstance(a, tuple):
+        torch.testing.assert_close(a[0], b[0], rtol=0, atol=0, equal_nan=True)
+        for name in ("lse", "max_logit", "max_prob", "entropy", "visible_keys", "sink_share"):
+            x, y = getattr(a[1], name), getattr(b[1], name)
+            assert (x is None) == (y is None), name
+            if x is not None:
+                torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True, msg=name)
+    else:
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", CASES, ids=str)
+def test_a_remembered_kernel_call_skips_the_pipeline_and_equals_it(name, validated):
+    shape, options = _split(CASES[name])
+    q, k, v = _qkv(0, **shape)
+    first = attnscale.scaled_dot_product_attention(q, k, v, **options)
+    assert len(validated) == 1 and attnscale.last_backend() == "fused"
+    again = attnscale.scaled_dot_product_attention(q, k, v, **options)
+    assert len(validated) == 1, "a remembered call is not validated again"
+    assert attnscale.last_backend() == "fused"
+    _equal(again, first)
+    # and both are the semantics: the float64 reference
+    out = again[0] if isinstance(again, tuple) else again
+    # (measured: at most 5.3e-7 in float32, 6.7e-16 in float64 over these cases)
+    torch.testing.assert_close(out.double(), _reference(q, k, v, **options), rtol=0, atol=2e-6 if q.dtype == torch.float32 else 4e-15)
+
+
+def _reference(q, k, v, **options):
+    """The float64 reference (numpy; key and value heads repeated for the query heads they serve)."""
+    group = q.shape[-3] // k.shape[-3]
+    k, v = (t.repeat_interleave(group, dim=-3) for t in (k, v))
+    options = {name: value for name, value in options.items() if name not in ("enable_gqa", "return_stats")}
+    numpy = {name: (x.detach().double().numpy() if isinstance(x, torch.Tensor) else x) for name, x in options.items()}
+    if "causal_alignment" in numpy:
+        numpy["causal_alignment"] = CausalAlignment(numpy["causal_alignment"]).value
+    return torch.from_numpy(reference.attention(*(t.detach().double().numpy() for t in (q, k, v)), **numpy))
+
+
+def _forced(q, k, v, **options):
+    """The same call through the full pipeline every time (a named backend is never remembered)."""
+    return attnscale.scaled_dot_product_attention(q, k, v, backend="fused", **options)
+
+
+def test_a_growing_cache_with_a_feature_takes_the_remembered_call_at_every_length(validated):
+    # Top-left alignment: the query offset is 0 at every key length, so one signature serves all.
+    q, k, v = _qkv(1, L=1, S=40)
+    for S in range(20, 40):
+        out = attnscale.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S], softcap=5.0, is_causal=True, enable_gqa=True)
+        _equal(out, _forced(q, k[:, :, :S], v[:, :, :S], softcap=5.0, is_causal=True, enable_gqa=True))
+    assert len(validated) == 1 + 20, "one full call, then every step remembered (the forced calls validate)"
+
+
+def test_bottom_right_alignment_is_remembered_per_key_length(validated):
+    # There the query offset is S - L: each key length is a signature of its own.
+    q, k, v = _qkv(2, L=3, S=40)
+    options = dict(is_causal=True, causal_alignment=CausalAlignment.BOTTOM_RIGHT, enable_gqa=True)
+    for S in (20, 21, 20, 21):
+        out = attnscale.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S], **options)
+        _equal(out, _forced(q, k[:, :, :S], v[:, :, :S], **options))
+    assert len(validated) == 2 + 4, "two full calls, then both lengths remembered (the forced calls validate)"
+
+
+def _gradients(q, k, v, slopes, **options):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    slopes = slopes.clone().requires_grad_()
+    result = attnscale.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes, enable_gqa=True, **options)
+    out, stats = result if isinstance(result, tuple) else (result, None)
+    loss = (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum() + (0 if stats is None else stats.lse.sum())
+    loss.backward()
+    return out.detach(), q.grad, k.grad, v.grad, slopes.grad
+
+
+GRAD_CASES = {
+    "learned slopes": dict(),
+    "learned slopes, statistics (lse carries a gradient)": dict(return_stats=True),
+    "learned slopes per batch entry": dict(per_batch=True),
+    "learned slopes, window, softcap": dict(window=(3, 1), softcap=4.0),
+    "float32 slopes, float64 inputs": dict(dtype=torch.float64),
+}
+
+
+@pytest.mark.parametrize("name", GRAD_CASES, ids=str)
+def test_gradients_through_a_remembered_kernel_call_are_the_pipelines(name, validated):
+    options = dict(GRAD_CASES[name])
+    dtype, per_batch = options.pop("dtype", torch.float32), options.pop("per_batch", False)
+    q, k, v = _qkv(3, dtype=dtype)
+    slopes = attnscale.alibi_slopes(4)
+    slopes = slopes.expand(2, 4).contiguous() if per_batch else slopes
+    first = _gradients(q, k, v, slopes, **options)
+    again = _gradients(q, k, v, slopes, **options)
+    assert len(validated) == 1, "the second call is remembered"
+    for got, want in zip(again, first):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert first[4].dtype == slopes.dtype and first[4].shape == slopes.shape
+
+
+def test_a_remembered_kernel_call_refuses_a_double_backward():
+    q, k, v = _qkv(4)
+    slopes = attnscale.alibi_slopes(4).requires_grad_()
+    q.requires_grad_()
+    for _ in range(2):  # the full pipeline, then the remembered call
+        out = attnscale.scaled_dot_product_attention(q, k, v, alibi_slopes=slopes, enable_gqa=True)
+        (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="attnscale's fused backend has no double backward"):
+            dq.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(dict(alibi_slopes=torch.tensor([0.5, math.nan, 0.25, 0.125])), id="a NaN slope"),
+        pytest.param(dict(alibi_slopes=torch.tensor([0.5, math.inf, 0.25, 0.125])), id="an infinite slope"),
+        pytest.param(dict(sinks=torch.tensor([0.5, math.inf, 0.0, 0.0])), id="a +inf sink"),
+        pytest.param(dict(sinks=torch.tensor([0.5, math.nan, 0.0, 0.0])), id="a NaN sink"),
+    ],
+)
+def test_values_a_signature_cannot_prove_are_checked_on_every_remembered_call(bad, validated):
+    q, k, v = _qkv(5)
+    good = {name: torch.full_like(t, 0.25) for name, t in bad.items()}
+    for _ in range(2):
+        attnscale.scaled_dot_product_attention(q, k, v, enable_gqa=True, **good)
+    assert len(validated) == 1
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=f"{name}: expected finite"):
+        attnscale.scaled_dot_product_attention(q, k, v, enable_gqa=True, **bad)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_a_remembered_kernel_signature_still_follows_the_nan_rule(where, validated):
+    q, k, v = _qkv(6)
+    for _ in range(2):
+        attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, enable_gqa=True)
+    poisoned = dict(q=q.clone(), k=k.clone(), v=v.clone())
+    poisoned[where][1, 1, 2, 3] = math.nan
+    out = attnscale.scaled_dot_product_attention(poisoned["q"], poisoned["k"], poisoned["v"], softcap=5.0, enable_gqa=True)
+    assert len(validated) == 2, "the kernel's verdict sends the call to the full pipeline"
+    want = _reference(poisoned["q"], poisoned["k"], poisoned["v"], softcap=5.0)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-6, equal_nan=True)
+
+
+def test_an_inf_in_k_under_a_gradient_takes_the_full_pipeline(validated):
+    # Its products with a row may all be -inf: the kernel's rows look right, the gradients need the look at k.
+    q, k, v = _qkv(7)
+    q.requires_grad_()
+    for _ in range(2):
+        attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, enable_gqa=True)
+    assert len(validated) == 1
+    bad = k.clone()
+    bad[0, 0, 5, 0] = math.inf
+    out = attnscale.scaled_dot_product_attention(q, bad, v, softcap=5.0, enable_gqa=True)
+    assert len(validated) == 2
+    out.nan_to_num().sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
+def test_sinks_that_require_grad_take_the_full_pipeline_and_get_their_gradient(validated):
+    q, k, v = _qkv(8)
+    for _ in range(3):
+        sinks = _SINKS.clone().requires_grad_()
+        attnscale.scaled_dot_product_attention(q, k, v, sinks=sinks, enable_gqa=True).sum().backward()
+        assert sinks.grad is not None and torch.isfinite(sinks.grad[[0, 1, 3]]).all()
+    assert len(validated) == 3
+
+
+OTHER_ROUTES = {
+    "alignment as a string": dict(causal_alignment="bottom_right", is_causal=True),
+    "a window as a list": dict(window=[4, 0]),
+    "an int softcap": dict(softcap=5),
+    "a named backend": dict(softcap=5.0, backend="fused"),
+    "a mask": dict(softcap=5.0, attn_mask=torch.ones(3, 24, dtype=torch.bool)),
+}
+
+
+@pytest.mark.parametrize("route", OTHER_ROUTES, ids=str)
+def test_calls_off_the_remembered_form_take_the_full_pipeline(route, validated):
+    q, k, v = _qkv(9)
+    options = OTHER_ROUTES[route]
+    first = attnscale.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)
+    again = attnscale.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)
+    assert len(validated) == 2, "validated in full each time"
+    _equal(again, first)
+
+
+def test_inputs_blas_cannot_read_as_they_lie_take_the_full_pipeline(validated):
+    q, k, v = _qkv(10)
+    attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, enable_gqa=True)
+    strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # the same sizes, a last dim of stride L
+    out = attnscale.scaled_dot_product_attention(strided, k, v, softcap=5.0, enable_gqa=True)
+    assert len(validated) == 2
+    _equal(out, _forced(q, k, v, softcap=5.0, enable_gqa=True))
