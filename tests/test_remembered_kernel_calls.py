@@ -261,3 +261,86 @@ def test_inputs_blas_cannot_read_as_they_lie_take_the_full_pipeline(validated):
     out = attnscale.scaled_dot_product_attention(strided, k, v, softcap=5.0, enable_gqa=True)
     assert len(validated) == 2
     _equal(out, _forced(q, k, v, softcap=5.0, enable_gqa=True))
+
+
+# --- packed calls (varlen_attention): remembered with their cumulative lengths' values ----------
+
+
+@pytest.fixture
+def packed_validated(monkeypatch) -> list[int]:
+    """One entry per packed call that took the full pipeline (its validation)."""
+    from attnscale import varlen
+
+    calls: list[int] = []
+    check = varlen.check_packed_call
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(varlen, "check_packed_call", counting)
+    return calls
+
+
+def _packed(seed: int, lengths_q=(1, 3, 0, 2), lengths_k=(16, 24, 8, 5), H=4, Hkv=2, D=16, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)  # noqa: E731
+    cu = lambda lengths: torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    return draw(sum(lengths_q), H, D), draw(sum(lengths_k), Hkv, D), draw(sum(lengths_k), Hkv, D), cu(lengths_q), cu(lengths_k)
+
+
+PACKED_CASES = {
+    "causal": dict(is_causal=True),
+    "softcap, window": dict(softcap=5.0, window=(3, 0)),
+    "ALiBi per sequence, statistics": dict(alibi_slopes=torch.rand(4, 4, generator=torch.Generator().manual_seed(1)), return_stats=True),
+    "ALiBi, float64": dict(alibi_slopes=attnscale.alibi_slopes(4), is_causal=True, dtype=torch.float64),
+    "max_seqlen given, scale": dict(max_seqlen_q=3, max_seqlen_k=24, scale=0.3),
+}
+
+
+@pytest.mark.parametrize("name", PACKED_CASES, ids=str)
+def test_a_remembered_packed_call_skips_the_pipeline_and_equals_it(name, packed_validated):
+    options = dict(PACKED_CASES[name])
+    q, k, v, cu_q, cu_k = _packed(11, dtype=options.pop("dtype", torch.float32))
+    first = attnscale.varlen_attention(q, k, v, cu_q, cu_k, **options)
+    assert len(packed_validated) == 1 and attnscale.last_backend() == "fused"
+    again = attnscale.varlen_attention(q, k, v, cu_q, cu_k, **options)
+    assert len(packed_validated) == 1, "a remembered packed call is not validated again"
+    assert attnscale.last_backend() == "fused"
+    _equal(again, first)
+    if options.get("return_stats"):
+        assert again[1].lse.shape == (4, q.shape[0])
+
+
+def test_other_lengths_take_the_full_pipeline(packed_validated):
+    q, k, v, cu_q, cu_k = _packed(12)
+    for _ in range(2):
+        attnscale.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True)
+    other = torch.tensor([0, 2, 3, 3, 6], dtype=torch.int32)  # the same total, other sequences
+    out = attnscale.varlen_attention(q, k, v, other, cu_k, is_causal=True)
+    assert len(packed_validated) == 2
+    _equal(out, attnscale.varlen_attention(q, k, v, other, cu_k, is_causal=True, backend="fused"))
+
+
+@pytest.mark.parametrize("route", ["gradient", "sinks", "NaN in q", "strided rows"])
+def test_packed_calls_the_memory_cannot_vouch_for_take_the_full_pipeline(route, packed_validated):
+    q, k, v, cu_q, cu_k = _packed(13)
+    for _ in range(2):
+        attnscale.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True)
+    assert len(packed_validated) == 1
+    options = dict(is_causal=True)
+    if route == "gradient":
+        q = q.clone().requires_grad_()
+    elif route == "sinks":
+        options["sinks"] = torch.zeros(4)
+    elif route == "NaN in q":
+        q = q.clone()
+        q[3, 1, 0] = math.nan
+    else:
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)  # the same sizes, a last dim of stride H
+    got = attnscale.varlen_attention(q, k, v, cu_q, cu_k, **options)
+    assert len(packed_validated) == 2, "validated in full"
+    kernels.load().forget_calls()
+    _equal(got.detach(), attnscale.varlen_attention(q, k, v, cu_q, cu_k, **options).detach())
+    if route == "NaN in q":
+        assert torch.isnan(got[3, 1]).all() and torch.isfinite(got[torch.arange(q.shape[0]) != 3]).all()

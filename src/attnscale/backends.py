@@ -49,6 +49,7 @@ class Spans(NamedTuple):
     rows: list[tuple[int, int, int, int]] | None
 
 
+
 class Call(NamedTuple):
     """A validated call and its tensors: everything a backend reads (a tuple: made on every call).
     A packed call's q, k, v are (total, heads, d), its sequences in ``spans``."""
@@ -65,6 +66,14 @@ class Call(NamedTuple):
     @property
     def slopes_need_grad(self) -> bool:
         return slopes_learned(self.alibi_slopes)
+
+    def sequences(self, chosen: list[int]) -> Call:
+        """A packed call of the sequences ``chosen`` only (indices into ``spans.rows``, which must
+        be known), with their rows of per-sequence (B, H) slopes; (H,) slopes as they are."""
+        assert self.spans is not None and self.spans.rows is not None
+        rows = [self.spans.rows[b] for b in chosen]
+        slopes = self.alibi_slopes[chosen] if self.alibi_slopes is not None and self.alibi_slopes.ndim == 2 else self.alibi_slopes
+        return self._replace(spans=Spans(torch.tensor(rows, dtype=torch.int64).reshape(-1, 4), rows), alibi_slopes=slopes)
 
 
 class Result(NamedTuple):

@@ -4,7 +4,7 @@ Static checks (:mod:`attnscale._validate`) -> choose a backend (:mod:`attnscale.
 it -> check its output (:mod:`attnscale.guard`, eager calls only). A call whose answer was torch's
 kernel as it is, or the compiled kernel's plan, is remembered by its signature in the compiled
 kernel; a later one of that signature is that call, the checks of values and the guard's first
-check, made there (:func:`_remember`)."""
+check, made there (:mod:`attnscale._remembered`)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import _remembered as memory
 from . import backends, guard
 from ._tracing import refuse_jit_trace, tracing
 from ._validate import Backend, as_input_error, check_attention_call
 from .backends import MATH_MAX_SCORES
 from .guard import abs_max, may_overflow
 from .kernels import CHECKS_MAX
-from .kernels import load as load_kernel
 from .masks import CausalAlignment, from_causal_bias
-from .stats import AttentionStats, with_sinks
+from .stats import AttentionStats
 
 __all__ = ["MATH_MAX_SCORES", "Backend", "abs_max", "last_backend", "may_overflow", "record_backend", "scaled_dot_product_attention"]
 
@@ -67,87 +67,6 @@ class _Recomputed(NamedTuple):
 
     def __str__(self) -> str:
         return f"float64 recompute: {self.chosen.value} ({self.why}) gave {self.dtype} rows that overflowed or may have"
-
-
-_remembered = None
-"""The compiled kernel's ``remembered_call``, once a call has been remembered there."""
-_function_mode = torch._C._is_torch_function_mode_enabled
-_transforms_active = torch._C._are_functorch_transforms_active
-
-
-def _remembered_form(dropout_p: object, backend: object) -> bool:
-    """Whether a call may take a remembered answer (:func:`_remember`): ``backend="auto"`` (as the
-    enum), no dropout, and the call eager, outside any torch.func transform or torch-function
-    mode. Every other option is part of the signature the compiled kernel looks up."""
-    return (
-        backend is Backend.AUTO and type(dropout_p) is float and dropout_p == 0.0
-        and not torch.compiler.is_compiling() and not _transforms_active() and not _function_mode()
-    )  # fmt: skip
-
-
-class _Passed(NamedTuple):
-    """A call's arguments as passed, as the compiled kernel's memory of answers keys them."""
-
-    is_causal: object
-    scale: object
-    enable_gqa: object
-    alignment: object
-    softcap: object
-    window: object
-    return_stats: object
-
-    def torch_form(self, c: backends.Call) -> bool:
-        """Whether these are the options a remembered call of torch's kernel takes: torch's own
-        options only, attnscale's at their defaults (as objects)."""
-        return (
-            self.softcap is None and c.alibi_slopes is None and self.window is None and c.sinks is None and self.return_stats is False
-            and self.alignment is CausalAlignment.TOP_LEFT
-        )  # fmt: skip
-
-
-def _remember(c: backends.Call, implementation: backends.Implementation, passed: _Passed, why: object) -> None:
-    """Remember in the compiled kernel the pipeline's answer for this call's signature, where it is
-    torch's kernel with torch's own arguments (:func:`attnscale.backends.torch_arguments`; not for
-    a mask that requires grad) or the compiled kernel's plan (:func:`attnscale.backends.kernel_plan`),
-    so that a later call of its signature takes ``remembered_call``."""
-    global _remembered
-    kernel, mask = load_kernel(), c.attn_mask
-    if kernel is None:
-        return
-    if implementation is backends.FUSED:
-        plan, args = backends.kernel_plan(c), None
-        if plan is None:
-            return
-    elif implementation is backends.TORCH and passed.torch_form(c):
-        plan, args = None, backends.torch_arguments(c.spec, mask)
-        if args is None or (mask is not None and mask.requires_grad):
-            return
-    else:
-        return
-    kernel.set_alignments(top_left=CausalAlignment.TOP_LEFT, bottom_right=CausalAlignment.BOTTOM_RIGHT)
-    call = dict(
-        q=c.query, k=c.key, v=c.value, mask=mask, is_causal=passed.is_causal, scale=passed.scale, enable_gqa=passed.enable_gqa,
-        alignment=passed.alignment, softcap=passed.softcap, alibi_slopes=c.alibi_slopes, window=passed.window, sinks=c.sinks,
-        return_stats=passed.return_stats, backend=implementation.backend, why=why,
-    )  # fmt: skip
-    if args is not None:
-        remembered = kernel.remember_torch_call(**call, torch_causal=args.is_causal, torch_gqa=args.enable_gqa, torch_scale=None if args.defaults else args.scale)
-    else:
-        remembered = kernel.remember_kernel_call(**call, options=plan)
-    if remembered:
-        _remembered = kernel.remembered_call
-
-
-def _remembered_answer(hit: tuple, sinks: Tensor | None) -> Tensor | tuple[Tensor, AttentionStats]:
-    """A remembered call's answer as the pipeline returns it (``hit``: ``remembered_call``'s)."""
-    if len(hit) == 3:  # no statistics
-        out, backend, why = hit
-        record_backend(backend, why)
-        return out
-    out, backend, why, lse, max_logit, max_prob, entropy, visible_keys = hit
-    record_backend(backend, why)
-    found = AttentionStats._of(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
-    return out, found if sinks is None else with_sinks(found, sinks)
 
 
 def scaled_dot_product_attention(
@@ -278,11 +197,11 @@ def scaled_dot_product_attention(
     """
     # A call of a signature whose answer was torch's kernel as it is: that call again, and the
     # guard's first check, in one compiled call (None: the pipeline below runs, as on any call).
-    remembered = _remembered
-    if remembered is not None and _remembered_form(dropout_p, backend):
+    remembered = memory.call
+    if remembered is not None and memory.may_take(dropout_p, backend):
         hit = remembered(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, softcap, alibi_slopes, window, sinks, return_stats, CHECKS_MAX)
         if hit is not None:  # (the signature's order above: no keywords on this path)
-            return _remembered_answer(hit, sinks)
+            return memory.answer(hit, sinks, record_backend)
     # Static checks -> choose -> call the backend; then, in eager mode only, the checks of the
     # output that need values (see attnscale._tracing): none of it while tracing.
     try:
@@ -306,8 +225,8 @@ def scaled_dot_product_attention(
             out, stats, recomputed_by = guard.check(implementation, c, result)
             if recomputed_by is None:
                 record_backend(implementation.backend, why)
-                if _remembered_form(dropout_p, backend):
-                    _remember(c, implementation, _Passed(is_causal, scale, enable_gqa, causal_alignment, softcap, window, return_stats), why)
+                if memory.may_take(dropout_p, backend):
+                    memory.remember(c, implementation, memory.Passed(is_causal, scale, enable_gqa, causal_alignment, softcap, window, return_stats), why)
             else:  # what computed the returned output, and why
                 record_backend(recomputed_by, _Recomputed(implementation.backend, why, query.dtype))
         return (out, stats) if call.return_stats else out

@@ -16,8 +16,9 @@ each sequence is one ``scaled_dot_product_attention`` call on views (no copy), a
 sequence the guard does not let the one call vouch for (non-finite inputs, logits that overflow).
 
 A packed call takes the pipeline of every call: validation (``_validate.check_packed_call``),
-``backends.choose`` over ``PACKED`` (its implementations below), and in eager mode the guard's
-rules for packed rows (``guard.trusted_spans``, ``guard.wrong_spans``).
+``backends.choose`` over ``PACKED`` (its implementations below), in eager mode the guard's rules
+for packed rows (``guard.trusted_spans``, ``guard.wrong_spans``), and the compiled kernel's memory
+of its answers (:mod:`attnscale._remembered`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import _remembered as memory
 from . import backends, flex, guard
 from ._tracing import refuse_jit_trace, tracing
 from ._validate import Backend, check_packed_call
@@ -132,8 +134,12 @@ def varlen_attention(
     >>> torch.allclose(out, torch.cat(rows), atol=1e-6)
     True
     """
-    # Static checks -> choose (backends.choose over PACKED) -> run; in eager mode the guard says
-    # which sequences one packed call may run and vouches for its rows, the others run one by one.
+    # A remembered answer (attnscale._remembered), else static checks -> choose (backends.choose over PACKED) -> run; in
+    # eager mode the guard says which sequences one packed call may run and vouches for its rows, the others run one by one.
+    if memory.packed_call is not None and memory.may_take(0.0, backend):
+        hit = memory.packed_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, is_causal, softcap, alibi_slopes, window, sinks, return_stats)
+        if hit is not None:
+            return memory.answer(hit, None, record_backend)
     refuse_jit_trace("varlen_attention")
     traced = tracing(q, k, v)
     spec, rows, table = check_packed_call(
@@ -147,14 +153,18 @@ def varlen_attention(
     elif implementation is PER_SEQUENCE:
         out, stats = _per_sequence(c, [])
     else:
-        out, stats = _checked(implementation, why, c)
+        out, stats, whole = _checked(implementation, why, c)
+        if whole and implementation is PACKED_FUSED and memory.may_take(0.0, backend):  # (the answer's log line: every sequence in one call)
+            given = memory.PackedPassed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, is_causal, softcap, window, return_stats)
+            memory.remember_packed(c, given, _Packed((len(rows), len(rows), why)))  # type: ignore[arg-type]
     return (out, stats) if c.spec.return_stats else out
 
 
-def _checked(implementation: Implementation, why: object, c: Call) -> tuple[Tensor, AttentionStats | None]:
-    """An eager packed call by the guard's rules: one call of ``implementation`` runs the sequences
-    :func:`guard.trusted_spans` trusts (the compiled kernel named: all of them) and keeps the rows
-    :func:`guard.wrong_spans` finds right; every other sequence runs alone."""
+def _checked(implementation: Implementation, why: object, c: Call) -> tuple[Tensor, AttentionStats | None, bool]:
+    """An eager packed call by the guard's rules, and whether one call computed all of it: one call
+    of ``implementation`` runs the sequences :func:`guard.trusted_spans` trusts (the compiled kernel
+    named: all of them) and keeps the rows :func:`guard.wrong_spans` finds right; every other
+    sequence runs alone."""
     assert c.spans is not None and c.spans.rows is not None
     every = list(range(len(c.spans.rows)))
     auto = c.spec.backend is Backend.AUTO
@@ -164,8 +174,8 @@ def _checked(implementation: Implementation, why: object, c: Call) -> tuple[Tens
     else:  # the compiled kernel vouches for its rows; with gradients, non-finite rows stay out of it
         ran = guard.trusted_spans(c, bound=False) if auto and grad else every
     if not ran:
-        return _per_sequence(c, [])
-    sub = c if ran == every else c._replace(spans=_subset(c.spans, ran), alibi_slopes=_slopes_of(c.alibi_slopes, ran))
+        return (*_per_sequence(c, []), False)
+    sub = c if ran == every else c.sequences(ran)
     result = implementation.run(sub, c.query, c.key, c.value)
     if auto and implementation.checks_rows:
         wrong = guard.wrong_spans(c, result.out, result.rows_ok, ran)
@@ -173,7 +183,7 @@ def _checked(implementation: Implementation, why: object, c: Call) -> tuple[Tens
             ran = [] if grad else [b for b in ran if b not in wrong]
     if ran:
         record_backend(implementation.backend, _Packed((len(ran), len(every), why)))
-    return (result.out, result.stats) if ran == every else _per_sequence(c, ran, result)
+    return (result.out, result.stats, True) if ran == every else (*_per_sequence(c, ran, result), False)
 
 
 class _Packed(tuple):
@@ -181,17 +191,6 @@ class _Packed(tuple):
 
     def __str__(self) -> str:
         return "varlen: {} of {} sequences in one call; {}".format(*self)
-
-
-def _subset(spans: Spans, ran: list[int]) -> Spans:
-    assert spans.rows is not None
-    rows = [spans.rows[b] for b in ran]
-    return Spans(torch.tensor(rows, dtype=torch.int64).reshape(-1, 4), rows)
-
-
-def _slopes_of(slopes: Tensor | None, ran: list[int]) -> Tensor | None:
-    """Per-sequence slopes (B, H) of the sequences ``ran``; (H,) slopes as they are."""
-    return slopes[ran] if slopes is not None and slopes.ndim == 2 else slopes
 
 
 def _per_sequence(c: Call, ran: list[int], packed: Result | None = None) -> tuple[Tensor, AttentionStats | None]:

@@ -161,10 +161,10 @@ ForwardOut<T> forward_out(const std::vector<torch::Tensor>& result, bool with_st
 }
 
 // The forward's outputs [out, lse, m, l, statistics...] (the statistics empty without with_stats)
-// and whether every row looks right (forward_with's rows_ok); `lean` (forward_direct, a call
-// without spans whose caller reads only out, lse and the statistics): [out, lse, statistics...],
-// m and l the kernel's scratch and no empty statistics, each tensor fewer some tenths of a
-// microsecond of a decoding step.
+// and whether every row looks right (forward_with's rows_ok); `lean` (forward_direct and the
+// remembered calls without a gradient, whose callers read only out, lse and the statistics):
+// [out, lse, statistics...], m and l the kernel's scratch and no empty statistics, each tensor
+// fewer some tenths of a microsecond of a decoding step.
 struct Forward {
   std::vector<torch::Tensor> result;
   bool ok;
@@ -186,7 +186,6 @@ Forward forward_run(const torch::Tensor& q, const torch::Tensor& k, const torch:
   const auto dt = half_kind(q) ? at::kFloat : q.scalar_type();
   const bool out16 = o.round_out && half_kind(q) != kNoHalf;
   auto out = make({B, H, L, Dv}, 0.0, out16 ? q.scalar_type() : dt);
-  TORCH_CHECK(!(lean && packed), "attnscale fused kernel: the lean forward takes no spans");
   auto lse = make({B, H, L}, -inf, dt);
   std::vector<torch::Tensor> result{out, lse};
   if (!lean) result.push_back(make({B, H, L}, 0.0, dt)), result.push_back(make({B, H, L}, 1.0, dt));  // m, l
@@ -214,7 +213,7 @@ Forward forward_run(const torch::Tensor& q, const torch::Tensor& k, const torch:
       packed = pack_problem(P, false, seqs, static_offsets ? kmax.data() : nullptr);
     }
     if (static_offsets && !P.spans) P.kmax = kmax.data();  // packed: each sequence's, from seqs
-    std::vector<scalar_t> scratch(lean ? 2 * B * H * L : 0);  // lean: m, l (every row written: no spans)
+    std::vector<scalar_t> scratch(lean ? 2 * B * H * L : 0);  // lean: m, l (read by nothing after the kernel: packed rows it skips need no value)
     ForwardOut<scalar_t> O = forward_out<scalar_t>(result, o.with_stats, &suspect, lean, scratch.data(), scratch.data() + B * H * L);
     if (out16) O.out = nullptr, O.out16 = static_cast<uint16_t*>(out.data_ptr()), O.out16_kind = half_kind(q);
     if (P.half == kBF16)
@@ -718,12 +717,15 @@ namespace {
 // not pass, torch.jit.trace or CPU autocast on): then the full pipeline runs, as on any call.
 // Python holds the rest of the gate (backend "auto", no dropout, not compiling, no torch.func
 // transform or torch-function mode).
+enum class Kind { kTorch, kKernel, kPacked };
+
 struct Remembered {
-  bool torch;                   // torch's kernel with the three arguments below; else the compiled kernel's plan
+  Kind kind;                    // torch's kernel with the three arguments below; else the compiled kernel's plan
   bool causal = false;
   bool gqa = false;
   std::optional<double> scale;  // nullopt: torch's default
   Options options{};            // the compiled kernel's, tiles resolved
+  at::Tensor table;             // a packed call's sequences (its plan's spans)
   py::object backend;           // the Backend that answers (last_backend)
   py::object why;               // why the pipeline chose it (its log line)
 };
@@ -840,7 +842,7 @@ bool float_kind(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t
 
 bool remember_torch_call(const CallArgs& a, bool torch_causal, bool torch_gqa, std::optional<double> torch_scale, py::object backend, py::object why) {
   if (!THPVariable_CheckExact(a.q.ptr()) || !float_kind(THPVariable_Unpack(a.q.ptr()))) return false;  // (the guard's one-call check takes these)
-  return remember(a, Remembered{true, torch_causal, torch_gqa, torch_scale, Options{}, std::move(backend), std::move(why)});
+  return remember(a, Remembered{Kind::kTorch, torch_causal, torch_gqa, torch_scale, Options{}, at::Tensor(), std::move(backend), std::move(why)});
 }
 
 // Slopes or sinks the checks of values read in one call: float32 or float64, no wider than q's
@@ -858,7 +860,7 @@ bool remember_kernel_call(const CallArgs& a, const py::tuple& options, py::objec
   if (!float_kind(THPVariable_Unpack(a.q.ptr())) || !a.mask.is_none() || !checked_in_one_call(a.alibi, dt) || !checked_in_one_call(a.sinks, dt)) return false;
   const Options o = Options::from(options);
   TORCH_CHECK(o.block_q > 0 && o.block_k > 0, "attnscale fused kernel: a remembered plan has its tiles resolved");
-  return remember(a, Remembered{false, false, false, std::nullopt, o, std::move(backend), std::move(why)});
+  return remember(a, Remembered{Kind::kKernel, false, false, std::nullopt, o, at::Tensor(), std::move(backend), std::move(why)});
 }
 
 void forget_calls() { remembered_calls().clear(); }
@@ -1020,6 +1022,105 @@ py::object kernel_call(const Remembered& call, const CallArgs& a) {
   return py::make_tuple(wrap(r[0]), call.backend, call.why, wrap(r[1]), wrap(r[2]), wrap(r[3]), wrap(r[4]), wrap(r[5]));
 }
 
+// --- packed calls (attnscale.varlen_attention): the same memory, keyed by the cumulative
+// lengths' values too (the sequences, and the tiles chosen from the longest, are the plan's) ---
+
+// None, or an exact int that fits int64.
+bool append_int(std::string& key, PyObject* obj) {
+  if (obj == Py_None) return key.push_back('n'), true;
+  if (!PyLong_CheckExact(obj)) return false;
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(obj, &overflow);
+  if (overflow != 0 || (x == -1 && PyErr_Occurred())) return PyErr_Clear(), false;
+  key.push_back('i');
+  key.append(reinterpret_cast<const char*>(&x), sizeof(x));
+  return true;
+}
+
+constexpr int64_t kPackedLengthsMax = 1025;  // as attnscale._validate's memory of packed calls
+
+// Cumulative lengths: an int32 or int64 CPU vector of at most kPackedLengthsMax entries, with
+// its values.
+bool append_lengths(std::string& key, PyObject* obj) {
+  if (!append_tensor(key, obj)) return false;
+  const auto& t = THPVariable_Unpack(obj);
+  if (t.dim() != 1 || t.numel() > kPackedLengthsMax || !t.is_contiguous() || (t.scalar_type() != at::kInt && t.scalar_type() != at::kLong)) return false;
+  key.append(static_cast<const char*>(t.const_data_ptr()), t.numel() * t.element_size());
+  return true;
+}
+
+// Everything a packed call passes, as Python objects.
+struct PackedArgs {
+  py::handle q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, softcap, alibi, window, sinks, stats;
+};
+
+std::optional<std::string> packed_signature(const PackedArgs& a) {
+  std::string key;
+  key.reserve(160);
+  key.push_back('P');
+  if (!append_tensor(key, a.q.ptr()) || !append_tensor(key, a.k.ptr()) || !append_tensor(key, a.v.ptr()) || !append_lengths(key, a.cu_q.ptr()) ||
+      !append_lengths(key, a.cu_k.ptr()) || !append_int(key, a.max_q.ptr()) || !append_int(key, a.max_k.ptr()) || !append_float(key, a.scale.ptr()) ||
+      !append_flag(key, a.causal.ptr()) || !append_float(key, a.softcap.ptr()) || !append_optional_tensor(key, a.alibi.ptr()) ||
+      !append_window(key, a.window.ptr()) || !append_optional_tensor(key, a.sinks.ptr()) || !append_flag(key, a.stats.ptr()))
+    return std::nullopt;
+  return key;
+}
+
+// A packed call the pipeline ran in one call of the compiled kernel and kept whole (no gradient,
+// no sinks, float32 or float64): `table` its sequences, `options` its tiles resolved.
+bool remember_packed_call(const PackedArgs& a, const at::Tensor& table, const py::tuple& options, py::object backend, py::object why) {
+  if (!THPVariable_CheckExact(a.q.ptr()) || !a.sinks.is_none()) return false;
+  const auto dt = THPVariable_Unpack(a.q.ptr()).scalar_type();
+  if (!float_kind(THPVariable_Unpack(a.q.ptr())) || !checked_in_one_call(a.alibi, dt)) return false;
+  if (table.dim() != 2 || table.size(0) < 1 || table.size(1) != 4 || table.scalar_type() != at::kLong || !table.device().is_cpu()) return false;
+  const Options o = Options::from(options);
+  TORCH_CHECK(o.block_q > 0 && o.block_k > 0, "attnscale fused kernel: a remembered plan has its tiles resolved");
+  auto key = packed_signature(a);
+  if (!key) return false;
+  auto& calls = remembered_calls();
+  if (calls.size() >= kRememberedMax) calls.clear();
+  calls[*key] = Remembered{Kind::kPacked, false, false, std::nullopt, o, table.contiguous().clone(), std::move(backend), std::move(why)};
+  return true;
+}
+
+// (total, heads, d) as the kernel's (1, heads, total, d) view (attnscale.kernels.fused._packed:
+// transpose(0, 1).unsqueeze(0), as one view), and whether BLAS reads its rows as they lie.
+at::Tensor packed_view(const at::Tensor& x) {
+  return x.as_strided({1, x.size(1), x.size(0), x.size(2)}, {x.size(1) * x.stride(1), x.stride(1), x.stride(0), x.stride(2)});
+}
+bool packed_rows(const at::Tensor& x) { return x.stride(2) == 1 && x.stride(0) >= std::max<int64_t>(x.size(2), 1); }
+
+py::object remembered_packed_call(py::handle q, py::handle k, py::handle v, py::handle cu_q, py::handle cu_k, py::handle max_q, py::handle max_k,
+                                  py::handle scale, py::handle causal, py::handle softcap, py::handle alibi, py::handle window, py::handle sinks,
+                                  py::handle stats) {
+  if (torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU)) return py::none();
+  const auto key = packed_signature(PackedArgs{q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, softcap, alibi, window, sinks, stats});
+  if (!key) return py::none();
+  const auto& calls = remembered_calls();
+  const auto found = calls.find(*key);
+  if (found == calls.end()) return py::none();
+  const Remembered call = found->second;  // (a copy, as remembered_call's)
+  const auto &Q = THPVariable_Unpack(q.ptr()), &K = THPVariable_Unpack(k.ptr()), &V = THPVariable_Unpack(v.ptr());
+  c10::optional<at::Tensor> alibi_t;
+  if (!alibi.is_none()) {
+    alibi_t = THPVariable_Unpack(alibi.ptr());
+    if (!all_finite_op(*alibi_t)) return py::none();  // (the full checks say why)
+  }
+  if (at::GradMode::is_enabled() && (Q.requires_grad() || K.requires_grad() || V.requires_grad() || (alibi_t && alibi_t->requires_grad())))
+    return py::none();  // (the guard then looks at each sequence's rows)
+  if (!packed_rows(Q) || !packed_rows(K) || !packed_rows(V)) return py::none();  // (the pipeline's copies)
+  c10::optional<at::Tensor> slopes;  // (nseq, H) in the compute dtype, as the pipeline's cast and expand give them
+  if (alibi_t) slopes = (alibi_t->scalar_type() == Q.scalar_type() ? *alibi_t : alibi_t->detach().to(Q.scalar_type())).expand({call.table.size(0), Q.size(1)});
+  auto [r, ok] = forward_run(packed_view(Q), packed_view(K), packed_view(V), slopes, c10::nullopt, call.table, call.options, true);  // [out, lse, statistics...]
+  if (!ok) return py::none();
+  // (1, H, total_q, Dv) as (total_q, H, Dv); the statistics (1, H, total_q) as (H, total_q)
+  const int64_t H = r[0].size(1), total = r[0].size(2), Dv = r[0].size(3);
+  const auto out = r[0].as_strided({total, H, Dv}, {Dv, total * Dv, 1});
+  auto rows = [&](const at::Tensor& t) { return wrap(t.as_strided({H, total}, {total, 1})); };
+  if (!call.options.with_stats) return py::make_tuple(wrap(out), call.backend, call.why);
+  return py::make_tuple(wrap(out), call.backend, call.why, rows(r[1]), rows(r[2]), rows(r[3]), rows(r[4]), rows(r[5]));
+}
+
 py::object remembered_call(py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa,
                            py::handle alignment, py::handle softcap, py::handle alibi, py::handle window, py::handle sinks, py::handle stats,
                            int64_t limit) {
@@ -1039,7 +1140,7 @@ py::object remembered_call(py::handle q, py::handle k, py::handle v, py::handle 
     const auto &K = THPVariable_Unpack(k.ptr()), &V = THPVariable_Unpack(v.ptr());
     if (K.size(-2) != V.size(-2) || K.size(-2) == 0) return py::none();
   }
-  return call.torch ? torch_call(call, a, limit) : kernel_call(call, a);
+  return call.kind == Kind::kTorch ? torch_call(call, a, limit) : kernel_call(call, a);
 }
 
 }  // namespace
@@ -1095,6 +1196,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("remembered_call", &remembered_call,
              "(out, backend, why), with statistics (out, backend, why, lse, max_logit, max_prob, entropy, visible), of a remembered call whose checks and "
              "output pass; None otherwise (arguments in scaled_dot_product_attention's order, then the largest tensor torch's call is checked on here)");
+  module.def(
+      "remember_packed_call",
+      [](py::handle q, py::handle k, py::handle v, py::handle cu_q, py::handle cu_k, py::handle max_q, py::handle max_k, py::handle scale,
+         py::handle causal, py::handle softcap, py::handle alibi, py::handle window, py::handle sinks, py::handle stats, const at::Tensor& table,
+         const py::tuple& options, py::object backend, py::object why) {
+        return remember_packed_call(PackedArgs{q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, softcap, alibi, window, sinks, stats}, table, options,
+                                    std::move(backend), std::move(why));
+      },
+      "remember that the compiled kernel computes packed calls of this signature (the cumulative lengths' values included) by this plan: the "
+      "sequences' table and the options in KernelOptions' order (False: not a signature remembered here)",
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
+      py::arg("scale"), py::arg("is_causal"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("window"), py::arg("sinks"), py::arg("return_stats"),
+      py::arg("table"), py::arg("options"), py::arg("backend"), py::arg("why"));
+  module.def("remembered_packed_call", &remembered_packed_call,
+             "(out, backend, why), with statistics (out, backend, why, lse, max_logit, max_prob, entropy, visible), of a remembered packed call whose "
+             "checks and output pass; None otherwise (arguments in varlen_attention's order)");
   module.def("set_alignments", &set_alignments, "the two CausalAlignment members a remembered call's alignment is one of", py::arg("top_left"), py::arg("bottom_right"));
   module.def("forget_calls", &forget_calls, "forget every remembered call");
   module.def("below_inf", &below_inf_op, "whether no entry of a float32 or float64 tensor is NaN or +inf (a float mask's values)");

@@ -29,7 +29,7 @@ from ..stats import AttentionStats, with_sinks
 from ..tiled import sink_scaled, tiled_attention
 from . import load, ops
 
-__all__ = ["Plan", "direct", "fused_attention", "fused_attention_checked", "fused_varlen_attention", "int8_attention", "plan", "run_planned", "supports"]
+__all__ = ["Plan", "direct", "fused_attention", "fused_attention_checked", "fused_varlen_attention", "int8_attention", "packed_plan", "plan", "run_planned", "supports"]
 # The default tiles and the rule that picks them live in ``ops`` (BLOCK_Q, BLOCK_K, default_blocks),
 # read inside the op at call time.
 
@@ -357,6 +357,19 @@ def _packed_options(path: ScorePath, *, with_stats: bool, half_products: bool, r
     )
 
 
+def packed_plan(
+    query: Tensor, key: Tensor, value: Tensor, *, path: ScorePath, sinks: Tensor | None, return_stats: bool, longest: int | None
+) -> ops.KernelOptions:
+    """The options of :func:`fused_varlen_attention`'s kernel call: the tiles chosen from
+    ``longest`` (the most query rows of a sequence) where it is given, else by the op."""
+    round_out = _round_out(query, key, value, sinks)
+    options = _packed_options(path, with_stats=return_stats, half_products=ops.half_products(query.dtype), round_out=round_out)
+    if longest is None:
+        return options
+    block_q, block_k = ops.default_blocks(options.causal, options.left >= 0 or options.right >= 0, longest, None, packed=True)
+    return options._replace(block_q=block_q, block_k=block_k)
+
+
 def fused_varlen_attention(
     query: Tensor,
     key: Tensor,
@@ -386,11 +399,7 @@ def fused_varlen_attention(
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(accumulation_dtype(query.dtype)).expand(B, H)  # (learned: the gradient flows back)
     q, k, v = (_packed(t, query.dtype) for t in (query, key, value))  # (1, heads, total, d) views
-    round_out = _round_out(query, key, value, sinks)
-    options = _packed_options(path, with_stats=return_stats, half_products=ops.half_products(query.dtype), round_out=round_out)
-    if longest is not None:
-        block_q, block_k = ops.default_blocks(options.causal, options.left >= 0 or options.right >= 0, longest, None, packed=True)
-        options = options._replace(block_q=block_q, block_k=block_k)
+    options = packed_plan(query, key, value, path=path, sinks=sinks, return_stats=return_stats, longest=longest)
     out, lse, _, _, *rest, verdict = ops.forward(q, k, v, slopes, None, table, options)
     out, lse = out[0].transpose(0, 1), lse[0]  # (total_q, H, Dv), (H, total_q)
     if sinks is not None:
