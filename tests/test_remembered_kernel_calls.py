@@ -54,6 +54,8 @@ CASES = {
     "alibi": dict(alibi_slopes=attnscale.alibi_slopes(4)),
     "alibi per batch entry": dict(alibi_slopes=attnscale.alibi_slopes(4).expand(2, 4).contiguous()),
     "bottom-right causal": dict(is_causal=True, causal_alignment=CausalAlignment.BOTTOM_RIGHT),
+    "bottom-right causal window, the alignment as a str": dict(is_causal=True, causal_alignment="bottom_right", window=(5, 0)),
+    "softcap, top-left as a str": dict(softcap=5.0, causal_alignment="top_left", is_causal=True),
     "sinks": dict(sinks=_SINKS),
     "return_stats": dict(return_stats=True),
     "return_stats with sinks and softcap": dict(return_stats=True, sinks=_SINKS, softcap=3.0),
@@ -236,7 +238,7 @@ def test_sinks_that_require_grad_take_the_full_pipeline_and_get_their_gradient(v
 
 
 OTHER_ROUTES = {
-    "alignment as a string": dict(causal_alignment="bottom_right", is_causal=True),
+    "the alignment as a str subclass": dict(causal_alignment=type("Alignment", (str,), {})("bottom_right"), is_causal=True),
     "a window as a list": dict(window=[4, 0]),
     "an int softcap": dict(softcap=5),
     "a named backend": dict(softcap=5.0, backend="fused"),

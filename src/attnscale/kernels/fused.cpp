@@ -356,8 +356,6 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
   return backward_with(q16, k16, v16, dout, delta, m, l, alibi, mask, spans, slope_grad, Options::from(options));
 }
 
-}  // namespace
-
 // The guard's two questions of an eager call (attnscale/guard.py), one C++ call each instead of
 // several torch ops from Python: whether every row (last dim) of x is finite and not all zeros
 // (rows of no entries count as right), and whether every entry of x is finite. float32 and
@@ -380,10 +378,11 @@ bool finite_impl(const T* p, int64_t count) {
   for (; i + n <= count; i += n) acc = acc + Vec::loadu(p + i) * zero;
   T tail = T(0);
   for (; i < count; ++i) tail += p[i] * T(0);
-  T lanes[Vec::size()];
-  acc.store(lanes);
-  for (int64_t j = 0; j < Vec::size(); ++j) tail += lanes[j];
-  return tail == T(0);
+  // Every lane 0 (a NaN is no zero), read from the vector's zero mask: no store and sum of its
+  // lanes, which cost a short row (a head's 64 entries, checked row by row in a strided view)
+  // more than its loads.
+  const int all_zero = static_cast<int>((int64_t(1) << n) - 1);
+  return acc.zero_mask() == all_zero && tail == T(0);
 }
 
 // Every entry finite (finite_impl's one pass), then no row all zeros: per row, whether a vector
@@ -699,8 +698,6 @@ py::object output_ok_op(const torch::Tensor& out, const torch::Tensor& key, int6
   return py::bool_(rows_ok_op(out) && all_finite_op(key));
 }
 
-namespace {
-
 // attnscale.scaled_dot_product_attention's answers, remembered by the call's signature once the
 // full pipeline (its checks, its choice and its guard) has given one, for two kinds of call: those
 // torch's kernel computes as they are (the "torch" backend with torch's own arguments), and those
@@ -710,7 +707,7 @@ namespace {
 // alignment, keys and values of any length S > 0, as the pipeline's own memory of a growing
 // cache has it, AttentionCall.same_along_s), whether the mask, slopes and sinks require grad, and
 // every option as passed (exact bools, floats, None, a window of exact ints or None, the
-// alignment as one of CausalAlignment's two members). remembered_call makes the same call for a
+// alignment as one of CausalAlignment's two members or its value as a str). remembered_call makes the same call for a
 // later one of that signature, with the checks of values the pipeline makes of every call (a
 // float mask below +inf; finite slopes, sinks below +inf) and the guard's first check of its
 // output, or answers None (not remembered, not of this form, a value or an output the checks do
@@ -814,14 +811,27 @@ struct CallArgs {
   py::handle q, k, v, mask, causal, scale, gqa, alignment, softcap, alibi, window, sinks, stats;
 };
 
+// The alignment: one of CausalAlignment's members ('t', 'b'), or its value as an exact str ('T',
+// 'B': another key than the member's, so that only a call whose options are the defaults as
+// objects takes a remembered call of torch's kernel); else none.
+char alignment_code(PyObject* alignment) {
+  if (g_top_left == nullptr || alignment == nullptr) return 0;
+  if (alignment == g_top_left) return 't';
+  if (alignment == g_bottom_right) return 'b';
+  if (!PyUnicode_CheckExact(alignment)) return 0;
+  if (PyUnicode_CompareWithASCIIString(alignment, "top_left") == 0) return 'T';
+  if (PyUnicode_CompareWithASCIIString(alignment, "bottom_right") == 0) return 'B';
+  return 0;
+}
+
 std::optional<std::string> call_signature(const CallArgs& a) {
-  PyObject* alignment = a.alignment.ptr();
-  if (alignment == nullptr || (alignment != g_top_left && alignment != g_bottom_right) || g_top_left == nullptr) return std::nullopt;
+  const char alignment = alignment_code(a.alignment.ptr());
+  if (alignment == 0) return std::nullopt;
   std::string key;
   key.reserve(160);
-  const bool any_length = a.mask.is_none() && alignment == g_top_left;  // (top-left: the query offset is 0 at every S)
+  const bool any_length = a.mask.is_none() && (alignment == 't' || alignment == 'T');  // (top-left: the query offset is 0 at every S)
   if (!append_tensor(key, a.q.ptr()) || !append_tensor(key, a.k.ptr(), any_length) || !append_tensor(key, a.v.ptr(), any_length)) return std::nullopt;
-  key.push_back(alignment == g_top_left ? 't' : 'b');
+  key.push_back(alignment);
   if (!append_optional_tensor(key, a.mask.ptr()) || !append_flag(key, a.causal.ptr()) || !append_flag(key, a.gqa.ptr()) ||
       !append_float(key, a.scale.ptr()) || !append_float(key, a.softcap.ptr()) || !append_optional_tensor(key, a.alibi.ptr()) ||
       !append_window(key, a.window.ptr()) || !append_optional_tensor(key, a.sinks.ptr()) || !append_flag(key, a.stats.ptr()))
