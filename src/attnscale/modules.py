@@ -477,14 +477,15 @@ class MultiHeadAttention(nn.Module):
             "causal_alignment": alignment,
             "return_stats": return_stats,
         }
-        # Validate against all S keys before the cache changes; only shapes are read, so a
-        # zero-copy expanded view stands in for the keys and values.
+        # Validate against all S keys before the cache changes; only shapes are read, so with a
+        # cache a zero-copy expanded view stands in for the keys and values (without one they are k and v).
+        all_keys, all_values = k, v
         if cache is not None:
             cache.check_compatible(k)
-        all_keys = k.new_empty(()).expand(B, self.num_kv_heads, S, self.head_dim)  # (B, Hkv, S, D)
+            all_keys = all_values = k.new_empty(()).expand(B, self.num_kv_heads, S, self.head_dim)  # (B, Hkv, S, D)
         slopes = variant.slopes(q.device)  # (H,) or None
         score_options = {"softcap": config.softcap, "alibi_slopes": slopes, "window": config.window, "sinks": self.sinks}
-        call = check_attention_call(q, all_keys, all_keys, attn_mask=attn_mask, backend="auto", **score_options, **options)
+        call = check_attention_call(q, all_keys, all_values, attn_mask=attn_mask, backend="auto", **score_options, **options)
         cached = len(cache) if cache is not None else 0
         q, k = variant.transform_qk(q, k, q_start=query_offset(L, S, alignment), k_start=cached)
         if cache is not None:
