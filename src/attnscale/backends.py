@@ -49,7 +49,6 @@ class Spans(NamedTuple):
     rows: list[tuple[int, int, int, int]] | None
 
 
-
 class Call(NamedTuple):
     """A validated call and its tensors: everything a backend reads (a tuple: made on every call).
     A packed call's q, k, v are (total, heads, d), its sequences in ``spans``."""
@@ -224,7 +223,7 @@ def _run_fused(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
 
 def kernel_plan(c: Call) -> fused_kernel.ops.KernelOptions | None:
     """The compiled kernel's planned options for a call it has computed by its plan, for the
-    compiled kernel's memory of answers (:func:`attnscale.functional._remember`): a call with a
+    compiled kernel's memory of answers (:func:`attnscale._remembered.remember`): a call with a
     feature torch lacks (so that ``auto`` takes the compiled kernel at every key length), no mask,
     and no sinks where a gradient is asked (their merge is torch ops then); else None."""
     memo = _PLANS.get(id(c.spec))

@@ -195,8 +195,9 @@ def scaled_dot_product_attention(
     >>> torch.allclose(out, weights @ v, atol=1e-6)
     True
     """
-    # A call of a signature whose answer was torch's kernel as it is: that call again, and the
-    # guard's first check, in one compiled call (None: the pipeline below runs, as on any call).
+    # A call of a signature whose answer was torch's kernel as it is, or the compiled kernel's plan:
+    # that call again, the checks of values and the guard's first check, in one compiled call (None:
+    # the pipeline below runs, as on any call).
     remembered = memory.call
     if remembered is not None and memory.may_take(dropout_p, backend):
         hit = remembered(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, softcap, alibi_slopes, window, sinks, return_stats, CHECKS_MAX)

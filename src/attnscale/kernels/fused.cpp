@@ -704,7 +704,7 @@ py::object output_ok_op(const torch::Tensor& out, const torch::Tensor& key, int6
 // full pipeline (its checks, its choice and its guard) has given one, for two kinds of call: those
 // torch's kernel computes as they are (the "torch" backend with torch's own arguments), and those
 // the compiled kernel computes by its plan (attnscale.backends.kernel_plan: a feature torch
-// lacks, no mask, float32 or float64). The signature: every tensor's dtype and sizes (plain CPU
+// lacks, no mask, float32 or float64); and varlen_attention's packed calls (below). The signature: every tensor's dtype and sizes (plain CPU
 // strided tensors only: no subclass, meta or nested tensor; without a mask and with top-left
 // alignment, keys and values of any length S > 0, as the pipeline's own memory of a growing
 // cache has it, AttentionCall.same_along_s), whether the mask, slopes and sinks require grad, and
@@ -719,7 +719,7 @@ py::object output_ok_op(const torch::Tensor& out, const torch::Tensor& key, int6
 enum class Kind { kTorch, kKernel, kPacked };
 
 struct Remembered {
-  Kind kind;                    // torch's kernel with the three arguments below; else the compiled kernel's plan
+  Kind kind;                    // torch's kernel with the three arguments below, or the compiled kernel's plan (packed: with `table`)
   bool causal = false;
   bool gqa = false;
   std::optional<double> scale;  // nullopt: torch's default
@@ -891,12 +891,14 @@ py::object torch_call(const Remembered& call, const CallArgs& a, int64_t limit) 
     M = THPVariable_Unpack(a.mask.ptr());
     if (M->scalar_type() != at::kBool && M->numel() && !below_inf_op(*M)) return py::none();  // (the full checks say why)
   }
+  // k finite first: it reads the keys torch's kernel reads next, and a call that fails it is not computed twice
+  if (!all_finite_op(K)) return py::none();
   at::Tensor out;
   {
     py::gil_scoped_release released;
     out = at::scaled_dot_product_attention(Q, K, V, M, 0.0, call.causal, call.scale, call.gqa);
   }
-  if (out.scalar_type() != Q.scalar_type() || !(rows_ok_op(out) && all_finite_op(K))) return py::none();
+  if (out.scalar_type() != Q.scalar_type() || !rows_ok_op(out)) return py::none();
   return py::make_tuple(wrap(out), call.backend, call.why);
 }
 
