@@ -221,8 +221,8 @@ def time_generate(threads: int, rounds: int, new_tokens: int) -> dict:
     """Greedy decoding of ``new_tokens`` from an 8-token prompt, tokens per second of each
     implementation (median over rounds, interleaved, each first in every other round) and the
     ratio, the median over rounds of each round's ratio (the two runs of a round, back to back,
-    share the host's state: a ratio of the two medians moved from 0.83x to 1.04x between runs of
-    one tree within an hour); the two must produce the same tokens."""
+    share the host's state, where the ratio of the two medians moved by the host's drift between
+    runs); the two must produce the same tokens."""
     torch.set_num_threads(threads)
     models = {name: _tiny_llama(name) for name in ("attnscale", "sdpa")}
     prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))

@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 import attnscale
 from attnscale import kernels, reference
 
+from .memory_spies import counting
+
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 LOW_PRECISION = [torch.float16, torch.bfloat16, torch.float32]
 BACKENDS = [b.value for b in attnscale.Backend]  # auto, torch, math and any further kernel
@@ -823,15 +825,7 @@ def _planned_probe(monkeypatch):
     """A list that records each call of the planned route."""
     from attnscale.kernels import fused
 
-    calls = []
-    real = fused.run_planned
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fused, "run_planned", spy)
-    return calls
+    return counting(monkeypatch, fused, "run_planned")
 
 
 def _general_route(monkeypatch, fn):

@@ -21,28 +21,15 @@ import torch.nn.functional as F
 import attnscale
 from attnscale import functional, kernels, reference
 
+from .memory_spies import _nothing_remembered, counting  # noqa: F401 (an autouse fixture)
+
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="the remembered calls live in the compiled kernel")
-
-
-@pytest.fixture(autouse=True)
-def _nothing_remembered():
-    kernels.load().forget_calls()
-    yield
-    kernels.load().forget_calls()
 
 
 @pytest.fixture
 def validated(monkeypatch) -> list[int]:
     """One entry per call that took the full pipeline (its validation)."""
-    calls: list[int] = []
-    check = functional.check_attention_call
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return check(*args, **kwargs)
-
-    monkeypatch.setattr(functional, "check_attention_call", counting)
-    return calls
+    return counting(monkeypatch, functional, "check_attention_call")
 
 
 def _qkv(seed: int, *, L=1, S=24, H=4, Hkv=None, D=16, dtype=torch.float32):

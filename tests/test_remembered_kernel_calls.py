@@ -16,28 +16,15 @@ import torch
 import attnscale
 from attnscale import CausalAlignment, functional, kernels, reference
 
+from .memory_spies import _nothing_remembered, counting  # noqa: F401 (an autouse fixture)
+
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="the remembered calls live in the compiled kernel")
-
-
-@pytest.fixture(autouse=True)
-def _nothing_remembered():
-    kernels.load().forget_calls()
-    yield
-    kernels.load().forget_calls()
 
 
 @pytest.fixture
 def validated(monkeypatch) -> list[int]:
     """One entry per call that took the full pipeline (its validation)."""
-    calls: list[int] = []
-    check = functional.check_attention_call
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return check(*args, **kwargs)
-
-    monkeypatch.setattr(functional, "check_attention_call", counting)
-    return calls
+    return counting(monkeypatch, functional, "check_attention_call")
 
 
 def _qkv(seed: int, *, L=3, S=24, H=4, Hkv=2, D=16, dtype=torch.float32):
@@ -273,15 +260,7 @@ def packed_validated(monkeypatch) -> list[int]:
     """One entry per packed call that took the full pipeline (its validation)."""
     from attnscale import varlen
 
-    calls: list[int] = []
-    check = varlen.check_packed_call
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return check(*args, **kwargs)
-
-    monkeypatch.setattr(varlen, "check_packed_call", counting)
-    return calls
+    return counting(monkeypatch, varlen, "check_packed_call")
 
 
 def _packed(seed: int, lengths_q=(1, 3, 0, 2), lengths_k=(16, 24, 8, 5), H=4, Hkv=2, D=16, dtype=torch.float32):

@@ -227,7 +227,9 @@ def scaled_dot_product_attention(
             if recomputed_by is None:
                 record_backend(implementation.backend, why)
                 if memory.may_take(dropout_p, backend):
-                    memory.remember(c, implementation, memory.Passed(is_causal, scale, enable_gqa, causal_alignment, softcap, window, return_stats), why)
+                    memory.remember(c, implementation, memory.Passed(
+                        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, alignment=causal_alignment, softcap=softcap, window=window, return_stats=return_stats
+                    ), why)
             else:  # what computed the returned output, and why
                 record_backend(recomputed_by, _Recomputed(implementation.backend, why, query.dtype))
         return (out, stats) if call.return_stats else out

@@ -155,8 +155,8 @@ def varlen_attention(
     else:
         out, stats, whole = _checked(implementation, why, c)
         if whole and implementation is PACKED_FUSED and memory.may_take(0.0, backend):  # (the answer's log line: every sequence in one call)
-            given = memory.PackedPassed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, is_causal, softcap, window, return_stats)
-            memory.remember_packed(c, given, _Packed((len(rows), len(rows), why)))  # type: ignore[arg-type]
+            given = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, is_causal=is_causal)
+            memory.remember_packed(c, memory.PackedPassed(**given, scale=scale, softcap=softcap, window=window, return_stats=return_stats), _Packed((len(rows), len(rows), why)))  # type: ignore[arg-type]
     return (out, stats) if c.spec.return_stats else out
 
 

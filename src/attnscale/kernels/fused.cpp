@@ -787,25 +787,24 @@ bool append_float(std::string& key, PyObject* obj) {
   return true;
 }
 
+// None, or an exact int that fits int64.
+bool append_int(std::string& key, PyObject* obj) {
+  if (obj == Py_None) return key.push_back('n'), true;
+  if (!PyLong_CheckExact(obj)) return false;
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(obj, &overflow);
+  if (overflow != 0 || (x == -1 && PyErr_Occurred())) return PyErr_Clear(), false;
+  key.push_back('i');
+  key.append(reinterpret_cast<const char*>(&x), sizeof(x));
+  return true;
+}
+
 // None, or an exact tuple of two sides, each None or an exact int (not a bool) that fits int64.
 bool append_window(std::string& key, PyObject* obj) {
   if (obj == Py_None) return key.push_back('n'), true;
   if (!PyTuple_CheckExact(obj) || PyTuple_GET_SIZE(obj) != 2) return false;
   key.push_back('w');
-  for (Py_ssize_t i = 0; i < 2; ++i) {
-    PyObject* side = PyTuple_GET_ITEM(obj, i);
-    if (side == Py_None) {
-      key.push_back('n');
-      continue;
-    }
-    if (!PyLong_CheckExact(side)) return false;
-    int overflow = 0;
-    const long long x = PyLong_AsLongLongAndOverflow(side, &overflow);
-    if (overflow != 0 || (x == -1 && PyErr_Occurred())) return PyErr_Clear(), false;
-    key.push_back('i');
-    key.append(reinterpret_cast<const char*>(&x), sizeof(x));
-  }
-  return true;
+  return append_int(key, PyTuple_GET_ITEM(obj, 0)) && append_int(key, PyTuple_GET_ITEM(obj, 1));
 }
 
 // Everything a call passes, as Python objects.
@@ -1038,18 +1037,6 @@ py::object kernel_call(const Remembered& call, const CallArgs& a) {
 
 // --- packed calls (attnscale.varlen_attention): the same memory, keyed by the cumulative
 // lengths' values too (the sequences, and the tiles chosen from the longest, are the plan's) ---
-
-// None, or an exact int that fits int64.
-bool append_int(std::string& key, PyObject* obj) {
-  if (obj == Py_None) return key.push_back('n'), true;
-  if (!PyLong_CheckExact(obj)) return false;
-  int overflow = 0;
-  const long long x = PyLong_AsLongLongAndOverflow(obj, &overflow);
-  if (overflow != 0 || (x == -1 && PyErr_Occurred())) return PyErr_Clear(), false;
-  key.push_back('i');
-  key.append(reinterpret_cast<const char*>(&x), sizeof(x));
-  return true;
-}
 
 constexpr int64_t kPackedLengthsMax = 1025;  // as attnscale._validate's memory of packed calls
 
