@@ -252,7 +252,7 @@ def test_inputs_blas_cannot_read_as_they_lie_take_the_full_pipeline(validated):
     _equal(out, _forced(q, k, v, softcap=5.0, enable_gqa=True))
 
 
-# --- packed calls (varlen_attention): remembered with their cumulative lengths' values ----------
+# --- packed calls (varlen_attention): their sequences read from the lengths at every call -------
 
 
 @pytest.fixture
@@ -293,14 +293,69 @@ def test_a_remembered_packed_call_skips_the_pipeline_and_equals_it(name, packed_
         assert again[1].lse.shape == (4, q.shape[0])
 
 
-def test_other_lengths_take_the_full_pipeline(packed_validated):
-    q, k, v, cu_q, cu_k = _packed(12)
+def _cu(lengths) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def test_new_lengths_with_the_same_longest_query_take_the_remembered_call(packed_validated):
+    # Decoding steps of a batch: the sequences' keys grow (and the packed rows with them) every
+    # call; the most queries of a sequence, which the plan's tiles are chosen from, stays 3.
+    q, k, v, _, _ = _packed(12, lengths_k=(40, 40, 40, 40))
+    slopes = torch.rand(4, 4, generator=torch.Generator().manual_seed(2))
+    options = dict(is_causal=True, softcap=5.0, alibi_slopes=slopes, return_stats=True)
+    steps = [((1, 3, 0, 2), (16, 24, 8, 5)), ((1, 3, 0, 2), (17, 25, 9, 6)), ((3, 1, 2, 0), (6, 9, 25, 17)), ((3, 2, 1, 0), (3, 30, 12, 0))]
+    got = []
+    for lengths_q, lengths_k in steps:
+        rows_q, rows_k = sum(lengths_q), sum(lengths_k)
+        got.append(attnscale.varlen_attention(q[:rows_q], k[:rows_k], v[:rows_k], _cu(lengths_q), _cu(lengths_k), max_seqlen_k=max(lengths_k), **options))
+        assert attnscale.last_backend() == "fused"
+    assert len(packed_validated) == 1, "one full call, then every step remembered"
+    kernels.load().forget_calls()
+    for (lengths_q, lengths_k), (out, stats) in zip(steps, got):
+        rows_q, rows_k = sum(lengths_q), sum(lengths_k)
+        want, want_stats = attnscale.varlen_attention(q[:rows_q], k[:rows_k], v[:rows_k], _cu(lengths_q), _cu(lengths_k), backend="fused", **options)
+        _equal(out, want)
+        for field in ("lse", "max_logit", "max_prob", "entropy", "visible_keys"):
+            _equal(getattr(stats, field), getattr(want_stats, field))
+
+
+def test_another_longest_query_is_another_signature(packed_validated):
+    q, k, v, cu_q, cu_k = _packed(14)
     for _ in range(2):
         attnscale.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True)
-    other = torch.tensor([0, 2, 3, 3, 6], dtype=torch.int32)  # the same total, other sequences
-    out = attnscale.varlen_attention(q, k, v, other, cu_k, is_causal=True)
+    longer = _cu((4, 0, 0, 2))  # the same total, 4 queries in one sequence
+    out = attnscale.varlen_attention(q, k, v, longer, cu_k, is_causal=True)
     assert len(packed_validated) == 2
-    _equal(out, attnscale.varlen_attention(q, k, v, other, cu_k, is_causal=True, backend="fused"))
+    _equal(out, attnscale.varlen_attention(q, k, v, longer, cu_k, is_causal=True, backend="fused"))
+
+
+BAD_LENGTHS = {
+    "cu_seqlens_q not starting at 0": dict(cu_seqlens_q=torch.tensor([1, 2, 5, 5, 6], dtype=torch.int32)),
+    "cu_seqlens_k decreasing": dict(cu_seqlens_k=torch.tensor([0, 16, 12, 48, 53], dtype=torch.int32)),
+    "cu_seqlens_k ending short of the keys": dict(cu_seqlens_k=torch.tensor([0, 16, 40, 48, 52], dtype=torch.int32)),
+    "cu_seqlens_q, int64, past the queries": dict(cu_seqlens_q=torch.tensor([0, 1, 4, 4, 7])),
+    "max_seqlen_q below the longest": dict(max_seqlen_q=2),
+    "max_seqlen_k below the longest": dict(max_seqlen_k=23),
+    "fewer key sequences": dict(cu_seqlens_k=torch.tensor([0, 16, 40, 53], dtype=torch.int32)),
+}
+
+
+@pytest.mark.parametrize("name", BAD_LENGTHS, ids=str)
+def test_bad_lengths_on_a_remembered_signature_get_the_pipelines_error(name, packed_validated):
+    q, k, v, cu_q, cu_k = _packed(15)
+    given = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3, max_seqlen_k=24, is_causal=True)
+    for _ in range(2):
+        attnscale.varlen_attention(q, k, v, **given)
+    if "int64" in name:  # an int64 twin of the remembered signature, remembered too
+        for _ in range(2):
+            attnscale.varlen_attention(q, k, v, **dict(given, cu_seqlens_q=cu_q.long()))
+    bad = dict(given, **BAD_LENGTHS[name])
+    with pytest.raises(ValueError) as remembered:
+        attnscale.varlen_attention(q, k, v, **bad)
+    kernels.load().forget_calls()
+    with pytest.raises(ValueError) as full:
+        attnscale.varlen_attention(q, k, v, **bad)
+    assert str(remembered.value) == str(full.value)
 
 
 @pytest.mark.parametrize("route", ["gradient", "sinks", "NaN in q", "strided rows"])

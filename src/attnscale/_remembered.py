@@ -4,9 +4,11 @@ Once the full pipeline (validation, ``backends.choose``, the guard) has answered
 kernel as it is, or by the compiled kernel's plan, the compiled kernel remembers the answer under
 the call's signature: every tensor's dtype and sizes (without a mask and with top-left alignment,
 keys of any length), whether a mask, slopes or sinks require grad, every option as passed; for a
-packed call also the cumulative lengths' values. A later call of that signature is that same
-call, the checks of values the pipeline makes of every call (a float mask below +inf, finite
-slopes, sinks below +inf) and the guard's first check of its output, in one compiled call
+packed call its lengths' dtype and count and its longest query length, not the packed row counts
+nor the lengths' values: each call's sequences are read from its lengths, as the pipeline's checks
+read them. A later call of that signature is that same call, the checks of values the pipeline
+makes of every call (a float mask below +inf, finite slopes, sinks below +inf, a packed call's
+lengths and max_seqlen hints) and the guard's first check of its output, in one compiled call
 (``remembered_call``, ``remembered_packed_call`` in ``kernels/fused.cpp``); anything they do not
 pass (and anything else: another signature, a tensor subclass, tracing, a torch.func transform or
 a torch-function mode, a named backend, dropout) takes the full pipeline. Nothing is answered
@@ -114,8 +116,12 @@ class PackedPassed(NamedTuple):
 
 def remember_packed(c: backends.Call, passed: PackedPassed, why: object) -> None:
     """Remember that one call of the compiled kernel computed this packed call whole, by its plan
-    (:func:`attnscale.kernels.fused.packed_plan`, its sequences ``c.spans``), where no gradient was
-    asked and there are no sinks (their merge is torch ops on the packed rows)."""
+    (:func:`attnscale.kernels.fused.packed_plan`, tiles chosen from the longest query length),
+    where no gradient was asked and there are no sinks (their merge is torch ops on the packed
+    rows). A later call of its signature runs that plan on the sequences its own lengths give,
+    wherever the pipeline's checks of lengths pass them: the pipeline's choice and its guard's
+    verdict on a whole call (the kernel's own, on its rows) turn on no length but the longest
+    query's, which the signature holds."""
     global packed_call
     kernel, spans = load_kernel(), c.spans
     if kernel is None or spans is None or spans.rows is None or c.sinks is not None:

@@ -719,12 +719,11 @@ py::object output_ok_op(const torch::Tensor& out, const torch::Tensor& key, int6
 enum class Kind { kTorch, kKernel, kPacked };
 
 struct Remembered {
-  Kind kind;                    // torch's kernel with the three arguments below, or the compiled kernel's plan (packed: with `table`)
+  Kind kind;                    // torch's kernel with the three arguments below, or the compiled kernel's plan (packed: on the sequences each call's lengths give)
   bool causal = false;
   bool gqa = false;
   std::optional<double> scale;  // nullopt: torch's default
   Options options{};            // the compiled kernel's, tiles resolved
-  at::Tensor table;             // a packed call's sequences (its plan's spans)
   py::object backend;           // the Backend that answers (last_backend)
   py::object why;               // why the pipeline chose it (its log line)
 };
@@ -745,20 +744,21 @@ void set_alignments(py::object top_left, py::object bottom_right) {
   if (g_top_left == nullptr) g_top_left = top_left.release().ptr(), g_bottom_right = bottom_right.release().ptr();
 }
 
-// A tensor's dtype and sizes; with `any_length`, all sizes but dim -2's.
-bool append_tensor(std::string& key, PyObject* obj, bool any_length = false) {
+// The one size of a tensor a signature may leave out: none, dim -2 (keys and values of any
+// length), dim 0 (packed rows of any count).
+enum class Unkeyed { kNone, kKeyLength, kRowCount };
+
+// A tensor's dtype and sizes, but the `unkeyed` one.
+bool append_tensor(std::string& key, PyObject* obj, Unkeyed unkeyed = Unkeyed::kNone) {
   if (!THPVariable_CheckExact(obj)) return false;
   const auto& t = THPVariable_Unpack(obj);
   if (!t.is_cpu() || t.layout() != at::kStrided || t.is_nested()) return false;
   const int64_t dim = t.dim();
   key.push_back(static_cast<char>(t.scalar_type()));
   key.push_back(static_cast<char>(dim));
-  const char* sizes = reinterpret_cast<const char*>(t.sizes().data());
-  if (any_length && dim >= 2) {
-    key.append(sizes, (dim - 2) * sizeof(int64_t));
-    key.append(sizes + (dim - 1) * sizeof(int64_t), sizeof(int64_t));
-  } else {
-    key.append(sizes, dim * sizeof(int64_t));
+  const int64_t left_out = unkeyed == Unkeyed::kKeyLength ? dim - 2 : unkeyed == Unkeyed::kRowCount ? 0 : -1;
+  for (int64_t d = 0; d < dim; ++d) {
+    if (d != left_out) key.append(reinterpret_cast<const char*>(t.sizes().data() + d), sizeof(int64_t));
   }
   return true;
 }
@@ -831,7 +831,8 @@ std::optional<std::string> call_signature(const CallArgs& a) {
   std::string key;
   key.reserve(160);
   const bool any_length = a.mask.is_none() && (alignment == 't' || alignment == 'T');  // (top-left: the query offset is 0 at every S)
-  if (!append_tensor(key, a.q.ptr()) || !append_tensor(key, a.k.ptr(), any_length) || !append_tensor(key, a.v.ptr(), any_length)) return std::nullopt;
+  const Unkeyed length = any_length ? Unkeyed::kKeyLength : Unkeyed::kNone;
+  if (!append_tensor(key, a.q.ptr()) || !append_tensor(key, a.k.ptr(), length) || !append_tensor(key, a.v.ptr(), length)) return std::nullopt;
   key.push_back(alignment);
   if (!append_optional_tensor(key, a.mask.ptr()) || !append_flag(key, a.causal.ptr()) || !append_flag(key, a.gqa.ptr()) ||
       !append_float(key, a.scale.ptr()) || !append_float(key, a.softcap.ptr()) || !append_optional_tensor(key, a.alibi.ptr()) ||
@@ -853,7 +854,7 @@ bool float_kind(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t
 
 bool remember_torch_call(const CallArgs& a, bool torch_causal, bool torch_gqa, std::optional<double> torch_scale, py::object backend, py::object why) {
   if (!THPVariable_CheckExact(a.q.ptr()) || !float_kind(THPVariable_Unpack(a.q.ptr()))) return false;  // (the guard's one-call check takes these)
-  return remember(a, Remembered{Kind::kTorch, torch_causal, torch_gqa, torch_scale, Options{}, at::Tensor(), std::move(backend), std::move(why)});
+  return remember(a, Remembered{Kind::kTorch, torch_causal, torch_gqa, torch_scale, Options{}, std::move(backend), std::move(why)});
 }
 
 // Slopes or sinks the checks of values read in one call: float32 or float64, no wider than q's
@@ -871,7 +872,7 @@ bool remember_kernel_call(const CallArgs& a, const py::tuple& options, py::objec
   if (!float_kind(THPVariable_Unpack(a.q.ptr())) || !a.mask.is_none() || !checked_in_one_call(a.alibi, dt) || !checked_in_one_call(a.sinks, dt)) return false;
   const Options o = Options::from(options);
   TORCH_CHECK(o.block_q > 0 && o.block_k > 0, "attnscale fused kernel: a remembered plan has its tiles resolved");
-  return remember(a, Remembered{Kind::kKernel, false, false, std::nullopt, o, at::Tensor(), std::move(backend), std::move(why)});
+  return remember(a, Remembered{Kind::kKernel, false, false, std::nullopt, o, std::move(backend), std::move(why)});
 }
 
 void forget_calls() { remembered_calls().clear(); }
@@ -1035,18 +1036,25 @@ py::object kernel_call(const Remembered& call, const CallArgs& a) {
   return py::make_tuple(wrap(r[0]), call.backend, call.why, wrap(r[1]), wrap(r[2]), wrap(r[3]), wrap(r[4]), wrap(r[5]));
 }
 
-// --- packed calls (attnscale.varlen_attention): the same memory, keyed by the cumulative
-// lengths' values too (the sequences, and the tiles chosen from the longest, are the plan's) ---
+// --- packed calls (attnscale.varlen_attention): the same memory. Their sequences are read from
+// the cumulative lengths at every call, as the pipeline's checks read them; the key holds the
+// lengths' dtype and count, not their values, nor the packed row counts, so that a batch whose
+// lengths change every call (decoding steps) is one signature. It holds the longest query
+// length, from which the plan's tiles are chosen (attnscale.kernels.fused.packed_plan) ---
 
 constexpr int64_t kPackedLengthsMax = 1025;  // as attnscale._validate's memory of packed calls
 
-// Cumulative lengths: an int32 or int64 CPU vector of at most kPackedLengthsMax entries, with
-// its values.
+// Cumulative lengths: an int32 or int64 contiguous CPU vector of at most kPackedLengthsMax entries.
 bool append_lengths(std::string& key, PyObject* obj) {
   if (!append_tensor(key, obj)) return false;
   const auto& t = THPVariable_Unpack(obj);
-  if (t.dim() != 1 || t.numel() > kPackedLengthsMax || !t.is_contiguous() || (t.scalar_type() != at::kInt && t.scalar_type() != at::kLong)) return false;
-  key.append(static_cast<const char*>(t.const_data_ptr()), t.numel() * t.element_size());
+  return t.dim() == 1 && t.numel() <= kPackedLengthsMax && t.is_contiguous() && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong);
+}
+
+// None ('n') or an exact int ('i'): a max_seqlen hint's kind; its value is read_sequences' to check.
+bool append_hint(std::string& key, PyObject* obj) {
+  if (obj != Py_None && !PyLong_CheckExact(obj)) return false;
+  key.push_back(obj == Py_None ? 'n' : 'i');
   return true;
 }
 
@@ -1055,32 +1063,82 @@ struct PackedArgs {
   py::handle q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, softcap, alibi, window, sinks, stats;
 };
 
-std::optional<std::string> packed_signature(const PackedArgs& a) {
+// A packed call's sequences: (nseq, 4) int64 rows (q0, q1, k0, k1), and the most query rows of one.
+struct Sequences {
+  at::Tensor table;
+  int64_t longest_q = 0;
+};
+
+// The sequences of cumulative lengths the pipeline's checks pass (attnscale._validate's
+// cu_seqlens_values and check_max_seqlen): as many entries in both, at least two (one sequence);
+// each starting at 0, non-decreasing, ending at its packed tensor's row count; a max_seqlen hint at
+// least the longest length. None otherwise (the full checks say why).
+std::optional<Sequences> read_sequences(const PackedArgs& a) {
+  const auto &CQ = THPVariable_Unpack(a.cu_q.ptr()), &CK = THPVariable_Unpack(a.cu_k.ptr());
+  const int64_t entries = CQ.numel();
+  if (CK.numel() != entries || entries < 2) return std::nullopt;
+  auto at_ = [](const at::Tensor& cu, int64_t i) -> int64_t {
+    return cu.scalar_type() == at::kInt ? int64_t(cu.const_data_ptr<int32_t>()[i]) : cu.const_data_ptr<int64_t>()[i];
+  };
+  Sequences found;
+  found.table = at::empty({entries - 1, 4}, at::kLong);
+  int64_t* row = found.table.data_ptr<int64_t>();
+  int64_t longest_k = 0;
+  for (int64_t b = 0; b + 1 < entries; ++b, row += 4) {
+    row[0] = at_(CQ, b), row[1] = at_(CQ, b + 1), row[2] = at_(CK, b), row[3] = at_(CK, b + 1);
+    if (row[1] < row[0] || row[3] < row[2]) return std::nullopt;
+    found.longest_q = std::max(found.longest_q, row[1] - row[0]);
+    longest_k = std::max(longest_k, row[3] - row[2]);
+  }
+  const auto &Q = THPVariable_Unpack(a.q.ptr()), &K = THPVariable_Unpack(a.k.ptr());
+  if (at_(CQ, 0) != 0 || at_(CK, 0) != 0 || at_(CQ, entries - 1) != Q.size(0) || at_(CK, entries - 1) != K.size(0)) return std::nullopt;
+  for (const auto& [hint, longest] : {std::pair{a.max_q.ptr(), found.longest_q}, std::pair{a.max_k.ptr(), longest_k}}) {
+    if (hint == Py_None) continue;
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(hint, &overflow);
+    if (value == -1 && PyErr_Occurred()) return PyErr_Clear(), std::nullopt;
+    if (overflow < 0 || (overflow == 0 && value < longest)) return std::nullopt;
+  }
+  return found;
+}
+
+// The signature (every tensor's dtype and sizes but the packed row counts, the lengths' dtype and
+// count, each hint's kind, every option as passed, the longest query length) and the sequences.
+std::optional<std::pair<std::string, Sequences>> packed_signature(const PackedArgs& a) {
   std::string key;
   key.reserve(160);
   key.push_back('P');
-  if (!append_tensor(key, a.q.ptr()) || !append_tensor(key, a.k.ptr()) || !append_tensor(key, a.v.ptr()) || !append_lengths(key, a.cu_q.ptr()) ||
-      !append_lengths(key, a.cu_k.ptr()) || !append_int(key, a.max_q.ptr()) || !append_int(key, a.max_k.ptr()) || !append_float(key, a.scale.ptr()) ||
-      !append_flag(key, a.causal.ptr()) || !append_float(key, a.softcap.ptr()) || !append_optional_tensor(key, a.alibi.ptr()) ||
-      !append_window(key, a.window.ptr()) || !append_optional_tensor(key, a.sinks.ptr()) || !append_flag(key, a.stats.ptr()))
+  const auto rows = Unkeyed::kRowCount;
+  if (!append_tensor(key, a.q.ptr(), rows) || !append_tensor(key, a.k.ptr(), rows) || !append_tensor(key, a.v.ptr(), rows) ||
+      !append_lengths(key, a.cu_q.ptr()) || !append_lengths(key, a.cu_k.ptr()) || !append_hint(key, a.max_q.ptr()) || !append_hint(key, a.max_k.ptr()) ||
+      !append_float(key, a.scale.ptr()) || !append_flag(key, a.causal.ptr()) || !append_float(key, a.softcap.ptr()) ||
+      !append_optional_tensor(key, a.alibi.ptr()) || !append_window(key, a.window.ptr()) || !append_optional_tensor(key, a.sinks.ptr()) ||
+      !append_flag(key, a.stats.ptr()))
     return std::nullopt;
-  return key;
+  const auto &K = THPVariable_Unpack(a.k.ptr()), &V = THPVariable_Unpack(a.v.ptr());
+  if (K.dim() != 3 || V.dim() != 3 || V.size(0) != K.size(0)) return std::nullopt;  // (the row counts the key leaves out; q's are the lengths')
+  auto sequences = read_sequences(a);
+  if (!sequences) return std::nullopt;
+  key.append(reinterpret_cast<const char*>(&sequences->longest_q), sizeof(int64_t));
+  return std::make_pair(std::move(key), std::move(*sequences));
 }
 
 // A packed call the pipeline ran in one call of the compiled kernel and kept whole (no gradient,
-// no sinks, float32 or float64): `table` its sequences, `options` its tiles resolved.
+// no sinks, float32 or float64): `table` its sequences (which must be those read here from its
+// lengths), `options` its tiles resolved.
 bool remember_packed_call(const PackedArgs& a, const at::Tensor& table, const py::tuple& options, py::object backend, py::object why) {
   if (!THPVariable_CheckExact(a.q.ptr()) || !a.sinks.is_none()) return false;
   const auto dt = THPVariable_Unpack(a.q.ptr()).scalar_type();
   if (!float_kind(THPVariable_Unpack(a.q.ptr())) || !checked_in_one_call(a.alibi, dt)) return false;
-  if (table.dim() != 2 || table.size(0) < 1 || table.size(1) != 4 || table.scalar_type() != at::kLong || !table.device().is_cpu()) return false;
   const Options o = Options::from(options);
   TORCH_CHECK(o.block_q > 0 && o.block_k > 0, "attnscale fused kernel: a remembered plan has its tiles resolved");
-  auto key = packed_signature(a);
-  if (!key) return false;
+  auto found = packed_signature(a);
+  if (!found) return false;
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.device().is_cpu() && at::equal(table, found->second.table),
+              "attnscale fused kernel: a remembered packed call's sequences are those its lengths give");
   auto& calls = remembered_calls();
   if (calls.size() >= kRememberedMax) calls.clear();
-  calls[*key] = Remembered{Kind::kPacked, false, false, std::nullopt, o, table.contiguous().clone(), std::move(backend), std::move(why)};
+  calls[std::move(found->first)] = Remembered{Kind::kPacked, false, false, std::nullopt, o, std::move(backend), std::move(why)};
   return true;
 }
 
@@ -1095,12 +1153,13 @@ py::object remembered_packed_call(py::handle q, py::handle k, py::handle v, py::
                                   py::handle scale, py::handle causal, py::handle softcap, py::handle alibi, py::handle window, py::handle sinks,
                                   py::handle stats) {
   if (torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU)) return py::none();
-  const auto key = packed_signature(PackedArgs{q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, softcap, alibi, window, sinks, stats});
-  if (!key) return py::none();
+  const auto found = packed_signature(PackedArgs{q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, softcap, alibi, window, sinks, stats});
+  if (!found) return py::none();
   const auto& calls = remembered_calls();
-  const auto found = calls.find(*key);
-  if (found == calls.end()) return py::none();
-  const Remembered call = found->second;  // (a copy, as remembered_call's)
+  const auto entry = calls.find(found->first);
+  if (entry == calls.end()) return py::none();
+  const Remembered call = entry->second;  // (a copy, as remembered_call's)
+  const at::Tensor& table = found->second.table;
   const auto &Q = THPVariable_Unpack(q.ptr()), &K = THPVariable_Unpack(k.ptr()), &V = THPVariable_Unpack(v.ptr());
   c10::optional<at::Tensor> alibi_t;
   if (!alibi.is_none()) {
@@ -1111,8 +1170,8 @@ py::object remembered_packed_call(py::handle q, py::handle k, py::handle v, py::
     return py::none();  // (the guard then looks at each sequence's rows)
   if (!packed_rows(Q) || !packed_rows(K) || !packed_rows(V)) return py::none();  // (the pipeline's copies)
   c10::optional<at::Tensor> slopes;  // (nseq, H) in the compute dtype, as the pipeline's cast and expand give them
-  if (alibi_t) slopes = (alibi_t->scalar_type() == Q.scalar_type() ? *alibi_t : alibi_t->detach().to(Q.scalar_type())).expand({call.table.size(0), Q.size(1)});
-  auto [r, ok] = forward_run(packed_view(Q), packed_view(K), packed_view(V), slopes, c10::nullopt, call.table, call.options, true);  // [out, lse, statistics...]
+  if (alibi_t) slopes = (alibi_t->scalar_type() == Q.scalar_type() ? *alibi_t : alibi_t->detach().to(Q.scalar_type())).expand({table.size(0), Q.size(1)});
+  auto [r, ok] = forward_run(packed_view(Q), packed_view(K), packed_view(V), slopes, c10::nullopt, table, call.options, true);  // [out, lse, statistics...]
   if (!ok) return py::none();
   // (1, H, total_q, Dv) as (total_q, H, Dv); the statistics (1, H, total_q) as (H, total_q)
   const int64_t H = r[0].size(1), total = r[0].size(2), Dv = r[0].size(3);
@@ -1205,8 +1264,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
         return remember_packed_call(PackedArgs{q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, softcap, alibi, window, sinks, stats}, table, options,
                                     std::move(backend), std::move(why));
       },
-      "remember that the compiled kernel computes packed calls of this signature (the cumulative lengths' values included) by this plan: the "
-      "sequences' table and the options in KernelOptions' order (False: not a signature remembered here)",
+      "remember that the compiled kernel computes packed calls of this signature (the lengths' values read at each call) by this plan: the "
+      "options in KernelOptions' order; the table must be the sequences the lengths give (False: not a signature remembered here)",
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
       py::arg("scale"), py::arg("is_causal"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("window"), py::arg("sinks"), py::arg("return_stats"),
       py::arg("table"), py::arg("options"), py::arg("backend"), py::arg("why"));
