@@ -12,6 +12,12 @@ causal, masks, GQA, torch's own module) at most torch's time + 10 us; a feature 
 "attnscale"`` at least 0.95x the tokens per second of ``"sdpa"``. Every output is checked once
 against torch's or the float64 reference before it is timed.
 
+Both sides of a case read the same weights: the HuggingFace layer and ``generate`` run one model,
+its attention implementation switched between them, and the module's q, k, v projections are views
+of torch's module's packed ``in_proj`` (its ``out_proj`` the same parameters). Two copies of the
+same weights lie apart in memory and in the caches, which moves a 1-2 ms call by more than the
+10 us target: the reference row "a second copy of the model" times exactly that.
+
     python benchmarks/bench_overhead.py                       # every case, both thread counts
     python benchmarks/bench_overhead.py --json benchmarks/recorded/overhead.json
     python benchmarks/bench_overhead.py --markdown benchmarks/recorded/overhead.json
@@ -20,6 +26,7 @@ against torch's or the float64 reference before it is timed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -34,7 +41,7 @@ import attnscale
 from attnscale import reference
 from machine import DEFAULT_THREADS, describe
 
-SCHEMA = "attnscale.bench_overhead/2"  # /2: generate's ratio is the median of the rounds' ratios
+SCHEMA = "attnscale.bench_overhead/3"  # /2: generate's ratio is the median of the rounds' ratios; /3: both sides on the same weights, varlen with new lengths
 TORCH_SLACK_US = 10.0  # a call torch computes: at most torch's time + this
 FEATURE_RATIO = 2.0  # a feature torch lacks: at most this times torch's plain call
 GENERATE_RATIO = 0.95  # HF generate: at least this share of "sdpa"'s tokens per second
@@ -127,30 +134,50 @@ def cases() -> list[Case]:
         return torch.cat(rows)
 
     found.append(Case("varlen, 4 sequences", lambda: attnscale.varlen_attention(pq, pk, pv, cu_q, cu_k, is_causal=True), None, packed_want))
+    found.append(_new_lengths_case(pq, pk, pv, cu_q))
     # the module's forward against torch's own module, same width and heads, one new token
     torch.manual_seed(0)
     ours_module = attnscale.MultiHeadAttention(D * H, num_heads=H).eval()
     theirs_module = torch.nn.MultiheadAttention(D * H, H, batch_first=True).eval()
-    with torch.no_grad():
-        theirs_module.in_proj_weight.copy_(torch.cat([ours_module.q_proj.weight, ours_module.k_proj.weight, ours_module.v_proj.weight]))
-        theirs_module.in_proj_bias.copy_(torch.cat([ours_module.q_proj.bias, ours_module.k_proj.bias, ours_module.v_proj.bias]))
-        theirs_module.out_proj.weight.copy_(ours_module.out_proj.weight)
-        theirs_module.out_proj.bias.copy_(ours_module.out_proj.bias)
+    E = D * H
+    for i, projection in enumerate((ours_module.q_proj, ours_module.k_proj, ours_module.v_proj)):  # views of torch's packed in_proj: the same weights
+        projection.weight = torch.nn.Parameter(theirs_module.in_proj_weight.detach()[i * E : (i + 1) * E])
+        projection.bias = torch.nn.Parameter(theirs_module.in_proj_bias.detach()[i * E : (i + 1) * E])
+    ours_module.out_proj.weight, ours_module.out_proj.bias = theirs_module.out_proj.weight, theirs_module.out_proj.bias
     x = draw(B, S, D * H)
     found.append(
         Case("the module's forward (MultiHeadAttention, 512 wide, 8 heads, 64 tokens)", lambda: ours_module(x), lambda: theirs_module(x, x, x, need_weights=False)[0],
              lambda: theirs_module(x, x, x, need_weights=False)[0], atol=1e-4)  # fmt: skip
     )
     # where the module's time goes beside attention: its three q, k, v projections against torch's one packed in_proj
-    E = D * H
     found.append(
         Case("the module's q, k, v projections alone (three Linear; torch: one packed in_proj)",
              lambda: (ours_module.q_proj(x), ours_module.k_proj(x), ours_module.v_proj(x)),
              lambda: F.linear(x, theirs_module.in_proj_weight, theirs_module.in_proj_bias),
              lambda: F.linear(x, theirs_module.in_proj_weight[:E], theirs_module.in_proj_bias[:E]), atol=1e-5, reference=True)  # fmt: skip
     )
-    found.append(_hf_layer_case())
+    found += _hf_layer_cases()
     return found
+
+
+def _new_lengths_case(pq: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, cu_q: torch.Tensor) -> Case:
+    """varlen with the 4 sequences' key lengths new each call (a batch of decoding steps, each
+    sequence at its own length): 600 splits of the same 64 keys in turn, each side the same."""
+    splits = sorted({(a, b - a, c - b, S - c) for a, b, c in itertools.combinations(range(1, S), 3)})
+    chosen = [splits[i] for i in torch.randperm(len(splits), generator=torch.Generator().manual_seed(3))[:600].tolist()]
+    cus = [torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32) for lengths in chosen]
+    turn = [0]
+
+    def step() -> torch.Tensor:
+        turn[0] += 1
+        return attnscale.varlen_attention(pq, pk, pv, cu_q, cus[turn[0] % len(cus)], is_causal=True)
+
+    def want() -> torch.Tensor:  # the split ours just took
+        cu_k = cus[turn[0] % len(cus)].tolist()
+        return torch.cat([TORCH_SDPA(pq[i : i + 1].transpose(0, 1)[None], pk[a:b].transpose(0, 1)[None], pv[a:b].transpose(0, 1)[None])[0].transpose(0, 1)
+                          for i, (a, b) in enumerate(zip(cu_k[:-1], cu_k[1:]))])  # fmt: skip
+
+    return Case("varlen, 4 sequences, new lengths each call", step, None, want)
 
 
 def _tiny_llama(implementation: str):
@@ -164,17 +191,27 @@ def _tiny_llama(implementation: str):
     return transformers.LlamaForCausalLM._from_config(config, attn_implementation=implementation).eval()
 
 
-def _hf_layer_case() -> Case:
-    """One attention layer of a tiny Llama through attn_implementation="attnscale" against "sdpa"."""
-    ours, theirs = _tiny_llama("attnscale"), _tiny_llama("sdpa")
+def _hf_layer_cases() -> list[Case]:
+    """One attention layer of a tiny Llama through attn_implementation="attnscale" against "sdpa",
+    one model switched between them; and, for reference, "sdpa" on a second copy of the model
+    against the first (what two copies of the same weights cost apart)."""
+    model, copy = _tiny_llama("sdpa"), _tiny_llama("sdpa")
     x = torch.randn(B, S, H * D, generator=torch.Generator().manual_seed(1))
     position_ids = torch.arange(S)[None]
-    rotary = ours.model.rotary_emb(x, position_ids)
+    rotary = model.model.rotary_emb(x, position_ids)
 
-    def run(model) -> torch.Tensor:
-        return model.model.layers[0].self_attn(x, position_embeddings=rotary, attention_mask=None)[0]
+    def run(on, implementation: str) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            on.config._attn_implementation = implementation  # (read by every attention layer's forward; both sides set it)
+            return on.model.layers[0].self_attn(x, position_embeddings=rotary, attention_mask=None)[0]
 
-    return Case("a HuggingFace Llama layer (attnscale vs sdpa)", lambda: run(ours), lambda: run(theirs), lambda: run(theirs), atol=1e-5)
+        return call
+
+    ours, theirs = run(model, "attnscale"), run(model, "sdpa")
+    return [
+        Case("a HuggingFace Llama layer (attnscale vs sdpa)", ours, theirs, theirs, atol=1e-5),
+        Case("a HuggingFace Llama layer: sdpa on a second copy of the model (vs the first)", run(copy, "sdpa"), theirs, theirs, atol=1e-5, reference=True),
+    ]
 
 
 def _per_call_us(fn: Callable[[], object], calls: int) -> float:
@@ -224,11 +261,13 @@ def time_generate(threads: int, rounds: int, new_tokens: int) -> dict:
     share the host's state, where the ratio of the two medians moved by the host's drift between
     runs); the two must produce the same tokens."""
     torch.set_num_threads(threads)
-    models = {name: _tiny_llama(name) for name in ("attnscale", "sdpa")}
+    model = _tiny_llama("sdpa")  # one model, its attention switched: both sides read the same weights
     prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
-    outputs, rates = {}, {name: [] for name in models}
+    names = ("attnscale", "sdpa")
+    outputs, rates = {}, {name: [] for name in names}
     for round_ in range(rounds + 1):  # the first round warms up
-        for name, model in sorted(models.items(), reverse=bool(round_ % 2)):  # each side first in every other round
+        for name in sorted(names, reverse=bool(round_ % 2)):  # each side first in every other round
+            model.set_attn_implementation(name)
             start = time.perf_counter()
             with torch.no_grad():
                 outputs[name] = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
