@@ -9,16 +9,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import guard
+from .. import backends, guard
 from .._tracing import tracing
 from .._validate import FLOAT_DTYPES, AttentionCall, check_attention_call, check_choice, fail
 from ..backends import Call
+from ..functional import record_backend
 from ..masks import CausalAlignment, query_offset
 from ..score import ScorePath
 from ..stats import AttentionStats
 from .agreement import Field, check_agreement, digest, float_bits, from_bits, gather_rows, text_code, text_of
 from .layout import Layout, check_zigzag_length, segments
-from .ring import RingPlan, ring_implementation
+from .ring import RingPlan, ring_walk
 from .ulysses import UlyssesPlan, ulysses_attention
 
 __all__ = ["Method", "context_parallel_attention"]
@@ -324,11 +325,12 @@ def context_parallel_attention(
             alibi=None,  # (the call's, taken by the ring's run)
             with_stats=call.return_stats,
         )
-        ring = ring_implementation(geometry)
         c = Call(call._replace(L=L, S=S, path=path), query, key, value, None, alibi_slopes, sinks)  # the whole problem
+        ring, why = backends.choose(c, ring_walk(geometry))
         if tracing(query, key, value, alibi_slopes, sinks):
             out, stats, _ = ring.run(c, query, key, value)
         else:
+            record_backend(ring.backend, why)
             finite = all(s[0] for s in summaries)
             q_max, k_max = (max(from_bits(s[i]) for s in summaries) for i in (1, 2))
             out, stats, _ = guard.check_sharded(ring, c, finite=finite, q_max=q_max, k_max=k_max)

@@ -18,6 +18,10 @@ Attention sinks join each row once, after the last step: :func:`~attnscale.tiled
 the finished ``(out, lse)``, outside the autograd function, so autograd carries their gradient
 and the ring's backward sees the gradients of the keys-only ``out`` and ``lse``.
 
+Each shard pair runs on the compiled kernel where it runs (float32 or float64 CPU tensors, the
+kernel built, not tracing), else on the tiled kernel: :func:`ring_walk` is the choice
+:func:`attnscale.backends.choose` makes between the two.
+
 Shard pairs that causal or window masks hide entirely are skipped
 (:meth:`~attnscale.score.ScorePath.block_is_hidden`); with the zigzag layout every rank then does
 the same work. Sends and receives are posted one by one, even ranks sending first, and each
@@ -28,25 +32,41 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .._validate import Backend
-from ..backends import Call, Implementation, Result
+from ..backends import Call, Implementation, Refusal, Result, Step, Walk
 from ..dense import accumulation_dtype
+from ..kernels import fused
 from ..score import ScorePath
 from ..stats import AttentionStats
 from ..tiled import merge_partials, merge_sinks, partial_backward, partial_forward
 from .merge import merge_sink_stats, merge_stats
 
-__all__ = ["RingPlan", "ring_attention", "ring_implementation"]
+__all__ = ["Partials", "RingPlan", "ring_attention", "ring_implementation", "ring_walk"]
 
 _KV_TAG, _GRAD_TAG = 0, 1
 _STAT_FIELDS = ("max_logit", "max_prob", "entropy", "visible_keys")
+
+
+class Partials(NamedTuple):
+    """The kernel every shard pair runs on: its partial forward and backward, with
+    :func:`attnscale.tiled.partial_forward`'s and :func:`~attnscale.tiled.partial_backward`'s
+    signatures and results."""
+
+    backend: Backend
+    forward: Callable[..., tuple[Tensor, Tensor, AttentionStats | None]]
+    backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+
+TILED_PARTIALS = Partials(Backend.TILED, partial_forward, partial_backward)
+FUSED_PARTIALS = Partials(Backend.FUSED, fused.partial_forward, fused.partial_backward)
 
 
 @dataclass(frozen=True)
@@ -70,6 +90,7 @@ class RingPlan:
     kv_dims: tuple[tuple[int, ...], tuple[int, ...]]
     alibi: Tensor | None
     with_stats: bool
+    partials: Partials = TILED_PARTIALS
 
     def pairs(self, src: int) -> Iterator[tuple[slice, int, slice, int]]:
         """(local query rows, their global start, local key rows, their global start) of every
@@ -136,7 +157,7 @@ def _ring_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tens
         incoming, works = plan.shift(buf, src, _KV_TAG) if step < plan.size - 1 else (None, [])
         k_src, v_src = plan.unpack(buf, src)
         for rows, q0, cols, k0 in plan.pairs(src):
-            o, l, part = partial_forward(
+            o, l, part = plan.partials.forward(
                 q[..., rows, :], k_src[..., cols, :], v_src[..., cols, :],
                 path=plan.path, q_start=q0, k_start=k0, alibi_slopes=plan.alibi, with_stats=plan.with_stats,
             )
@@ -167,7 +188,7 @@ def _ring_backward(
         k_src, v_src = plan.unpack(buf, src)
         dk_src, dv_src = plan.unpack(grads, src)
         for rows, q0, cols, k0 in plan.pairs(src):
-            dq_part, dk_part, dv_part = partial_backward(
+            dq_part, dk_part, dv_part = plan.partials.backward(
                 q[..., rows, :], k_src[..., cols, :], v_src[..., cols, :],
                 out[..., rows, :], lse[..., rows], dout[..., rows, :], dlse[..., rows],
                 path=plan.path, q_start=q0, k_start=k0, alibi_slopes=plan.alibi,
@@ -235,8 +256,8 @@ def ring_implementation(geometry: RingPlan) -> Implementation:
     """The ring as the backend of one call, for :func:`attnscale.guard.check_sharded`, which may
     run it again on indicators, on inputs with non-finite entries zeroed, or in float64: ``run``
     takes the score path, ALiBi slopes, sinks and statistics from the call (``c.spec`` is the whole
-    problem's) and the dims from its tensors; ``geometry`` gives the rest. Collective: every rank
-    runs it, the same number of times. Its partials are the tiled kernel's (``floors_exp``)."""
+    problem's) and the dims from its tensors; ``geometry`` gives the rest, its ``partials`` the
+    kernel of every shard pair. Collective: every rank runs it, the same number of times."""
 
     def run(c: Call, query: Tensor, key: Tensor, value: Tensor) -> Result:
         slopes = c.alibi_slopes
@@ -250,4 +271,23 @@ def ring_implementation(geometry: RingPlan) -> Implementation:
         out, stats = ring_attention(query, key, value, plan, c.sinks)
         return Result(out, stats, None)
 
-    return Implementation(Backend.TILED, lambda c: None, run, floors_exp=True)
+    tiled = geometry.partials is TILED_PARTIALS
+    return Implementation(geometry.partials.backend, (lambda c: None) if tiled else _fused_partials_cannot, run, floors_exp=tiled)
+
+
+def _fused_partials_cannot(c: Call) -> Refusal | None:
+    reason = fused.partials_cannot(c.query)
+    if reason is None:
+        return None
+    return Refusal(reason, "backend", "shard pairs the compiled kernel can run", f"'fused' with {reason}", "use backend='auto'")
+
+
+def ring_walk(geometry: RingPlan) -> Walk:
+    """:func:`attnscale.backends.choose`'s walk of a ring call: every shard pair on the compiled
+    kernel where :func:`attnscale.kernels.fused.partials_cannot` finds no reason against it, else
+    on the tiled kernel. The choice changes no collective step (the two compute the same partials
+    to rounding), so ranks whose choices differ, such as one without the compiled kernel, still
+    run the same ring."""
+    on_kernel = ring_implementation(dataclasses.replace(geometry, partials=FUSED_PARTIALS))
+    on_tiles = ring_implementation(dataclasses.replace(geometry, partials=TILED_PARTIALS))
+    return Walk((Step(on_kernel, lambda c: None), Step(on_tiles, lambda c: None)), {b: on_kernel if b is Backend.FUSED else on_tiles for b in Backend})

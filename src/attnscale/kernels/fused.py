@@ -22,14 +22,19 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .._tracing import _functorch_wrapped, _is_wrapped, _transforms_active, constant_result
+from .._tracing import _functorch_wrapped, _is_wrapped, _transforms_active, constant_result, tracing
 from ..dense import accumulation_dtype, head_groups
 from ..score import ScorePath
 from ..stats import AttentionStats, with_sinks
+from ..tiled import partial_backward as tiled_partial_backward
+from ..tiled import partial_forward as tiled_partial_forward
 from ..tiled import sink_scaled, tiled_attention
 from . import load, ops
 
-__all__ = ["Plan", "direct", "fused_attention", "fused_attention_checked", "fused_varlen_attention", "int8_attention", "packed_plan", "plan", "run_planned", "supports"]
+__all__ = [
+    "Plan", "direct", "fused_attention", "fused_attention_checked", "fused_varlen_attention", "int8_attention", "packed_plan", "partial_backward",
+    "partial_forward", "partials_cannot", "plan", "run_planned", "supports",
+]  # fmt: skip
 # The default tiles and the rule that picks them live in ``ops`` (BLOCK_Q, BLOCK_K, default_blocks),
 # read inside the op at call time.
 
@@ -412,6 +417,76 @@ def fused_varlen_attention(
     max_logit, max_prob, entropy, visible_keys = (t[0] for t in rest)
     stats = AttentionStats._of(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
     return out, stats if sinks is None else with_sinks(stats, sinks), rows_ok
+
+
+def partials_cannot(query: Tensor) -> str | None:
+    """Why :func:`partial_forward` and :func:`partial_backward` cannot take a shard pair of these
+    inputs (None if they can): :func:`supports`' reasons, 16-bit inputs (the backward rounds each
+    pair's gradients to their format, which the ring's float32 sums must not take), and tracing
+    (the ring's autograd Function traces the tiled kernel's partials)."""
+    if query.dtype not in (torch.float32, torch.float64):
+        return f"{query.dtype} inputs (each shard pair's gradients would be rounded to them)"
+    if tracing(query):
+        return "tracing"
+    return supports(query, None)
+
+
+def _pair_spec(query: Tensor, key: Tensor, value: Tensor, path: ScorePath, q_start: int, k_start: int, with_stats: bool) -> tuple[_Spec, tuple[int, ...]]:
+    shape = tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3]))
+    spec = _Spec(path=path, batch=shape or (1,), H=query.shape[-3], Hkv=key.shape[-3], q_start=q_start, k_start=k_start, with_stats=with_stats, block_q=0, block_k=0)
+    return spec, shape
+
+
+def partial_forward(
+    query: Tensor, key: Tensor, value: Tensor, *, path: ScorePath, q_start: int = 0, k_start: int = 0, alibi_slopes: Tensor | None = None,
+    with_stats: bool = False,
+) -> tuple[Tensor, Tensor, AttentionStats | None]:
+    """:func:`attnscale.tiled.partial_forward` on the compiled kernel (inputs :func:`partials_cannot`
+    takes): ``(out, lse, stats)`` of a query shard against a key shard at global positions, in
+    the inputs' dtype and the broadcast batch shape, without autograd; ``stats`` (or None) of this
+    shard pair alone. :func:`partial_backward` is its gradient."""
+    if query.shape[-2] == 0 or key.shape[-2] == 0:  # nothing to tile: the tiled kernel's empty results
+        return tiled_partial_forward(query, key, value, path=path, q_start=q_start, k_start=k_start, alibi_slopes=alibi_slopes, with_stats=with_stats)
+    spec, shape = _pair_spec(query, key, value, path, q_start, k_start, with_stats)
+    dtype = query.dtype
+    with torch.no_grad():
+        q, k, v = (_flat(t, spec, dtype) for t in (query, key, value))
+        out, lse, _, _, *stats, _ = ops.forward(q, k, v, _flat_slopes(alibi_slopes, spec, dtype), None, None, spec.options(False, False))
+    rows = (*shape, spec.H, query.shape[-2])
+    out, lse = out.view(*rows, value.shape[-1]), lse.view(rows)
+    if not with_stats:
+        return out, lse, None
+    max_logit, max_prob, entropy, visible_keys = (t.view(rows) for t in stats)
+    return out, lse, AttentionStats._of(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
+
+
+def partial_backward(
+    query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None = None, *, path: ScorePath,
+    q_start: int = 0, k_start: int = 0, alibi_slopes: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`attnscale.tiled.partial_backward` on the compiled kernel: the gradients ``(dq, dk,
+    dv)`` one shard pair contributes, given the rows' *final* ``out`` and ``lse`` over every key
+    shard and their gradients, in the inputs' dtype and the broadcast batch shape (dk, dv with
+    Hkv heads). The kernel's backward takes the final lse as its row normaliser (m = lse, l = 1:
+    p = exp(s - lse), the true probability; a row no key of any shard is visible to, lse = -inf,
+    as the forward leaves such a row, m = 0, l = 1, where every product is hidden)."""
+    if query.shape[-2] == 0 or key.shape[-2] == 0:
+        return tiled_partial_backward(query, key, value, out, lse, dout, dlse, path=path, q_start=q_start, k_start=k_start, alibi_slopes=alibi_slopes)
+    spec, shape = _pair_spec(query, key, value, path, q_start, k_start, False)
+    dtype = query.dtype
+    with torch.no_grad():
+        q, k, v = (_flat(t, spec, dtype) for t in (query, key, value))
+        B, L = q.shape[0], q.shape[2]
+        rows = lambda t: t.to(dtype).expand(*spec.batch, spec.H, L).reshape(B, spec.H, L)  # noqa: E731
+        lse = rows(lse)
+        delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
+        delta = rows(delta if dlse is None else delta - dlse.to(dtype))  # D_i = rowsum(dO * O) - dlse_i
+        dout = dout.to(dtype).expand(*spec.batch, spec.H, L, value.shape[-1]).reshape(B, spec.H, L, value.shape[-1])
+        m = lse.masked_fill(lse == -math.inf, 0.0)
+        dq, dk, dv, _ = ops.fused_backward(
+            q, k, v, dout, delta, m, torch.ones_like(m), _flat_slopes(alibi_slopes, spec, dtype), None, None, False, *spec.options(False, False).backward_args()
+        )
+    return dq.view(*shape, *dq.shape[1:]), dk.view(*shape, *dk.shape[1:]), dv.view(*shape, *dv.shape[1:])
 
 
 def _head_rows(x: Tensor) -> bool:
