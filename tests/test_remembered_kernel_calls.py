@@ -358,6 +358,21 @@ def test_bad_lengths_on_a_remembered_signature_get_the_pipelines_error(name, pac
     assert str(remembered.value) == str(full.value)
 
 
+@pytest.mark.parametrize("q_shape", [(), (6, 4), (1, 6, 4, 16)], ids=["0-d", "2-d", "4-d"])
+def test_a_packed_call_of_another_rank_gets_the_pipelines_error(q_shape, packed_validated):
+    # the key leaves the packed row counts out and reads them from q, k, v: of those shapes only
+    q, k, v, cu_q, cu_k = _packed(16)
+    for _ in range(2):
+        attnscale.varlen_attention(q, k, v, cu_q, cu_k, is_causal=True)
+    bad = torch.zeros(q_shape)
+    with pytest.raises(ValueError) as remembered:
+        attnscale.varlen_attention(bad, k, v, cu_q, cu_k, is_causal=True)
+    kernels.load().forget_calls()
+    with pytest.raises(ValueError) as full:
+        attnscale.varlen_attention(bad, k, v, cu_q, cu_k, is_causal=True)
+    assert str(remembered.value) == str(full.value)
+
+
 @pytest.mark.parametrize("route", ["gradient", "sinks", "NaN in q", "strided rows"])
 def test_packed_calls_the_memory_cannot_vouch_for_take_the_full_pipeline(route, packed_validated):
     q, k, v, cu_q, cu_k = _packed(13)

@@ -279,7 +279,7 @@ def _fused_partials_cannot(c: Call) -> Refusal | None:
     reason = fused.partials_cannot(c.query)
     if reason is None:
         return None
-    return Refusal(reason, "backend", "shard pairs the compiled kernel can run", f"'fused' with {reason}", "use backend='auto'")
+    return Refusal(reason, "backend", "shard pairs the compiled kernel can run", f"'fused' with {reason}", "none: auto's next step, the tiled kernel, runs them")
 
 
 def ring_walk(geometry: RingPlan) -> Walk:

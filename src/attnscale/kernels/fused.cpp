@@ -1115,8 +1115,8 @@ std::optional<std::pair<std::string, Sequences>> packed_signature(const PackedAr
       !append_optional_tensor(key, a.alibi.ptr()) || !append_window(key, a.window.ptr()) || !append_optional_tensor(key, a.sinks.ptr()) ||
       !append_flag(key, a.stats.ptr()))
     return std::nullopt;
-  const auto &K = THPVariable_Unpack(a.k.ptr()), &V = THPVariable_Unpack(a.v.ptr());
-  if (K.dim() != 3 || V.dim() != 3 || V.size(0) != K.size(0)) return std::nullopt;  // (the row counts the key leaves out; q's are the lengths')
+  const auto &Q = THPVariable_Unpack(a.q.ptr()), &K = THPVariable_Unpack(a.k.ptr()), &V = THPVariable_Unpack(a.v.ptr());
+  if (Q.dim() != 3 || K.dim() != 3 || V.dim() != 3 || V.size(0) != K.size(0)) return std::nullopt;  // (the row counts the key leaves out; q's are the lengths')
   auto sequences = read_sequences(a);
   if (!sequences) return std::nullopt;
   key.append(reinterpret_cast<const char*>(&sequences->longest_q), sizeof(int64_t));
