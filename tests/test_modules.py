@@ -329,6 +329,48 @@ def test_kv_cache_with_padding_and_fp32():
     assert len(cache) == 0 and cache.keys is None
 
 
+@pytest.mark.parametrize("chunks", [[1] * 40, [5, 1, 17, 1, 1, 9, 6]], ids=["token-by-token", "chunks"])
+def test_kv_cache_without_gradients_writes_into_room_and_decodes_as_the_full_pass(chunks):
+    # No gradient: appends write into room behind the cached positions (doubling when full), not a
+    # concatenation; the result is the full causal pass's, and views handed out earlier keep their values.
+    E, H, B, Hkv = 24, 4, 2, 2
+    m = module(E, H, num_kv_heads=Hkv)
+    x = randn(B, sum(chunks), E, seed=8)
+    with torch.no_grad():
+        full = m(x, is_causal=True)
+        cache, start, handed, storages = KVCache(), 0, [], set()
+        for n in chunks:
+            step = m(x[:, start : start + n], is_causal=True, cache=cache)
+            start += n
+            torch.testing.assert_close(step, full[:, start - n : start], rtol=0, atol=1e-14)
+            handed.append((cache.keys, cache.keys.clone(), cache.values, cache.values.clone()))
+            storages.add(cache.keys.untyped_storage().data_ptr())
+    assert len(cache) == start and cache.keys.shape == (B, Hkv, start, E // H)
+    for keys, keys_then, values, values_then in handed:
+        assert torch.equal(keys, keys_then) and torch.equal(values, values_then)
+    assert len(storages) <= 2 + math.ceil(math.log2(start)), "the room doubles: few reallocations, not one per append"
+
+
+def test_kv_cache_keeps_autograd_history_and_assigned_tensors():
+    E, H, B = 16, 4, 2
+    m = module(E, H)
+    x = randn(B, 4, E, seed=9)
+    cache = KVCache()
+    with torch.no_grad():
+        m(x[:, :2], is_causal=True, cache=cache)  # into room
+    out = m(x[:, 2:3], is_causal=True, cache=cache)  # grad mode on, the projections' parameters require grad: concatenated
+    assert cache.keys.requires_grad and cache.keys.grad_fn is not None
+    out.sum().backward()
+    assert m.k_proj.weight.grad is not None
+    # a caller's own keys and values: the next append starts from them
+    own_keys, own_values = cache.keys.detach().clone(), cache.values.detach().clone()
+    own_keys[..., 0, :] = 0.0
+    cache.keys, cache.values = own_keys, own_values
+    with torch.no_grad():
+        m(x[:, 3:4], is_causal=True, cache=cache)
+    assert len(cache) == 4 and torch.equal(cache.keys[..., :3, :], own_keys) and torch.equal(cache.values[..., :3, :], own_values)
+
+
 def test_kv_cache_errors_leave_the_cache_unchanged():
     m = module(16, 4)
     cache = KVCache()

@@ -64,11 +64,20 @@ class KVCache:
     alignment), so feeding a sequence token by token, or in chunks, gives the full-sequence
     causal output. Tensors are kept as given, with their autograd history: decode under
     ``torch.no_grad()`` unless gradients through the cache are wanted.
+
+    Where no gradient flows (grad mode off, or no tensor that requires grad), an append writes into
+    room kept behind the cached positions, which doubles when full, so a decoding step copies only
+    its own keys and values (amortised), not the whole cache as a concatenation does; ``keys`` and
+    ``values`` are then views of the first ``len(cache)`` positions of that room (a tensor that
+    requires grad is concatenated, as autograd needs). Views handed out earlier keep their values:
+    an append writes only behind them. Assigning ``keys`` or ``values`` is respected: the next
+    append starts new room from them.
     """
 
     def __init__(self) -> None:
         self.keys: Tensor | None = None  # (B, Hkv, S_cached, D)
         self.values: Tensor | None = None  # (B, Hkv, S_cached, D)
+        self._room: tuple[Tensor, Tensor] | None = None  # (B, Hkv, capacity, D) each: keys and values are views of them
 
     def __len__(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
@@ -77,6 +86,7 @@ class KVCache:
         """Forget every cached position."""
         self.keys = None
         self.values = None
+        self._room = None
 
     def check_compatible(self, keys: Tensor) -> None:
         """Raise unless ``keys`` (B, Hkv, S_new, D) can be appended to this cache."""
@@ -101,12 +111,41 @@ class KVCache:
     def append(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """Append (B, Hkv, S_new, D) keys and values; return all of them, (B, Hkv, S_cached + S_new, D)."""
         self.check_compatible(keys)
-        if self.keys is None or self.values is None:
-            self.keys, self.values = keys, values
+        cached_keys, cached_values = self.keys, self.values
+        if cached_keys is None or cached_values is None:
+            self.keys, self.values, self._room = keys, values, None
+        elif torch.is_grad_enabled() and any(t.requires_grad for t in (cached_keys, cached_values, keys, values)):
+            self.keys = torch.cat([cached_keys, keys], dim=-2)  # (B, Hkv, S, D), with autograd history
+            self.values = torch.cat([cached_values, values], dim=-2)
+            self._room = None
         else:
-            self.keys = torch.cat([self.keys, keys], dim=-2)  # (B, Hkv, S, D)
-            self.values = torch.cat([self.values, values], dim=-2)  # (B, Hkv, S, D)
+            self.keys, self.values = self._write(cached_keys, cached_values, keys, values)
         return self.keys, self.values
+
+    def _write(self, cached_keys: Tensor, cached_values: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """The cached and new positions as views of the room, the new ones written into it (new
+        room, twice what they need, where the old is too small or the cached tensors are not its
+        views: the first append, or ones a caller assigned)."""
+        S, end = cached_keys.shape[-2], cached_keys.shape[-2] + keys.shape[-2]
+        room = self._room
+        ours = room is not None and _views_of(cached_keys, room[0], S) and _views_of(cached_values, room[1], S)
+        if room is None or not ours or room[0].shape[-2] < end or room[0].shape[:2] != keys.shape[:2] or room[1].shape[-1] != values.shape[-1]:
+            capacity = 2 * end
+            room = (
+                cached_keys.new_empty(*cached_keys.shape[:-2], capacity, cached_keys.shape[-1]),
+                cached_values.new_empty(*cached_values.shape[:-2], capacity, cached_values.shape[-1]),
+            )
+            room[0][..., :S, :].copy_(cached_keys)
+            room[1][..., :S, :].copy_(cached_values)
+            self._room = room
+        room[0][..., S:end, :].copy_(keys)
+        room[1][..., S:end, :].copy_(values)
+        return room[0][..., :end, :], room[1][..., :end, :]
+
+
+def _views_of(cached: Tensor, room: Tensor, S: int) -> bool:
+    """Whether ``cached`` is the view of ``room``'s first S positions that an append handed out."""
+    return cached.data_ptr() == room.data_ptr() and cached.stride() == room.stride() and cached.shape == (*room.shape[:-2], S, room.shape[-1])
 
 
 def _check_dim(arg: str, value: object) -> int:
