@@ -362,6 +362,14 @@ def test_kv_cache_keeps_autograd_history_and_assigned_tensors():
     assert cache.keys.requires_grad and cache.keys.grad_fn is not None
     out.sum().backward()
     assert m.k_proj.weight.grad is not None
+    # a shortened view of the room: the positions behind it, handed out before, keep their values
+    with torch.no_grad():
+        m(x[:, 3:4], is_causal=True, cache=cache)  # into new room (the cached tensors required grad)
+        whole = cache.keys
+        kept = whole.clone()
+        cache.keys, cache.values = whole[..., :2, :], cache.values[..., :2, :]
+        m(randn(B, 1, E, seed=10), is_causal=True, cache=cache)  # another token at position 2
+    assert torch.equal(whole, kept) and len(cache) == 3
     # a caller's own keys and values: the next append starts from them
     own_keys, own_values = cache.keys.detach().clone(), cache.values.detach().clone()
     own_keys[..., 0, :] = 0.0

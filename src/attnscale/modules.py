@@ -77,7 +77,7 @@ class KVCache:
     def __init__(self) -> None:
         self.keys: Tensor | None = None  # (B, Hkv, S_cached, D)
         self.values: Tensor | None = None  # (B, Hkv, S_cached, D)
-        self._room: tuple[Tensor, Tensor] | None = None  # (B, Hkv, capacity, D) each: keys and values are views of them
+        self._room: tuple[Tensor, Tensor, int] | None = None  # (B, Hkv, capacity, D) each, and the positions written: keys and values are views of them
 
     def __len__(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
@@ -124,22 +124,24 @@ class KVCache:
 
     def _write(self, cached_keys: Tensor, cached_values: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """The cached and new positions as views of the room, the new ones written into it (new
-        room, twice what they need, where the old is too small or the cached tensors are not its
-        views: the first append, or ones a caller assigned)."""
+        room, twice what they need, where the old is too small or the cached tensors are not the
+        views of all it holds: the first append, tensors a caller assigned, or a shortened view,
+        behind which positions handed out before must keep their values)."""
         S, end = cached_keys.shape[-2], cached_keys.shape[-2] + keys.shape[-2]
         room = self._room
-        ours = room is not None and _views_of(cached_keys, room[0], S) and _views_of(cached_values, room[1], S)
-        if room is None or not ours or room[0].shape[-2] < end or room[0].shape[:2] != keys.shape[:2] or room[1].shape[-1] != values.shape[-1]:
+        ours = room is not None and room[2] == S and _views_of(cached_keys, room[0], S) and _views_of(cached_values, room[1], S)
+        if room is None or not ours or room[0].shape[-2] < end:
             capacity = 2 * end
             room = (
                 cached_keys.new_empty(*cached_keys.shape[:-2], capacity, cached_keys.shape[-1]),
                 cached_values.new_empty(*cached_values.shape[:-2], capacity, cached_values.shape[-1]),
+                S,
             )
             room[0][..., :S, :].copy_(cached_keys)
             room[1][..., :S, :].copy_(cached_values)
-            self._room = room
         room[0][..., S:end, :].copy_(keys)
         room[1][..., S:end, :].copy_(values)
+        self._room = (room[0], room[1], end)
         return room[0][..., :end, :], room[1][..., :end, :]
 
 
