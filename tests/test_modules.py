@@ -351,6 +351,20 @@ def test_kv_cache_without_gradients_writes_into_room_and_decodes_as_the_full_pas
     assert len(storages) <= 2 + math.ceil(math.log2(start)), "the room doubles: few reallocations, not one per append"
 
 
+def test_kv_cache_room_made_under_inference_mode_takes_appends_outside_it():
+    E, H, B = 16, 4, 2
+    m = module(E, H)
+    x = randn(B, 5, E, seed=11)
+    with torch.no_grad():
+        full = m(x, is_causal=True)
+    cache = KVCache()
+    with torch.inference_mode():
+        steps = [m(x[:, i : i + 1], is_causal=True, cache=cache) for i in range(3)]
+    with torch.no_grad():
+        steps += [m(x[:, i : i + 1], is_causal=True, cache=cache) for i in range(3, 5)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-14)
+
+
 def test_kv_cache_keeps_autograd_history_and_assigned_tensors():
     E, H, B = 16, 4, 2
     m = module(E, H)

@@ -124,13 +124,15 @@ class KVCache:
 
     def _write(self, cached_keys: Tensor, cached_values: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """The cached and new positions as views of the room, the new ones written into it (new
-        room, twice what they need, where the old is too small or the cached tensors are not the
-        views of all it holds: the first append, tensors a caller assigned, or a shortened view,
-        behind which positions handed out before must keep their values)."""
+        room, twice what they need, where the old is too small, was made under ``torch.inference_mode``
+        and this append is outside it, or the cached tensors are not the views of all it holds: the
+        first append, tensors a caller assigned, or a shortened view, behind which positions handed
+        out before must keep their values)."""
         S, end = cached_keys.shape[-2], cached_keys.shape[-2] + keys.shape[-2]
         room = self._room
         ours = room is not None and room[2] == S and _views_of(cached_keys, room[0], S) and _views_of(cached_values, room[1], S)
-        if room is None or not ours or room[0].shape[-2] < end:
+        writable = room is not None and (torch.is_inference_mode_enabled() or not room[0].is_inference())  # (made under inference_mode: read-only outside it)
+        if room is None or not ours or not writable or room[0].shape[-2] < end:
             capacity = 2 * end
             room = (
                 cached_keys.new_empty(*cached_keys.shape[:-2], capacity, cached_keys.shape[-1]),
