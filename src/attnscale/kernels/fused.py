@@ -451,13 +451,14 @@ def partial_forward(
     dtype = query.dtype
     with torch.no_grad():
         q, k, v = (_flat(t, spec, dtype) for t in (query, key, value))
-        out, lse, _, _, *stats, _ = ops.forward(q, k, v, _flat_slopes(alibi_slopes, spec, dtype), None, None, spec.options(False, False))
+        r = ops.forward(q, k, v, alibi=_flat_slopes(alibi_slopes, spec, dtype), mask=None, spans=None, options=spec.options(False, False))
     rows = (*shape, spec.H, query.shape[-2])
-    out, lse = out.view(*rows, value.shape[-1]), lse.view(rows)
+    out, lse = r.out.view(*rows, value.shape[-1]), r.lse.view(rows)
     if not with_stats:
         return out, lse, None
-    max_logit, max_prob, entropy, visible_keys = (t.view(rows) for t in stats)
-    return out, lse, AttentionStats._of(lse=lse, max_logit=max_logit, max_prob=max_prob, entropy=entropy, visible_keys=visible_keys)
+    return out, lse, AttentionStats._of(
+        lse=lse, max_logit=r.max_logit.view(rows), max_prob=r.max_prob.view(rows), entropy=r.entropy.view(rows), visible_keys=r.visible_keys.view(rows)
+    )
 
 
 def partial_backward(
@@ -483,9 +484,9 @@ def partial_backward(
         delta = rows(delta if dlse is None else delta - dlse.to(dtype))  # D_i = rowsum(dO * O) - dlse_i
         dout = dout.to(dtype).expand(*spec.batch, spec.H, L, value.shape[-1]).reshape(B, spec.H, L, value.shape[-1])
         m = lse.masked_fill(lse == -math.inf, 0.0)
-        dq, dk, dv, _ = ops.fused_backward(
-            q, k, v, dout, delta, m, torch.ones_like(m), _flat_slopes(alibi_slopes, spec, dtype), None, None, False, *spec.options(False, False).backward_args()
-        )
+        # (the op's schema is positional: its tensors, then the options in BACKWARD_FIELDS' order)
+        slopes, l = _flat_slopes(alibi_slopes, spec, dtype), torch.ones_like(m)  # noqa: E741
+        dq, dk, dv, _ = ops.fused_backward(q, k, v, dout, delta, m, l, slopes, None, None, False, *spec.options(False, False).backward_args())
     return dq.view(*shape, *dq.shape[1:]), dk.view(*shape, *dk.shape[1:]), dv.view(*shape, *dv.shape[1:])
 
 
