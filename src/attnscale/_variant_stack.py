@@ -109,6 +109,11 @@ class VariantStack(nn.Module):
             performer = config.performer
             assert performer is not None
             self.performer = PerformerAttention(D, performer.num_features, orthogonal=performer.orthogonal, seed=performer.seed)
+        self.identity = (
+            config.kernel is AttentionKernel.SOFTMAX and config.positional is not PositionalScheme.ALIBI
+            and all(part is None for part in (self.qk_norm, self.rope, self.temperature, self.length_scale, self.performer))
+        )  # fmt: skip
+        """Whether every step is a no-op: no check to make, no slopes, q and k as they come."""
         self.to(**{k: v for k, v in factory.items() if v is not None})
         tensors = dict(self.named_parameters()) | dict(self.named_buffers())
         with torch.no_grad():  # a float64 module gets its exact init, not a float32 rounding of it

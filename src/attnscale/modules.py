@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from numbers import Integral
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as _module_hooks
 
 from ._validate import FLOAT_DTYPES, Backend, check_attention_call, check_bool, check_choice, check_positive_finite, fail
 from ._variant_stack import VariantStack, effective_scale
@@ -34,6 +36,8 @@ from .score import ScorePath
 from .stats import AttentionStats
 
 __all__ = ["AttentionOutput", "KVCache", "MultiHeadAttention"]
+
+_transforms_active = torch._C._are_functorch_transforms_active
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,44 @@ class KVCache:
 def _views_of(cached: Tensor, room: Tensor, S: int) -> bool:
     """Whether ``cached`` is the view of ``room``'s first S positions that an append handed out."""
     return cached.data_ptr() == room.data_ptr() and cached.stride() == room.stride() and cached.shape == (*room.shape[:-2], S, room.shape[-1])
+
+
+def _hooked(modules: tuple[nn.Module, ...]) -> bool:
+    """Whether calling these modules runs a forward hook of theirs or a global one."""
+    return bool(
+        _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks
+        or any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    )  # fmt: skip
+
+
+def _call_linear(module: nn.Module, x: Tensor) -> Tensor:
+    """``module(x)``; for a plain ``Linear`` without hooks its ``F.linear`` directly (what
+    ``nn.Module.__call__`` would run, without its bookkeeping: a hot path)."""
+    if type(module) is nn.Linear and not _hooked((module,)):
+        return F.linear(x, module._parameters["weight"], module._parameters["bias"])
+    return module(x)
+
+
+def _consecutive(parts: tuple[Tensor | None, ...]) -> Tensor | None:
+    """One tensor over ``parts`` where they are consecutive rows of one storage, as
+    :meth:`MultiHeadAttention._pack_projections` lays them out (a view: nothing is copied), else
+    None: a part missing, not a plain contiguous ``Parameter``, or in memory of its own."""
+    first = parts[0]
+    if type(first) is not nn.Parameter or not first.is_contiguous():
+        return None
+    end, rows = first.data_ptr(), 0
+    for part in parts:
+        if (
+            type(part) is not nn.Parameter or part.data_ptr() != end or not part.is_contiguous()
+            or part.dtype != first.dtype or part.device != first.device or part.shape[1:] != first.shape[1:]
+        ):  # fmt: skip
+            return None
+        end += part.numel() * part.element_size()
+        rows += part.shape[0]
+    try:  # a view of the first part's storage, past its own rows: the storage's bounds are checked
+        return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+    except RuntimeError:  # the rows after it are another storage's that happens to follow in memory
+        return None
 
 
 def _check_dim(arg: str, value: object) -> int:
@@ -276,10 +318,13 @@ class MultiHeadAttention(nn.Module):
         kdim: width of ``key`` for cross-attention (default ``d_model``).
         vdim: width of ``value`` for cross-attention (default ``d_model``).
 
-    Projections are ``nn.Linear`` with its default initialisation. ``self.scale`` is the float
-    multiplier the kernel receives (learned and length-dependent factors are folded into q; see
-    :mod:`attnscale.config`); ``self.config`` is the resolved config and ``self.variant`` holds
-    its parts (QK-Norm gains, learned scales, the Performer projection).
+    Projections are ``nn.Linear`` with its default initialisation; the q, k and v projections'
+    weights are views of one tensor, as torch's packed ``in_proj`` (each still its own
+    ``Parameter`` and state-dict entry), so that self-attention without gradient projects in one
+    matrix product. ``self.scale`` is the float multiplier the kernel receives (learned and
+    length-dependent factors are folded into q; see :mod:`attnscale.config`); ``self.config`` is
+    the resolved config and ``self.variant`` holds its parts (QK-Norm gains, learned scales, the
+    Performer projection).
 
     >>> import torch, attnscale
     >>> mha = attnscale.MultiHeadAttention(64, num_heads=8, num_kv_heads=2)
@@ -349,6 +394,85 @@ class MultiHeadAttention(nn.Module):
         # config.sinks: one learned logit per query head in every softmax denominator (gpt-oss);
         # at 0 a sink takes 1 / (n + 1) of a row whose n keys all have logit 0.
         self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if config.sinks else None
+        self._packed: tuple[list, tuple[Tensor, Tensor | None] | None] | None = None  # (see _packed_projection)
+        self._pack_projections()
+
+    def _pack_projections(self) -> None:
+        """Lay the q, k and v projections' weights out as consecutive rows of one tensor, and
+        their biases likewise, each ``Linear`` keeping its own ``Parameter`` (a view of it: the
+        state dict, optimizers and ``from_torch`` see three projections as before). Self-attention
+        that needs no gradient of them then projects in one matrix product, as torch's packed
+        ``in_proj`` does (:meth:`_project`). Run at construction and after every ``_apply``
+        (``.to()``, ``.half()``, ...), which gives each parameter memory of its own; where the
+        widths differ (``kdim``, ``vdim``) or a projection is not a plain ``Linear`` nothing moves."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if self.kdim != self.d_model or self.vdim != self.d_model or any(type(p) is not nn.Linear for p in projections):
+            return
+        for parts in ([p.weight for p in projections], [p.bias for p in projections]):
+            if any(type(t) is not nn.Parameter for t in parts) or _consecutive(tuple(parts)) is not None:
+                continue
+            if len({(t.dtype, t.device, t.shape[1:]) for t in parts}) != 1:
+                continue
+            packed = torch.cat([t.detach() for t in parts])  # (rows of q, k, v, ...)
+            start = 0
+            for t in parts:  # the same Parameter objects: anything holding them holds the views
+                t.data = packed[start : start + t.shape[0]]
+                start += t.shape[0]
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  (nn.Module's signature)
+        applied = super()._apply(fn, recurse)
+        self._packed = None  # (views of the memory the parameters left)
+        self._pack_projections()
+        return applied
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_packed": None}  # a copy or a pickle carries no views of the parameters
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__({"_packed": None, **state})
+        self._pack_projections()  # copy.deepcopy clones each parameter apart
+
+    def _packed_projection(self) -> tuple[Tensor, Tensor | None] | None:
+        """The packed q, k, v weight ((H + 2 Hkv) D, E) and bias, views of the projections'
+        parameters where they are consecutive in memory and the projections plain ``Linear``
+        without hooks, else None. Remembered with what it was built from (each parameter's
+        address, dtype and shape): the memory it views is the parameters' own, kept no longer than
+        until a call finds them moved (``_apply`` lets go at once)."""
+        projections = (self._modules["q_proj"], self._modules["k_proj"], self._modules["v_proj"])  # (no nn.Module.__getattr__: a hot path)
+        if not type(projections[0]) is type(projections[1]) is type(projections[2]) is nn.Linear or _hooked(projections):
+            return None
+        (wq, bq), (wk, bk), (wv, bv) = ((p._parameters["weight"], p._parameters["bias"]) for p in projections)
+        key = []
+        for t in (wq, bq, wk, bk, wv, bv):
+            if t is not None:
+                if type(t) is not nn.Parameter:  # (a tensor subclass's, a fake tensor's address is not read)
+                    return None
+                key.append((t.data_ptr(), t.dtype, t.shape))
+        if self._packed is not None and self._packed[0] == key:
+            return self._packed[1]
+        found = None
+        biased = (bq is not None) + (bk is not None) + (bv is not None)  # all three or none
+        weight, bias = _consecutive((wq, wk, wv)), _consecutive((bq, bk, bv)) if biased == 3 else None
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if weight is not None and weight.ndim == 2 and weight.shape[0] == (H + 2 * Hkv) * D and (biased == 0 or bias is not None):
+            found = (weight, bias)
+        self._packed = (key, found)
+        return found
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor, *, self_attention: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, H, L, D), k (B, Hkv, S_new, D), v (B, Hkv, S_new, D) from (B, L, E) query and
+        (B, S_new, kdim / vdim) key and value: one matrix product over the packed weights
+        (:meth:`_pack_projections`) for self-attention whose projections need no gradient, outside
+        tracing and torch.func transforms; otherwise each ``Linear`` itself."""
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        packed = None
+        if self_attention and not (torch.is_grad_enabled() or torch.compiler.is_compiling() or _transforms_active()):
+            packed = self._packed_projection()
+        if packed is not None:
+            heads = F.linear(query, *packed).view(*query.shape[:2], H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2 Hkv, L, D)
+            return heads.split_with_sizes((H, Hkv, Hkv), 1)  # type: ignore[return-value]  (three views)
+        q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        return q.unflatten(-1, (H, D)).transpose(1, 2), k.unflatten(-1, (Hkv, D)).transpose(1, 2), v.unflatten(-1, (Hkv, D)).transpose(1, 2)
 
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -485,6 +609,7 @@ class MultiHeadAttention(nn.Module):
         ``key_mask`` raise. Linear and Performer attention also reject a ``cache`` (their running
         sums are not cached) and ``is_causal`` with L != S; INT8 decodes with a cache like softmax.
         """
+        self_attention = key is None and value is None
         query, key, value = self._batch_first_inputs(query, key, value)  # (B, L, E), (B, S_new, kdim), (B, S_new, vdim)
         B, L, S_new = query.shape[0], query.shape[1], key.shape[1]
         is_causal = check_bool("is_causal", is_causal)
@@ -499,19 +624,18 @@ class MultiHeadAttention(nn.Module):
         if isinstance(attn_mask, Tensor) and attn_mask.ndim == 3 and attn_mask.shape[0] == B * self.num_heads and B > 1:
             fail("attn_mask", f"a shape broadcastable to (B, H, L, S) = {(B, self.num_heads, L, S)}", f"shape {tuple(attn_mask.shape)}", "reshape torch's (B*H, L, S) mask to (B, H, L, S)")
         variant, config = self.variant, self.config
-        variant.check_call(
-            L=L,
-            S=S,
-            is_causal=is_causal,
-            need_weights=need_weights,
-            return_stats=return_stats,
-            masked=attn_mask is not None or key_mask is not None,
-            cached=cache is not None,
-        )
+        if not variant.identity:  # (its steps below are then no-ops: a hot path skips their calls)
+            variant.check_call(
+                L=L,
+                S=S,
+                is_causal=is_causal,
+                need_weights=need_weights,
+                return_stats=return_stats,
+                masked=attn_mask is not None or key_mask is not None,
+                cached=cache is not None,
+            )
 
-        q = self.q_proj(query).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)  # (B, H, L, D)
-        k = self.k_proj(key).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)  # (B, Hkv, S_new, D)
-        v = self.v_proj(value).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)  # (B, Hkv, S_new, D)
+        q, k, v = self._project(query, key, value, self_attention=self_attention)  # (B, H, L, D), (B, Hkv, S_new, D) twice
         options = {
             "dropout_p": self.dropout if self.training else 0.0,
             "is_causal": is_causal,
@@ -520,34 +644,40 @@ class MultiHeadAttention(nn.Module):
             "causal_alignment": alignment,
             "return_stats": return_stats,
         }
-        # Validate against all S keys before the cache changes; only shapes are read, so with a
-        # cache a zero-copy expanded view stands in for the keys and values (without one they are k and v).
-        all_keys, all_values = k, v
-        if cache is not None:
-            cache.check_compatible(k)
-            all_keys = all_values = k.new_empty(()).expand(B, self.num_kv_heads, S, self.head_dim)  # (B, Hkv, S, D)
-        slopes = variant.slopes(q.device)  # (H,) or None
+        slopes = None if variant.identity else variant.slopes(q.device)  # (H,) or None
         score_options = {"softcap": config.softcap, "alibi_slopes": slopes, "window": config.window, "sinks": self.sinks}
-        call = check_attention_call(q, all_keys, all_values, attn_mask=attn_mask, backend="auto", **score_options, **options)
-        cached = len(cache) if cache is not None else 0
-        q, k = variant.transform_qk(q, k, q_start=query_offset(L, S, alignment), k_start=cached)
+        call = None
+        if cache is not None or need_weights or attn_mask is not None or key_mask is not None or config.kernel is not AttentionKernel.SOFTMAX:
+            # Validate against all S keys before the cache changes; only shapes are read, so with a
+            # cache a zero-copy expanded view stands in for the keys and values (without one they
+            # are k and v). A call whose kernel reads q, k and v alone (softmax, no cache, no mask,
+            # no weights) is validated by scaled_dot_product_attention itself, on the same tensors.
+            all_keys, all_values = k, v
+            if cache is not None:
+                cache.check_compatible(k)
+                all_keys = all_values = k.new_empty(()).expand(B, self.num_kv_heads, S, self.head_dim)  # (B, Hkv, S, D)
+            call = check_attention_call(q, all_keys, all_values, attn_mask=attn_mask, backend="auto", **score_options, **options)
+        if not variant.identity:
+            q, k = variant.transform_qk(q, k, q_start=query_offset(L, S, alignment), k_start=len(cache) if cache is not None else 0)
         if cache is not None:
             k, v = cache.append(k, v)  # (B, Hkv, S, D)
         mask = _merge_masks(attn_mask, key_mask)
-        q = variant.fold_scale(q, k, is_causal=is_causal, alignment=alignment, mask=mask)
+        if not variant.identity:
+            q = variant.fold_scale(q, k, is_causal=is_causal, alignment=alignment, mask=mask)
         if config.kernel is AttentionKernel.SOFTMAX:
             backend = Backend.MATH if need_weights else Backend.AUTO  # (the enum: a remembered call of torch's kernel takes only it)
             result = scaled_dot_product_attention(q, k, v, mask, backend=backend, **score_options, **options)
             out, stats = result if isinstance(result, tuple) else (result, None)
         else:
             out, stats = variant.attend(q, k, v, scale=self.scale, is_causal=is_causal, alignment=alignment), None  # (B, H, L, D)
-        out = self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, H, L, D) -> (B, L, H * D) -> (B, L, E)
+        out = _call_linear(self._modules["out_proj"], out.transpose(1, 2).flatten(-2))  # (B, H, L, D) -> (B, L, H * D) -> (B, L, E)
         if not self.batch_first:
             out = out.transpose(0, 1)  # (L, B, E)
         if not need_weights and not return_stats:
             return out
         weights = None
         if need_weights:
+            assert call is not None  # (validated above, with the weights asked for)
             weights = _attention_weights(q, k, mask, call.path, slopes, self.sinks).to(q.dtype)  # (B, H, L, S)
             if average_attn_weights:
                 weights = weights.mean(dim=1)  # (B, L, S)
