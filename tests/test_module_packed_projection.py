@@ -207,3 +207,13 @@ def test_cross_attention_and_caches_project_each_input():
     assert (calls, first_calls, second_calls) == (4, 2, 2)
     full = same(torch.cat([q, q[:, :1]], dim=1), is_causal=True).detach()  # its last row sees all four keys, as the decoded step
     torch.testing.assert_close(second[:, -1], full[:, -1], rtol=0, atol=1e-10)
+
+
+def test_compiled_and_exported_forward_equals_eager():
+    m, x = module(dtype=torch.float32), x_of(2, 5, 48).float()
+    with torch.no_grad():
+        eager = m(x)
+        compiled = torch.compile(m, fullgraph=True, backend="eager")(x)  # traced: each projection itself (no addresses read)
+        exported = torch.export.export(m, (x,)).module()(x)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)
+    torch.testing.assert_close(exported, eager, rtol=0, atol=1e-6)
