@@ -270,3 +270,26 @@ def test_a_growing_cache_takes_the_remembered_call_at_every_length(validated):
         attnscale.scaled_dot_product_attention(q, k[:, :, :30], v[:, :, :31], is_causal=True, enable_gqa=True)
     empty = attnscale.scaled_dot_product_attention(q, k[:, :, :0], v[:, :, :0], is_causal=True, enable_gqa=True)
     assert len(validated) == 3 and attnscale.last_backend() != "torch" and torch.equal(empty, torch.zeros_like(q))
+
+
+@pytest.mark.parametrize("threads", [1, 2], ids=["1-thread", "2-threads"])
+def test_keys_past_one_cores_caches_take_the_remembered_call_and_the_nan_rule(threads, validated):
+    # A decoding step over 1024 keys of 8 heads (2**19 entries): the compiled kernel's checks take
+    # tensors of every size (on two threads, each a run of rows), so the step is remembered; a
+    # non-finite key in the last run of rows still sends it down the full pipeline.
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k, v = _qkv(11, S=1024, H=8, D=64)
+        for _ in range(2):
+            out = attnscale.scaled_dot_product_attention(q, k, v)
+            torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=0, atol=0)
+        assert len(validated) == 1 and attnscale.last_backend() == "torch"
+        poisoned = k.clone()
+        poisoned[1, 7, 1023, 63] = -math.copysign(math.inf, float(q[1, 7, 0, 63]))  # its product with the query row is -inf: torch's kernel gives the key weight 0
+        out = attnscale.scaled_dot_product_attention(q, poisoned, v)
+        assert len(validated) == 2
+        want = _oracle(q, poisoned, v)
+        assert torch.equal(out.isnan(), want.isnan()) and bool(out[1, 7].isnan().all()) and not bool(out[0].isnan().any())
+    finally:
+        torch.set_num_threads(before)
