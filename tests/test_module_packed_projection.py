@@ -190,6 +190,24 @@ def test_hooks_and_replaced_projections_run():
     torch.testing.assert_close(halved, plain, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("projection", ["k_proj", "out_proj"], ids=["k_proj", "out_proj"])
+def test_an_instance_forward_runs_and_a_backward_hook_fires(projection):
+    # accelerate's hooks set `forward` on the instance; a full backward hook needs nn.Module.__call__
+    m, x = module(), x_of(2, 5, 48)
+    linear = getattr(m, projection)
+    calls = []
+    plain_forward = linear.forward
+    linear.forward = lambda t: calls.append(t.shape) or plain_forward(t)
+    with torch.no_grad():
+        m(x)
+    assert calls == [torch.Size([2, 5, 48])]
+    del linear.forward
+    grads = []
+    linear.register_full_backward_hook(lambda module, grad_in, grad_out: grads.append(grad_out[0].shape))
+    m(x.requires_grad_()).sum().backward()  # (an input that needs grad: the hook sees its module's own)
+    assert grads == [torch.Size([2, 5, 48])]
+
+
 def test_cross_attention_and_caches_project_each_input():
     m = module(kdim=32, vdim=40)
     assert not consecutive(m)

@@ -157,16 +157,24 @@ def _views_of(cached: Tensor, room: Tensor, S: int) -> bool:
 
 
 def _hooked(modules: tuple[nn.Module, ...]) -> bool:
-    """Whether calling these modules runs a forward hook of theirs or a global one."""
+    """Whether calling these modules runs more than their class's ``forward``: a hook of theirs or
+    a global one (forward or backward, as ``nn.Module.__call__`` asks), a ``forward`` set on the
+    instance (as accelerate's hooks set it), or ``module.compile()``'s compiled call."""
+    hooks = _module_hooks
     return bool(
-        _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks
-        or any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+        hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks or hooks._global_backward_pre_hooks
+        or any(
+            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+            or "forward" in m.__dict__ or m._compiled_call_impl is not None
+            for m in modules
+        )
     )  # fmt: skip
 
 
 def _call_linear(module: nn.Module, x: Tensor) -> Tensor:
-    """``module(x)``; for a plain ``Linear`` without hooks its ``F.linear`` directly (what
-    ``nn.Module.__call__`` would run, without its bookkeeping: a hot path)."""
+    """``module(x)``; for a plain ``Linear`` that runs nothing but its forward (:func:`_hooked`)
+    its ``F.linear`` directly (what ``nn.Module.__call__`` would run, without its bookkeeping: a
+    hot path)."""
     if type(module) is nn.Linear and not _hooked((module,)):
         return F.linear(x, module._parameters["weight"], module._parameters["bias"])
     return module(x)
@@ -434,10 +442,11 @@ class MultiHeadAttention(nn.Module):
 
     def _packed_projection(self) -> tuple[Tensor, Tensor | None] | None:
         """The packed q, k, v weight ((H + 2 Hkv) D, E) and bias, views of the projections'
-        parameters where they are consecutive in memory and the projections plain ``Linear``
-        without hooks, else None. Remembered with what it was built from (each parameter's
-        address, dtype and shape): the memory it views is the parameters' own, kept no longer than
-        until a call finds them moved (``_apply`` lets go at once)."""
+        parameters where they are consecutive in memory and the projections plain ``Linear`` that
+        run nothing but their forward (:func:`_hooked`), else None. Remembered with what it was
+        built from (each parameter's address, dtype and shape): the memory it views is the
+        parameters' own, kept no longer than until a call finds them moved (``_apply`` lets go at
+        once)."""
         projections = (self._modules["q_proj"], self._modules["k_proj"], self._modules["v_proj"])  # (no nn.Module.__getattr__: a hot path)
         if not type(projections[0]) is type(projections[1]) is type(projections[2]) is nn.Linear or _hooked(projections):
             return None
