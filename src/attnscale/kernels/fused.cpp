@@ -436,12 +436,10 @@ bool every_row(const torch::Tensor& x, F&& f, int64_t first = 0, int64_t last = 
 // thread reading them all waited on the other cores' caches (a (1, 8, 64, 64) float32 output after
 // torch's kernel at 2 threads: bench_overhead.py's HuggingFace layer case).
 constexpr int64_t kParallelRows = int64_t(1) << 14;
-// Inputs (keys, slopes, sinks) above 2^15 entries (128 KiB of float32): a decoding step reads its
-// keys once for the NaN rule; keys a cache wrote long before lie in memory rather than in the
-// caches, where two threads read them in less time than one, waking the other thread included
-// (bench_overhead.py's growing-cache case cycles through 220 MB of them). Smaller keys cost that
-// wake-up more than their read saves, also where a projection's op had just written them (the
-// HuggingFace layer's (1, 2, 64, 64) keys, 2^13 entries).
+// Inputs (keys, slopes, sinks) above 2^15 entries (128 KiB of float32), below which waking the
+// other thread is taken to cost more than its half of the read (the HuggingFace layer's (1, 2, 64,
+// 64) keys, 2^13 entries, read on both threads made its step slower); bench_overhead.py's
+// growing-cache case, whose keys come from memory, is not helped by reading them on both.
 constexpr int64_t kParallelInput = (int64_t(1) << 15) + 1;
 
 // Whether f(row, width) holds of every row of x, in runs of rows on every thread where x has at
