@@ -1262,6 +1262,73 @@ def test_the_kernels_checks_of_large_tensors_split_over_threads_answer_as_torch_
         torch.set_num_threads(before)
 
 
+def _checked_layouts(dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Views the guard's checks read in memory order (fused.cpp's value_checks.h: RowRuns), each
+    with the contiguous tensor whose storage it views: a key head group of a packed projection
+    (runs of rows with gaps), dims permuted, broadcast (stride 0) dims, size-1 dims of any stride,
+    a last dim of one entry at a stride, rows that overlap, and a projection's keys past 2^15
+    entries (the threads' split)."""
+    gen = torch.Generator().manual_seed(6)
+
+    def fresh(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    packed = fresh(2, 5, 9, 33)  # (B, L, 3 H, D), H = 3
+    permuted = fresh(2, 3, 4, 33)
+    broadcast = fresh(1, 3, 1, 33)
+    single = fresh(2, 4, 33)
+    column = fresh(6, 4)
+    overlapping = fresh(40)
+    large = fresh(1, 65, 24, 64)  # (B, L, 3 H, D), H = 8: keys of 33280 entries
+    return {
+        "keys of a packed projection": (packed, packed[:, :, 3:6].transpose(1, 2)),
+        "dims permuted": (permuted, permuted.permute(2, 0, 1, 3)),
+        "broadcast dims": (broadcast, broadcast.expand(2, 3, 4, 33)),
+        "size-1 dims at any stride": (single, single.as_strided((2, 1, 4, 33), (132, 999, 33, 1))),
+        "a last dim of one entry": (column, column.t()[:, 1:2]),
+        "overlapping rows": (overlapping, overlapping.as_strided((5, 33), (1, 1))),
+        "keys of a large projection": (large, large[:, :, 8:16].transpose(1, 2)),
+    }
+
+
+@pytest.mark.parametrize("threads", [1, 2], ids=["1-thread", "2-threads"])
+@pytest.mark.parametrize("layout", list(_checked_layouts(torch.float32)), ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_the_kernels_checks_read_every_row_of_any_layout(dtype, layout, threads):
+    """rows_ok, all_finite and below_inf read a view's rows in the order they lie in memory, not
+    in its logical order: the same answers as the torch-op definitions for every layout of
+    _checked_layouts, with a NaN, an inf or a zero row at each row the view reads (each written
+    into the storage under it, then taken back)."""
+    from attnscale.guard import _finite_sum, _row_peaks, _rows_look_right
+
+    kernel = kernels.load()
+    storage, view = _checked_layouts(dtype)[layout]
+    flat, size = storage.view(-1), storage.element_size()
+    rows = view.reshape(-1, view.shape[-1]).shape[0] if view.dim() > 1 else 1
+    index = list(itertools.product(*(range(n) for n in view.shape[:-1])))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert len(index) == rows and kernel.rows_ok(view) and kernel.all_finite(view) and kernel.below_inf(view)
+        for at in index[:: max(1, rows // 40)] + [index[-1]]:  # every row of the small views; about 40 of the large one's
+            width = view.shape[-1]
+            entry = (view[at][width // 2].data_ptr() - storage.data_ptr()) // size  # the row's middle entry, in the storage
+            first = (view[at][0].data_ptr() - storage.data_ptr()) // size
+            for poison in (math.nan, math.inf, 0.0):
+                saved = flat.clone()
+                if poison == 0.0:
+                    for j in range(width):
+                        flat[first + j * view.stride(-1)] = 0.0
+                else:
+                    flat[entry] = poison
+                assert kernel.rows_ok(view) == _rows_look_right(_row_peaks(view)) is False, (at, poison)
+                assert kernel.all_finite(view) == _finite_sum(view) == (poison == 0.0), (at, poison)
+                assert kernel.below_inf(view) == (not bool((torch.isnan(view) | (view == math.inf)).any())) == (poison == 0.0), (at, poison)
+                flat.copy_(saved)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 def test_the_kernels_sink_scale_is_sink_scaled_in_one_pass(dtype):
     """The kernel's in-place sink_scale (a decoding step's sinks, without four torch ops) against

@@ -31,7 +31,8 @@
 // loads), vector_math.h (exp floor, tanh, exp), problem.h (a call's shapes, visible keys, tiles,
 // scratch and parallel loop), rows.h (a row's score path, weights and statistics), bounds.h (the
 // logits' bound behind static offsets), packing.h (brgemm's operands), quantized.h (int8 keys and
-// values: their tiles dequantized, or decoding's products from the codes), forward.h, backward.h;
+// values: their tiles dequantized, or decoding's products from the codes), forward.h, backward.h,
+// value_checks.h (the guard's checks of values: finite rows, finite keys, a mask below +inf);
 // this file makes a call's problem and outputs and binds the kernel to Python.
 
 #include <optional>
@@ -50,6 +51,7 @@
 #include "csrc/forward.h"
 #include "csrc/options.h"
 #include "csrc/packing.h"
+#include "csrc/value_checks.h"
 
 namespace {
 
@@ -354,178 +356,6 @@ std::vector<torch::Tensor> backward(const torch::Tensor& q16, const torch::Tenso
                                     const c10::optional<torch::Tensor>& mask, const c10::optional<torch::Tensor>& spans,
                                     bool slope_grad, const py::kwargs& options) {
   return backward_with(q16, k16, v16, dout, delta, m, l, alibi, mask, spans, slope_grad, Options::from(options));
-}
-
-// The guard's two questions of an eager call (attnscale/guard.py), one C++ call each instead of
-// several torch ops from Python: whether every row (last dim) of x is finite and not all zeros
-// (rows of no entries count as right), and whether every entry of x is finite. float32 and
-// float64, any strides (a copy where not contiguous); one thread, as the guard runs on small
-// outputs (its caller says which).
-template <typename T>
-bool finite_impl(const T* p, int64_t count) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t n = Vec::size();
-  // x * 0 is NaN for an inf or NaN; four sums, so that the adds do not wait on one another
-  Vec acc(T(0)), acc1(T(0)), acc2(T(0)), acc3(T(0)), zero(T(0));
-  int64_t i = 0;
-  for (; i + 4 * n <= count; i += 4 * n) {
-    acc = acc + Vec::loadu(p + i) * zero;
-    acc1 = acc1 + Vec::loadu(p + i + n) * zero;
-    acc2 = acc2 + Vec::loadu(p + i + 2 * n) * zero;
-    acc3 = acc3 + Vec::loadu(p + i + 3 * n) * zero;
-  }
-  acc = (acc + acc1) + (acc2 + acc3);
-  for (; i + n <= count; i += n) acc = acc + Vec::loadu(p + i) * zero;
-  T tail = T(0);
-  for (; i < count; ++i) tail += p[i] * T(0);
-  // Every lane 0 (a NaN is no zero), read from the vector's zero mask: no store and sum of its
-  // lanes, which cost a short row (a head's 64 entries, checked row by row in a strided view)
-  // more than its loads.
-  const int all_zero = static_cast<int>((int64_t(1) << n) - 1);
-  return acc.zero_mask() == all_zero && tail == T(0);
-}
-
-// Every entry finite (finite_impl's one pass), then no row all zeros: per row, whether a vector
-// of it has a lane that is not zero, from the vector's zero mask (no work per lane).
-template <typename T>
-bool rows_ok_impl(const T* x, int64_t rows, int64_t width) {
-  if (!finite_impl(x, rows * width)) return false;
-  using Vec = Vectorized<T>;
-  constexpr int64_t n = Vec::size();
-  const int all_zero = static_cast<int>((int64_t(1) << n) - 1);
-  for (int64_t r = 0; r < rows; ++r, x += width) {
-    bool nonzero = false;
-    int64_t c = 0;
-    for (; c + n <= width && !nonzero; c += n) nonzero = Vec::loadu(x + c).zero_mask() != all_zero;
-    for (; c < width && !nonzero; ++c) nonzero = x[c] != T(0);
-    if (!nonzero) return false;
-  }
-  return true;
-}
-
-// Calls f(row, width) for rows [first, last) (default: every row; rows in the order of x's
-// logical index) of x, which has a contiguous last dim and any other strides (the views
-// projections make: (B, L, H, D) storage seen as (B, H, L, D)), so that no copy is made of it;
-// stops at the first row f says false of.
-template <typename T, typename F>
-bool every_row(const torch::Tensor& x, F&& f, int64_t first = 0, int64_t last = -1) {
-  const int64_t outer = x.dim() - 1, width = x.size(-1), rows = last < 0 ? x.numel() / width : last;
-  const auto sizes = x.sizes(), strides = x.strides();
-  std::vector<int64_t> index(static_cast<size_t>(std::max<int64_t>(outer, 0)), 0);
-  const T* base = x.const_data_ptr<T>();
-  int64_t offset = 0;
-  for (int64_t d = outer - 1, rest = first; d >= 0; --d) {  // row `first`'s index and offset
-    index[d] = rest % sizes[d], rest /= sizes[d];
-    offset += index[d] * strides[d];
-  }
-  for (int64_t r = first; r < rows; ++r) {
-    if (!f(base + offset, width)) return false;
-    for (int64_t d = outer - 1; d >= 0; --d) {  // the next row's index, odometer-wise
-      offset += strides[d];
-      if (++index[d] < sizes[d]) break;
-      offset -= index[d] * strides[d];
-      index[d] = 0;
-    }
-  }
-  return true;
-}
-
-// Outputs of at least this many entries are checked on every thread, each a run of rows: a
-// kernel that wrote them on every thread (torch's splits its work into runs of (batch, head)
-// rows, whatever their size) left each run in the cache of the core that wrote it, where one
-// thread reading them all waited on the other cores' caches (a (1, 8, 64, 64) float32 output after
-// torch's kernel at 2 threads: bench_overhead.py's HuggingFace layer case).
-constexpr int64_t kParallelRows = int64_t(1) << 14;
-// Inputs (keys, slopes, sinks) above 2^15 entries (128 KiB of float32), below which waking the
-// other thread is taken to cost more than its half of the read (the HuggingFace layer's (1, 2, 64,
-// 64) keys, 2^13 entries, read on both threads made its step slower); bench_overhead.py's
-// growing-cache case, whose keys come from memory, is not helped by reading them on both.
-constexpr int64_t kParallelInput = (int64_t(1) << 15) + 1;
-
-// Whether f(row, width) holds of every row of x, in runs of rows on every thread where x has at
-// least `least` entries and its last dim contiguous; nullopt elsewhere (the caller's one pass).
-template <typename T, typename F>
-std::optional<bool> every_row_in_parallel(const torch::Tensor& x, int64_t least, F f) {
-  const int64_t threads = at::get_num_threads();
-  if (x.numel() < least || threads < 2 || x.dim() == 0 || x.stride(-1) != 1 || at::in_parallel_region()) return std::nullopt;
-  const int64_t rows = x.numel() / x.size(-1);
-  std::atomic<bool> all(true);
-  at::parallel_for(0, rows, (rows + threads - 1) / threads, [&](int64_t first, int64_t last) {
-    if (all.load(std::memory_order_relaxed) && !every_row<T>(x, f, first, last)) all.store(false);
-  });
-  return all.load();
-}
-
-bool rows_ok_op(const torch::Tensor& x) {
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "attnscale fused kernel: rows_ok takes float32 or float64, got ", x.scalar_type());
-  if (x.dim() == 0 || x.numel() == 0 || x.size(-1) == 0) return true;
-  bool ok = true;
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "attnscale_rows_ok", [&] {
-    const auto parallel = every_row_in_parallel<scalar_t>(x, kParallelRows, [](const scalar_t* r, int64_t w) { return rows_ok_impl<scalar_t>(r, 1, w); });
-    if (parallel) {
-      ok = *parallel;
-    } else if (x.is_contiguous()) {
-      ok = rows_ok_impl<scalar_t>(x.const_data_ptr<scalar_t>(), x.numel() / x.size(-1), x.size(-1));
-    } else if (x.stride(-1) == 1) {
-      ok = every_row<scalar_t>(x, [](const scalar_t* row, int64_t width) { return rows_ok_impl<scalar_t>(row, 1, width); });
-    } else {
-      const auto dense = x.contiguous();
-      ok = rows_ok_impl<scalar_t>(dense.const_data_ptr<scalar_t>(), dense.numel() / dense.size(-1), dense.size(-1));
-    }
-  });
-  return ok;
-}
-
-bool all_finite_op(const torch::Tensor& x) {
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "attnscale fused kernel: all_finite takes float32 or float64, got ", x.scalar_type());
-  if (x.numel() == 0) return true;
-  bool ok = true;
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "attnscale_all_finite", [&] {
-    // (keys large enough that torch's elementwise ops wrote them on every thread, as rows_ok's outputs)
-    const auto parallel = every_row_in_parallel<scalar_t>(x, kParallelInput, [](const scalar_t* r, int64_t w) { return finite_impl<scalar_t>(r, w); });
-    if (parallel) {
-      ok = *parallel;
-    } else if (x.is_contiguous()) {
-      ok = finite_impl<scalar_t>(x.const_data_ptr<scalar_t>(), x.numel());
-    } else if (x.dim() > 0 && x.stride(-1) == 1) {
-      ok = every_row<scalar_t>(x, [](const scalar_t* row, int64_t width) { return finite_impl<scalar_t>(row, width); });
-    } else {
-      const auto dense = x.contiguous();
-      ok = finite_impl<scalar_t>(dense.const_data_ptr<scalar_t>(), dense.numel());
-    }
-  });
-  return ok;
-}
-
-// Whether no entry is NaN or +inf (-inf allowed: a float mask's hidden key), by one pass: the
-// running maximum, which NaN propagates to, below +inf.
-bool below_inf_op(const torch::Tensor& x) {
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "attnscale fused kernel: below_inf takes float32 or float64, got ", x.scalar_type());
-  if (x.numel() == 0) return true;
-  const auto dense = x.contiguous();
-  bool ok = true;
-  AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "attnscale_below_inf", [&] {
-    using Vec = Vectorized<scalar_t>;
-    const scalar_t* p = dense.const_data_ptr<scalar_t>();
-    const int64_t count = dense.numel();
-    constexpr int64_t n = Vec::size();
-    const scalar_t lowest = -std::numeric_limits<scalar_t>::infinity();
-    Vec acc(lowest), acc1(lowest);
-    int64_t i = 0;
-    for (; i + 2 * n <= count; i += 2 * n) {
-      acc = at::vec::maximum(acc, Vec::loadu(p + i));
-      acc1 = at::vec::maximum(acc1, Vec::loadu(p + i + n));
-    }
-    acc = at::vec::maximum(acc, acc1);
-    for (; i + n <= count; i += n) acc = at::vec::maximum(acc, Vec::loadu(p + i));
-    scalar_t lanes[Vec::size()];
-    acc.store(lanes);
-    bool below = true;
-    for (int64_t j = 0; j < Vec::size(); ++j) below = below && lanes[j] < std::numeric_limits<scalar_t>::infinity();
-    for (; i < count; ++i) below = below && p[i] < std::numeric_limits<scalar_t>::infinity();  // NaN fails <
-    ok = below;
-  });
-  return ok;
 }
 
 // Attention sinks on the kernel's finished rows, in place (attnscale.tiled.sink_scaled's four ops

@@ -1,0 +1,210 @@
+// The guard's questions of an eager call's values (attnscale/guard.py), one C++ call each instead
+// of several torch ops from Python: whether every row (last dim) of x is finite and not all zeros
+// (rows of no entries count as right), whether every entry of x is finite, and whether none is NaN
+// or +inf. float32 and float64, any strides.
+//
+// Each question holds of a tensor when it holds of every row, in any order, so rows are read in
+// the order they lie in memory (RowRuns), not in the tensor's logical order: the views attention
+// is called with are transposes of their storage (torch's CPU kernel writes its output (B, L, H,
+// Dv) and returns it as (B, H, L, Dv); a projection's (B, L, H, D) rows are seen as (B, H, L, D)),
+// where logical order reads one row from each of many pages, a stride apart that the hardware's
+// prefetchers do not follow, and memory order reads one run of rows back to back.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// Whether every entry of p[0, count) is finite: x * 0 is NaN for an inf or NaN; four sums, so that
+// the adds do not wait on one another.
+template <typename T>
+bool finite_impl(const T* p, int64_t count) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  Vec acc(T(0)), acc1(T(0)), acc2(T(0)), acc3(T(0)), zero(T(0));
+  int64_t i = 0;
+  for (; i + 4 * n <= count; i += 4 * n) {
+    acc = acc + Vec::loadu(p + i) * zero;
+    acc1 = acc1 + Vec::loadu(p + i + n) * zero;
+    acc2 = acc2 + Vec::loadu(p + i + 2 * n) * zero;
+    acc3 = acc3 + Vec::loadu(p + i + 3 * n) * zero;
+  }
+  acc = (acc + acc1) + (acc2 + acc3);
+  for (; i + n <= count; i += n) acc = acc + Vec::loadu(p + i) * zero;
+  T tail = T(0);
+  for (; i < count; ++i) tail += p[i] * T(0);
+  // Every lane 0 (a NaN is no zero), read from the vector's zero mask: no store and sum of its
+  // lanes, which cost a short run more than its loads.
+  const int all_zero = static_cast<int>((int64_t(1) << n) - 1);
+  return acc.zero_mask() == all_zero && tail == T(0);
+}
+
+// Every entry of `rows` rows of `width` back to back finite (finite_impl's one pass), then no row
+// all zeros: per row, whether a vector of it has a lane that is not zero, from the vector's zero
+// mask (no work per lane).
+template <typename T>
+bool rows_ok_impl(const T* x, int64_t rows, int64_t width) {
+  if (!finite_impl(x, rows * width)) return false;
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  const int all_zero = static_cast<int>((int64_t(1) << n) - 1);
+  for (int64_t r = 0; r < rows; ++r, x += width) {
+    bool nonzero = false;
+    int64_t c = 0;
+    for (; c + n <= width && !nonzero; c += n) nonzero = Vec::loadu(x + c).zero_mask() != all_zero;
+    for (; c < width && !nonzero; ++c) nonzero = x[c] != T(0);
+    if (!nonzero) return false;
+  }
+  return true;
+}
+
+// Whether no entry of p[0, count) is NaN or +inf (-inf allowed: a float mask's hidden key): the
+// running maximum, which NaN propagates to, below +inf.
+template <typename T>
+bool below_inf_impl(const T* p, int64_t count) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  constexpr T inf = std::numeric_limits<T>::infinity();
+  Vec acc(-inf), acc1(-inf);
+  int64_t i = 0;
+  for (; i + 2 * n <= count; i += 2 * n) {
+    acc = at::vec::maximum(acc, Vec::loadu(p + i));
+    acc1 = at::vec::maximum(acc1, Vec::loadu(p + i + n));
+  }
+  acc = at::vec::maximum(acc, acc1);
+  for (; i + n <= count; i += n) acc = at::vec::maximum(acc, Vec::loadu(p + i));
+  T lanes[n];
+  acc.store(lanes);
+  bool below = true;
+  for (int64_t j = 0; j < n; ++j) below = below && lanes[j] < inf;
+  for (; i < count; ++i) below = below && p[i] < inf;  // NaN fails <
+  return below;
+}
+
+// A tensor's rows (its last dim, `width` entries at stride 1) in the order they lie in memory: the
+// other dims ordered by stride, largest first, without those of size 1 or stride 0 (a broadcast
+// dim repeats rows that are read once), and the innermost merged while each one's rows follow on
+// from the next's, into runs of `run` rows back to back; `sizes` and `strides` (in entries) are the
+// dims the runs step over, outermost first.
+struct RowRuns {
+  int64_t width = 0, run = 1;
+  std::vector<int64_t> sizes, strides;
+  int64_t rows = 0;  // run * the product of sizes
+
+  explicit RowRuns(const torch::Tensor& x) : width(x.dim() == 0 ? 1 : x.size(-1)) {
+    std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the outer dims
+    for (int64_t d = 0; d + 1 < x.dim(); ++d)
+      if (x.size(d) != 1 && x.stride(d) != 0) dims.emplace_back(x.stride(d), x.size(d));
+    std::stable_sort(dims.begin(), dims.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    while (!dims.empty() && dims.back().first == run * width) run *= dims.back().second, dims.pop_back();
+    rows = run;
+    for (const auto& [stride, size] : dims) sizes.push_back(size), strides.push_back(stride), rows *= size;
+  }
+
+  // Whether f(first_row, count, width) holds of each run of the rows [first, last), in memory
+  // order, each cut to that range; stops at the first run f says false of.
+  template <typename T, typename F>
+  bool every(const T* base, F&& f, int64_t first, int64_t last) const {
+    const int64_t outer = static_cast<int64_t>(sizes.size());
+    std::vector<int64_t> index(static_cast<size_t>(outer), 0);
+    int64_t offset = 0, within = first % run;
+    for (int64_t d = outer - 1, rest = first / run; d >= 0; --d) {  // the run of row `first`: its index and offset
+      index[d] = rest % sizes[d], rest /= sizes[d];
+      offset += index[d] * strides[d];
+    }
+    for (int64_t row = first; row < last; within = 0) {
+      const int64_t count = std::min(run - within, last - row);
+      if (!f(base + offset + within * width, count, width)) return false;
+      row += count;
+      for (int64_t d = outer - 1; d >= 0; --d) {  // the next run's index, odometer-wise
+        offset += strides[d];
+        if (++index[d] < sizes[d]) break;
+        offset -= index[d] * strides[d];
+        index[d] = 0;
+      }
+    }
+    return true;
+  }
+};
+
+// Outputs of at least this many entries are checked on every thread, each a range of rows: a
+// kernel that wrote them on every thread left each part in the cache of the core that wrote it,
+// where one thread reading them all waited on the other cores' caches (a (1, 8, 64, 64) float32
+// output after torch's kernel at 2 threads: bench_overhead.py's HuggingFace layer case).
+constexpr int64_t kParallelRows = int64_t(1) << 14;
+// Inputs (keys, slopes, sinks) above 2^15 entries (128 KiB of float32), below which waking the
+// other thread is taken to cost more than its half of the read (the HuggingFace layer's (1, 2, 64,
+// 64) keys, 2^13 entries, read on both threads made its step slower); bench_overhead.py's
+// growing-cache case, whose keys come from memory, is not helped by reading them on both.
+constexpr int64_t kParallelInput = (int64_t(1) << 15) + 1;
+
+// Whether f(first_row, count, width) holds of every run of x's rows (RowRuns), on every thread
+// where x has at least `least` entries (each a range of rows in memory order), else on this one.
+// x's last dim contiguous (or of one entry), at least one entry.
+template <typename T, typename F>
+bool every_run(const torch::Tensor& x, int64_t least, F f) {
+  const RowRuns runs(x);
+  const T* base = x.const_data_ptr<T>();
+  const int64_t threads = at::get_num_threads();
+  if (x.numel() < least || threads < 2 || runs.rows < 2 || at::in_parallel_region()) return runs.every(base, f, 0, runs.rows);
+  std::atomic<bool> all(true);
+  at::parallel_for(0, runs.rows, (runs.rows + threads - 1) / threads, [&](int64_t first, int64_t last) {
+    if (all.load(std::memory_order_relaxed) && !runs.every(base, f, first, last)) all.store(false);
+  });
+  return all.load();
+}
+
+// f's question of every run of x's rows, x of float32 or float64 (`op` names the check in the
+// error otherwise); a copy where the last dim is strided.
+template <typename F>
+bool ask_rows(const torch::Tensor& x, const char* op, int64_t least, F f) {
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "attnscale fused kernel: ", op, " takes float32 or float64, got ",
+                    x.scalar_type());
+  if (x.numel() == 0) return true;
+  const auto& rows = x.dim() == 0 || x.size(-1) == 1 || x.stride(-1) == 1 ? x : x.contiguous();
+  bool ok = true;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "attnscale_ask_rows", [&] { ok = every_run<scalar_t>(rows, least, f.template operator()<scalar_t>()); });
+  return ok;
+}
+
+struct RowsOk {
+  template <typename T>
+  auto operator()() const {
+    return [](const T* p, int64_t count, int64_t width) { return rows_ok_impl<T>(p, count, width); };
+  }
+};
+struct Finite {
+  template <typename T>
+  auto operator()() const {
+    return [](const T* p, int64_t count, int64_t width) { return finite_impl<T>(p, count * width); };
+  }
+};
+struct BelowInf {
+  template <typename T>
+  auto operator()() const {
+    return [](const T* p, int64_t count, int64_t width) { return below_inf_impl<T>(p, count * width); };
+  }
+};
+
+bool rows_ok_op(const torch::Tensor& x) {
+  if (x.dim() == 0) return true;  // (no row)
+  return ask_rows(x, "rows_ok", kParallelRows, RowsOk{});
+}
+
+// (keys large enough that torch's elementwise ops wrote them on every thread, as rows_ok's outputs)
+bool all_finite_op(const torch::Tensor& x) { return ask_rows(x, "all_finite", kParallelInput, Finite{}); }
+
+// (a float mask's values: on one thread, as before its rows were read in memory order)
+bool below_inf_op(const torch::Tensor& x) { return ask_rows(x, "below_inf", std::numeric_limits<int64_t>::max(), BelowInf{}); }
+
+}  // namespace
