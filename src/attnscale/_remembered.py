@@ -13,6 +13,10 @@ lengths and max_seqlen hints) and the guard's first check of its output, in one 
 pass (and anything else: another signature, a tensor subclass, tracing, a torch.func transform or
 a torch-function mode, a named backend, dropout) takes the full pipeline. Nothing is answered
 that the pipeline did not answer for the same signature, by the same kernel call.
+
+:class:`attnscale.MultiHeadAttention`'s plain self-attention call reads the same memory
+(``remembered_module_call``): where its attention's signature is remembered, the module's packed
+projection, that call and its output projection run as one compiled call.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ call = None
 """The compiled kernel's ``remembered_call``, once a call has been remembered there."""
 packed_call = None
 """The compiled kernel's ``remembered_packed_call``, once a packed call has been remembered there."""
+module_call = None
+"""The compiled kernel's ``remembered_module_call`` (:class:`attnscale.MultiHeadAttention`'s plain
+self-attention call, whose attention is a remembered call), once a call has been remembered there."""
 _function_mode = torch._C._is_torch_function_mode_enabled
 _transforms_active = torch._C._are_functorch_transforms_active
 
@@ -72,7 +79,7 @@ def remember(c: backends.Call, implementation: backends.Implementation, passed: 
     """Remember the pipeline's answer for this call's signature where it is torch's kernel with
     torch's own arguments (:func:`attnscale.backends.torch_arguments`; not for a mask that
     requires grad) or the compiled kernel's plan (:func:`attnscale.backends.kernel_plan`)."""
-    global call
+    global call, module_call
     kernel, mask = load_kernel(), c.attn_mask
     if kernel is None:
         return
@@ -97,7 +104,7 @@ def remember(c: backends.Call, implementation: backends.Implementation, passed: 
     else:
         remembered = kernel.remember_kernel_call(**given, options=plan)
     if remembered:
-        call = kernel.remembered_call
+        call, module_call = kernel.remembered_call, kernel.remembered_module_call
 
 
 class PackedPassed(NamedTuple):

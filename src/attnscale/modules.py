@@ -26,11 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module_hooks
 
+from . import _remembered as memory
 from ._validate import FLOAT_DTYPES, Backend, check_attention_call, check_bool, check_choice, check_positive_finite, fail
 from ._variant_stack import VariantStack, effective_scale
 from .config import AttentionConfig, AttentionKernel, ScaleMode
 from .dense import dense_weights
-from .functional import scaled_dot_product_attention
+from .functional import record_backend, scaled_dot_product_attention
+from .kernels import CHECKS_MAX
 from .masks import CausalAlignment, query_offset
 from .score import ScorePath
 from .stats import AttentionStats
@@ -483,6 +485,34 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
         return q.unflatten(-1, (H, D)).transpose(1, 2), k.unflatten(-1, (Hkv, D)).transpose(1, 2), v.unflatten(-1, (Hkv, D)).transpose(1, 2)
 
+    def _remembered_forward(self, query: object) -> Tensor | None:
+        """The forward of a plain self-attention call (every argument but ``query`` at its
+        default) in one compiled call, where the forward below would take the packed projection
+        (:meth:`_project`) and its call of :func:`attnscale.scaled_dot_product_attention` would
+        take a remembered answer (:mod:`attnscale._remembered`): the same ops on the same tensors
+        (``remembered_module_call`` in ``kernels/fused.cpp``), from the same checks of ``query``.
+        None elsewhere, and where the attention is not remembered or its checks of values do not
+        pass: then the forward below runs."""
+        remembered = memory.module_call
+        if remembered is None or torch.is_grad_enabled() or not memory.may_take(self.dropout if self.training else 0.0, Backend.AUTO):
+            return None
+        if not self._modules["variant"].identity:  # (softmax attention of q and k as projected)
+            return None
+        query = self._batch_first_inputs(query, None, None)[0]  # (B, L, E)
+        packed, out_proj = self._packed_projection(), self._modules["out_proj"]
+        if packed is None or type(out_proj) is not nn.Linear or _hooked((out_proj,)):
+            return None
+        H, Hkv = self.num_heads, self.num_kv_heads
+        hit = remembered(
+            query, *packed, out_proj._parameters["weight"], out_proj._parameters["bias"], H, Hkv, self.head_dim,
+            self.scale, Hkv != H, CausalAlignment.TOP_LEFT, self.config.softcap, self.config.window, self.sinks, CHECKS_MAX,
+        )  # fmt: skip  (by position, in the binding's order: a hot path)
+        if hit is None:
+            return None
+        out, backend, why = hit
+        record_backend(backend, why)
+        return out if self.batch_first else out.transpose(0, 1)  # (B, L, E) or (L, B, E)
+
     @classmethod
     def from_torch(cls, mha: nn.MultiheadAttention) -> MultiHeadAttention:
         """A copy of ``torch.nn.MultiheadAttention``'s weights, layout, dropout and train/eval mode.
@@ -539,18 +569,20 @@ class MultiHeadAttention(nn.Module):
 
     def _batch_first_inputs(self, query: object, key: object, value: object) -> tuple[Tensor, Tensor, Tensor]:
         """Validated (B, L, E) query and (B, S, kdim) / (B, S, vdim) key and value views."""
-        dtype = self.q_proj.weight.dtype
+        projection = self._modules["q_proj"]  # (its weight's dtype without two nn.Module.__getattr__ where it is a Parameter: a hot path)
+        weight = projection._parameters.get("weight") if type(projection) is nn.Linear else None
+        dtype = (projection.weight if weight is None else weight).dtype
         query = _check_input("query", query, self.d_model, "d_model", self.batch_first, dtype)
+        if key is None and value is None:  # self-attention: key and value are the query
+            query = query if self.batch_first else query.transpose(0, 1)  # (B, L, E)
+            return query, query, query
         if (key is None) != (value is None):
             missing = "value" if value is None else "key"
             fail(missing, "a tensor when the other of key/value is given", "None", "pass both key and value, or neither for self-attention")
-        if key is None or value is None:
-            key, value = query, query
-        else:
-            key = _check_input("key", key, self.kdim, "kdim", self.batch_first, dtype)
-            value = _check_input("value", value, self.vdim, "vdim", self.batch_first, dtype)
-            if key.shape[:2] != value.shape[:2]:
-                fail("value", f"the key's leading dims {tuple(key.shape[:2])}", f"shape {tuple(value.shape)}", "key and value must describe the same positions")
+        key = _check_input("key", key, self.kdim, "kdim", self.batch_first, dtype)
+        value = _check_input("value", value, self.vdim, "vdim", self.batch_first, dtype)
+        if key.shape[:2] != value.shape[:2]:
+            fail("value", f"the key's leading dims {tuple(key.shape[:2])}", f"shape {tuple(value.shape)}", "key and value must describe the same positions")
         if not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)  # (B, L, E)
         if key.shape[0] != query.shape[0] or key.device != query.device:
@@ -619,6 +651,13 @@ class MultiHeadAttention(nn.Module):
         sums are not cached) and ``is_causal`` with L != S; INT8 decodes with a cache like softmax.
         """
         self_attention = key is None and value is None
+        if self_attention and (
+            key_mask is None and attn_mask is None and cache is None and causal_alignment is None
+            and is_causal is False and need_weights is False and average_attn_weights is False and return_stats is False
+        ):  # fmt: skip
+            out = self._remembered_forward(query)
+            if out is not None:
+                return out
         query, key, value = self._batch_first_inputs(query, key, value)  # (B, L, E), (B, S_new, kdim), (B, S_new, vdim)
         B, L, S_new = query.shape[0], query.shape[1], key.shape[1]
         is_causal = check_bool("is_causal", is_causal)

@@ -578,17 +578,21 @@ void set_alignments(py::object top_left, py::object bottom_right) {
 enum class Unkeyed { kNone, kKeyLength, kRowCount };
 
 // A tensor's dtype and sizes, but the `unkeyed` one.
+void append_sizes(std::string& key, at::ScalarType dtype, at::IntArrayRef sizes, Unkeyed unkeyed = Unkeyed::kNone) {
+  const int64_t dim = static_cast<int64_t>(sizes.size());
+  key.push_back(static_cast<char>(dtype));
+  key.push_back(static_cast<char>(dim));
+  const int64_t left_out = unkeyed == Unkeyed::kKeyLength ? dim - 2 : unkeyed == Unkeyed::kRowCount ? 0 : -1;
+  for (int64_t d = 0; d < dim; ++d) {
+    if (d != left_out) key.append(reinterpret_cast<const char*>(sizes.data() + d), sizeof(int64_t));
+  }
+}
+
 bool append_tensor(std::string& key, PyObject* obj, Unkeyed unkeyed = Unkeyed::kNone) {
   if (!THPVariable_CheckExact(obj)) return false;
   const auto& t = THPVariable_Unpack(obj);
   if (!t.is_cpu() || t.layout() != at::kStrided || t.is_nested()) return false;
-  const int64_t dim = t.dim();
-  key.push_back(static_cast<char>(t.scalar_type()));
-  key.push_back(static_cast<char>(dim));
-  const int64_t left_out = unkeyed == Unkeyed::kKeyLength ? dim - 2 : unkeyed == Unkeyed::kRowCount ? 0 : -1;
-  for (int64_t d = 0; d < dim; ++d) {
-    if (d != left_out) key.append(reinterpret_cast<const char*>(t.sizes().data() + d), sizeof(int64_t));
-  }
+  append_sizes(key, t.scalar_type(), t.sizes(), unkeyed);
   return true;
 }
 
@@ -654,14 +658,26 @@ char alignment_code(PyObject* alignment) {
   return 0;
 }
 
-std::optional<std::string> call_signature(const CallArgs& a) {
+// The q, k and v sizes of a call whose tensors are not made yet (MultiHeadAttention's projections):
+// CPU strided tensors of one dtype.
+struct QKVSizes {
+  at::ScalarType dtype;
+  std::vector<int64_t> q, k, v;
+};
+
+// The signature of a call (of q, k and v as `sizes` gives them where it is given).
+std::optional<std::string> call_signature(const CallArgs& a, const QKVSizes* sizes = nullptr) {
   const char alignment = alignment_code(a.alignment.ptr());
   if (alignment == 0) return std::nullopt;
   std::string key;
   key.reserve(160);
   const bool any_length = a.mask.is_none() && (alignment == 't' || alignment == 'T');  // (top-left: the query offset is 0 at every S)
   const Unkeyed length = any_length ? Unkeyed::kKeyLength : Unkeyed::kNone;
-  if (!append_tensor(key, a.q.ptr()) || !append_tensor(key, a.k.ptr(), length) || !append_tensor(key, a.v.ptr(), length)) return std::nullopt;
+  if (sizes != nullptr) {
+    append_sizes(key, sizes->dtype, sizes->q), append_sizes(key, sizes->dtype, sizes->k, length), append_sizes(key, sizes->dtype, sizes->v, length);
+  } else if (!append_tensor(key, a.q.ptr()) || !append_tensor(key, a.k.ptr(), length) || !append_tensor(key, a.v.ptr(), length)) {
+    return std::nullopt;
+  }
   key.push_back(alignment);
   if (!append_optional_tensor(key, a.mask.ptr()) || !append_flag(key, a.causal.ptr()) || !append_flag(key, a.gqa.ptr()) ||
       !append_float(key, a.scale.ptr()) || !append_float(key, a.softcap.ptr()) || !append_optional_tensor(key, a.alibi.ptr()) ||
@@ -1010,6 +1026,25 @@ py::object remembered_packed_call(py::handle q, py::handle k, py::handle v, py::
   return py::make_tuple(wrap(out), call.backend, call.why, rows(r[1]), rows(r[2]), rows(r[3]), rows(r[4]), rows(r[5]));
 }
 
+// The remembered call of a signature (a copy: while torch's call releases the GIL, another thread
+// may remember a call, and start the memory again, destroying its entries, or forget them all).
+std::optional<Remembered> find_remembered(const std::optional<std::string>& key) {
+  if (!key) return std::nullopt;
+  const auto& calls = remembered_calls();
+  const auto found = calls.find(*key);
+  if (found == calls.end()) return std::nullopt;
+  return found->second;
+}
+
+// A remembered call's answer for these arguments (torch_call's or kernel_call's).
+py::object call_remembered(const Remembered& call, const CallArgs& a, int64_t limit) {
+  if (a.mask.is_none()) {  // keys of any length S > 0: one S for k and v
+    const auto &K = THPVariable_Unpack(a.k.ptr()), &V = THPVariable_Unpack(a.v.ptr());
+    if (K.size(-2) != V.size(-2) || K.size(-2) == 0) return py::none();
+  }
+  return call.kind == Kind::kTorch ? torch_call(call, a, limit) : kernel_call(call, a);
+}
+
 py::object remembered_call(py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa,
                            py::handle alignment, py::handle softcap, py::handle alibi, py::handle window, py::handle sinks, py::handle stats,
                            int64_t limit) {
@@ -1017,19 +1052,49 @@ py::object remembered_call(py::handle q, py::handle k, py::handle v, py::handle 
   // dtype, which the pipeline's guard reads as such)
   if (torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU)) return py::none();
   const CallArgs a{q, k, v, mask, causal, scale, gqa, alignment, softcap, alibi, window, sinks, stats};
-  const auto key = call_signature(a);
-  if (!key) return py::none();
-  const auto& calls = remembered_calls();
-  const auto found = calls.find(*key);
-  if (found == calls.end()) return py::none();
-  // A copy: while torch's call releases the GIL, another thread may remember a call (and start the
-  // memory again, destroying its entries) or forget them all.
-  const Remembered call = found->second;
-  if (mask.is_none()) {  // keys of any length S > 0: one S for k and v
-    const auto &K = THPVariable_Unpack(k.ptr()), &V = THPVariable_Unpack(v.ptr());
-    if (K.size(-2) != V.size(-2) || K.size(-2) == 0) return py::none();
+  const auto call = find_remembered(call_signature(a));
+  return call ? call_remembered(*call, a, limit) : py::none();
+}
+
+// MultiHeadAttention's forward of a plain self-attention call (attnscale/modules.py,
+// _remembered_forward, says which): its packed q, k, v projection, its attention's remembered call
+// (the signature the module's own full call of scaled_dot_product_attention left in this memory,
+// with its checks) and its output projection, op for op as the module's forward makes them, in
+// one compiled call: (out, backend, why), or None where the attention's signature is not
+// remembered (looked up from the projection's sizes before it is made) or its checks do not pass
+// (then the module's full forward runs, and projects again). x (B, L, E), batch first; weight and
+// bias the packed ((H + 2 Hkv) D, E) projection, of x's dtype.
+py::object remembered_module_call(py::handle x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const at::Tensor& out_weight,
+                                  const c10::optional<at::Tensor>& out_bias, int64_t heads, int64_t kv_heads, int64_t head_dim, py::handle scale,
+                                  py::handle gqa, py::handle alignment, py::handle softcap, py::handle window, py::handle sinks, int64_t limit) {
+  if (torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU) || !THPVariable_CheckExact(x.ptr())) return py::none();
+  const auto& X = THPVariable_Unpack(x.ptr());
+  if (!X.is_cpu() || X.layout() != at::kStrided || X.dim() != 3 || weight.scalar_type() != X.scalar_type() || weight.dim() != 2 ||
+      weight.size(0) != (heads + 2 * kv_heads) * head_dim)
+    return py::none();
+  const int64_t B = X.size(0), L = X.size(1);
+  const QKVSizes sizes{X.scalar_type(), {B, heads, L, head_dim}, {B, kv_heads, L, head_dim}, {B, kv_heads, L, head_dim}};
+  CallArgs a{Py_None, Py_None, Py_None, Py_None, Py_False, scale, gqa, alignment, softcap, Py_None, window, sinks, Py_False};
+  const auto call = find_remembered(call_signature(a, &sizes));
+  if (!call) return py::none();
+  at::Tensor projected;
+  {
+    py::gil_scoped_release released;
+    projected = at::linear(X, weight, bias);
   }
-  return call.kind == Kind::kTorch ? torch_call(call, a, limit) : kernel_call(call, a);
+  const auto parts = projected.view({B, L, heads + 2 * kv_heads, head_dim}).transpose(1, 2).split_with_sizes({heads, kv_heads, kv_heads}, 1);
+  const py::object q = wrap(parts[0]), k = wrap(parts[1]), v = wrap(parts[2]);
+  a.q = q, a.k = k, a.v = v;
+  const py::object hit = call_remembered(*call, a, limit);
+  if (hit.is_none()) return hit;
+  const auto answered = py::reinterpret_borrow<py::tuple>(hit);  // (out, backend, why): no statistics were asked
+  const auto& out = THPVariable_Unpack(answered[0].ptr());
+  at::Tensor y;
+  {
+    py::gil_scoped_release released;
+    y = at::linear(out.transpose(1, 2).flatten(-2), out_weight, out_bias);
+  }
+  return py::make_tuple(wrap(y), answered[1], answered[2]);
 }
 
 }  // namespace
@@ -1085,6 +1150,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("remembered_call", &remembered_call,
              "(out, backend, why), with statistics (out, backend, why, lse, max_logit, max_prob, entropy, visible), of a remembered call whose checks and "
              "output pass; None otherwise (arguments in scaled_dot_product_attention's order, then the largest tensor torch's call is checked on here)");
+  module.def("remembered_module_call", &remembered_module_call,
+             "(out, backend, why) of MultiHeadAttention's plain self-attention call whose attention is remembered and passes its checks: the packed "
+             "projection, the remembered call, the output projection; None otherwise",
+             py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out_weight"), py::arg("out_bias"), py::arg("heads"), py::arg("kv_heads"),
+             py::arg("head_dim"), py::arg("scale"), py::arg("enable_gqa"), py::arg("alignment"), py::arg("softcap"), py::arg("window"), py::arg("sinks"),
+             py::arg("limit"));
   module.def(
       "remember_packed_call",
       [](py::handle q, py::handle k, py::handle v, py::handle cu_q, py::handle cu_k, py::handle max_q, py::handle max_k, py::handle scale,

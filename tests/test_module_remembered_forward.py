@@ -1,0 +1,189 @@
+"""MultiHeadAttention's remembered forward: a plain self-attention call (every argument but the
+query at its default) whose attention the pipeline has answered for the same signature is the
+packed projection, that remembered call and the output projection, in one compiled call
+(``remembered_module_call``). It must return what the module's full forward returns, bit for bit,
+leave every other call to it, and never compute a projection for a signature it does not hold."""
+
+import math
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import attnscale
+from attnscale import AttentionConfig, MultiHeadAttention, kernels
+from attnscale import _remembered as memory
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no compiled kernel (no compiler)")
+
+
+class FullForward(TorchFunctionMode):
+    """Runs every torch function as it is; under it no call takes a remembered answer (a
+    torch-function mode is outside the remembered calls' gate), so the module's full forward runs."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class Hits:
+    """Counts the remembered module calls that answered (not None) while it is entered."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.answered = self.asked = 0
+        self._monkeypatch = monkeypatch
+
+    def __enter__(self) -> "Hits":
+        real = memory.module_call
+        assert real is not None, "no call remembered yet"
+
+        def counted(*args):
+            hit = real(*args)
+            self.asked += 1
+            self.answered += hit is not None
+            return hit
+
+        self._monkeypatch.setattr(memory, "module_call", counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._monkeypatch.undo()
+
+
+def module(dtype=torch.float32, **kwargs) -> MultiHeadAttention:
+    torch.manual_seed(0)
+    return MultiHeadAttention(kwargs.pop("d_model", 48), kwargs.pop("num_heads", 6), dtype=dtype, **kwargs).eval()
+
+
+def x_of(*shape: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+
+
+def remembered_and_full(m: MultiHeadAttention, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor, Hits, str | None]:
+    """The module's output by its full forward (which leaves the attention's signature
+    remembered) and then by a plain call, which the remembered forward answers."""
+    with torch.no_grad():
+        m(x)  # (remembers the attention's signature, if it is one the pipeline remembers)
+        with FullForward():
+            full = m(x)
+        full_backend = attnscale.last_backend()
+        with Hits(monkeypatch) as hits:
+            out = m(x)
+    assert attnscale.last_backend() == full_backend
+    return out, full, hits, full_backend
+
+
+CASES = {
+    "mha": ({}, torch.float32),
+    "gqa": ({"num_kv_heads": 2}, torch.float32),
+    "no bias": ({"bias": False}, torch.float32),
+    "seq-first": ({"batch_first": False}, torch.float32),
+    "float64": ({}, torch.float64),
+    "softcap (the compiled kernel's plan)": ({"config": AttentionConfig(softcap=20.0)}, torch.float32),
+    "window": ({"config": AttentionConfig(window=(2, 0))}, torch.float32),
+    "sinks": ({"config": AttentionConfig(sinks=True)}, torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=str)
+def test_a_plain_call_takes_the_remembered_forward_and_returns_the_full_forwards_output(case, monkeypatch):
+    kwargs, dtype = CASES[case]
+    m = module(dtype, **kwargs)
+    x = x_of(2, 5, 48, dtype=dtype) if m.batch_first else x_of(5, 2, 48, dtype=dtype)
+    out, full, hits, _ = remembered_and_full(m, x, monkeypatch)
+    assert (hits.asked, hits.answered) == (1, 1)
+    assert torch.equal(out, full)  # the same ops on the same tensors
+    assert out.shape == x.shape
+
+
+def test_values_its_checks_refuse_get_the_full_forwards_answer(monkeypatch):
+    """An inf in one token's features makes keys that are not finite: the remembered call's
+    check of k refuses them, and the full forward gives the NaN rule's rows."""
+    m, x = module(), x_of(2, 5, 48)
+    with torch.no_grad():
+        m(x)
+        bad = x.clone()
+        bad[1, 3, 7] = math.inf
+        with FullForward():
+            full = m(bad)
+        with Hits(monkeypatch) as hits:
+            out = m(bad)
+    assert (hits.asked, hits.answered) == (1, 0)
+    torch.testing.assert_close(out, full, rtol=0, atol=0, equal_nan=True)
+    assert out[1].isnan().all() and out[0].isfinite().all()  # (every query of the batch row sees the bad key)
+
+
+def _hook(calls: list) -> object:
+    return lambda module, args, output: calls.append(type(module).__name__)
+
+
+OTHER_CALLS = {
+    "gradient enabled": lambda m, x: m(x),
+    "is_causal": lambda m, x: m(x, is_causal=True),
+    "return_stats": lambda m, x: m(x, return_stats=True).output,
+    "need_weights": lambda m, x: m(x, need_weights=True).output,
+    "cross-attention": lambda m, x: m(x, x[:, :3], x[:, :3]),
+    "a key mask": lambda m, x: m(x, key_mask=torch.ones(2, 5, dtype=torch.bool)),
+}
+
+
+@pytest.mark.parametrize("call", list(OTHER_CALLS), ids=str)
+def test_every_other_call_takes_the_full_forward(call, monkeypatch):
+    m, x = module(), x_of(2, 5, 48)
+    with torch.no_grad():
+        m(x)
+    grad = call == "gradient enabled"
+    with torch.set_grad_enabled(grad), Hits(monkeypatch) as hits:
+        out = OTHER_CALLS[call](m, x)
+        with FullForward():
+            full = OTHER_CALLS[call](m, x)
+    assert hits.answered == 0 and hits.asked == 0
+    assert torch.equal(out, full)
+
+
+@pytest.mark.parametrize("where", ["out_proj", "q_proj"], ids=str)
+def test_hooks_training_and_variants_take_the_full_forward(where, monkeypatch):
+    """A hook on a projection runs (the remembered forward calls no Linear), dropout in training
+    and a variant step (RoPE) take the full forward."""
+    m, x = module(), x_of(2, 5, 48)
+    with torch.no_grad():
+        m(x)
+        calls: list = []
+        handle = getattr(m, where).register_forward_hook(_hook(calls))
+        with Hits(monkeypatch) as hits:
+            m(x)
+        handle.remove()
+        assert calls == ["Linear"] and hits.answered == 0
+        dropping = module(dropout=0.5).train()
+        dropping(x)
+        rope = module(config=AttentionConfig(positional="rope"))
+        rope(x)
+        with Hits(monkeypatch) as hits:
+            dropping(x), rope(x)
+        assert hits.asked == 0
+
+
+def test_bad_queries_are_refused_as_by_the_full_forward():
+    m, x = module(), x_of(2, 5, 48)
+    with torch.no_grad():
+        m(x)
+        with pytest.raises(TypeError, match="the module's dtype torch.float32"):
+            m(x.double())
+        with pytest.raises(ValueError, match=r"shape \(B, L, E\) with E = d_model = 48"):
+            m(x[..., :40])
+        with pytest.raises(TypeError, match="a torch.Tensor"):
+            m(x.tolist())
+
+
+def test_a_signature_it_does_not_hold_computes_nothing():
+    """The signature is looked up from the projection's sizes before the projection is made: with
+    none remembered for it, the call answers None before reading its weights (a bias of the wrong
+    size, which the projection would refuse, is never used)."""
+    kernel, m = kernels.load(), module()
+    kernel.forget_calls()
+    x, weight = x_of(2, 5, 48), torch.randn(3 * 48, 48)
+    args = (weight, torch.randn(7), torch.randn(48, 48), None, 6, 6, 8, m.scale, False, attnscale.CausalAlignment.TOP_LEFT, None, None, None, 1 << 62)
+    assert kernel.remembered_module_call(x, *args) is None
+    with torch.no_grad():
+        m(x)  # the module's signature, remembered
+    with pytest.raises(RuntimeError):  # now the projection runs, and torch refuses the bias
+        kernel.remembered_module_call(x, *args)
