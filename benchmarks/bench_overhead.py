@@ -166,15 +166,21 @@ def cases() -> list[Case]:
              lambda: _module_by_hand(x, theirs_module, H), lambda: theirs_module(x, x, x, need_weights=False)[0],
              lambda: theirs_module(x, x, x, need_weights=False)[0], atol=1e-4, reference=True)  # fmt: skip
     )
+    # the same with attnscale's SDPA: what its checks of k and of the output rows (the NaN rule) cost in the module's place
+    found.append(
+        Case("the module's ops by hand with attnscale's SDPA (torch: its module)",
+             lambda: _module_by_hand(x, theirs_module, H, attnscale.scaled_dot_product_attention), lambda: theirs_module(x, x, x, need_weights=False)[0],
+             lambda: theirs_module(x, x, x, need_weights=False)[0], atol=1e-4, reference=True)  # fmt: skip
+    )
     found += _hf_layer_cases()
     return found
 
 
-def _module_by_hand(x: torch.Tensor, module: torch.nn.MultiheadAttention, heads: int) -> torch.Tensor:
+def _module_by_hand(x: torch.Tensor, module: torch.nn.MultiheadAttention, heads: int, sdpa=TORCH_SDPA) -> torch.Tensor:
     """torch's module's output from its weights by three ops called from Python: the packed
-    projection, torch's SDPA on its q, k, v views, the output projection."""
+    projection, ``sdpa`` (torch's) on its q, k, v views, the output projection."""
     qkv = F.linear(x, module.in_proj_weight, module.in_proj_bias).unflatten(-1, (3 * heads, -1)).transpose(1, 2)  # (B, 3 H, L, D)
-    out = TORCH_SDPA(qkv[:, :heads], qkv[:, heads : 2 * heads], qkv[:, 2 * heads :])  # (B, H, L, D)
+    out = sdpa(qkv[:, :heads], qkv[:, heads : 2 * heads], qkv[:, 2 * heads :])  # (B, H, L, D)
     return F.linear(out.transpose(1, 2).flatten(-2), module.out_proj.weight, module.out_proj.bias)
 
 
