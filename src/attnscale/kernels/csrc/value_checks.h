@@ -8,7 +8,9 @@
 // is called with are transposes of their storage (torch's CPU kernel writes its output (B, L, H,
 // Dv) and returns it as (B, H, L, Dv); a projection's (B, L, H, D) rows are seen as (B, H, L, D)),
 // where logical order reads one row from each of many pages, a stride apart that the hardware's
-// prefetchers do not follow, and memory order reads one run of rows back to back.
+// prefetchers do not follow, and memory order reads one run of rows back to back. They are read
+// from the last down (RowRuns::every), which leaves the first rows in cache for a kernel that
+// reads the tensor next from the start.
 #pragma once
 
 #include <torch/extension.h>
@@ -26,44 +28,50 @@
 namespace {
 
 // Whether every entry of p[0, count) is finite: x * 0 is NaN for an inf or NaN; four sums, so that
-// the adds do not wait on one another.
+// the adds do not wait on one another. Read from the end down (RowRuns::every says why).
 template <typename T>
 bool finite_impl(const T* p, int64_t count) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t n = Vec::size();
   Vec acc(T(0)), acc1(T(0)), acc2(T(0)), acc3(T(0)), zero(T(0));
-  int64_t i = 0;
-  for (; i + 4 * n <= count; i += 4 * n) {
-    acc = acc + Vec::loadu(p + i) * zero;
-    acc1 = acc1 + Vec::loadu(p + i + n) * zero;
-    acc2 = acc2 + Vec::loadu(p + i + 2 * n) * zero;
-    acc3 = acc3 + Vec::loadu(p + i + 3 * n) * zero;
+  int64_t i = count;
+  for (; i >= 4 * n; i -= 4 * n) {
+    acc = acc + Vec::loadu(p + i - n) * zero;
+    acc1 = acc1 + Vec::loadu(p + i - 2 * n) * zero;
+    acc2 = acc2 + Vec::loadu(p + i - 3 * n) * zero;
+    acc3 = acc3 + Vec::loadu(p + i - 4 * n) * zero;
   }
   acc = (acc + acc1) + (acc2 + acc3);
-  for (; i + n <= count; i += n) acc = acc + Vec::loadu(p + i) * zero;
+  for (; i >= n; i -= n) acc = acc + Vec::loadu(p + i - n) * zero;
   T tail = T(0);
-  for (; i < count; ++i) tail += p[i] * T(0);
+  for (; i > 0; --i) tail += p[i - 1] * T(0);
   // Every lane 0 (a NaN is no zero), read from the vector's zero mask: no store and sum of its
   // lanes, which cost a short run more than its loads.
   const int all_zero = static_cast<int>((int64_t(1) << n) - 1);
   return acc.zero_mask() == all_zero && tail == T(0);
 }
 
-// Every entry of `rows` rows of `width` back to back finite (finite_impl's one pass), then no row
-// all zeros: per row, whether a vector of it has a lane that is not zero, from the vector's zero
-// mask (no work per lane).
+// Every entry of `rows` rows of `width` back to back finite (finite_impl's pass) and no row all
+// zeros: per row, whether a vector of it has a lane that is not zero, from the vector's zero mask
+// (no work per lane).
 template <typename T>
 bool rows_ok_impl(const T* x, int64_t rows, int64_t width) {
-  if (!finite_impl(x, rows * width)) return false;
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t n = Vec::size();
   const int all_zero = static_cast<int>((int64_t(1) << n) - 1);
-  for (int64_t r = 0; r < rows; ++r, x += width) {
-    bool nonzero = false;
-    int64_t c = 0;
-    for (; c + n <= width && !nonzero; c += n) nonzero = Vec::loadu(x + c).zero_mask() != all_zero;
-    for (; c < width && !nonzero; ++c) nonzero = x[c] != T(0);
-    if (!nonzero) return false;
+  // in chunks of about 16 KiB from the last down, each checked for zero rows while in L1
+  const int64_t chunk = std::max<int64_t>(1, (int64_t(16) << 10) / std::max<int64_t>(1, width * int64_t(sizeof(T))));
+  for (int64_t end = rows; end > 0; end -= chunk) {
+    const int64_t start = std::max<int64_t>(0, end - chunk);
+    if (!finite_impl(x + start * width, (end - start) * width)) return false;
+    for (int64_t r = start; r < end; ++r) {
+      const T* row = x + r * width;
+      bool nonzero = false;
+      int64_t c = 0;
+      for (; c + n <= width && !nonzero; c += n) nonzero = Vec::loadu(row + c).zero_mask() != all_zero;
+      for (; c < width && !nonzero; ++c) nonzero = row[c] != T(0);
+      if (!nonzero) return false;
+    }
   }
   return true;
 }
@@ -111,26 +119,32 @@ struct RowRuns {
     for (const auto& [stride, size] : dims) sizes.push_back(size), strides.push_back(stride), rows *= size;
   }
 
-  // Whether f(first_row, count, width) holds of each run of the rows [first, last), in memory
-  // order, each cut to that range; stops at the first run f says false of.
+  // Whether f(first_row, count, width) holds of each run of the rows [first, last), each cut to
+  // that range; stops at the first run f says false of. Runs are read from the last down, and f
+  // reads each from its end (finite_impl): a check made just before a kernel that reads the
+  // tensor from the start (torch's reads a decoding step's keys head by head) leaves its first
+  // rows the ones most recently read, still in cache where the tensor is larger than the cache,
+  // and one made just after a kernel wrote or read it reads its last rows, the cached ones, first.
   template <typename T, typename F>
   bool every(const T* base, F&& f, int64_t first, int64_t last) const {
+    if (first >= last) return true;
     const int64_t outer = static_cast<int64_t>(sizes.size());
     std::vector<int64_t> index(static_cast<size_t>(outer), 0);
-    int64_t offset = 0, within = first % run;
-    for (int64_t d = outer - 1, rest = first / run; d >= 0; --d) {  // the run of row `first`: its index and offset
+    int64_t offset = 0, end = (last - 1) % run + 1;  // the rows [.., end) of the current run are left to read
+    for (int64_t d = outer - 1, rest = (last - 1) / run; d >= 0; --d) {  // the run of row last - 1: its index and offset
       index[d] = rest % sizes[d], rest /= sizes[d];
       offset += index[d] * strides[d];
     }
-    for (int64_t row = first; row < last; within = 0) {
-      const int64_t count = std::min(run - within, last - row);
-      if (!f(base + offset + within * width, count, width)) return false;
-      row += count;
-      for (int64_t d = outer - 1; d >= 0; --d) {  // the next run's index, odometer-wise
-        offset += strides[d];
-        if (++index[d] < sizes[d]) break;
-        offset -= index[d] * strides[d];
-        index[d] = 0;
+    for (int64_t row = last; row > first; end = run) {
+      const int64_t count = std::min(end, row - first);
+      if (!f(base + offset + (end - count) * width, count, width)) return false;
+      row -= count;
+      for (int64_t d = outer - 1; d >= 0; --d) {  // the previous run's index, odometer-wise
+        if (index[d] > 0) {
+          --index[d], offset -= strides[d];
+          break;
+        }
+        index[d] = sizes[d] - 1, offset += index[d] * strides[d];
       }
     }
     return true;
