@@ -187,3 +187,36 @@ def test_a_signature_it_does_not_hold_computes_nothing():
         m(x)  # the module's signature, remembered
     with pytest.raises(RuntimeError):  # now the projection runs, and torch refuses the bias
         kernel.remembered_module_call(x, *args)
+
+
+def test_a_monitored_module_is_recorded_at_every_call():
+    """attnscale.monitor hooks the model's modules and replaces the module's attention function:
+    a module whose plain call was remembered before is recorded at every call under it."""
+    m, x = module(d_model=32, num_heads=4), x_of(2, 5, 32)
+    with torch.no_grad():
+        m(x), m(x)
+        with attnscale.monitor(m) as mon:
+            for _ in range(3):
+                m(x)
+    assert [h.calls for h in mon.report().heads] == [3, 3, 3, 3]
+
+
+def test_a_replaced_attention_function_is_called(monkeypatch):
+    """The forward calls attnscale.modules.scaled_dot_product_attention by its global name; where
+    that is replaced (as attnscale.monitor replaces it), the replacement runs, without hooks too."""
+    import attnscale.modules as modules
+
+    m, x = module(), x_of(2, 5, 48)
+    calls = []
+    real = modules.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    with torch.no_grad():
+        want = m(x)
+        monkeypatch.setattr(modules, "scaled_dot_product_attention", counted)
+        with Hits(monkeypatch) as hits:
+            out = m(x)
+    assert calls == [1] and hits.asked == 0 and torch.equal(out, want)

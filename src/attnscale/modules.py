@@ -40,6 +40,8 @@ from .stats import AttentionStats
 __all__ = ["AttentionOutput", "KVCache", "MultiHeadAttention"]
 
 _transforms_active = torch._C._are_functorch_transforms_active
+_SDPA = scaled_dot_product_attention
+"""attnscale.scaled_dot_product_attention, which the forward calls by this module's global name."""
 
 
 @dataclass(frozen=True)
@@ -495,6 +497,8 @@ class MultiHeadAttention(nn.Module):
         pass: then the forward below runs."""
         remembered = memory.module_call
         if remembered is None or torch.is_grad_enabled() or not memory.may_take(self.dropout if self.training else 0.0, Backend.AUTO):
+            return None
+        if scaled_dot_product_attention is not _SDPA:  # (replaced, as attnscale.monitor replaces it: the forward below calls the replacement)
             return None
         if not self._modules["variant"].identity:  # (softmax attention of q and k as projected)
             return None
