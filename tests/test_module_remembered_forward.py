@@ -181,12 +181,15 @@ def test_a_signature_it_does_not_hold_computes_nothing():
     kernel, m = kernels.load(), module()
     kernel.forget_calls()
     x, weight = x_of(2, 5, 48), torch.randn(3 * 48, 48)
-    args = (weight, torch.randn(7), torch.randn(48, 48), None, 6, 6, 8, m.scale, False, attnscale.CausalAlignment.TOP_LEFT, None, None, None, 1 << 62)
-    assert kernel.remembered_module_call(x, *args) is None
+    args = dict(
+        weight=weight, bias=torch.randn(7), out_weight=torch.randn(48, 48), out_bias=None, heads=6, kv_heads=6, head_dim=8, scale=m.scale,
+        enable_gqa=False, alignment=attnscale.CausalAlignment.TOP_LEFT, softcap=None, window=None, sinks=None, limit=1 << 62,
+    )  # fmt: skip
+    assert kernel.remembered_module_call(x, **args) is None
     with torch.no_grad():
         m(x)  # the module's signature, remembered
     with pytest.raises(RuntimeError):  # now the projection runs, and torch refuses the bias
-        kernel.remembered_module_call(x, *args)
+        kernel.remembered_module_call(x, **args)
 
 
 def test_a_monitored_module_is_recorded_at_every_call():

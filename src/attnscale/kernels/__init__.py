@@ -239,8 +239,8 @@ CHECKS_MAX = 1 << 62
 """CPU tensors of float32 or float64 up to this many entries (every size) are checked by the
 compiled kernel's ``rows_ok`` and ``all_finite``, one call each, without temporaries: a decoding
 step's guard in a few microseconds instead of several torch ops, and tensors past one core's
-caches split over every thread as torch's reductions are (``every_row_in_parallel`` in
-``fused.cpp``). The limit stays an argument of the kernel's calls, which refuse what exceeds it."""
+caches split over every thread as torch's reductions are (``every_run`` in
+``csrc/value_checks.h``). The limit stays an argument of the kernel's calls, which refuse what exceeds it."""
 
 
 def checks(t: torch.Tensor) -> ModuleType | None:

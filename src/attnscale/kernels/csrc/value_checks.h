@@ -218,7 +218,7 @@ bool rows_ok_op(const torch::Tensor& x) {
 // (keys large enough that torch's elementwise ops wrote them on every thread, as rows_ok's outputs)
 bool all_finite_op(const torch::Tensor& x) { return ask_rows(x, "all_finite", kParallelInput, Finite{}); }
 
-// (a float mask's values: on one thread, as before its rows were read in memory order)
+// (a float mask's values, on this thread)
 bool below_inf_op(const torch::Tensor& x) { return ask_rows(x, "below_inf", std::numeric_limits<int64_t>::max(), BelowInf{}); }
 
 }  // namespace
