@@ -8,6 +8,7 @@ output the check does not pass) takes the full pipeline, as before."""
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import threading
@@ -256,6 +257,41 @@ def test_the_remembered_calls_are_bounded():
     first = torch.randn(1, 1, 1, 4)
     assert _remembered(kernel, first, k) is None
     np.testing.assert_equal(kernel.remember_torch_call(**_plain_call(q.half(), k.half()), **torch_args), False)
+
+
+def test_the_remembered_calls_take_their_arguments_by_position_or_by_name_and_refuse_others():
+    # They are vectorcall builtins of their own (csrc/fast_call.h), not pybind11 functions: the
+    # same answer for arguments by position and by name, and a TypeError that names what is wrong.
+    kernel = kernels.load()
+    kernel.set_alignments(top_left=attnscale.CausalAlignment.TOP_LEFT, bottom_right=attnscale.CausalAlignment.BOTTOM_RIGHT)
+    q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4)
+    assert kernel.remember_torch_call(**_plain_call(q, k), torch_causal=False, torch_gqa=False, torch_scale=None, backend=attnscale.Backend.TORCH, why="why")
+    by_position, by_name = _remembered(kernel, q, k), kernel.remembered_call(**_plain_call(q, k), limit=kernels.CHECKS_MAX)
+    assert by_position[1] is by_name[1] is attnscale.Backend.TORCH
+    torch.testing.assert_close(by_position[0], by_name[0], rtol=0, atol=0)
+    torch.testing.assert_close(by_name[0], F.scaled_dot_product_attention(q, k, k), rtol=0, atol=0)
+    args = _plain_call(q, k)
+    refused = {
+        "remembered_call() got an unexpected argument 'mask_'": lambda: kernel.remembered_call(**args, mask_=None, limit=1),
+        "remembered_call() got a repeated argument 'q'": lambda: kernel.remembered_call(q, **args, limit=1),
+        "remembered_call() missing argument 'limit'": lambda: kernel.remembered_call(**args),
+        "remembered_call() takes 14 arguments (15 given)": lambda: kernel.remembered_call(*args.values(), 1, 2),
+        "remembered_call(): limit must be an int, got float": lambda: kernel.remembered_call(**args, limit=1.0),
+        "remembered_call(): limit must be an int, got bool": lambda: kernel.remembered_call(**args, limit=True),
+        "remembered_packed_call() missing argument 'return_stats'": lambda: kernel.remembered_packed_call(*[None] * 13),
+    }
+    for message, call in refused.items():
+        with pytest.raises(TypeError, match=re.escape(message)):
+            call()
+    module_args = dict(
+        x=torch.randn(1, 3, 8), weight=torch.randn(24, 8), bias=None, out_weight=torch.randn(8, 8), out_bias=None, heads=2, kv_heads=2, head_dim=4,
+        scale=None, enable_gqa=False, alignment=attnscale.CausalAlignment.TOP_LEFT, softcap=None, window=None, sinks=None, limit=1,
+    )  # fmt: skip
+    for name, wrong, message in [("weight", None, "a Tensor, got NoneType"), ("bias", 1.0, "a Tensor or None, got float"), ("heads", "2", "an int, got str")]:
+        with pytest.raises(TypeError, match=re.escape(f"remembered_module_call(): {name} must be {message}")):
+            kernel.remembered_module_call(**{**module_args, name: wrong})
+    with pytest.raises(OverflowError):
+        kernel.remembered_module_call(**{**module_args, "limit": 1 << 64})
 
 
 def test_a_growing_cache_takes_the_remembered_call_at_every_length(validated):

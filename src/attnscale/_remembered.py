@@ -43,16 +43,22 @@ module_call = None
 self-attention call, whose attention is a remembered call), once a call has been remembered there."""
 _function_mode = torch._C._is_torch_function_mode_enabled
 _transforms_active = torch._C._are_functorch_transforms_active
+_AUTO = Backend.AUTO
+
+
+def _plain_dispatch() -> bool:
+    """Outside any torch.func transform and torch-function mode (what the compiled calls ask
+    themselves: ``plain_dispatch`` in ``kernels/fused.cpp``)."""
+    return not _transforms_active() and not _function_mode()
 
 
 def may_take(dropout_p: object, backend: object) -> bool:
-    """Whether a call may take a remembered answer: ``backend="auto"`` (as the enum), no dropout,
-    and the call eager, outside any torch.func transform or torch-function mode. Every other
-    option is part of the signature the compiled kernel looks up."""
-    return (
-        backend is Backend.AUTO and type(dropout_p) is float and dropout_p == 0.0
-        and not torch.compiler.is_compiling() and not _transforms_active() and not _function_mode()
-    )  # fmt: skip
+    """Whether a call may take a remembered answer, or leave one: ``backend="auto"`` (as the enum),
+    no dropout, and the call not traced by torch.compile. Every other option is part of the
+    signature the compiled kernel looks up, and the compiled calls answer None themselves inside a
+    torch.func transform or a torch-function mode (``plain_dispatch`` in ``kernels/fused.cpp``;
+    :func:`remember` remembers nothing there)."""
+    return backend is _AUTO and type(dropout_p) is float and dropout_p == 0.0 and not torch.compiler.is_compiling()
 
 
 class Passed(NamedTuple):
@@ -81,7 +87,7 @@ def remember(c: backends.Call, implementation: backends.Implementation, passed: 
     requires grad) or the compiled kernel's plan (:func:`attnscale.backends.kernel_plan`)."""
     global call, module_call
     kernel, mask = load_kernel(), c.attn_mask
-    if kernel is None:
+    if kernel is None or not _plain_dispatch():
         return
     if implementation is backends.FUSED:
         plan, args = backends.kernel_plan(c), None
@@ -131,7 +137,7 @@ def remember_packed(c: backends.Call, passed: PackedPassed, why: object) -> None
     query's, which the signature holds."""
     global packed_call
     kernel, spans = load_kernel(), c.spans
-    if kernel is None or spans is None or spans.rows is None or c.sinks is not None:
+    if kernel is None or not _plain_dispatch() or spans is None or spans.rows is None or c.sinks is not None:
         return
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (c.query, c.key, c.value, c.alibi_slopes)):
         return

@@ -40,6 +40,7 @@
 #include <unordered_map>
 
 #include <ATen/ExpandUtils.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -48,6 +49,7 @@
 #include "csrc/backward.h"
 #include "csrc/bounds.h"
 #include "csrc/checks.h"
+#include "csrc/fast_call.h"
 #include "csrc/forward.h"
 #include "csrc/options.h"
 #include "csrc/packing.h"
@@ -542,9 +544,9 @@ py::object output_ok_op(const torch::Tensor& out, const torch::Tensor& key, int6
 // later one of that signature, with the checks of values the pipeline makes of every call (a
 // float mask below +inf; finite slopes, sinks below +inf) and the guard's first check of its
 // output, or answers None (not remembered, not of this form, a value or an output the checks do
-// not pass, torch.jit.trace or CPU autocast on): then the full pipeline runs, as on any call.
-// Python holds the rest of the gate (backend "auto", no dropout, not compiling, no torch.func
-// transform or torch-function mode).
+// not pass, torch.jit.trace, CPU autocast, a torch.func transform or a torch-function mode on):
+// then the full pipeline runs, as on any call. Python holds the rest of the gate (backend "auto",
+// no dropout, not compiling: attnscale._remembered.may_take).
 enum class Kind { kTorch, kKernel, kPacked };
 
 struct Remembered {
@@ -556,6 +558,15 @@ struct Remembered {
   py::object backend;           // the Backend that answers (last_backend)
   py::object why;               // why the pipeline chose it (its log line)
 };
+
+// Outside any torch.func transform (functorch's dynamic layers, as torch._C._are_functorch_transforms_active
+// reads them) and torch-function mode (torch._C._is_torch_function_mode_enabled): inside either, a
+// call must reach torch's ops the way Python code reaches them, so no remembered call answers.
+bool plain_dispatch() {
+  const auto included = c10::impl::tls_local_dispatch_key_set().included_;
+  return !included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) && !included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode) &&
+         !at::impl::torch_function_mode_enabled();
+}
 
 constexpr size_t kRememberedMax = 512;  // as attnscale._validate's signatures
 
@@ -997,7 +1008,7 @@ bool packed_rows(const at::Tensor& x) { return x.stride(2) == 1 && x.stride(0) >
 py::object remembered_packed_call(py::handle q, py::handle k, py::handle v, py::handle cu_q, py::handle cu_k, py::handle max_q, py::handle max_k,
                                   py::handle scale, py::handle causal, py::handle softcap, py::handle alibi, py::handle window, py::handle sinks,
                                   py::handle stats) {
-  if (torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU)) return py::none();
+  if (!plain_dispatch() || torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU)) return py::none();
   const auto found = packed_signature(PackedArgs{q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, softcap, alibi, window, sinks, stats});
   if (!found) return py::none();
   const auto& calls = remembered_calls();
@@ -1050,7 +1061,7 @@ py::object remembered_call(py::handle q, py::handle k, py::handle v, py::handle 
                            int64_t limit) {
   // (jit.trace: the pipeline refuses it; CPU autocast: torch's kernel answers in the autocast
   // dtype, which the pipeline's guard reads as such)
-  if (torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU)) return py::none();
+  if (!plain_dispatch() || torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU)) return py::none();
   const CallArgs a{q, k, v, mask, causal, scale, gqa, alignment, softcap, alibi, window, sinks, stats};
   const auto call = find_remembered(call_signature(a));
   return call ? call_remembered(*call, a, limit) : py::none();
@@ -1067,7 +1078,7 @@ py::object remembered_call(py::handle q, py::handle k, py::handle v, py::handle 
 py::object remembered_module_call(py::handle x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const at::Tensor& out_weight,
                                   const c10::optional<at::Tensor>& out_bias, int64_t heads, int64_t kv_heads, int64_t head_dim, py::handle scale,
                                   py::handle gqa, py::handle alignment, py::handle softcap, py::handle window, py::handle sinks, int64_t limit) {
-  if (torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU) || !THPVariable_CheckExact(x.ptr())) return py::none();
+  if (!plain_dispatch() || torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU) || !THPVariable_CheckExact(x.ptr())) return py::none();
   const auto& X = THPVariable_Unpack(x.ptr());
   if (!X.is_cpu() || X.layout() != at::kStrided || X.dim() != 3 || weight.scalar_type() != X.scalar_type() || weight.dim() != 2 ||
       weight.size(0) != (heads + 2 * kv_heads) * head_dim)
@@ -1096,6 +1107,65 @@ py::object remembered_module_call(py::handle x, const at::Tensor& weight, const 
   }
   return py::make_tuple(wrap(y), answered[1], answered[2]);
 }
+
+// The three remembered calls as vectorcall builtins (csrc/fast_call.h), arguments by position or by name.
+PyObject* remembered_call_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  static const char* const names[] = {"q", "k", "v", "mask", "is_causal", "scale", "enable_gqa", "alignment", "softcap", "alibi_slopes", "window",
+                                      "sinks", "return_stats", "limit"};
+  PyObject* a[14];
+  int64_t limit = 0;
+  if (!fast_arguments("remembered_call", names, args, nargs, kwnames, a) || !fast_int("remembered_call", "limit", a[13], limit)) return nullptr;
+  return remembered_call(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12], limit).release().ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* remembered_module_call_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  static const char* const names[] = {"x", "weight", "bias", "out_weight", "out_bias", "heads", "kv_heads", "head_dim", "scale", "enable_gqa",
+                                      "alignment", "softcap", "window", "sinks", "limit"};
+  constexpr const char* function = "remembered_module_call";
+  PyObject* a[15];
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, limit = 0;
+  if (!fast_arguments(function, names, args, nargs, kwnames, a)) return nullptr;
+  const at::Tensor* weight = fast_tensor(function, "weight", a[1]);
+  const at::Tensor* bias = weight ? fast_tensor(function, "bias", a[2], /*optional=*/true) : nullptr;
+  const at::Tensor* out_weight = bias ? fast_tensor(function, "out_weight", a[3]) : nullptr;
+  const at::Tensor* out_bias = out_weight ? fast_tensor(function, "out_bias", a[4], /*optional=*/true) : nullptr;
+  if (!out_bias || !fast_int(function, "heads", a[5], heads) || !fast_int(function, "kv_heads", a[6], kv_heads) ||
+      !fast_int(function, "head_dim", a[7], head_dim) || !fast_int(function, "limit", a[14], limit))
+    return nullptr;
+  return remembered_module_call(a[0], *weight, optional_of(*bias), *out_weight, optional_of(*out_bias), heads, kv_heads, head_dim, a[8], a[9], a[10],
+                                a[11], a[12], a[13], limit)
+      .release()
+      .ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* remembered_packed_call_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  static const char* const names[] = {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "scale", "is_causal", "softcap",
+                                      "alibi_slopes", "window", "sinks", "return_stats"};
+  PyObject* a[14];
+  if (!fast_arguments("remembered_packed_call", names, args, nargs, kwnames, a)) return nullptr;
+  return remembered_packed_call(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13]).release().ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+#define ATTNSCALE_FAST(name, doc) PyMethodDef{#name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(name##_fast)), METH_FASTCALL | METH_KEYWORDS, doc}
+PyMethodDef g_fast_calls[] = {
+    ATTNSCALE_FAST(remembered_call,
+                   "(out, backend, why), with statistics (out, backend, why, lse, max_logit, max_prob, entropy, visible), of a remembered call whose "
+                   "checks and output pass; None otherwise (arguments in scaled_dot_product_attention's order, then the largest tensor torch's "
+                   "call is checked on here)"),
+    ATTNSCALE_FAST(remembered_module_call,
+                   "(out, backend, why) of MultiHeadAttention's plain self-attention call whose attention is remembered and passes its checks: "
+                   "the packed projection, the remembered call, the output projection; None otherwise"),
+    ATTNSCALE_FAST(remembered_packed_call,
+                   "(out, backend, why), with statistics (out, backend, why, lse, max_logit, max_prob, entropy, visible), of a remembered packed "
+                   "call whose checks and output pass; None otherwise (arguments in varlen_attention's order)"),
+};
+#undef ATTNSCALE_FAST
 
 }  // namespace
 
@@ -1147,15 +1217,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       "remember that the compiled kernel computes calls of this signature by this plan (options in KernelOptions' order; False: not a signature remembered here)",
       ATTNSCALE_CALL_ARGS, py::arg("options"), py::arg("backend"), py::arg("why"));
 #undef ATTNSCALE_CALL_ARGS
-  module.def("remembered_call", &remembered_call,
-             "(out, backend, why), with statistics (out, backend, why, lse, max_logit, max_prob, entropy, visible), of a remembered call whose checks and "
-             "output pass; None otherwise (arguments in scaled_dot_product_attention's order, then the largest tensor torch's call is checked on here)");
-  module.def("remembered_module_call", &remembered_module_call,
-             "(out, backend, why) of MultiHeadAttention's plain self-attention call whose attention is remembered and passes its checks: the packed "
-             "projection, the remembered call, the output projection; None otherwise",
-             py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out_weight"), py::arg("out_bias"), py::arg("heads"), py::arg("kv_heads"),
-             py::arg("head_dim"), py::arg("scale"), py::arg("enable_gqa"), py::arg("alignment"), py::arg("softcap"), py::arg("window"), py::arg("sinks"),
-             py::arg("limit"));
+  for (auto& def : g_fast_calls) add_fast(module, &def);
   module.def(
       "remember_packed_call",
       [](py::handle q, py::handle k, py::handle v, py::handle cu_q, py::handle cu_k, py::handle max_q, py::handle max_k, py::handle scale,
@@ -1169,9 +1231,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("max_seqlen_q"), py::arg("max_seqlen_k"),
       py::arg("scale"), py::arg("is_causal"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("window"), py::arg("sinks"), py::arg("return_stats"),
       py::arg("table"), py::arg("options"), py::arg("backend"), py::arg("why"));
-  module.def("remembered_packed_call", &remembered_packed_call,
-             "(out, backend, why), with statistics (out, backend, why, lse, max_logit, max_prob, entropy, visible), of a remembered packed call whose "
-             "checks and output pass; None otherwise (arguments in varlen_attention's order)");
   module.def("set_alignments", &set_alignments, "the two CausalAlignment members a remembered call's alignment is one of", py::arg("top_left"), py::arg("bottom_right"));
   module.def("forget_calls", &forget_calls, "forget every remembered call");
   module.def("below_inf", &below_inf_op, "whether no entry of a float32 or float64 tensor is NaN or +inf (a float mask's values)");
