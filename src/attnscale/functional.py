@@ -48,7 +48,8 @@ def record_backend(backend: Backend, why: object) -> None:
     with str() only when the line is logged); for entry points that run a backend themselves
     (:func:`attnscale.varlen_attention`'s one kernel call)."""
     _state.backend = backend  # (a str: Backend is a StrEnum; its .value is read only when asked)
-    log.debug("attnscale attention ran backend=%s (%s)", backend, why)
+    if log.isEnabledFor(logging.DEBUG):  # (one call, where log.debug makes two, on every attention call)
+        log.debug("attnscale attention ran backend=%s (%s)", backend, why)
 
 
 def _is_causal_bias(mask: object) -> bool:
@@ -202,6 +203,9 @@ def scaled_dot_product_attention(
     if remembered is not None and memory.may_take(dropout_p, backend):
         hit = remembered(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, softcap, alibi_slopes, window, sinks, return_stats, CHECKS_MAX)
         if hit is not None:  # (the signature's order above: no keywords on this path)
+            if len(hit) == 3 and not log.isEnabledFor(logging.DEBUG):  # (record_backend's work, without its calls: the common answer)
+                _state.backend = hit[1]
+                return hit[0]
             return memory.answer(hit, sinks, record_backend)
     # Static checks -> choose -> call the backend; then, in eager mode only, the checks of the
     # output that need values (see attnscale._tracing): none of it while tracing.

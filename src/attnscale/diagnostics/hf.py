@@ -56,6 +56,8 @@ _NEUTRAL_KWARGS = frozenset(
         "use_cache",
     }
 )
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""transformers' keywords for a batch of one packed row (flash-attention kwargs)."""
 
 
 def _sink_logits(module: nn.Module, s_aux: object, sinks: object) -> Tensor | None:
@@ -174,14 +176,17 @@ def attnscale_attention_forward(
     sliding window if any. As in transformers' flash-attention path, the boundaries, causality and
     the window then define what is visible and ``attention_mask`` is not read.
     """
-    packed = {name: kwargs.pop(name, None) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
-    _refuse_unknown(module, kwargs)
-    if packed["cu_seq_lens_q"] is not None or packed["cu_seq_lens_k"] is not None:
-        return _packed_attention(module, query, key, value, dropout, scaling, is_causal, softcap, position_bias, sliding_window, _sink_logits(module, s_aux, sinks), packed)
+    # (Each helper is called only where it has work: every call here is one attention layer's, and
+    # the Python between two of them is per-token cost.)
+    if kwargs:
+        packed = {name: kwargs.pop(name, None) for name in _PACKED_KWARGS}
+        _refuse_unknown(module, kwargs)
+        if packed["cu_seq_lens_q"] is not None or packed["cu_seq_lens_k"] is not None:
+            return _packed_attention(module, query, key, value, dropout, scaling, is_causal, softcap, position_bias, sliding_window, _sink_logits(module, s_aux, sinks), packed)
     L, S = query.shape[-2], key.shape[-2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and L > 1 and attention_mask is None
-    record = _int8_record(key)
+    record = _int8_record(key) if key.dtype is torch.int8 else None
     if causal and S > L and record is None:
         # Prefill into a larger static cache: as in transformers' SDPA path, the trailing keys are empty slots.
         key, value = key[..., :L, :], value[..., :L, :]
@@ -208,7 +213,7 @@ def attnscale_attention_forward(
         enable_gqa=True if query.shape[-3] != key.shape[-3] else False,  # noqa: SIM210 - a bool under dynamic shapes too
         softcap=softcap,
         window=window,
-        sinks=_sink_logits(module, s_aux, sinks),
+        sinks=None if s_aux is None and sinks is None else _sink_logits(module, s_aux, sinks),
     )
     monitor = active_monitor()
     layer = monitor.name_of(module) if monitor is not None else None
