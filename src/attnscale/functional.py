@@ -198,11 +198,10 @@ def scaled_dot_product_attention(
     """
     # A call of a signature whose answer was torch's kernel as it is, or the compiled kernel's plan:
     # that call again, the checks of values and the guard's first check, in one compiled call (None:
-    # the pipeline below runs, as on any call).
+    # the pipeline below runs, as on any call); arguments in the signature's order, no keywords.
     remembered = memory.call
     if remembered is not None and memory.may_take(dropout_p, backend):
-        hit = remembered(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, softcap, alibi_slopes, window, sinks, return_stats, CHECKS_MAX)
-        if hit is not None:  # (the signature's order above: no keywords on this path)
+        if (hit := remembered(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, softcap, alibi_slopes, window, sinks, return_stats, CHECKS_MAX)) is not None:
             if len(hit) == 3 and not log.isEnabledFor(logging.DEBUG):  # (record_backend's work, without its calls: the common answer)
                 _state.backend = hit[1]
                 return hit[0]
