@@ -266,10 +266,11 @@ def test_the_remembered_calls_take_their_arguments_by_position_or_by_name_and_re
     kernel.set_alignments(top_left=attnscale.CausalAlignment.TOP_LEFT, bottom_right=attnscale.CausalAlignment.BOTTOM_RIGHT)
     q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4)
     assert kernel.remember_torch_call(**_plain_call(q, k), torch_causal=False, torch_gqa=False, torch_scale=None, backend=attnscale.Backend.TORCH, why="why")
-    by_position, by_name = _remembered(kernel, q, k), kernel.remembered_call(**_plain_call(q, k), limit=kernels.CHECKS_MAX)
-    assert by_position[1] is by_name[1] is attnscale.Backend.TORCH
-    torch.testing.assert_close(by_position[0], by_name[0], rtol=0, atol=0)
-    torch.testing.assert_close(by_name[0], F.scaled_dot_product_attention(q, k, k), rtol=0, atol=0)
+    out_by_position, backend_by_position, _ = _remembered(kernel, q, k)
+    out_by_name, backend_by_name, _ = kernel.remembered_call(**_plain_call(q, k), limit=kernels.CHECKS_MAX)
+    assert backend_by_position is backend_by_name is attnscale.Backend.TORCH
+    torch.testing.assert_close(out_by_position, out_by_name, rtol=0, atol=0)
+    torch.testing.assert_close(out_by_name, F.scaled_dot_product_attention(q, k, k), rtol=0, atol=0)
     args = _plain_call(q, k)
     refused = {
         "remembered_call() got an unexpected argument 'mask_'": lambda: kernel.remembered_call(**args, mask_=None, limit=1),

@@ -203,8 +203,8 @@ def scaled_dot_product_attention(
     if remembered is not None and memory.may_take(dropout_p, backend):
         if (hit := remembered(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment, softcap, alibi_slopes, window, sinks, return_stats, CHECKS_MAX)) is not None:
             if len(hit) == 3 and not log.isEnabledFor(logging.DEBUG):  # (record_backend's work, without its calls: the common answer)
-                _state.backend = hit[1]
-                return hit[0]
+                out, _state.backend, _why = hit  # (out, backend, why)
+                return out
             return memory.answer(hit, sinks, record_backend)
     # Static checks -> choose -> call the backend; then, in eager mode only, the checks of the
     # output that need values (see attnscale._tracing): none of it while tracing.
