@@ -165,14 +165,12 @@ def _hooked(modules: tuple[nn.Module, ...]) -> bool:
     a global one (forward or backward, as ``nn.Module.__call__`` asks), a ``forward`` set on the
     instance (as accelerate's hooks set it), or ``module.compile()``'s compiled call."""
     hooks = _module_hooks
-    return bool(
-        hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks or hooks._global_backward_pre_hooks
-        or any(
-            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-            or "forward" in m.__dict__ or m._compiled_call_impl is not None
-            for m in modules
-        )
-    )  # fmt: skip
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks or hooks._global_backward_pre_hooks:
+        return True
+    for m in modules:  # (a loop, not any() over a generator: a hot path)
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks or "forward" in m.__dict__ or m._compiled_call_impl is not None:
+            return True
+    return False
 
 
 def _call_linear(module: nn.Module, x: Tensor) -> Tensor:
@@ -451,16 +449,15 @@ class MultiHeadAttention(nn.Module):
         built from (each parameter's address, dtype and shape): the memory it views is the
         parameters' own, kept no longer than until a call finds them moved (``_apply`` lets go at
         once)."""
-        projections = (self._modules["q_proj"], self._modules["k_proj"], self._modules["v_proj"])  # (no nn.Module.__getattr__: a hot path)
+        modules = self._modules  # (no nn.Module.__getattr__: a hot path)
+        projections = (modules["q_proj"], modules["k_proj"], modules["v_proj"])
         if not type(projections[0]) is type(projections[1]) is type(projections[2]) is nn.Linear or _hooked(projections):
             return None
-        (wq, bq), (wk, bk), (wv, bv) = ((p._parameters["weight"], p._parameters["bias"]) for p in projections)
-        key = []
-        for t in (wq, bq, wk, bk, wv, bv):
-            if t is not None:
-                if type(t) is not nn.Parameter:  # (a tensor subclass's, a fake tensor's address is not read)
-                    return None
-                key.append((t.data_ptr(), t.dtype, t.shape))
+        pq, pk, pv = projections[0]._parameters, projections[1]._parameters, projections[2]._parameters
+        wq, bq, wk, bk, wv, bv = pq["weight"], pq["bias"], pk["weight"], pk["bias"], pv["weight"], pv["bias"]
+        key = [(t.data_ptr(), t.dtype, t.shape) for t in (wq, bq, wk, bk, wv, bv) if t is not None and type(t) is nn.Parameter]
+        if len(key) != 6 - (bq is None) - (bk is None) - (bv is None):  # (a tensor subclass's, a fake tensor's address is not read)
+            return None
         if self._packed is not None and self._packed[0] == key:
             return self._packed[1]
         found = None
