@@ -1229,6 +1229,36 @@ def test_the_kernels_guard_checks_answer_as_the_guards_torch_ops(dtype):
 
 
 
+@pytest.mark.parametrize("width", [4, 8, 16, 32, 64, 128, 256], ids=lambda w: f"width-{w}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_rows_ok_of_rows_of_whole_vectors_answers_as_the_guards_torch_ops(dtype, width):
+    """rows_ok of rows whose width is a whole number of vectors (of AVX-512 or AVX2, in either
+    dtype: the widths of attention heads), which one pass reads (value_checks.h's
+    rows_ok_vectors), against the torch-op definitions: a NaN, an inf or a -inf at every column
+    of a first, a middle and the last row; a row of zeros, of -0.0, and of zeros but one tiny
+    entry at each column."""
+    from attnscale.guard import _row_peaks, _rows_look_right
+
+    kernel = kernels.load()
+    base = torch.randn(5, 3, width, generator=torch.Generator().manual_seed(8), dtype=dtype)
+    tiny = 1e-300 if dtype == torch.float64 else 1e-40
+    assert kernel.rows_ok(base)
+    for row in ((4, 2), (2, 1), (0, 0)):
+        for fill, right in ((0.0, False), (-0.0, False)):
+            x = base.clone()
+            x[row] = fill
+            assert kernel.rows_ok(x) == _rows_look_right(_row_peaks(x)) == right, (row, fill)
+        for column in range(width):
+            for poison in (math.nan, math.inf, -math.inf):
+                x = base.clone()
+                x[row][column] = poison
+                assert kernel.rows_ok(x) == _rows_look_right(_row_peaks(x)) is False, (row, column, poison)
+            x = base.clone()
+            x[row] = 0.0
+            x[row][column] = tiny
+            assert kernel.rows_ok(x) == _rows_look_right(_row_peaks(x)) is True, (row, column)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_the_kernels_checks_of_large_tensors_split_over_threads_answer_as_torch_ops(dtype, threads):

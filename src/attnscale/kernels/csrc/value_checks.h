@@ -51,13 +51,48 @@ bool finite_impl(const T* p, int64_t count) {
   return acc.zero_mask() == all_zero && tail == T(0);
 }
 
+// rows_ok_impl's question (below) of rows of V whole vectors, in one pass from the last row down: x - x is
+// +0 (no bit set) for a finite x and NaN for an inf or a NaN, and its bits are OR-ed into one
+// accumulator per vector of a row (V known here, so they stay in registers and no OR waits on
+// another row's); a row is all zeros where the zero masks of its vectors all are, which no later
+// row waits on.
+template <typename T, int V>
+bool rows_ok_vectors(const T* x, int64_t rows) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  const int all_zero = static_cast<int>((int64_t(1) << n) - 1);
+  Vec acc[V];
+  for (int j = 0; j < V; ++j) acc[j] = Vec(T(0));
+  bool zero_row = false;
+  for (int64_t r = rows - 1; r >= 0; --r) {
+    const T* row = x + r * V * n;
+    int zeros = all_zero;
+    for (int j = 0; j < V; ++j) {
+      const Vec v = Vec::loadu(row + j * n);
+      acc[j] = acc[j] | (v - v);
+      zeros &= v.zero_mask();
+    }
+    zero_row |= zeros == all_zero;
+  }
+  for (int j = 1; j < V; ++j) acc[0] = acc[0] | acc[j];
+  return !zero_row && acc[0].zero_mask() == all_zero;  // (an OR of x - x is +0 only where every one was)
+}
+
 // Every entry of `rows` rows of `width` back to back finite (finite_impl's pass) and no row all
 // zeros: per row, whether a vector of it has a lane that is not zero, from the vector's zero mask
-// (no work per lane).
+// (no work per lane). Rows of 1 to 16 whole vectors take rows_ok_vectors.
 template <typename T>
 bool rows_ok_impl(const T* x, int64_t rows, int64_t width) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t n = Vec::size();
+  switch (width == 0 ? 0 : width % n ? -1 : width / n) {  // (the widths of attention's heads: 16 to 256 entries)
+    case 1: return rows_ok_vectors<T, 1>(x, rows);
+    case 2: return rows_ok_vectors<T, 2>(x, rows);
+    case 4: return rows_ok_vectors<T, 4>(x, rows);
+    case 8: return rows_ok_vectors<T, 8>(x, rows);
+    case 16: return rows_ok_vectors<T, 16>(x, rows);
+    default: break;
+  }
   const int all_zero = static_cast<int>((int64_t(1) << n) - 1);
   // in chunks of about 16 KiB from the last down, each checked for zero rows while in L1
   const int64_t chunk = std::max<int64_t>(1, (int64_t(16) << 10) / std::max<int64_t>(1, width * int64_t(sizeof(T))));
