@@ -51,9 +51,9 @@ bool finite_impl(const T* p, int64_t count) {
   return acc.zero_mask() == all_zero && tail == T(0);
 }
 
-// rows_ok_impl's question (below) of rows of V whole vectors, in one pass from the last row down: x - x is
-// +0 (no bit set) for a finite x and NaN for an inf or a NaN, and its bits are OR-ed into one
-// accumulator per vector of a row (V known here, so they stay in registers and no OR waits on
+// rows_ok_impl's question (below) of rows of V whole vectors, in one pass from the last row down:
+// x - x is +0 (no bit set) for a finite x and NaN for an inf or a NaN, and its bits are OR-ed into
+// one accumulator per vector of a row (V known here, so they stay in registers and no OR waits on
 // another row's); a row is all zeros where the zero masks of its vectors all are, which no later
 // row waits on.
 template <typename T, int V>
@@ -80,12 +80,12 @@ bool rows_ok_vectors(const T* x, int64_t rows) {
 
 // Every entry of `rows` rows of `width` back to back finite (finite_impl's pass) and no row all
 // zeros: per row, whether a vector of it has a lane that is not zero, from the vector's zero mask
-// (no work per lane). Rows of 1 to 16 whole vectors take rows_ok_vectors.
+// (no work per lane). Rows of 1, 2, 4, 8 or 16 whole vectors take rows_ok_vectors.
 template <typename T>
 bool rows_ok_impl(const T* x, int64_t rows, int64_t width) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t n = Vec::size();
-  switch (width == 0 ? 0 : width % n ? -1 : width / n) {  // (the widths of attention's heads: 16 to 256 entries)
+  switch (width == 0 ? 0 : width % n ? -1 : width / n) {  // (float32 heads of 16 to 256 entries with AVX-512, 8 to 128 with AVX2)
     case 1: return rows_ok_vectors<T, 1>(x, rows);
     case 2: return rows_ok_vectors<T, 2>(x, rows);
     case 4: return rows_ok_vectors<T, 4>(x, rows);
