@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import attnscale
@@ -162,6 +163,80 @@ def test_hooks_training_and_variants_take_the_full_forward(where, monkeypatch):
         assert hits.asked == 0
 
 
+class Marked(nn.Parameter):
+    """A Parameter subclass (its memory is not read by the compiled call: a subclass may mean more)."""
+
+
+def _apart_in_adjacent_memory(m: MultiHeadAttention) -> None:
+    """q, k and v weights consecutive in memory but each in a storage of its own (three
+    frombuffer tensors over one bytearray): no view may span them."""
+    weights = torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]).detach()
+    m._memory = bytearray(weights.numpy().tobytes())  # (kept alive with the module)
+    n = m.q_proj.weight.numel()
+    for i, projection in enumerate((m.q_proj, m.k_proj, m.v_proj)):
+        part = torch.frombuffer(m._memory, dtype=weights.dtype, count=n, offset=i * n * weights.element_size())
+        projection.weight = nn.Parameter(part.view_as(projection.weight))
+
+
+CHANGED = {  # how the projections change after a remembered call, and whether they stay packed
+    "in-place update": (lambda m: (m.k_proj.weight.mul_(3.0), m.v_proj.bias.add_(1.0)), True),
+    "new parameter": (lambda m: setattr(m.k_proj, "weight", nn.Parameter(torch.randn_like(m.k_proj.weight))), False),
+    "weight data": (lambda m: setattr(m.k_proj.weight, "data", torch.randn_like(m.k_proj.weight)), False),
+    "bias data": (lambda m: setattr(m.v_proj.bias, "data", torch.randn_like(m.v_proj.bias)), False),
+    "one bias dropped": (lambda m: setattr(m.q_proj, "bias", None), False),
+    "a Parameter subclass over the same memory": (lambda m: setattr(m.v_proj, "weight", Marked(m.v_proj.weight.detach())), False),
+    "out_proj's weight a Parameter subclass": (lambda m: setattr(m.out_proj, "weight", Marked(m.out_proj.weight.detach())), False),
+    "adjacent memory of separate storages": (_apart_in_adjacent_memory, False),
+}
+
+
+def _by_hand(m: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
+    """The module's output from its parameters as they are now, without the module's forward."""
+    H, D = m.num_heads, m.head_dim
+    q, k, v = (nn.functional.linear(x, p.weight, p.bias).unflatten(-1, (H, D)).transpose(1, 2) for p in (m.q_proj, m.k_proj, m.v_proj))
+    weights = torch.softmax(q @ k.transpose(-1, -2) * m.scale, dim=-1)
+    return nn.functional.linear((weights @ v).transpose(1, 2).flatten(-2), m.out_proj.weight, m.out_proj.bias)
+
+
+@pytest.mark.parametrize("change", list(CHANGED), ids=str)
+def test_projections_it_cannot_view_as_one_take_the_full_forward(change, monkeypatch):
+    """The compiled call finds the packed projection itself (q, k and v weights, and biases,
+    consecutive in one storage, plain tensors): after a change that leaves them so it answers
+    with the weights as they are now; after any other, the full forward runs."""
+    changed, packed = CHANGED[change]
+    m, x = module(torch.float64), x_of(2, 5, 48, dtype=torch.float64)
+    with torch.no_grad():
+        m(x)  # (remembered)
+        changed(m)
+        with Hits(monkeypatch) as hits:
+            out = m(x)
+        with FullForward():
+            full = m(x)
+    assert (hits.asked, hits.answered) == (1, int(packed))
+    assert torch.equal(out, full)
+    torch.testing.assert_close(out, _by_hand(m, x), rtol=0, atol=1e-12)  # (float64: the routes' sums differ in rounding only)
+
+
+def test_rows_of_one_row_parts_are_read_at_their_own_addresses(monkeypatch):
+    """Parts of one row each (d_model 1) may carry any stride in their first dim; the packed view
+    over them steps by one row, not by the first part's stride (which would read memory past
+    them), on the full forward's packing and on the compiled call's."""
+    m, x = module(torch.float64, d_model=1, num_heads=1), x_of(2, 5, 1, dtype=torch.float64)
+    memory_ = torch.randn(64, dtype=torch.float64)
+    for i, projection in enumerate((m.q_proj, m.k_proj, m.v_proj)):
+        projection.weight = nn.Parameter(memory_.as_strided((1, 1), (17, 1), i))  # consecutive entries 0, 1, 2; first stride 17
+    m.q_proj.bias.data, m.k_proj.bias.data, m.v_proj.bias.data = (memory_[40:43].as_strided((1,), (1,), 40 + i) for i in range(3))
+    with torch.no_grad():
+        m(x)  # (remembered)
+        with Hits(monkeypatch) as hits:
+            out = m(x)
+        with FullForward():
+            full = m(x)
+    assert (hits.asked, hits.answered) == (1, 1)
+    torch.testing.assert_close(out, _by_hand(m, x), rtol=0, atol=1e-12)
+    torch.testing.assert_close(full, _by_hand(m, x), rtol=0, atol=1e-12)
+
+
 def test_bad_queries_are_refused_as_by_the_full_forward():
     m, x = module(), x_of(2, 5, 48)
     with torch.no_grad():
@@ -176,13 +251,14 @@ def test_bad_queries_are_refused_as_by_the_full_forward():
 
 def test_a_signature_it_does_not_hold_computes_nothing():
     """The signature is looked up from the projection's sizes before the projection is made: with
-    none remembered for it, the call answers None before reading its weights (a bias of the wrong
-    size, which the projection would refuse, is never used)."""
+    none remembered for it, the call answers None before reading its weights (biases of the wrong
+    size, which the projection would refuse, are never used)."""
     kernel, m = kernels.load(), module()
     kernel.forget_calls()
-    x, weight = x_of(2, 5, 48), torch.randn(3 * 48, 48)
+    x, weight, bias = x_of(2, 5, 48), torch.randn(3 * 48, 48), torch.randn(3 * 7)  # (consecutive parts of one tensor each, as packed)
     args = dict(
-        weight=weight, bias=torch.randn(7), out_weight=torch.randn(48, 48), out_bias=None, heads=6, kv_heads=6, head_dim=8, scale=m.scale,
+        q_weight=weight[:48], q_bias=bias[:7], k_weight=weight[48:96], k_bias=bias[7:14], v_weight=weight[96:], v_bias=bias[14:],
+        out_weight=torch.randn(48, 48), out_bias=None, heads=6, kv_heads=6, head_dim=8, scale=m.scale,
         enable_gqa=False, alignment=attnscale.CausalAlignment.TOP_LEFT, softcap=None, window=None, sinks=None, limit=1 << 62,
     )  # fmt: skip
     assert kernel.remembered_module_call(x, **args) is None

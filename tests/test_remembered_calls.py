@@ -285,10 +285,14 @@ def test_the_remembered_calls_take_their_arguments_by_position_or_by_name_and_re
         with pytest.raises(TypeError, match=re.escape(message)):
             call()
     module_args = dict(
-        x=torch.randn(1, 3, 8), weight=torch.randn(24, 8), bias=None, out_weight=torch.randn(8, 8), out_bias=None, heads=2, kv_heads=2, head_dim=4,
-        scale=None, enable_gqa=False, alignment=attnscale.CausalAlignment.TOP_LEFT, softcap=None, window=None, sinks=None, limit=1,
+        x=torch.randn(1, 3, 8), q_weight=torch.randn(8, 8), q_bias=None, k_weight=torch.randn(8, 8), k_bias=None, v_weight=torch.randn(8, 8), v_bias=None,
+        out_weight=torch.randn(8, 8), out_bias=None, heads=2, kv_heads=2, head_dim=4, scale=None, enable_gqa=False,
+        alignment=attnscale.CausalAlignment.TOP_LEFT, softcap=None, window=None, sinks=None, limit=1,
     )  # fmt: skip
-    for name, wrong, message in [("weight", None, "a Tensor, got NoneType"), ("bias", 1.0, "a Tensor or None, got float"), ("heads", "2", "an int, got str")]:
+    for name, wrong, message in [
+        ("k_weight", None, "a Tensor, got NoneType"), ("v_bias", 1.0, "a Tensor or None, got float"), ("out_weight", None, "a Tensor, got NoneType"),
+        ("heads", "2", "an int, got str"),
+    ]:  # fmt: skip
         with pytest.raises(TypeError, match=re.escape(f"remembered_module_call(): {name} must be {message}")):
             kernel.remembered_module_call(**{**module_args, name: wrong})
     with pytest.raises(OverflowError):

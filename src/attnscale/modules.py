@@ -198,8 +198,12 @@ def _consecutive(parts: tuple[Tensor | None, ...]) -> Tensor | None:
             return None
         end += part.numel() * part.element_size()
         rows += part.shape[0]
+    sizes = (rows, *first.shape[1:])
+    strides = [1] * len(sizes)  # the contiguous strides of the sizes (a part of one row may carry any stride in its first dim)
+    for d in range(len(sizes) - 2, -1, -1):
+        strides[d] = strides[d + 1] * sizes[d + 1]
     try:  # a view of the first part's storage, past its own rows: the storage's bounds are checked
-        return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+        return first.detach().as_strided(sizes, strides)
     except RuntimeError:  # the rows after it are another storage's that happens to follow in memory
         return None
 
@@ -489,23 +493,29 @@ class MultiHeadAttention(nn.Module):
         default) in one compiled call, where the forward below would take the packed projection
         (:meth:`_project`) and its call of :func:`attnscale.scaled_dot_product_attention` would
         take a remembered answer (:mod:`attnscale._remembered`): the same ops on the same tensors
-        (``remembered_module_call`` in ``kernels/fused.cpp``), from the same checks of ``query``.
-        None elsewhere, and where the attention is not remembered or its checks of values do not
-        pass: then the forward below runs."""
+        (``remembered_module_call`` in ``kernels/fused.cpp``, which finds the projections packed
+        as :func:`_consecutive` does, and answers None for a query the checks of the forward below
+        would refuse). None elsewhere, and where the attention is not remembered or its checks of
+        values do not pass: then the forward below runs."""
         remembered = memory.module_call
         if remembered is None or torch.is_grad_enabled() or not memory.may_take(self.dropout if self.training else 0.0, Backend.AUTO):
             return None
         if scaled_dot_product_attention is not _SDPA:  # (replaced, as attnscale.monitor replaces it: the forward below calls the replacement)
             return None
-        if not self._modules["variant"].identity:  # (softmax attention of q and k as projected)
+        modules = self._modules  # (no nn.Module.__getattr__: a hot path)
+        if not modules["variant"].identity:  # (softmax attention of q and k as projected)
             return None
-        query = self._batch_first_inputs(query, None, None)[0]  # (B, L, E)
-        packed, out_proj = self._packed_projection(), self._modules["out_proj"]
-        if packed is None or type(out_proj) is not nn.Linear or _hooked((out_proj,)):
+        projections = (modules["q_proj"], modules["k_proj"], modules["v_proj"], modules["out_proj"])
+        if not type(projections[0]) is type(projections[1]) is type(projections[2]) is type(projections[3]) is nn.Linear or _hooked(projections):
             return None
+        if not self.batch_first:
+            if not isinstance(query, Tensor):
+                return None
+            query = query.transpose(0, 1)  # (B, L, E)
+        pq, pk, pv, po = projections[0]._parameters, projections[1]._parameters, projections[2]._parameters, projections[3]._parameters
         H, Hkv = self.num_heads, self.num_kv_heads
         hit = remembered(
-            query, *packed, out_proj._parameters["weight"], out_proj._parameters["bias"], H, Hkv, self.head_dim,
+            query, pq["weight"], pq["bias"], pk["weight"], pk["bias"], pv["weight"], pv["bias"], po["weight"], po["bias"], H, Hkv, self.head_dim,
             self.scale, Hkv != H, CausalAlignment.TOP_LEFT, self.config.softcap, self.config.window, self.sinks, CHECKS_MAX,
         )  # fmt: skip  (by position, in the binding's order: a hot path)
         if hit is None:

@@ -1067,21 +1067,56 @@ py::object remembered_call(py::handle q, py::handle k, py::handle v, py::handle 
   return call ? call_remembered(*call, a, limit) : py::none();
 }
 
+// One tensor over three parts that are consecutive in one storage, each contiguous, all of one
+// dtype and of the same sizes past the first (MultiHeadAttention's q, k and v projection weights,
+// or their biases, as _pack_projections lays them out): a view, nothing copied; undefined where
+// they are not, or one is not a plain tensor or Parameter on the CPU (a subclass's memory is not
+// read), as attnscale/modules.py's _consecutive finds them. Its strides are the contiguous ones of
+// its sizes (a part of one row may carry any stride in its first dim).
+at::Tensor consecutive_rows(PyObject* const (&parts)[3]) {
+  if (!THPVariable_CheckExact(parts[0])) return {};
+  const auto& first = THPVariable_Unpack(parts[0]);
+  if (!first.is_cpu() || first.layout() != at::kStrided || first.dim() < 1 || !first.is_contiguous()) return {};
+  const auto* storage = first.storage().unsafeGetStorageImpl();
+  const char* end = static_cast<const char*>(first.const_data_ptr());
+  int64_t rows = 0;
+  for (PyObject* object : parts) {
+    if (!THPVariable_CheckExact(object)) return {};
+    const auto& part = THPVariable_Unpack(object);
+    if (!part.is_cpu() || part.layout() != at::kStrided || part.scalar_type() != first.scalar_type() || part.dim() != first.dim() ||
+        !part.is_contiguous() || part.storage().unsafeGetStorageImpl() != storage || static_cast<const char*>(part.const_data_ptr()) != end)
+      return {};
+    for (int64_t d = 1; d < first.dim(); ++d)
+      if (part.size(d) != first.size(d)) return {};
+    end += part.numel() * part.element_size();
+    rows += part.size(0);
+  }
+  std::vector<int64_t> sizes = first.sizes().vec(), strides(first.dim(), 1);
+  sizes[0] = rows;
+  for (int64_t d = first.dim() - 2; d >= 0; --d) strides[d] = strides[d + 1] * sizes[d + 1];
+  return first.as_strided(sizes, strides, first.storage_offset());
+}
+
 // MultiHeadAttention's forward of a plain self-attention call (attnscale/modules.py,
 // _remembered_forward, says which): its packed q, k, v projection, its attention's remembered call
 // (the signature the module's own full call of scaled_dot_product_attention left in this memory,
 // with its checks) and its output projection, op for op as the module's forward makes them, in
-// one compiled call: (out, backend, why), or None where the attention's signature is not
-// remembered (looked up from the projection's sizes before it is made) or its checks do not pass
-// (then the module's full forward runs, and projects again). x (B, L, E), batch first; weight and
-// bias the packed ((H + 2 Hkv) D, E) projection, of x's dtype.
-py::object remembered_module_call(py::handle x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const at::Tensor& out_weight,
-                                  const c10::optional<at::Tensor>& out_bias, int64_t heads, int64_t kv_heads, int64_t head_dim, py::handle scale,
-                                  py::handle gqa, py::handle alignment, py::handle softcap, py::handle window, py::handle sinks, int64_t limit) {
-  if (!plain_dispatch() || torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU) || !THPVariable_CheckExact(x.ptr())) return py::none();
-  const auto& X = THPVariable_Unpack(x.ptr());
-  if (!X.is_cpu() || X.layout() != at::kStrided || X.dim() != 3 || weight.scalar_type() != X.scalar_type() || weight.dim() != 2 ||
-      weight.size(0) != (heads + 2 * kv_heads) * head_dim)
+// one compiled call: (out, backend, why), or None where the projections are not packed
+// (consecutive_rows: all three biases or none), x is not a plain CPU (B, L, E) tensor of their
+// dtype and width, the attention's signature is not remembered (looked up from the projection's
+// sizes before it is made) or its checks do not pass (then the module's full forward runs, checks
+// x itself, and projects again). x batch first; projection[i] the q, k, v weights and biases in
+// turn (weight, bias, weight, ...).
+py::object remembered_module_call(PyObject* x, PyObject* const (&projection)[6], const at::Tensor& out_weight, const c10::optional<at::Tensor>& out_bias,
+                                  int64_t heads, int64_t kv_heads, int64_t head_dim, py::handle scale, py::handle gqa, py::handle alignment,
+                                  py::handle softcap, py::handle window, py::handle sinks, int64_t limit) {
+  if (!plain_dispatch() || torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU) || !THPVariable_CheckExact(x)) return py::none();
+  const auto& X = THPVariable_Unpack(x);
+  const auto weight = consecutive_rows({projection[0], projection[2], projection[4]});
+  const int64_t biases = (projection[1] != Py_None) + (projection[3] != Py_None) + (projection[5] != Py_None);
+  const auto bias = biases == 3 ? consecutive_rows({projection[1], projection[3], projection[5]}) : at::Tensor();
+  if (!weight.defined() || (biases != 0 && !bias.defined()) || !X.is_cpu() || X.layout() != at::kStrided || X.dim() != 3 ||
+      weight.scalar_type() != X.scalar_type() || weight.dim() != 2 || weight.size(0) != (heads + 2 * kv_heads) * head_dim || weight.size(1) != X.size(2))
     return py::none();
   const int64_t B = X.size(0), L = X.size(1);
   const QKVSizes sizes{X.scalar_type(), {B, heads, L, head_dim}, {B, kv_heads, L, head_dim}, {B, kv_heads, L, head_dim}};
@@ -1091,7 +1126,7 @@ py::object remembered_module_call(py::handle x, const at::Tensor& weight, const 
   at::Tensor projected;
   {
     py::gil_scoped_release released;
-    projected = at::linear(X, weight, bias);
+    projected = at::linear(X, weight, optional_of(bias));
   }
   const auto parts = projected.view({B, L, heads + 2 * kv_heads, head_dim}).transpose(1, 2).split_with_sizes({heads, kv_heads, kv_heads}, 1);
   const py::object q = wrap(parts[0]), k = wrap(parts[1]), v = wrap(parts[2]);
@@ -1122,21 +1157,21 @@ PyObject* remembered_call_fast(PyObject*, PyObject* const* args, Py_ssize_t narg
 
 PyObject* remembered_module_call_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   HANDLE_TH_ERRORS
-  static const char* const names[] = {"x", "weight", "bias", "out_weight", "out_bias", "heads", "kv_heads", "head_dim", "scale", "enable_gqa",
-                                      "alignment", "softcap", "window", "sinks", "limit"};
+  static const char* const names[] = {"x", "q_weight", "q_bias", "k_weight", "k_bias", "v_weight", "v_bias", "out_weight", "out_bias", "heads",
+                                      "kv_heads", "head_dim", "scale", "enable_gqa", "alignment", "softcap", "window", "sinks", "limit"};
   constexpr const char* function = "remembered_module_call";
-  PyObject* a[15];
+  PyObject* a[19];
   int64_t heads = 0, kv_heads = 0, head_dim = 0, limit = 0;
   if (!fast_arguments(function, names, args, nargs, kwnames, a)) return nullptr;
-  const at::Tensor* weight = fast_tensor(function, "weight", a[1]);
-  const at::Tensor* bias = weight ? fast_tensor(function, "bias", a[2], /*optional=*/true) : nullptr;
-  const at::Tensor* out_weight = bias ? fast_tensor(function, "out_weight", a[3]) : nullptr;
-  const at::Tensor* out_bias = out_weight ? fast_tensor(function, "out_bias", a[4], /*optional=*/true) : nullptr;
-  if (!out_bias || !fast_int(function, "heads", a[5], heads) || !fast_int(function, "kv_heads", a[6], kv_heads) ||
-      !fast_int(function, "head_dim", a[7], head_dim) || !fast_int(function, "limit", a[14], limit))
+  for (int i = 1; i < 9; ++i)  // (weights required, biases optional)
+    if (!fast_tensor(function, names[i], a[i], /*optional=*/i % 2 == 0)) return nullptr;
+  if (!fast_int(function, "heads", a[9], heads) || !fast_int(function, "kv_heads", a[10], kv_heads) || !fast_int(function, "head_dim", a[11], head_dim) ||
+      !fast_int(function, "limit", a[18], limit))
     return nullptr;
-  return remembered_module_call(a[0], *weight, optional_of(*bias), *out_weight, optional_of(*out_bias), heads, kv_heads, head_dim, a[8], a[9], a[10],
-                                a[11], a[12], a[13], limit)
+  if (!THPVariable_CheckExact(a[7]) || (a[8] != Py_None && !THPVariable_CheckExact(a[8]))) Py_RETURN_NONE;  // (a subclass's memory is not read)
+  PyObject* const projection[6] = {a[1], a[2], a[3], a[4], a[5], a[6]};
+  return remembered_module_call(a[0], projection, THPVariable_Unpack(a[7]), a[8] == Py_None ? c10::nullopt : c10::optional<at::Tensor>(THPVariable_Unpack(a[8])),
+                                heads, kv_heads, head_dim, a[12], a[13], a[14], a[15], a[16], a[17], limit)
       .release()
       .ptr();
   END_HANDLE_TH_ERRORS
@@ -1160,7 +1195,7 @@ PyMethodDef g_fast_calls[] = {
                    "call is checked on here)"),
     ATTNSCALE_FAST(remembered_module_call,
                    "(out, backend, why) of MultiHeadAttention's plain self-attention call whose attention is remembered and passes its checks: "
-                   "the packed projection, the remembered call, the output projection; None otherwise"),
+                   "the packed projection (its q, k, v weights, and biases, consecutive in one storage), the remembered call, the output projection; None otherwise"),
     ATTNSCALE_FAST(remembered_packed_call,
                    "(out, backend, why), with statistics (out, backend, why, lse, max_logit, max_prob, entropy, visible), of a remembered packed "
                    "call whose checks and output pass; None otherwise (arguments in varlen_attention's order)"),
