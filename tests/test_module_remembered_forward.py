@@ -190,6 +190,22 @@ CHANGED = {  # how the projections change after a remembered call, and whether t
 }
 
 
+def test_packed_parts_of_other_sizes_are_never_split_as_the_heads_would_be(monkeypatch):
+    """q and k weights re-pointed at the same packed memory with 47 and 49 rows: consecutive, and
+    as many rows in all as the heads need, but split wrongly by the heads' sizes. Neither packed
+    route takes them (each part's rows are checked), so the full forward's projections run and
+    torch refuses q's 47 features, where a packed route would have answered silently."""
+    m, x = module(torch.float64), x_of(2, 5, 48, dtype=torch.float64)
+    with torch.no_grad():
+        m(x)  # (remembered)
+        rows = m.q_proj.weight.detach().as_strided((3 * 48, 48), (48, 1))  # the packed rows, q's k's and v's
+        m.q_proj.weight, m.k_proj.weight = nn.Parameter(rows[:47]), nn.Parameter(rows[47:96])
+        assert m._packed_projection() is None
+        with Hits(monkeypatch) as hits, pytest.raises(RuntimeError):
+            m(x)
+    assert (hits.asked, hits.answered) == (1, 0)
+
+
 def _by_hand(m: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
     """The module's output from its parameters as they are now, without the module's forward."""
     H, D = m.num_heads, m.head_dim
@@ -250,21 +266,21 @@ def test_bad_queries_are_refused_as_by_the_full_forward():
 
 
 def test_a_signature_it_does_not_hold_computes_nothing():
-    """The signature is looked up from the projection's sizes before the projection is made: with
-    none remembered for it, the call answers None before reading its weights (biases of the wrong
-    size, which the projection would refuse, are never used)."""
+    """The signature is looked up from the projection's sizes before anything is computed: with
+    none remembered for it, the call answers None before reading its weights (an output weight of
+    the wrong size, which the output projection would refuse, is never used)."""
     kernel, m = kernels.load(), module()
     kernel.forget_calls()
-    x, weight, bias = x_of(2, 5, 48), torch.randn(3 * 48, 48), torch.randn(3 * 7)  # (consecutive parts of one tensor each, as packed)
+    x, weight = x_of(2, 5, 48), torch.randn(3 * 48, 48)  # (consecutive parts of one tensor, as packed)
     args = dict(
-        q_weight=weight[:48], q_bias=bias[:7], k_weight=weight[48:96], k_bias=bias[7:14], v_weight=weight[96:], v_bias=bias[14:],
-        out_weight=torch.randn(48, 48), out_bias=None, heads=6, kv_heads=6, head_dim=8, scale=m.scale,
+        q_weight=weight[:48], q_bias=None, k_weight=weight[48:96], k_bias=None, v_weight=weight[96:], v_bias=None,
+        out_weight=torch.randn(48, 7), out_bias=None, heads=6, kv_heads=6, head_dim=8, scale=m.scale,
         enable_gqa=False, alignment=attnscale.CausalAlignment.TOP_LEFT, softcap=None, window=None, sinks=None, limit=1 << 62,
     )  # fmt: skip
     assert kernel.remembered_module_call(x, **args) is None
     with torch.no_grad():
         m(x)  # the module's signature, remembered
-    with pytest.raises(RuntimeError):  # now the projection runs, and torch refuses the bias
+    with pytest.raises(RuntimeError):  # now the projections run, and torch refuses the output weight
         kernel.remembered_module_call(x, **args)
 
 

@@ -468,7 +468,11 @@ class MultiHeadAttention(nn.Module):
         biased = (bq is not None) + (bk is not None) + (bv is not None)  # all three or none
         weight, bias = _consecutive((wq, wk, wv)), _consecutive((bq, bk, bv)) if biased == 3 else None
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if weight is not None and weight.ndim == 2 and weight.shape[0] == (H + 2 * Hkv) * D and (biased == 0 or bias is not None):
+        rows = (H * D, Hkv * D, Hkv * D)  # each part's, where the split of the packed product takes them
+        if (
+            weight is not None and weight.ndim == 2 and (biased == 0 or bias is not None)
+            and (wq.shape[0], wk.shape[0], wv.shape[0]) == rows and (biased == 0 or (bq.shape[0], bk.shape[0], bv.shape[0]) == rows)
+        ):  # fmt: skip
             found = (weight, bias)
         self._packed = (key, found)
         return found
