@@ -190,16 +190,33 @@ CHANGED = {  # how the projections change after a remembered call, and whether t
 }
 
 
-def test_packed_parts_of_other_sizes_are_never_split_as_the_heads_would_be(monkeypatch):
-    """q and k weights re-pointed at the same packed memory with 47 and 49 rows: consecutive, and
-    as many rows in all as the heads need, but split wrongly by the heads' sizes. Neither packed
-    route takes them (each part's rows are checked), so the full forward's projections run and
-    torch refuses q's 47 features, where a packed route would have answered silently."""
+def _weights_of_47_and_49_rows(m: MultiHeadAttention) -> None:
+    rows = m.q_proj.weight.detach().as_strided((3 * 48, 48), (48, 1))  # the packed rows, q's k's and v's
+    m.q_proj.weight, m.k_proj.weight = nn.Parameter(rows[:47]), nn.Parameter(rows[47:96])
+
+
+def _biases_of_one_column(m: MultiHeadAttention) -> None:
+    column = m.q_proj.bias.detach().as_strided((3 * 48, 1), (1, 1))  # the packed biases, as (144, 1)
+    for i, projection in enumerate((m.q_proj, m.k_proj, m.v_proj)):
+        projection.bias = nn.Parameter(column[i * 48 : (i + 1) * 48])
+
+
+MISSHAPEN = {
+    "weights of 47 and 49 rows (as many in all)": _weights_of_47_and_49_rows,  # split wrongly by the heads' sizes
+    "biases of shape (48, 1)": _biases_of_one_column,  # broadcast otherwise packed (144, 1) than apart (48, 1)
+}
+
+
+@pytest.mark.parametrize("misshapen", list(MISSHAPEN), ids=str)
+def test_packed_parts_of_other_shapes_are_never_taken_as_the_heads_would(misshapen, monkeypatch):
+    """Parts re-pointed at the same packed memory, consecutive there, but not of the shapes the
+    heads take: neither packed route takes them (each part's shape is checked), so the full
+    forward's projections run and torch refuses them, where a packed route would have answered
+    silently."""
     m, x = module(torch.float64), x_of(2, 5, 48, dtype=torch.float64)
     with torch.no_grad():
         m(x)  # (remembered)
-        rows = m.q_proj.weight.detach().as_strided((3 * 48, 48), (48, 1))  # the packed rows, q's k's and v's
-        m.q_proj.weight, m.k_proj.weight = nn.Parameter(rows[:47]), nn.Parameter(rows[47:96])
+        MISSHAPEN[misshapen](m)
         assert m._packed_projection() is None
         with Hits(monkeypatch) as hits, pytest.raises(RuntimeError):
             m(x)

@@ -471,7 +471,7 @@ class MultiHeadAttention(nn.Module):
         rows = (H * D, Hkv * D, Hkv * D)  # each part's, where the split of the packed product takes them
         if (
             weight is not None and weight.ndim == 2 and (biased == 0 or bias is not None)
-            and (wq.shape[0], wk.shape[0], wv.shape[0]) == rows and (biased == 0 or (bq.shape[0], bk.shape[0], bv.shape[0]) == rows)
+            and (wq.shape[0], wk.shape[0], wv.shape[0]) == rows and (biased == 0 or (bias.ndim == 1 and (bq.shape[0], bk.shape[0], bv.shape[0]) == rows))
         ):  # fmt: skip
             found = (weight, bias)
         self._packed = (key, found)

@@ -1118,9 +1118,10 @@ py::object remembered_module_call(PyObject* x, PyObject* const (&projection)[6],
   if (!weight.defined() || (biases != 0 && !bias.defined()) || !X.is_cpu() || X.layout() != at::kStrided || X.dim() != 3 ||
       weight.scalar_type() != X.scalar_type() || weight.dim() != 2 || weight.size(1) != X.size(2))
     return py::none();
-  for (int i = 0; i < 3; ++i) {  // each projection's rows where the split below takes them (packed parts of other sizes would be split wrongly)
+  for (int i = 0; i < 3; ++i) {  // each projection's rows where the split below takes them, biases of one dim (parts of other shapes would be split or broadcast wrongly)
     const int64_t rows = (i == 0 ? heads : kv_heads) * head_dim;
-    if (THPVariable_Unpack(projection[2 * i]).size(0) != rows || (biases != 0 && THPVariable_Unpack(projection[2 * i + 1]).size(0) != rows)) return py::none();
+    if (THPVariable_Unpack(projection[2 * i]).size(0) != rows) return py::none();
+    if (biases != 0 && (THPVariable_Unpack(projection[2 * i + 1]).dim() != 1 || THPVariable_Unpack(projection[2 * i + 1]).size(0) != rows)) return py::none();
   }
   const int64_t B = X.size(0), L = X.size(1);
   const QKVSizes sizes{X.scalar_type(), {B, heads, L, head_dim}, {B, kv_heads, L, head_dim}, {B, kv_heads, L, head_dim}};
