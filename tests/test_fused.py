@@ -1292,6 +1292,65 @@ def test_the_kernels_checks_of_large_tensors_split_over_threads_answer_as_torch_
         torch.set_num_threads(before)
 
 
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """x's entries as integers of their width: equal where the floats are bit for bit, NaNs included."""
+    return x.view(torch.int32 if x.dtype == torch.float32 else torch.int64)
+
+
+@pytest.mark.parametrize("threads", [1, 2], ids=["1-thread", "2-threads"])
+@pytest.mark.parametrize("width", [1, 3, 16, 17, 64, 100], ids=lambda w: f"width-{w}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_rows_ok_transposed_copies_every_row_and_answers_as_rows_ok(dtype, width, threads):
+    """rows_ok_transposed(x) of a (B, H, L, W) tensor is (x.transpose(1, 2).contiguous(),
+    rows_ok(x)) bit for bit (value_checks.h: one pass that checks each row as it copies it, on
+    every thread from 2^14 entries): rows of whole vectors and tails, a small and a threaded size,
+    x contiguous (copied), already (B, L, H, W) in memory (its own memory) and strided (copied,
+    then checked); a NaN, an inf, a -inf at a row's first and last column, a zero row and a row
+    whose only peak is tiny, in a first, a middle and the last row."""
+    from attnscale.guard import _row_peaks, _rows_look_right
+
+    kernel = kernels.load()
+    gen = torch.Generator().manual_seed(6)
+    tiny = 1e-300 if dtype == torch.float64 else 1e-40
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for B, H, L in ((2, 3, 5), (2, 8, max(1024 // width, 1) + 5)):  # the second above 2^14 entries for W >= 16
+            base = torch.randn(B, H, L, width, generator=gen, dtype=dtype)
+            layouts = {
+                "contiguous": lambda x: x,
+                "rows first": lambda x: x.transpose(1, 2).contiguous().transpose(1, 2),
+                "strided": lambda x: torch.cat([x, x], dim=-1)[..., ::2],
+            }
+            for layout, lay in layouts.items():
+                cases = [base]
+                for b, h, i in ((0, 0, 0), (1, 1, L // 2), (B - 1, H - 1, L - 1)):
+                    for column in (0, width - 1):
+                        for poison in (math.nan, math.inf, -math.inf):
+                            x = base.clone()
+                            x[b, h, i, column] = poison
+                            cases.append(x)
+                    for fill in (0.0, "tiny"):
+                        x = base.clone()
+                        x[b, h, i] = 0.0
+                        if fill == "tiny":
+                            x[b, h, i, width // 2] = tiny
+                        cases.append(x)
+                for case in cases:
+                    x = lay(case)
+                    y, ok = kernel.rows_ok_transposed(x)
+                    want = x.transpose(1, 2).contiguous()
+                    assert y.shape == want.shape and y.is_contiguous() and torch.equal(_bits(y), _bits(want)), (layout, x.shape)
+                    assert ok == kernel.rows_ok(x) == _rows_look_right(_row_peaks(x)), (layout, x.shape)
+                assert kernel.rows_ok_transposed(lay(base))[1] is True, layout
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match=r"rows_ok_transposed takes a \(B, H, L, W\) tensor, got 3 dims"):
+        kernel.rows_ok_transposed(torch.randn(2, 3, 4, dtype=dtype))
+    with pytest.raises(ValueError, match="rows_ok_transposed takes float32 or float64"):
+        kernel.rows_ok_transposed(torch.randn(1, 2, 3, 4).half())
+
+
 def _checked_layouts(dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Views the guard's checks read in memory order (fused.cpp's value_checks.h: RowRuns), each
     with the contiguous tensor whose storage it views: a key head group of a packed projection

@@ -174,13 +174,13 @@ def test_minilm_sentence_embeddings_with_int8_keys_and_values_stay_within_cosine
     float32 = embed()
     quantized = []
 
-    def int8(q, k, v, attn_mask=None, dropout_p=0.0, **options):
+    def int8(q, k, v, attn_mask=None, dropout_p=0.0, **options):  # (the layer's attention, out as (B, L, H, Dv))
         assert dropout_p == 0.0
         kv = attnscale.quantize_kv(k, v)
         quantized.append(kv.group)
-        return attnscale.quantized_attention(q, kv, attn_mask, **options)
+        return attnscale.quantized_attention(q, kv, attn_mask, **options).transpose(1, 2).contiguous()
 
-    monkeypatch.setattr(hf, "scaled_dot_product_attention", int8)
+    monkeypatch.setattr(hf, "transposed_attention", int8)
     cosines = torch.nn.functional.cosine_similarity(embed(), float32)
     assert quantized == [32] * 6  # every layer ran on int8 K and V, one scale per key of d_k 32
     assert float(cosines.min()) >= 0.9999, cosines.tolist()

@@ -271,6 +271,11 @@ def test_the_remembered_calls_take_their_arguments_by_position_or_by_name_and_re
     assert backend_by_position is backend_by_name is attnscale.Backend.TORCH
     torch.testing.assert_close(out_by_position, out_by_name, rtol=0, atol=0)
     torch.testing.assert_close(out_by_name, F.scaled_dot_product_attention(q, k, k), rtol=0, atol=0)
+    by_name = {name: value for name, value in _plain_call(q, k).items() if name != "return_stats"}
+    transposed, backend_transposed, _ = kernel.remembered_transposed_call(*by_name.values(), kernels.CHECKS_MAX)
+    assert backend_transposed is attnscale.Backend.TORCH and transposed.is_contiguous()
+    torch.testing.assert_close(transposed, kernel.remembered_transposed_call(**by_name, limit=kernels.CHECKS_MAX)[0], rtol=0, atol=0)
+    torch.testing.assert_close(transposed, out_by_name.transpose(1, 2), rtol=0, atol=0)
     args = _plain_call(q, k)
     refused = {
         "remembered_call() got an unexpected argument 'mask_'": lambda: kernel.remembered_call(**args, mask_=None, limit=1),
@@ -280,6 +285,8 @@ def test_the_remembered_calls_take_their_arguments_by_position_or_by_name_and_re
         "remembered_call(): limit must be an int, got float": lambda: kernel.remembered_call(**args, limit=1.0),
         "remembered_call(): limit must be an int, got bool": lambda: kernel.remembered_call(**args, limit=True),
         "remembered_packed_call() missing argument 'return_stats'": lambda: kernel.remembered_packed_call(*[None] * 13),
+        "remembered_transposed_call() got an unexpected argument 'return_stats'": lambda: kernel.remembered_transposed_call(**args, limit=1),
+        "remembered_transposed_call(): limit must be an int, got float": lambda: kernel.remembered_transposed_call(*list(args.values())[:-1], 1.0),
     }
     for message, call in refused.items():
         with pytest.raises(TypeError, match=re.escape(message)):
@@ -334,3 +341,91 @@ def test_keys_past_one_cores_caches_take_the_remembered_call_and_the_nan_rule(th
         assert torch.equal(out.isnan(), want.isnan()) and bool(out[1, 7].isnan().all()) and not bool(out[0].isnan().any())
     finally:
         torch.set_num_threads(before)
+
+
+def _transposed(q, k, v, **options):
+    """attnscale.functional.transposed_attention (HuggingFace's attention function's call) with
+    scaled_dot_product_attention's defaults for the options not given."""
+    given = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, softcap=None, window=None, sinks=None) | options
+    return functional.transposed_attention(q, k, v, **given)
+
+
+TRANSPOSED_CASES = {
+    **CASES,
+    "softcap (the compiled kernel's plan)": (dict(L=5), dict(softcap=4.0)),
+    "window and sinks (the compiled kernel's plan)": (dict(L=24), dict(is_causal=True, window=(3, 0), sinks=torch.tensor([0.5, -1.0, 2.0, -math.inf]))),
+    "gqa prefill (a HuggingFace layer's)": (dict(L=24, H=8, Hkv=2, D=16), dict(is_causal=True, enable_gqa=True)),
+}
+
+
+@pytest.mark.parametrize("name", TRANSPOSED_CASES, ids=str)
+def test_the_transposed_call_is_the_pipelines_output_transposed(name, validated, monkeypatch):
+    """transposed_attention, whose remembered call checks torch's output while copying it into
+    (B, L, H, Dv): bit for bit scaled_dot_product_attention(...).transpose(1, 2).contiguous(), on
+    the first call (the full pipeline) and on later ones (the remembered call alone: neither
+    validated nor through scaled_dot_product_attention), for other tensors of the signature too."""
+    shape, options = TRANSPOSED_CASES[name]
+    q, k, v = _qkv(12, **shape)
+    want = attnscale.scaled_dot_product_attention(q, k, v, **options).transpose(1, 2).contiguous()
+    backend = attnscale.last_backend()
+    kernels.load().forget_calls()
+    entered = counting(monkeypatch, functional, "scaled_dot_product_attention")
+    first = _transposed(q, k, v, **options)
+    assert len(entered) == 1 and len(validated) == 2 and attnscale.last_backend() == backend
+    again = _transposed(q, k, v, **options)
+    assert len(entered) == 1 and len(validated) == 2, "the remembered call answers alone"
+    assert attnscale.last_backend() == backend
+    for out in (first, again):
+        assert out.shape == want.shape and out.is_contiguous()
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    q2, k2, v2 = _qkv(13, **shape)
+    other = _transposed(q2, k2, v2, **options)
+    assert len(entered) == 1
+    torch.testing.assert_close(other, attnscale.scaled_dot_product_attention(q2, k2, v2, **options).transpose(1, 2).contiguous(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "no visible key"], ids=str)
+@pytest.mark.parametrize("threads", [1, 2], ids=["1-thread", "2-threads"])
+def test_the_transposed_call_follows_the_nan_rule_on_a_remembered_signature(where, threads, validated):
+    """A NaN in q, k or v, or a row that sees no key, on a remembered signature of torch's kernel:
+    the check made while copying sends the call down the full pipeline, whose answer (the
+    oracle's: NaN rows, zero rows) comes back transposed. The HuggingFace layer's shape (8 query
+    heads of 64 over 2 key heads, 64 rows: 2^15 output entries, checked on every thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k, v = _qkv(14, L=64, S=64, H=8, Hkv=2, D=64)
+        mask = torch.ones(2, 1, 64, 64, dtype=torch.bool)
+        _transposed(q, k, v, attn_mask=mask, enable_gqa=True)
+        _transposed(q, k, v, attn_mask=mask, enable_gqa=True)
+        assert len(validated) == 1
+        t = dict(q=q.clone(), k=k.clone(), v=v.clone())
+        if where == "no visible key":
+            mask = mask.clone()
+            mask[1, 0, 63] = False
+        else:
+            t[where][1, 1, 63, 5] = math.nan
+        out = _transposed(t["q"], t["k"], t["v"], attn_mask=mask, enable_gqa=True)
+        assert len(validated) == 2, "the full pipeline"
+        kk, vv = (x.repeat_interleave(4, dim=1) for x in (t["k"], t["v"]))
+        want = torch.from_numpy(reference.attention(*(x.double().numpy() for x in (t["q"], kk, vv)), attn_mask=mask.numpy())).float().transpose(1, 2)
+        assert torch.equal(out.isnan(), want.isnan()) and (bool(out.isnan().any()) or where == "no visible key")
+        torch.testing.assert_close(out.nan_to_num(0.0), want.nan_to_num(0.0), rtol=0, atol=1e-5)
+        if where == "no visible key":
+            assert torch.equal(out[1, 63], torch.zeros_like(out[1, 63]))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_transposed_call_of_other_inputs_is_scaled_dot_product_attentions_transposed():
+    """3-D inputs (no (B, L, H, Dv) to copy into: the remembered transposed call answers None) and
+    dropout (never remembered) are scaled_dot_product_attention's output, transposed."""
+    q, k, v = _qkv(15)
+    q3, k3, v3 = q[0], k[0], v[0]
+    for _ in range(2):
+        out = _transposed(q3, k3, v3)
+        torch.testing.assert_close(out, attnscale.scaled_dot_product_attention(q3, k3, v3).transpose(1, 2).contiguous(), rtol=0, atol=0)
+    torch.manual_seed(0)
+    dropped = _transposed(q, k, v, dropout_p=0.5)
+    torch.manual_seed(0)
+    torch.testing.assert_close(dropped, attnscale.scaled_dot_product_attention(q, k, v, dropout_p=0.5).transpose(1, 2).contiguous(), rtol=0, atol=0)

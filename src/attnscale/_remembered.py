@@ -36,6 +36,9 @@ from .stats import AttentionStats, with_sinks
 
 call = None
 """The compiled kernel's ``remembered_call``, once a call has been remembered there."""
+transposed_call = None
+"""The compiled kernel's ``remembered_transposed_call`` (``remembered_call`` whose output is
+``out.transpose(1, 2).contiguous()``: :func:`attnscale.functional.transposed_attention`), as ``call``."""
 packed_call = None
 """The compiled kernel's ``remembered_packed_call``, once a packed call has been remembered there."""
 module_call = None
@@ -85,7 +88,7 @@ def remember(c: backends.Call, implementation: backends.Implementation, passed: 
     """Remember the pipeline's answer for this call's signature where it is torch's kernel with
     torch's own arguments (:func:`attnscale.backends.torch_arguments`; not for a mask that
     requires grad) or the compiled kernel's plan (:func:`attnscale.backends.kernel_plan`)."""
-    global call, module_call
+    global call, module_call, transposed_call
     kernel, mask = load_kernel(), c.attn_mask
     if kernel is None or not _plain_dispatch():
         return
@@ -110,7 +113,7 @@ def remember(c: backends.Call, implementation: backends.Implementation, passed: 
     else:
         remembered = kernel.remember_kernel_call(**given, options=plan)
     if remembered:
-        call, module_call = kernel.remembered_call, kernel.remembered_module_call
+        call, module_call, transposed_call = kernel.remembered_call, kernel.remembered_module_call, kernel.remembered_transposed_call
 
 
 class PackedPassed(NamedTuple):

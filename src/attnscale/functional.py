@@ -30,6 +30,7 @@ __all__ = ["MATH_MAX_SCORES", "Backend", "abs_max", "last_backend", "may_overflo
 
 log = logging.getLogger("attnscale")
 _state = threading.local()
+_AUTO, _TOP_LEFT = Backend.AUTO, CausalAlignment.TOP_LEFT
 
 
 def last_backend() -> str | None:
@@ -238,3 +239,37 @@ def scaled_dot_product_attention(
         return (out, stats) if call.return_stats else out
     except (ValueError, TypeError) as exc:  # also RuntimeError, as torch raises for these (InputError)
         raise as_input_error(exc) from None
+
+
+def transposed_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    softcap: float | None,
+    window: tuple[int | None, int | None] | None,
+    sinks: Tensor | None,
+) -> Tensor:
+    """``scaled_dot_product_attention(...).transpose(1, 2).contiguous()`` for 4-D inputs: out as
+    (B, L, H, Dv), what HuggingFace's attention functions return (:mod:`attnscale.diagnostics.hf`).
+
+    The same pipeline; a remembered call (``remembered_transposed_call`` in ``kernels/fused.cpp``)
+    checks the rows of torch's output while it copies them into that layout, one read of them
+    where the check and the copy made two."""
+    remembered = memory.transposed_call
+    if remembered is not None and memory.may_take(dropout_p, _AUTO):
+        hit = remembered(query, key, value, attn_mask, is_causal, scale, enable_gqa, _TOP_LEFT, softcap, None, window, sinks, CHECKS_MAX)
+        if hit is not None:
+            out, _state.backend, why = hit  # (record_backend's work, as the common answer above)
+            if log.isEnabledFor(logging.DEBUG):
+                record_backend(_state.backend, why)
+            return out
+    out = scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, softcap=softcap,
+        window=window, sinks=sinks,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous()

@@ -173,13 +173,13 @@ def test_tiled_kernel_on_the_models_own_queries_and_keys(models, monkeypatch):
 
     _, ours, tokenizer = models
     captured = []
-    real = hf.scaled_dot_product_attention
+    real = hf.transposed_attention
 
     def capture(q, k, v, **opts):
         captured.append((q, k, v, opts))
         return real(q, k, v, **opts)
 
-    monkeypatch.setattr(hf, "scaled_dot_product_attention", capture)
+    monkeypatch.setattr(hf, "transposed_attention", capture)
     batch = tokenizer([" ".join(SENTENCES * 6), SENTENCES[0]], padding=True, return_tensors="pt")
     assert 128 < batch["input_ids"].shape[1] <= 256
     with torch.no_grad():

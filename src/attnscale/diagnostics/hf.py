@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from .._validate import fail
-from ..functional import scaled_dot_product_attention
+from ..functional import transposed_attention
 from ..varlen import varlen_attention
 from ..masks import add_bias
 from .monitor import HF_IMPLEMENTATIONS, ROUTE_HF, MonitorReport, MonitorThresholds, active_monitor, monitor
@@ -222,8 +222,8 @@ def attnscale_attention_forward(
     elif monitor is not None and layer is not None:
         out, _ = monitor.attend(layer, ROUTE_HF, query, key, value, **options)
     else:
-        out = scaled_dot_product_attention(query, key, value, **options)
-    return out.transpose(1, 2).contiguous(), None  # (B, L, H, Dv)
+        return transposed_attention(query, key, value, **options), None  # (B, L, H, Dv)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _int8_record(key: Tensor) -> Any:

@@ -736,7 +736,8 @@ void forget_calls() { remembered_calls().clear(); }
 py::object wrap(const at::Tensor& t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(t)); }
 
 // torch's kernel, as the pipeline called it, and the guard's first check of its output.
-py::object torch_call(const Remembered& call, const CallArgs& a, int64_t limit) {
+// transposed: the output as out.transpose(1, 2).contiguous() (rows_ok_transposed_op), 4-D inputs.
+py::object torch_call(const Remembered& call, const CallArgs& a, int64_t limit, bool transposed) {
   const auto& Q = THPVariable_Unpack(a.q.ptr());
   const auto& K = THPVariable_Unpack(a.k.ptr());
   const auto& V = THPVariable_Unpack(a.v.ptr());
@@ -754,7 +755,13 @@ py::object torch_call(const Remembered& call, const CallArgs& a, int64_t limit) 
     py::gil_scoped_release released;
     out = at::scaled_dot_product_attention(Q, K, V, M, 0.0, call.causal, call.scale, call.gqa);
   }
-  if (out.scalar_type() != Q.scalar_type() || !rows_ok_op(out)) return py::none();
+  if (out.scalar_type() != Q.scalar_type()) return py::none();
+  if (transposed) {
+    auto [rows_first, ok] = rows_ok_transposed_op(out);
+    if (!ok) return py::none();
+    return py::make_tuple(wrap(rows_first), call.backend, call.why);
+  }
+  if (!rows_ok_op(out)) return py::none();
   return py::make_tuple(wrap(out), call.backend, call.why);
 }
 
@@ -856,7 +863,8 @@ bool blas_rows(const at::Tensor& x) { return x.stride(-1) == 1 && x.stride(-2) >
 
 // The compiled kernel by the remembered plan, with the checks of values and the guard's first
 // check (the kernel's verdict on its rows; where a gradient is asked of q or k, k finite).
-py::object kernel_call(const Remembered& call, const CallArgs& a) {
+// transposed: the output as out.transpose(1, 2).contiguous(), 4-D inputs without statistics.
+py::object kernel_call(const Remembered& call, const CallArgs& a, bool transposed) {
   const auto& Q = THPVariable_Unpack(a.q.ptr());
   const auto& K = THPVariable_Unpack(a.k.ptr());
   const auto& V = THPVariable_Unpack(a.v.ptr());
@@ -888,6 +896,7 @@ py::object kernel_call(const Remembered& call, const CallArgs& a) {
     if (sinks) sink_scale_op(lean[0], lean[1], *sinks);
     r = std::move(lean);
   }
+  if (transposed) return py::make_tuple(wrap(r[0].transpose(1, 2).contiguous()), call.backend, call.why);
   if (!o.with_stats) return py::make_tuple(wrap(r[0]), call.backend, call.why);
   return py::make_tuple(wrap(r[0]), call.backend, call.why, wrap(r[1]), wrap(r[2]), wrap(r[3]), wrap(r[4]), wrap(r[5]));
 }
@@ -1047,24 +1056,26 @@ std::optional<Remembered> find_remembered(const std::optional<std::string>& key)
   return found->second;
 }
 
-// A remembered call's answer for these arguments (torch_call's or kernel_call's).
-py::object call_remembered(const Remembered& call, const CallArgs& a, int64_t limit) {
+// A remembered call's answer for these arguments (torch_call's or kernel_call's); transposed: its
+// output as out.transpose(1, 2).contiguous(), for 4-D inputs without statistics (None otherwise).
+py::object call_remembered(const Remembered& call, const CallArgs& a, int64_t limit, bool transposed = false) {
+  if (transposed && (THPVariable_Unpack(a.q.ptr()).dim() != 4 || call.options.with_stats)) return py::none();
   if (a.mask.is_none()) {  // keys of any length S > 0: one S for k and v
     const auto &K = THPVariable_Unpack(a.k.ptr()), &V = THPVariable_Unpack(a.v.ptr());
     if (K.size(-2) != V.size(-2) || K.size(-2) == 0) return py::none();
   }
-  return call.kind == Kind::kTorch ? torch_call(call, a, limit) : kernel_call(call, a);
+  return call.kind == Kind::kTorch ? torch_call(call, a, limit, transposed) : kernel_call(call, a, transposed);
 }
 
 py::object remembered_call(py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa,
                            py::handle alignment, py::handle softcap, py::handle alibi, py::handle window, py::handle sinks, py::handle stats,
-                           int64_t limit) {
+                           int64_t limit, bool transposed = false) {
   // (jit.trace: the pipeline refuses it; CPU autocast: torch's kernel answers in the autocast
   // dtype, which the pipeline's guard reads as such)
   if (!plain_dispatch() || torch::jit::tracer::isTracing() || at::autocast::is_autocast_enabled(at::kCPU)) return py::none();
   const CallArgs a{q, k, v, mask, causal, scale, gqa, alignment, softcap, alibi, window, sinks, stats};
   const auto call = find_remembered(call_signature(a));
-  return call ? call_remembered(*call, a, limit) : py::none();
+  return call ? call_remembered(*call, a, limit, transposed) : py::none();
 }
 
 // One tensor over three parts that are consecutive in one storage, each contiguous, all of one
@@ -1160,6 +1171,21 @@ PyObject* remembered_call_fast(PyObject*, PyObject* const* args, Py_ssize_t narg
   END_HANDLE_TH_ERRORS
 }
 
+// remembered_call without statistics, the output as out.transpose(1, 2).contiguous() (B, L, H, Dv)
+// for 4-D inputs: what HuggingFace's attention functions return (attnscale.functional.
+// transposed_attention); torch's output is checked as it is copied there.
+PyObject* remembered_transposed_call_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  HANDLE_TH_ERRORS
+  static const char* const names[] = {"q", "k", "v", "mask", "is_causal", "scale", "enable_gqa", "alignment", "softcap", "alibi_slopes", "window",
+                                      "sinks", "limit"};
+  PyObject* a[13];
+  int64_t limit = 0;
+  if (!fast_arguments("remembered_transposed_call", names, args, nargs, kwnames, a) || !fast_int("remembered_transposed_call", "limit", a[12], limit))
+    return nullptr;
+  return remembered_call(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], Py_False, limit, true).release().ptr();
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* remembered_module_call_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   HANDLE_TH_ERRORS
   static const char* const names[] = {"x", "q_weight", "q_bias", "k_weight", "k_bias", "v_weight", "v_bias", "out_weight", "out_bias", "heads",
@@ -1198,6 +1224,9 @@ PyMethodDef g_fast_calls[] = {
                    "(out, backend, why), with statistics (out, backend, why, lse, max_logit, max_prob, entropy, visible), of a remembered call whose "
                    "checks and output pass; None otherwise (arguments in scaled_dot_product_attention's order, then the largest tensor torch's "
                    "call is checked on here)"),
+    ATTNSCALE_FAST(remembered_transposed_call,
+                   "(out, backend, why) as remembered_call without statistics, out as out.transpose(1, 2).contiguous() (B, L, H, Dv): 4-D "
+                   "inputs only (None otherwise; arguments in scaled_dot_product_attention's order without return_stats, then limit)"),
     ATTNSCALE_FAST(remembered_module_call,
                    "(out, backend, why) of MultiHeadAttention's plain self-attention call whose attention is remembered and passes its checks: "
                    "the packed projection (its q, k, v weights, and biases, consecutive in one storage), the remembered call, the output projection; None otherwise"),
@@ -1227,6 +1256,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alibi"), py::arg("sinks"), py::arg("options"));
   module.def("output_ok", &output_ok_op, "rows_ok(out) and all_finite(key) in one call (the guard's check of a backend that reports nothing on its rows); None unless both are CPU float32 or float64 tensors of one dtype with at most limit entries",
              py::arg("out"), py::arg("key"), py::arg("limit"));
+  module.def("rows_ok_transposed", &rows_ok_transposed_op, "(x.transpose(1, 2).contiguous(), rows_ok(x)) of a (B, H, L, W) float32 or float64 tensor, checked as it is copied",
+             py::arg("x"));
   module.def("all_finite", &all_finite_op, "whether every entry of a float32 or float64 tensor is finite (the guard's check of k)");
   // A call's arguments as remembered_call takes them (CallArgs), then each kind's own.
   auto call_args = [](py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa, py::handle alignment,

@@ -250,6 +250,74 @@ bool rows_ok_op(const torch::Tensor& x) {
   return ask_rows(x, "rows_ok", kParallelRows, RowsOk{});
 }
 
+// rows_ok's question of the rows [first, last) of x, a contiguous (B, H, L, W) tensor (row r is
+// (b, h, l) with r = (b H + h) L + l), asked of each row as it is copied to its place in y, a
+// contiguous (B, L, H, W) one: one read of x where the check and the copy made two. From the last
+// row down, as rows_ok_impl. W > 0.
+template <typename T>
+bool rows_ok_transposed_impl(const T* x, T* y, int64_t H, int64_t L, int64_t W, int64_t first, int64_t last) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t n = Vec::size();
+  const int all_zero = static_cast<int>((int64_t(1) << n) - 1);
+  Vec acc(T(0));
+  bool zero_row = false;
+  for (int64_t r = last - 1; r >= first; --r) {
+    const int64_t l = r % L, bh = r / L, h = bh % H, b = bh / H;
+    const T* row = x + r * W;
+    T* to = y + ((b * L + l) * H + h) * W;
+    int zeros = all_zero;
+    int64_t c = 0;
+    for (; c + n <= W; c += n) {
+      const Vec v = Vec::loadu(row + c);
+      acc = acc | (v - v);
+      zeros &= v.zero_mask();
+      v.store(to + c);
+    }
+    if (c < W) {  // (the lanes past the row load as zeros: +0 in acc, zeros in the mask)
+      const Vec v = Vec::loadu(row + c, W - c);
+      acc = acc | (v - v);
+      zeros &= v.zero_mask();
+      v.store(to + c, W - c);
+    }
+    zero_row |= zeros == all_zero;
+  }
+  return !zero_row && acc.zero_mask() == all_zero;
+}
+
+// x (B, H, L, W) of float32 or float64 as (x.transpose(1, 2).contiguous(), rows_ok(x)): the
+// layout HuggingFace's attention functions return, checked as it is copied where x is contiguous
+// (torch's kernel's output with enable_gqa, and every output of its math kernel), on every thread
+// from kParallelRows entries as rows_ok; x's own memory, transposed, where it already lies so
+// (torch's flash kernel writes (B, L, H, Dv)); a copy checked after it otherwise.
+std::pair<torch::Tensor, bool> rows_ok_transposed_op(const torch::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() == 4, "attnscale fused kernel: rows_ok_transposed takes a (B, H, L, W) tensor, got ", x.dim(), " dims");
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "attnscale fused kernel: rows_ok_transposed takes float32 or float64, got ",
+                    x.scalar_type());
+  const auto t = x.transpose(1, 2);
+  if (t.is_contiguous() || !x.is_contiguous() || x.numel() == 0) {
+    auto y = t.contiguous();
+    return {y, rows_ok_op(y)};
+  }
+  auto y = at::empty(t.sizes(), x.options());
+  const int64_t H = x.size(1), L = x.size(2), W = x.size(3), rows = x.numel() / W;
+  bool ok = true;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "attnscale_rows_ok_transposed", [&] {
+    const scalar_t* from = x.const_data_ptr<scalar_t>();
+    scalar_t* to = y.data_ptr<scalar_t>();
+    const int64_t threads = at::get_num_threads();
+    if (x.numel() < kParallelRows || threads < 2 || at::in_parallel_region()) {
+      ok = rows_ok_transposed_impl<scalar_t>(from, to, H, L, W, 0, rows);
+      return;
+    }
+    std::atomic<bool> all(true);
+    at::parallel_for(0, rows, (rows + threads - 1) / threads, [&](int64_t first, int64_t last) {
+      if (!rows_ok_transposed_impl<scalar_t>(from, to, H, L, W, first, last)) all.store(false, std::memory_order_relaxed);
+    });
+    ok = all.load();
+  });
+  return {y, ok};
+}
+
 // (keys large enough that torch's elementwise ops wrote them on every thread, as rows_ok's outputs)
 bool all_finite_op(const torch::Tensor& x) { return ask_rows(x, "all_finite", kParallelInput, Finite{}); }
 
