@@ -429,3 +429,20 @@ def test_the_transposed_call_of_other_inputs_is_scaled_dot_product_attentions_tr
     dropped = _transposed(q, k, v, dropout_p=0.5)
     torch.manual_seed(0)
     torch.testing.assert_close(dropped, attnscale.scaled_dot_product_attention(q, k, v, dropout_p=0.5).transpose(1, 2).contiguous(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options", [dict(is_causal=True), dict(softcap=4.0)], ids=["torch's kernel", "the compiled kernel's plan"])
+def test_gradients_through_the_transposed_call_are_the_pipelines(options, validated):
+    """Inputs that require grad on a remembered signature (a HuggingFace layer in training): the
+    transposed output carries the gradient, equal to the pipeline's output transposed (torch's
+    kernel: its copy then goes through autograd, not the check's copy)."""
+    q, k, v = _qkv(16, L=8, S=8)
+    _transposed(q, k, v, **options)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    theirs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ours = _transposed(*leaves, **options)
+    assert len(validated) == 1, "the remembered call answered"
+    ours.square().sum().backward()
+    attnscale.scaled_dot_product_attention(*theirs, **options).transpose(1, 2).contiguous().square().sum().backward()
+    for mine, want in zip(leaves, theirs):
+        torch.testing.assert_close(mine.grad, want.grad, rtol=0, atol=0)

@@ -756,13 +756,13 @@ py::object torch_call(const Remembered& call, const CallArgs& a, int64_t limit, 
     out = at::scaled_dot_product_attention(Q, K, V, M, 0.0, call.causal, call.scale, call.gqa);
   }
   if (out.scalar_type() != Q.scalar_type()) return py::none();
-  if (transposed) {
+  if (transposed && !out.requires_grad()) {  // (its copy is made of the data, outside autograd)
     auto [rows_first, ok] = rows_ok_transposed_op(out);
     if (!ok) return py::none();
     return py::make_tuple(wrap(rows_first), call.backend, call.why);
   }
   if (!rows_ok_op(out)) return py::none();
-  return py::make_tuple(wrap(out), call.backend, call.why);
+  return py::make_tuple(wrap(transposed ? out.transpose(1, 2).contiguous() : out), call.backend, call.why);
 }
 
 const char* const kNoDoubleBackward =
