@@ -1224,8 +1224,8 @@ def test_the_kernels_guard_checks_answer_as_the_guards_torch_ops(dtype):
         assert kernel.below_inf(x) == (not bool((torch.isnan(x) | (x == math.inf)).any())), x.shape
     hidden = base.masked_fill(base < 0, -math.inf)  # a float mask: -inf hides a key
     assert kernel.below_inf(hidden) and not kernel.below_inf(hidden.masked_fill(base > 2, math.nan))
-    with pytest.raises(ValueError, match="rows_ok takes float32 or float64"):
-        kernel.rows_ok(base.half())
+    with pytest.raises(ValueError, match="rows_ok takes float32, float64, bfloat16 or float16, got Int"):
+        kernel.rows_ok(base.int())
 
 
 
@@ -1290,6 +1290,59 @@ def test_the_kernels_checks_of_large_tensors_split_over_threads_answer_as_torch_
                     assert kernel.output_ok(x, layout, 1 << 18) is False and kernel.output_ok(layout, x, 1 << 18) == _finite_sum(x)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2], ids=["1-thread", "2-threads"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_kernels_checks_of_16_bit_floats_answer_as_torch_ops(dtype, threads):
+    """rows_ok, all_finite, below_inf and output_ok of bfloat16 and float16 tensors (read as their
+    bits: value_checks.h's finite16, rows_ok16, below_inf16) against torch's isnan / isinf and the
+    guard's row peaks: NaNs of either sign and any payload, +inf, -inf, the largest finite value,
+    the smallest subnormal as a row's only non-zero, zero and -0.0 rows, in the first, a middle
+    and the last row at either end of a row and mid-vector; contiguous, transposed (read in memory
+    order) and strided; a small size and one whose checks split over threads (40960 entries)."""
+    from attnscale.guard import _row_peaks, _rows_look_right
+
+    kernel = kernels.load()
+    info = torch.finfo(dtype)
+    exponent = 0x7F80 if dtype == torch.bfloat16 else 0x7C00
+    nans = [exponent | 1, exponent | 0x40, 0xFFFF - 0x10000, (0x8000 | exponent | 3) - 0x10000]  # (as int16: payloads, both signs)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for shape in ((3, 5, 37), (2, 8, 64, 40)):
+            base = torch.randn(*shape, generator=torch.Generator().manual_seed(9)).to(dtype)
+            rows = base.reshape(-1, shape[-1])
+            cases = [base]
+            for r in (0, rows.shape[0] // 2, rows.shape[0] - 1):
+                for column in (0, 15, shape[-1] - 1):
+                    for bits in nans:
+                        x = base.clone()
+                        x.reshape(-1, shape[-1]).view(torch.int16)[r, column] = bits
+                        cases.append(x)
+                    for value in (math.inf, -math.inf, info.max, -info.max):
+                        x = base.clone()
+                        x.reshape(-1, shape[-1])[r, column] = value
+                        cases.append(x)
+                    x = base.clone()
+                    x.reshape(-1, shape[-1])[r] = 0.0
+                    x.reshape(-1, shape[-1]).view(torch.int16)[r, column] = 1  # the smallest subnormal
+                    cases.append(x)
+                for fill in (0.0, -0.0):
+                    x = base.clone()
+                    x.reshape(-1, shape[-1])[r] = fill
+                    cases.append(x)
+            for case in cases:
+                for x in (case, case.transpose(0, 1), case[..., ::2]):
+                    bad = torch.isnan(x) | torch.isinf(x)
+                    assert kernel.rows_ok(x) == _rows_look_right(_row_peaks(x)), x.shape
+                    assert kernel.all_finite(x) == (not bool(bad.any())), x.shape
+                    assert kernel.below_inf(x) == (not bool((torch.isnan(x) | (x == math.inf)).any())), x.shape
+                    assert kernel.output_ok(x, base, 1 << 20) == _rows_look_right(_row_peaks(x))
+                    assert kernel.output_ok(base, x, 1 << 20) == (not bool(bad.any()))
+    finally:
+        torch.set_num_threads(before)
+    assert kernel.output_ok(base, base.float(), 1 << 20) is None  # (dtypes that differ: the guard's torch ops)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

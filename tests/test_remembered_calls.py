@@ -53,6 +53,8 @@ CASES = {
     "bool mask": (dict(L=3), dict(attn_mask=_bool_mask(3, 24))),
     "float mask": (dict(L=3), dict(attn_mask=torch.zeros(2, 1, 3, 24).masked_fill(~_bool_mask(3, 24), -math.inf))),
     "float64": (dict(dtype=torch.float64), dict(is_causal=True)),
+    "bfloat16 gqa": (dict(L=24, Hkv=2, dtype=torch.bfloat16), dict(is_causal=True, enable_gqa=True)),
+    "float16 float mask": (dict(L=3, dtype=torch.float16), dict(attn_mask=torch.zeros(2, 1, 3, 24, dtype=torch.float16).masked_fill(~_bool_mask(3, 24), -math.inf))),
 }
 
 
@@ -85,6 +87,12 @@ def test_gradients_through_a_remembered_call_are_torchs(validated):
         torch.testing.assert_close(mine.grad, want.grad, rtol=0, atol=0)
 
 
+ATOL_16 = {torch.bfloat16: 4e-3, torch.float16: 4e-4}
+"""16-bit outputs against the float64 oracle of their own inputs, twice the error measured in
+test_a_remembered_16_bit_signature_still_follows_the_nan_rule (2.1e-3 and 2.0e-4, outputs below
+0.81: the output's own rounding)."""
+
+
 def _oracle(q, k, v) -> torch.Tensor:
     return torch.from_numpy(reference.attention(*(t.double().numpy() for t in (q, k, v)))).float()
 
@@ -103,11 +111,33 @@ def test_a_remembered_signature_still_follows_the_nan_rule(where, poison, valida
     torch.testing.assert_close(out.nan_to_num(0.0), want.nan_to_num(0.0), rtol=0, atol=1e-6)
 
 
-def test_a_float_mask_with_a_nan_is_refused_on_a_remembered_signature(validated):
-    q, k, v = _qkv(4, L=3)
-    mask = torch.zeros(2, 1, 3, 24)
+@pytest.mark.parametrize("where", ["q", "k", "v"], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_remembered_16_bit_signature_still_follows_the_nan_rule(dtype, where, validated):
+    # The value checks read 16-bit floats by their bits: a NaN in q, k or v of a remembered
+    # bfloat16 or float16 call sends it down the full pipeline, whose rows are the oracle's.
+    q, k, v = _qkv(3, dtype=dtype)
+    attnscale.scaled_dot_product_attention(q, k, v)
+    attnscale.scaled_dot_product_attention(q, k, v)
+    assert len(validated) == 1
+    t = dict(q=q.clone(), k=k.clone(), v=v.clone())
+    t[where][1, 2, 0, 5] = math.nan
+    out = attnscale.scaled_dot_product_attention(t["q"], t["k"], t["v"])
+    assert len(validated) == 2, "the full pipeline"
+    want = _oracle(t["q"], t["k"], t["v"])
+    assert out.dtype == dtype and torch.equal(out.isnan(), want.isnan()) and bool(out.isnan().any())
+    torch.testing.assert_close(out.float().nan_to_num(0.0), want.nan_to_num(0.0), rtol=0, atol=ATOL_16[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("poison", [math.nan, math.inf], ids=["nan", "inf"])
+def test_a_float_mask_with_a_nan_is_refused_on_a_remembered_signature(dtype, poison, validated):
+    q, k, v = _qkv(4, L=3, dtype=dtype)
+    mask = torch.zeros(2, 1, 3, 24, dtype=dtype)
     attnscale.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    mask[0, 0, 1, 3] = math.nan
+    attnscale.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert len(validated) == 1
+    mask[0, 0, 1, 3] = poison
     with pytest.raises(ValueError, match="attn_mask: expected float values that are finite or -inf"):
         attnscale.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -256,7 +286,7 @@ def test_the_remembered_calls_are_bounded():
     assert _remembered(kernel, q, k) is not None
     first = torch.randn(1, 1, 1, 4)
     assert _remembered(kernel, first, k) is None
-    np.testing.assert_equal(kernel.remember_torch_call(**_plain_call(q.half(), k.half()), **torch_args), False)
+    np.testing.assert_equal(kernel.remember_torch_call(**_plain_call(q.int(), k.int()), **torch_args), False)  # (a dtype the value checks do not read)
 
 
 def test_the_remembered_calls_take_their_arguments_by_position_or_by_name_and_refuse_others():

@@ -236,16 +236,20 @@ def unavailable_reason() -> str | None:
 
 
 CHECKS_MAX = 1 << 62
-"""CPU tensors of float32 or float64 up to this many entries (every size) are checked by the
-compiled kernel's ``rows_ok`` and ``all_finite``, one call each, without temporaries: a decoding
+"""CPU tensors of float32, float64, bfloat16 or float16 up to this many entries (every size) are
+checked by the compiled kernel's ``rows_ok`` and ``all_finite``, one call each, without temporaries: a decoding
 step's guard in a few microseconds instead of several torch ops, and tensors past one core's
 caches split over every thread as torch's reductions are (``every_run`` in
 ``csrc/value_checks.h``). The limit stays an argument of the kernel's calls, which refuse what exceeds it."""
 
 
+_CHECKED_DTYPES = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
+
+
 def checks(t: torch.Tensor) -> ModuleType | None:
     """The compiled kernel where its ``rows_ok`` and ``all_finite`` check ``t`` (a plain CPU
-    tensor or parameter of float32 or float64 with at most :data:`CHECKS_MAX` entries), else None."""
-    if (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.is_cpu and (t.dtype is torch.float32 or t.dtype is torch.float64) and t.numel() <= CHECKS_MAX:
+    tensor or parameter of float32, float64, bfloat16 or float16 with at most :data:`CHECKS_MAX`
+    entries; the 16-bit ones read as their bits), else None."""
+    if (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.is_cpu and t.dtype in _CHECKED_DTYPES and t.numel() <= CHECKS_MAX:
         return load()
     return None

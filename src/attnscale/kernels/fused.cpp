@@ -521,11 +521,11 @@ py::tuple forward_direct(const torch::Tensor& q, const torch::Tensor& k, const t
 
 // The guard's check of an output that reports nothing on its rows (rows_ok(out)) and of its k
 // (all_finite(key)), in one call, with the question of whether it applies: None unless both are
-// CPU tensors of one dtype, float32 or float64, of at most `limit` entries each (larger ones are
+// CPU tensors of one dtype, float32, float64, bfloat16 or float16, of at most `limit` entries each (larger ones are
 // torch's reductions', which use every thread).
 py::object output_ok_op(const torch::Tensor& out, const torch::Tensor& key, int64_t limit) {
   const auto dt = out.scalar_type();
-  if (!out.device().is_cpu() || !key.device().is_cpu() || key.scalar_type() != dt || (dt != at::kFloat && dt != at::kDouble) ||
+  if (!out.device().is_cpu() || !key.device().is_cpu() || key.scalar_type() != dt || !checked_dtype(dt) ||
       out.numel() > limit || key.numel() > limit)
     return py::none();
   return py::bool_(rows_ok_op(out) && all_finite_op(key));
@@ -533,7 +533,8 @@ py::object output_ok_op(const torch::Tensor& out, const torch::Tensor& key, int6
 
 // attnscale.scaled_dot_product_attention's answers, remembered by the call's signature once the
 // full pipeline (its checks, its choice and its guard) has given one, for two kinds of call: those
-// torch's kernel computes as they are (the "torch" backend with torch's own arguments), and those
+// torch's kernel computes as they are (the "torch" backend with torch's own arguments; float32,
+// float64, bfloat16 or float16, the dtypes the value checks read), and those
 // the compiled kernel computes by its plan (attnscale.backends.kernel_plan: a feature torch
 // lacks, no mask, float32 or float64); and varlen_attention's packed calls (below). The signature: every tensor's dtype and sizes (plain CPU
 // strided tensors only: no subclass, meta or nested tensor; without a mask and with top-left
@@ -709,7 +710,7 @@ bool remember(const CallArgs& a, Remembered entry) {
 bool float_kind(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble; }
 
 bool remember_torch_call(const CallArgs& a, bool torch_causal, bool torch_gqa, std::optional<double> torch_scale, py::object backend, py::object why) {
-  if (!THPVariable_CheckExact(a.q.ptr()) || !float_kind(THPVariable_Unpack(a.q.ptr()))) return false;  // (the guard's one-call check takes these)
+  if (!THPVariable_CheckExact(a.q.ptr()) || !checked_dtype(THPVariable_Unpack(a.q.ptr()).scalar_type())) return false;  // (the guard's one-call check takes these)
   return remember(a, Remembered{Kind::kTorch, torch_causal, torch_gqa, torch_scale, Options{}, std::move(backend), std::move(why)});
 }
 
@@ -756,7 +757,7 @@ py::object torch_call(const Remembered& call, const CallArgs& a, int64_t limit, 
     out = at::scaled_dot_product_attention(Q, K, V, M, 0.0, call.causal, call.scale, call.gqa);
   }
   if (out.scalar_type() != Q.scalar_type()) return py::none();
-  if (transposed && !out.requires_grad()) {  // (its copy is made of the data, outside autograd)
+  if (transposed && !out.requires_grad() && float_kind(out)) {  // (its copy is made of the data, outside autograd)
     auto [rows_first, ok] = rows_ok_transposed_op(out);
     if (!ok) return py::none();
     return py::make_tuple(wrap(rows_first), call.backend, call.why);
@@ -1251,14 +1252,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("option_names", &Options::names, "the options forward and backward take by keyword, in their order (Options)");
   module.def("brgemm_runs", &brgemm_runs, "whether bfloat16 products with an even head dim go through torch's brgemm (oneDNN) here, not oneMKL");
   module.def("half_gemm", &half_gemm, "whether 16-bit q, k, v of this format (1 bfloat16, 2 float16) can be passed as they are (oneMKL's products)");
-  module.def("rows_ok", &rows_ok_op, "whether every row (last dim) of a float32 or float64 tensor is finite and not all zeros (the guard's check)");
+  module.def("rows_ok", &rows_ok_op, "whether every row (last dim) of a float32, float64, bfloat16 or float16 tensor is finite and not all zeros (the guard's check)");
   module.def("forward_direct", &forward_direct, "forward_ordered for a planned eager call without mask or spans, sinks merged: (out, lse, rows_ok) or, with statistics, (out, lse, max_logit, max_prob, entropy, visible, rows_ok); rows_ok a bool",
              py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alibi"), py::arg("sinks"), py::arg("options"));
-  module.def("output_ok", &output_ok_op, "rows_ok(out) and all_finite(key) in one call (the guard's check of a backend that reports nothing on its rows); None unless both are CPU float32 or float64 tensors of one dtype with at most limit entries",
+  module.def("output_ok", &output_ok_op, "rows_ok(out) and all_finite(key) in one call (the guard's check of a backend that reports nothing on its rows); None unless both are CPU float32, float64, bfloat16 or float16 tensors of one dtype with at most limit entries",
              py::arg("out"), py::arg("key"), py::arg("limit"));
   module.def("rows_ok_transposed", &rows_ok_transposed_op, "(x.transpose(1, 2).contiguous(), rows_ok(x)) of a (B, H, L, W) float32 or float64 tensor, checked as it is copied",
              py::arg("x"));
-  module.def("all_finite", &all_finite_op, "whether every entry of a float32 or float64 tensor is finite (the guard's check of k)");
+  module.def("all_finite", &all_finite_op, "whether every entry of a float32, float64, bfloat16 or float16 tensor is finite (the guard's check of k)");
   // A call's arguments as remembered_call takes them (CallArgs), then each kind's own.
   auto call_args = [](py::handle q, py::handle k, py::handle v, py::handle mask, py::handle causal, py::handle scale, py::handle gqa, py::handle alignment,
                       py::handle softcap, py::handle alibi, py::handle window, py::handle sinks, py::handle stats) {
@@ -1304,7 +1305,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       py::arg("table"), py::arg("options"), py::arg("backend"), py::arg("why"));
   module.def("set_alignments", &set_alignments, "the two CausalAlignment members a remembered call's alignment is one of", py::arg("top_left"), py::arg("bottom_right"));
   module.def("forget_calls", &forget_calls, "forget every remembered call");
-  module.def("below_inf", &below_inf_op, "whether no entry of a float32 or float64 tensor is NaN or +inf (a float mask's values)");
+  module.def("below_inf", &below_inf_op, "whether no entry of a float32, float64, bfloat16 or float16 tensor is NaN or +inf (a float mask's values)");
   module.def("sink_scale", &sink_scale_op, "attention sinks on the kernel's rows, in place: out (..., H, L, Dv) times sigmoid(lse - sink) per row, rows with lse = -inf left as they are");
   module.def("tanh", &tanh_op, "the kernel's tanh (float32: a polynomial near 0, exp farther out; float64: Sleef's 1-ulp)");
   module.def("weights", &weights_op, "the softmax's exp of centred scores, and exp_u20 floored the same way (float32, 1-d, a multiple of 8 long)");

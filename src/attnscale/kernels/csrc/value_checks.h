@@ -1,7 +1,7 @@
 // The guard's questions of an eager call's values (attnscale/guard.py), one C++ call each instead
 // of several torch ops from Python: whether every row (last dim) of x is finite and not all zeros
 // (rows of no entries count as right), whether every entry of x is finite, and whether none is NaN
-// or +inf. float32 and float64, any strides.
+// or +inf. float32 and float64, and bfloat16 and float16 read as their bits; any strides.
 //
 // Each question holds of a tensor when it holds of every row, in any order, so rows are read in
 // the order they lie in memory (RowRuns), not in the tensor's logical order: the views attention
@@ -134,6 +134,39 @@ bool below_inf_impl(const T* p, int64_t count) {
   return below;
 }
 
+// bfloat16 and float16 as their bits (uint16_t): an entry is an inf or a NaN where its exponent
+// bits `e` (0x7F80, 0x7C00) are all set, a NaN where the bits but the sign exceed them, +inf where
+// they are exactly them, and a zero where the bits but the sign are all clear. Loops without an
+// early exit, which the compiler vectorises.
+constexpr uint16_t kSignless = 0x7FFF;
+
+inline uint16_t exponent_bits(at::ScalarType t) { return t == at::kBFloat16 ? 0x7F80 : 0x7C00; }
+
+inline bool finite16(const uint16_t* p, int64_t count, uint16_t e) {
+  uint16_t bad = 0;
+  for (int64_t i = count - 1; i >= 0; --i) bad |= uint16_t((p[i] & e) == e);
+  return bad == 0;
+}
+
+inline bool rows_ok16(const uint16_t* x, int64_t rows, int64_t width, uint16_t e) {
+  for (int64_t r = rows - 1; r >= 0; --r) {
+    const uint16_t* row = x + r * width;
+    uint16_t bad = 0, any = 0;
+    for (int64_t c = 0; c < width; ++c) {
+      bad |= uint16_t((row[c] & e) == e);
+      any |= uint16_t(row[c] & kSignless);
+    }
+    if (bad != 0 || any == 0) return false;
+  }
+  return true;
+}
+
+inline bool below_inf16(const uint16_t* p, int64_t count, uint16_t e) {
+  uint16_t bad = 0;
+  for (int64_t i = 0; i < count; ++i) bad |= uint16_t((p[i] & kSignless) > e) | uint16_t(p[i] == e);
+  return bad == 0;
+}
+
 // A tensor's rows (its last dim, `width` entries at stride 1) in the order they lie in memory: the
 // other dims ordered by stride, largest first, without those of size 1 or stride 0 (a broadcast
 // dim repeats rows that are read once), and the innermost merged while each one's rows follow on
@@ -203,7 +236,7 @@ constexpr int64_t kParallelInput = (int64_t(1) << 15) + 1;
 template <typename T, typename F>
 bool every_run(const torch::Tensor& x, int64_t least, F f) {
   const RowRuns runs(x);
-  const T* base = x.const_data_ptr<T>();
+  const T* base = static_cast<const T*>(x.const_data_ptr());  // (uint16_t: a 16-bit float's bits)
   const int64_t threads = at::get_num_threads();
   if (x.numel() < least || threads < 2 || runs.rows < 2 || at::in_parallel_region()) return runs.every(base, f, 0, runs.rows);
   std::atomic<bool> all(true);
@@ -213,14 +246,17 @@ bool every_run(const torch::Tensor& x, int64_t least, F f) {
   return all.load();
 }
 
-// f's question of every run of x's rows, x of float32 or float64 (`op` names the check in the
-// error otherwise); a copy where the last dim is strided.
+// Whether the value checks read x's dtype: float32, float64, bfloat16 or float16.
+inline bool checked_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf; }
+
+// f's question of every run of x's rows, x of float32, float64, bfloat16 or float16 (`op` names
+// the check in the error otherwise); a copy where the last dim is strided.
 template <typename F>
 bool ask_rows(const torch::Tensor& x, const char* op, int64_t least, F f) {
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "attnscale fused kernel: ", op, " takes float32 or float64, got ",
-                    x.scalar_type());
+  TORCH_CHECK_VALUE(checked_dtype(x.scalar_type()), "attnscale fused kernel: ", op, " takes float32, float64, bfloat16 or float16, got ", x.scalar_type());
   if (x.numel() == 0) return true;
   const auto& rows = x.dim() == 0 || x.size(-1) == 1 || x.stride(-1) == 1 ? x : x.contiguous();
+  if (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) return every_run<uint16_t>(rows, least, f.bits(exponent_bits(x.scalar_type())));
   bool ok = true;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "attnscale_ask_rows", [&] { ok = every_run<scalar_t>(rows, least, f.template operator()<scalar_t>()); });
   return ok;
@@ -231,17 +267,26 @@ struct RowsOk {
   auto operator()() const {
     return [](const T* p, int64_t count, int64_t width) { return rows_ok_impl<T>(p, count, width); };
   }
+  auto bits(uint16_t e) const {
+    return [e](const uint16_t* p, int64_t count, int64_t width) { return rows_ok16(p, count, width, e); };
+  }
 };
 struct Finite {
   template <typename T>
   auto operator()() const {
     return [](const T* p, int64_t count, int64_t width) { return finite_impl<T>(p, count * width); };
   }
+  auto bits(uint16_t e) const {
+    return [e](const uint16_t* p, int64_t count, int64_t width) { return finite16(p, count * width, e); };
+  }
 };
 struct BelowInf {
   template <typename T>
   auto operator()() const {
     return [](const T* p, int64_t count, int64_t width) { return below_inf_impl<T>(p, count * width); };
+  }
+  auto bits(uint16_t e) const {
+    return [e](const uint16_t* p, int64_t count, int64_t width) { return below_inf16(p, count * width, e); };
   }
 };
 
