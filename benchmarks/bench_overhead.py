@@ -50,7 +50,7 @@ import attnscale
 from attnscale import reference
 from machine import DEFAULT_THREADS, describe
 
-SCHEMA = "attnscale.bench_overhead/6"  # /2: generate's ratio is the median of the rounds' ratios; /3: both sides on the same weights, varlen with new lengths; /4: see PAIRED; /5: see PROCESSES; /6: see READ
+SCHEMA = "attnscale.bench_overhead/7"  # /2: generate's ratio is the median of the rounds' ratios; /3: both sides on the same weights, varlen with new lengths; /4: see PAIRED; /5: see PROCESSES; /6: see READ; /7: see SIXTEEN
 PAIRED = (
     "a case's verdict reads the median of its rounds' paired figures (attnscale's time minus torch's, or their ratio, "
     "each round's two timed back to back), where /3 read the difference (ratio) of the two sides' medians over the "
@@ -73,6 +73,12 @@ READ = (
     "(+ 26.3 / + 57.9 us, benchmarks/recorded/overhead_29d514a.json), and this rule was written after those figures "
     "were seen"
 )
+SIXTEEN = (
+    "rows of bfloat16 and float16 decoding steps are added (plain and GQA, which torch computes, held to torch's + 10 us "
+    "in their dtype; softcap, a feature torch lacks, held to 2x torch's plain call in its dtype), the targets unchanged: "
+    "a 16-bit call torch computes is remembered as a float32 one is since 9c9f008, and no row measured 16-bit calls "
+    "before; the rows and their baselines were chosen before any of them was timed here"
+)
 TORCH_SLACK_US = 10.0  # a call torch computes: at most torch's time + this
 FEATURE_RATIO = 2.0  # a feature torch lacks: at most this times torch's plain call
 GENERATE_RATIO = 0.95  # HF generate: at least this share of "sdpa"'s tokens per second
@@ -93,6 +99,8 @@ class Case:
     atol: float = 1e-5
     reference: bool = False
     """A row that locates a cost beside the attention (no target: its "met" is None)."""
+    plain: Callable[[], object] | None = None
+    """torch's plain call a feature (``theirs`` None) is held against: None for the float32 one (SIXTEEN)."""
 
 
 def _first(result: object) -> torch.Tensor:
@@ -141,6 +149,7 @@ def cases() -> list[Case]:
         Case("sinks", lambda: sdpa(q, k, v, sinks=sinks), None, lambda: _fp64(q, k, v, sinks=sinks)),
         Case("return_stats", lambda: _first(sdpa(q, k, v, return_stats=True)), None, lambda: TORCH_SDPA(q, k, v)),
     ]
+    found += _sixteen_bit_cases(q, k, v, kg, vg)
     # a decoding step over a growing cache: every call a new key length (what HuggingFace generate
     # makes), GQA as in Llama; 600 lengths in turn, each side the same (more than the 512 signatures
     # attnscale's validation remembers: no length is met again as a validated one; its remembered
@@ -208,6 +217,24 @@ def _module_by_hand(x: torch.Tensor, module: torch.nn.MultiheadAttention, heads:
     qkv = F.linear(x, module.in_proj_weight, module.in_proj_bias).unflatten(-1, (3 * heads, -1)).transpose(1, 2)  # (B, 3 H, L, D)
     out = sdpa(qkv[:, :heads], qkv[:, heads : 2 * heads], qkv[:, 2 * heads :])  # (B, H, L, D)
     return F.linear(out.transpose(1, 2).flatten(-2), module.out_proj.weight, module.out_proj.bias)
+
+
+def _sixteen_bit_cases(q, k, v, kg, vg) -> list[Case]:
+    """The decoding step in bfloat16 and float16 (SIXTEEN): plain and GQA against the same torch
+    call, softcap against torch's plain call in that dtype (its output within one unit of the
+    dtype at 1 of the float64 answer rounded to the dtype: outputs below 1)."""
+    sdpa, found = attnscale.scaled_dot_product_attention, []
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
+        q16, k16, v16, kg16, vg16 = (t.to(dtype) for t in (q, k, v, kg, vg))
+        plain16 = lambda q16=q16, k16=k16, v16=v16: TORCH_SDPA(q16, k16, v16)  # noqa: E731
+        gqa16 = lambda q16=q16, kg16=kg16, vg16=vg16: TORCH_SDPA(q16, kg16, vg16, enable_gqa=True)  # noqa: E731
+        found += [
+            Case(f"plain, {name}", lambda q16=q16, k16=k16, v16=v16: sdpa(q16, k16, v16), plain16, plain16),
+            Case(f"GQA (enable_gqa), {name}", lambda q16=q16, kg16=kg16, vg16=vg16: sdpa(q16, kg16, vg16, enable_gqa=True), gqa16, gqa16),
+            Case(f"softcap 30, {name}", lambda q16=q16, k16=k16, v16=v16: sdpa(q16, k16, v16, softcap=30.0), None,
+                 lambda q16=q16, k16=k16, v16=v16, dtype=dtype: _fp64(q16, k16, v16, softcap=30.0).to(dtype), atol=torch.finfo(dtype).eps, plain=plain16),
+        ]  # fmt: skip
+    return found
 
 
 def _new_lengths_case(pq: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, cu_q: torch.Tensor) -> Case:
@@ -282,16 +309,17 @@ def time_cases(found: Sequence[Case], threads: int, rounds: int, calls: int) -> 
         for case in found:  # warm-up, and the output checked
             got = case.ours()
             torch.testing.assert_close(_first(got), case.want(), rtol=0, atol=case.atol, msg=case.name)
-            (case.theirs or plain)()
+            (case.theirs or case.plain or plain)()
         for round_ in range(rounds):
             for case in found:
                 ours, theirs = samples[case.name]
+                baseline = case.theirs or case.plain or plain
                 if round_ % 2:  # each side first in every other round
-                    theirs.append(_per_call_us(case.theirs or plain, calls))
+                    theirs.append(_per_call_us(baseline, calls))
                     ours.append(_per_call_us(case.ours, calls))
                 else:
                     ours.append(_per_call_us(case.ours, calls))
-                    theirs.append(_per_call_us(case.theirs or plain, calls))
+                    theirs.append(_per_call_us(baseline, calls))
     rows = []
     for case in found:
         ours_samples, theirs_samples = samples[case.name]
