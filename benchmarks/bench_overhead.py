@@ -1,5 +1,5 @@
 """What one attention call costs beyond its kernel: tiny CPU calls (a decoding step: B 1, H 8, L 1,
-S 64, D 64, float32), where the kernel's own work is a few microseconds, for every feature, a
+S 64, D 64, float32; plain, GQA and softcap also in bfloat16 and float16), where the kernel's own work is a few microseconds, for every feature, a
 step over 1024 keys (what reading them costs beside torch's kernel), and a step over a growing
 cache (every call a new signature), attnscale against torch's SDPA in the same process.
 
