@@ -15,6 +15,7 @@ import torch
 
 import attnscale
 from attnscale import CausalAlignment, functional, kernels, reference
+from attnscale.kernels import ops
 
 from .memory_spies import _nothing_remembered, counting  # noqa: F401 (an autouse fixture)
 
@@ -250,6 +251,126 @@ def test_inputs_blas_cannot_read_as_they_lie_take_the_full_pipeline(validated):
     out = attnscale.scaled_dot_product_attention(strided, k, v, softcap=5.0, enable_gqa=True)
     assert len(validated) == 2
     _equal(out, _forced(q, k, v, softcap=5.0, enable_gqa=True))
+
+
+# --- 16-bit plans: remembered where no gradient is asked and ATTNSCALE_HALF_PRODUCTS is unset ----
+
+SIXTEEN_CASES = {
+    "softcap": dict(softcap=5.0),
+    "float32 slopes": dict(alibi_slopes=attnscale.alibi_slopes(4)),
+    "float32 sinks (rows merged in float32, then rounded)": dict(sinks=_SINKS),
+    "bottom-right window, statistics": dict(is_causal=True, causal_alignment="bottom_right", window=(5, 0), return_stats=True),
+    "statistics with sinks and softcap": dict(return_stats=True, sinks=_SINKS, softcap=3.0),
+}
+SHAPES_16 = {"a decoding step, one query head per key head": dict(L=1, Hkv=4), "three rows, two query heads per key head": dict(L=3, Hkv=2)}
+
+
+@pytest.fixture(params=["float32 tiles", "16-bit products"])
+def products(request, monkeypatch) -> bool:
+    """The product path the CPU would choose (ops._half_hardware), each in turn: True for 16-bit
+    products, taken by calls of more than FEW_ROWS rows or of grouped heads."""
+    native = request.param == "16-bit products"
+    if native and not (kernels.load().half_gemm(1) and kernels.load().half_gemm(2)):
+        pytest.skip("this torch has no oneMKL 16-bit products")
+    monkeypatch.delenv("ATTNSCALE_HALF_PRODUCTS", raising=False)
+    monkeypatch.setattr(ops, "_half_hardware", lambda dtype: native)
+    return native
+
+
+@pytest.mark.parametrize("shape", SHAPES_16, ids=str)
+@pytest.mark.parametrize("name", SIXTEEN_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_remembered_16_bit_kernel_call_is_the_pipelines_on_either_product_path(dtype, name, shape, products, validated):
+    sizes = SHAPES_16[shape]
+    options = dict(SIXTEEN_CASES[name], enable_gqa=True)
+    q, k, v = _qkv(11, dtype=dtype, **sizes)
+    few_rows = sizes["L"] <= ops.FEW_ROWS and sizes["Hkv"] == q.shape[1]
+    assert ops.half_products(dtype, sizes["L"], q.shape[1] // sizes["Hkv"]) is (products and not few_rows)
+    first = attnscale.scaled_dot_product_attention(q, k, v, **options)
+    again = attnscale.scaled_dot_product_attention(q, k, v, **options)
+    assert len(validated) == 1 and attnscale.last_backend() == "fused", "the second call is remembered"
+    _equal(again, first)
+    out = again[0] if isinstance(again, tuple) else again
+    assert out.dtype == dtype
+    q2, k2, v2 = _qkv(12, dtype=dtype, **sizes)  # other tensors of the signature
+    _equal(attnscale.scaled_dot_product_attention(q2, k2, v2, **options), _forced(q2, k2, v2, **options))
+    assert len(validated) == 2, "the forced call validates; the remembered one does not"
+    if set(options) <= {"softcap", "sinks", "enable_gqa"}:  # the HuggingFace layer's call: (B, L, H, Dv), remembered as well
+        given = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, softcap=None, window=None, sinks=None) | options
+        for _ in range(2):
+            _equal(functional.transposed_attention(q2, k2, v2, **given), _forced(q2, k2, v2, **options).transpose(1, 2).contiguous())
+        assert len(validated) == 4, "the transposed calls take the signature's remembered plan (only the forced calls validate)"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_set_half_products_flag_is_read_by_the_pipeline_on_a_remembered_16_bit_signature(dtype, monkeypatch, validated):
+    """A signature remembered with the CPU's product path is not answered while the flag is set,
+    which then chooses the path (and its errors), nor remembered while it is set."""
+    monkeypatch.delenv("ATTNSCALE_HALF_PRODUCTS", raising=False)
+    monkeypatch.setattr(ops, "_half_hardware", lambda dtype: False)
+    q, k, v = _qkv(13, dtype=dtype)
+    for _ in range(2):
+        attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, enable_gqa=True)
+    assert len(validated) == 1
+    monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "yes")
+    with pytest.raises(ValueError, match="ATTNSCALE_HALF_PRODUCTS: expected 0 or 1"):
+        attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, enable_gqa=True)
+    if kernels.load().half_gemm(1) and kernels.load().half_gemm(2):  # the other path, where this torch has it
+        monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "1")
+        forced = [attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, enable_gqa=True) for _ in range(2)]
+        _equal(forced[0], _forced(q, k, v, softcap=5.0, enable_gqa=True))
+        _equal(forced[1], forced[0])
+        monkeypatch.delenv("ATTNSCALE_HALF_PRODUCTS")
+        tiles = attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, enable_gqa=True)
+        assert not torch.equal(tiles, forced[0]), "the two paths round the weights apart"
+    # A new signature is not remembered while the flag is set (with "1", a plan of the path the
+    # CPU would not choose, which calls made once the flag is unset must not take).
+    native = kernels.load().half_gemm(1) and kernels.load().half_gemm(2)
+    monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "1" if native else "0")
+    q3, k3, v3 = _qkv(14, dtype=dtype, L=2)
+    before = len(validated)
+    for _ in range(2):
+        attnscale.scaled_dot_product_attention(q3, k3, v3, softcap=5.0, enable_gqa=True)
+    assert len(validated) == before + 2
+    monkeypatch.delenv("ATTNSCALE_HALF_PRODUCTS")
+    _equal(attnscale.scaled_dot_product_attention(q3, k3, v3, softcap=5.0, enable_gqa=True), _forced(q3, k3, v3, softcap=5.0, enable_gqa=True))
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_remembered_16_bit_kernel_signature_still_follows_the_nan_rule(dtype, where, validated):
+    q, k, v = _qkv(15, dtype=dtype)
+    for _ in range(2):
+        attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, enable_gqa=True)
+    assert len(validated) == 1
+    poisoned = dict(q=q.clone(), k=k.clone(), v=v.clone())
+    poisoned[where][1, 1, 2, 3] = math.nan
+    out = attnscale.scaled_dot_product_attention(poisoned["q"], poisoned["k"], poisoned["v"], softcap=5.0, enable_gqa=True)
+    assert len(validated) == 2, "the kernel's verdict sends the call to the full pipeline"
+    assert bool(out.isnan().any())
+    _equal(out, _forced(poisoned["q"], poisoned["k"], poisoned["v"], softcap=5.0, enable_gqa=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_calls_that_ask_a_gradient_take_the_full_pipeline(dtype, validated):
+    """Remembered without a gradient, asked with one: the pipeline's float32 copies and their
+    autograd rule; asked with one first: never remembered."""
+    q, k, v = _qkv(16, dtype=dtype)
+    for _ in range(2):
+        attnscale.scaled_dot_product_attention(q, k, v, softcap=5.0, enable_gqa=True)
+    grads = []
+    for _ in range(2):
+        leaf = q.clone().requires_grad_()
+        attnscale.scaled_dot_product_attention(leaf, k, v, softcap=5.0, enable_gqa=True).float().sum().backward()
+        grads.append(leaf.grad)
+    assert len(validated) == 3
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    leaf = q[:, :, :2].clone().requires_grad_()  # a new signature, a gradient asked on its first call
+    for _ in range(2):
+        attnscale.scaled_dot_product_attention(leaf, k, v, softcap=5.0, enable_gqa=True)
+    with torch.no_grad():
+        attnscale.scaled_dot_product_attention(leaf, k, v, softcap=5.0, enable_gqa=True)
+    assert len(validated) == 6, "a call that asks a gradient leaves nothing remembered"
 
 
 # --- packed calls (varlen_attention): their sequences read from the lengths at every call -------

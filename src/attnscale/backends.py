@@ -225,13 +225,14 @@ def kernel_plan(c: Call) -> fused_kernel.ops.KernelOptions | None:
     """The compiled kernel's planned options for a call it has computed by its plan, for the
     compiled kernel's memory of answers (:func:`attnscale._remembered.remember`): a call with a
     feature torch lacks (so that ``auto`` takes the compiled kernel at every key length), no mask,
-    and no sinks where a gradient is asked (their merge is torch ops then); else None."""
+    and no sinks where a gradient is asked (their merge is torch ops then); else None. For 16-bit
+    inputs the product path is the one a call made now takes (:meth:`fused_kernel.Plan.now`)."""
     memo = _PLANS.get(id(c.spec))
     if memo is None or memo[0] is not c.spec or memo[1] is None or c.attn_mask is not None or kernel_feature(c.spec) is None:
         return None
     if c.sinks is not None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (c.query, c.key, c.value, c.alibi_slopes, c.sinks)):
         return None
-    return memo[1].options
+    return memo[1].now()
 
 
 def _remember(memo: dict, spec: AttentionCall, value: object) -> None:

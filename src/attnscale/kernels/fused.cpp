@@ -536,7 +536,8 @@ py::object output_ok_op(const torch::Tensor& out, const torch::Tensor& key, int6
 // torch's kernel computes as they are (the "torch" backend with torch's own arguments; float32,
 // float64, bfloat16 or float16, the dtypes the value checks read), and those
 // the compiled kernel computes by its plan (attnscale.backends.kernel_plan: a feature torch
-// lacks, no mask, float32 or float64); and varlen_attention's packed calls (below). The signature: every tensor's dtype and sizes (plain CPU
+// lacks, no mask; float32 or float64, and bfloat16 or float16 where no gradient is asked and
+// ATTNSCALE_HALF_PRODUCTS is unset); and varlen_attention's packed calls (below). The signature: every tensor's dtype and sizes (plain CPU
 // strided tensors only: no subclass, meta or nested tensor; without a mask and with top-left
 // alignment, keys and values of any length S > 0, as the pipeline's own memory of a growing
 // cache has it, AttentionCall.same_along_s), whether the mask, slopes and sinks require grad, and
@@ -714,19 +715,41 @@ bool remember_torch_call(const CallArgs& a, bool torch_causal, bool torch_gqa, s
   return remember(a, Remembered{Kind::kTorch, torch_causal, torch_gqa, torch_scale, Options{}, std::move(backend), std::move(why)});
 }
 
-// Slopes or sinks the checks of values read in one call: float32 or float64, no wider than q's
-// dtype (a float64 slope may not fit float32; a float32 one fits float64).
+// The dtype the kernel accumulates inputs of `dt` in (attnscale.kernels.fused.accumulation_dtype).
+at::ScalarType accumulation(at::ScalarType dt) { return dt == at::kBFloat16 || dt == at::kHalf ? at::kFloat : dt; }
+
+// Slopes or sinks the checks of values read in one call: float32 or float64, no wider than the
+// accumulation dtype of q's (a float64 slope may not fit float32; a float32 one fits float64).
 bool checked_in_one_call(py::handle x, at::ScalarType q_dtype) {
   if (x.is_none()) return true;
   if (!THPVariable_CheckExact(x.ptr())) return false;
   const auto dt = THPVariable_Unpack(x.ptr()).scalar_type();
-  return float_kind(THPVariable_Unpack(x.ptr())) && (dt == q_dtype || q_dtype == at::kDouble);
+  return float_kind(THPVariable_Unpack(x.ptr())) && (dt == accumulation(q_dtype) || q_dtype == at::kDouble);
+}
+
+// Whether ATTNSCALE_HALF_PRODUCTS is set (attnscale.kernels.ops.half_products): then 16-bit plans
+// are neither remembered nor answered, so that Python's reading of it (its choice, its errors)
+// applies to every call; unset, the plan's product path is the one Python chose, from the CPU
+// and the call's sizes, which the signature holds.
+bool half_products_forced() {
+  const char* forced = std::getenv("ATTNSCALE_HALF_PRODUCTS");
+  return forced != nullptr && *forced != '\0';
+}
+
+// Whether a gradient is asked of the call's q, k, v, slopes or sinks (all tensors where given).
+bool asks_gradient(const CallArgs& a) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const auto& x : {a.q, a.k, a.v, a.alibi, a.sinks})
+    if (!x.is_none() && THPVariable_Unpack(x.ptr()).requires_grad()) return true;
+  return false;
 }
 
 bool remember_kernel_call(const CallArgs& a, const py::tuple& options, py::object backend, py::object why) {
   if (!THPVariable_CheckExact(a.q.ptr())) return false;
   const auto dt = THPVariable_Unpack(a.q.ptr()).scalar_type();
-  if (!float_kind(THPVariable_Unpack(a.q.ptr())) || !a.mask.is_none() || !checked_in_one_call(a.alibi, dt) || !checked_in_one_call(a.sinks, dt)) return false;
+  if (!checked_dtype(dt) || !a.mask.is_none() || !checked_in_one_call(a.alibi, dt) || !checked_in_one_call(a.sinks, dt)) return false;
+  // 16-bit: answered where no gradient is asked (kernel_call), the flag unset
+  if (!float_kind(THPVariable_Unpack(a.q.ptr())) && (asks_gradient(a) || half_products_forced())) return false;
   const Options o = Options::from(options);
   TORCH_CHECK(o.block_q > 0 && o.block_k > 0, "attnscale fused kernel: a remembered plan has its tiles resolved");
   return remember(a, Remembered{Kind::kKernel, false, false, std::nullopt, o, std::move(backend), std::move(why)});
@@ -880,8 +903,9 @@ py::object kernel_call(const Remembered& call, const CallArgs& a, bool transpose
     if (!below_inf_op(*sinks)) return py::none();
   }
   const Options& o = call.options;
-  const bool grad = at::GradMode::is_enabled() && (Q.requires_grad() || K.requires_grad() || V.requires_grad() || (alibi && alibi->requires_grad()) ||
-                                                   (sinks && sinks->requires_grad()));
+  const bool grad = asks_gradient(a);
+  const bool half = !float_kind(Q);
+  if (half && (grad || half_products_forced())) return py::none();  // (16-bit: the pipeline's autograd rule on float32 copies; its reading of the flag)
   std::vector<at::Tensor> r;
   if (grad) {
     if (sinks) return py::none();  // (their merge is torch ops the gradient flows through)
@@ -889,13 +913,24 @@ py::object kernel_call(const Remembered& call, const CallArgs& a, bool transpose
     r = FusedForward::apply(Q, K, V, alibi, o, &ok);
     if (!ok || ((Q.requires_grad() || K.requires_grad()) && !all_finite_op(K))) return py::none();
   } else {
-    c10::optional<at::Tensor> slopes;
-    if (alibi) slopes = alibi->scalar_type() == Q.scalar_type() ? *alibi : alibi->detach().to(Q.scalar_type());
+    c10::optional<at::Tensor> slopes;  // in the accumulation dtype, as the pipeline's cast gives them
+    const auto acc = accumulation(Q.scalar_type());
+    if (alibi) slopes = alibi->scalar_type() == acc ? *alibi : alibi->detach().to(acc);
     auto [lean, ok] = forward_run(Q, K, V, slopes, c10::nullopt, c10::nullopt, o, true);  // [out, lse, statistics...]
     if (!ok) return py::none();
-    // A row scaled by its sink's share, in [0, 1], keeps the verdict (attnscale.kernels.fused._finished).
+    // A row scaled by its sink's share, in [0, 1], keeps the verdict; so does rounding 16-bit
+    // rows the kernel checked once rounded (attnscale.kernels.fused._finished). With sinks a
+    // 16-bit plan's rows are float32 (round_out off), rounded after their merge.
     if (sinks) sink_scale_op(lean[0], lean[1], *sinks);
     r = std::move(lean);
+  }
+  if (r[0].scalar_type() != Q.scalar_type()) {  // (16-bit inputs, rows merged in float32)
+    if (transposed) {  // rounded as they are copied into the transposed layout
+      auto rows_first = at::empty({r[0].size(0), r[0].size(2), r[0].size(1), r[0].size(3)}, r[0].options().dtype(Q.scalar_type()));
+      rows_first.copy_(r[0].transpose(1, 2));
+      return py::make_tuple(wrap(rows_first), call.backend, call.why);
+    }
+    r[0] = r[0].to(Q.scalar_type());
   }
   if (transposed) return py::make_tuple(wrap(r[0].transpose(1, 2).contiguous()), call.backend, call.why);
   if (!o.with_stats) return py::make_tuple(wrap(r[0]), call.backend, call.why);

@@ -295,6 +295,13 @@ class Plan(NamedTuple):
     L: int
     group: int
 
+    def now(self) -> ops.KernelOptions:
+        """The options for a call made now: the 16-bit product path asked again (the plan may be
+        older than ATTNSCALE_HALF_PRODUCTS's present value)."""
+        if self.dtype not in ops.HALF:
+            return self.options
+        return self.options._replace(half_products=ops.half_products(self.dtype, self.L, self.group))
+
 
 def plan(query: Tensor, key: Tensor, value: Tensor, *, path: ScorePath, sinks: bool, return_stats: bool) -> Plan | None:
     """The plan of a call without a mask whose q, k and v have the kernel's shapes ((B, H, L, D),
@@ -331,9 +338,7 @@ def run_planned(
     """:func:`fused_attention_checked` of a call whose :func:`plan` is ``plan``, with ``direct``
     inputs: the kernel itself, called with the planned options (no layout to make, no option but
     the 16-bit product path to derive again)."""
-    options = plan.options
-    if plan.dtype in ops.HALF:  # the product path is asked each call (ATTNSCALE_HALF_PRODUCTS may change it)
-        options = options._replace(half_products=ops.half_products(plan.dtype, plan.L, plan.group))
+    options = plan.now()
     # The slopes read as given and the sinks merged by the kernel (plan: no rounded 16-bit rows
     # with sinks), but sinks a gradient is asked of, which its torch ops merge.
     merge = sinks is not None and not (sinks.requires_grad and torch.is_grad_enabled())
