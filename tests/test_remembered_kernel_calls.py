@@ -414,6 +414,47 @@ def test_a_remembered_packed_call_skips_the_pipeline_and_equals_it(name, packed_
         assert again[1].lse.shape == (4, q.shape[0])
 
 
+PACKED_16 = {name: PACKED_CASES[name] for name in ("causal", "softcap, window", "ALiBi per sequence, statistics")}
+
+
+@pytest.mark.parametrize("name", PACKED_16, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_remembered_16_bit_packed_call_is_the_pipelines_on_either_product_path(dtype, name, products, packed_validated):
+    options = PACKED_16[name]
+    q, k, v, cu_q, cu_k = _packed(17, dtype=dtype)
+    assert ops.half_products(dtype) is products
+    first = attnscale.varlen_attention(q, k, v, cu_q, cu_k, **options)
+    again = attnscale.varlen_attention(q, k, v, cu_q, cu_k, **options)
+    assert len(packed_validated) == 1 and attnscale.last_backend() == "fused", "the second call is remembered"
+    _equal(again, first)
+    out = again[0] if isinstance(again, tuple) else again
+    assert out.dtype == dtype and out.shape == (q.shape[0], 4, 16)
+    q2, k2, v2, _, _ = _packed(18, dtype=dtype)
+    _equal(attnscale.varlen_attention(q2, k2, v2, cu_q, cu_k, **options), attnscale.varlen_attention(q2, k2, v2, cu_q, cu_k, backend="fused", **options))
+    assert len(packed_validated) == 2, "the forced call validates; the remembered one does not"
+
+
+def test_a_set_half_products_flag_is_read_by_the_pipeline_on_a_remembered_16_bit_packed_signature(monkeypatch, packed_validated):
+    monkeypatch.delenv("ATTNSCALE_HALF_PRODUCTS", raising=False)
+    native = kernels.load().half_gemm(1)  # the CPU's path 16-bit products where this torch has them: not the flag's "0" below
+    monkeypatch.setattr(ops, "_half_hardware", lambda dtype: native)
+    q, k, v, cu_q, cu_k = _packed(19, dtype=torch.bfloat16)
+    for _ in range(2):
+        attnscale.varlen_attention(q, k, v, cu_q, cu_k, softcap=5.0)
+    assert len(packed_validated) == 1
+    monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "yes")
+    with pytest.raises(ValueError, match="ATTNSCALE_HALF_PRODUCTS: expected 0 or 1"):
+        attnscale.varlen_attention(q, k, v, cu_q, cu_k, softcap=5.0)
+    monkeypatch.setenv("ATTNSCALE_HALF_PRODUCTS", "0")
+    q3, k3, v3, cu_q3, cu_k3 = _packed(20, lengths_q=(2, 2), lengths_k=(7, 9), dtype=torch.bfloat16)  # a new signature
+    before = len(packed_validated)
+    for _ in range(2):
+        attnscale.varlen_attention(q3, k3, v3, cu_q3, cu_k3, softcap=5.0)
+    assert len(packed_validated) == before + 2, "not remembered while the flag is set"
+    monkeypatch.delenv("ATTNSCALE_HALF_PRODUCTS")
+    _equal(attnscale.varlen_attention(q3, k3, v3, cu_q3, cu_k3, softcap=5.0), attnscale.varlen_attention(q3, k3, v3, cu_q3, cu_k3, softcap=5.0, backend="fused"))
+
+
 def _cu(lengths) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 

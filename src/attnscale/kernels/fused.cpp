@@ -1025,12 +1025,14 @@ std::optional<std::pair<std::string, Sequences>> packed_signature(const PackedAr
 }
 
 // A packed call the pipeline ran in one call of the compiled kernel and kept whole (no gradient,
-// no sinks, float32 or float64): `table` its sequences (which must be those read here from its
-// lengths), `options` its tiles resolved.
+// no sinks; float32 or float64, and bfloat16 or float16 while ATTNSCALE_HALF_PRODUCTS is unset, as
+// remember_kernel_call's): `table` its sequences (which must be those read here from its lengths),
+// `options` its tiles resolved.
 bool remember_packed_call(const PackedArgs& a, const at::Tensor& table, const py::tuple& options, py::object backend, py::object why) {
   if (!THPVariable_CheckExact(a.q.ptr()) || !a.sinks.is_none()) return false;
   const auto dt = THPVariable_Unpack(a.q.ptr()).scalar_type();
-  if (!float_kind(THPVariable_Unpack(a.q.ptr())) || !checked_in_one_call(a.alibi, dt)) return false;
+  if (!checked_dtype(dt) || !checked_in_one_call(a.alibi, dt)) return false;
+  if (!float_kind(THPVariable_Unpack(a.q.ptr())) && half_products_forced()) return false;
   const Options o = Options::from(options);
   TORCH_CHECK(o.block_q > 0 && o.block_k > 0, "attnscale fused kernel: a remembered plan has its tiles resolved");
   auto found = packed_signature(a);
@@ -1070,10 +1072,13 @@ py::object remembered_packed_call(py::handle q, py::handle k, py::handle v, py::
   if (at::GradMode::is_enabled() && (Q.requires_grad() || K.requires_grad() || V.requires_grad() || (alibi_t && alibi_t->requires_grad())))
     return py::none();  // (the guard then looks at each sequence's rows)
   if (!packed_rows(Q) || !packed_rows(K) || !packed_rows(V)) return py::none();  // (the pipeline's copies)
-  c10::optional<at::Tensor> slopes;  // (nseq, H) in the compute dtype, as the pipeline's cast and expand give them
-  if (alibi_t) slopes = (alibi_t->scalar_type() == Q.scalar_type() ? *alibi_t : alibi_t->detach().to(Q.scalar_type())).expand({table.size(0), Q.size(1)});
+  if (!float_kind(Q) && half_products_forced()) return py::none();  // (16-bit: Python's reading of the flag)
+  c10::optional<at::Tensor> slopes;  // (nseq, H) in the accumulation dtype, as the pipeline's cast and expand give them
+  const auto acc = accumulation(Q.scalar_type());
+  if (alibi_t) slopes = (alibi_t->scalar_type() == acc ? *alibi_t : alibi_t->detach().to(acc)).expand({table.size(0), Q.size(1)});
   auto [r, ok] = forward_run(packed_view(Q), packed_view(K), packed_view(V), slopes, c10::nullopt, table, call.options, true);  // [out, lse, statistics...]
   if (!ok) return py::none();
+  if (r[0].scalar_type() != Q.scalar_type()) r[0] = r[0].to(Q.scalar_type());  // (16-bit rows the plan left in float32; the verdict covers them rounded)
   // (1, H, total_q, Dv) as (total_q, H, Dv); the statistics (1, H, total_q) as (H, total_q)
   const int64_t H = r[0].size(1), total = r[0].size(2), Dv = r[0].size(3);
   const auto out = r[0].as_strided({total, H, Dv}, {Dv, total * Dv, 1});
